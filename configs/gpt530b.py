@@ -1,0 +1,26 @@
+"""MegaScale's 530B (Jiang et al., NSDI'24, sec. 6): 105 layers, hidden 20480, 160 heads, sequence 2048,
+vocabulary 64,000, LAMB, parallel transformer blocks; TP 8 x PP 35 (3 layers a stage), the rest data parallel.
+"""
+
+OVERRIDES = {
+    "model.vocab_size": 64000,
+    "model.num_layers": 105,
+    "model.d_model": 20480,
+    "model.num_heads": 160,
+    "model.max_seq_len": 2048,
+    "model.block": "parallel",
+    "model.dtype": "bfloat16",
+    "model.remat": "full",
+    "data.bpe_vocab_size": 64000,
+    "mesh.tensor": 8,
+    "mesh.pipeline": 35,
+    "optimizer.name": "lamb",
+    "optimizer.lr": 6e-5,
+    "optimizer.min_lr": 6e-6,
+    "optimizer.b2": 0.95,
+    "optimizer.warmup_steps": 2000,
+    "train.seq_len": 2048,
+    "train.global_batch": 6720,
+    "train.steps": 100000,
+    "train.run_dir": "runs/gpt530b",
+}

@@ -1,0 +1,21 @@
+"""The standard char-level Shakespeare CPU recipe (nanoGPT's `train_shakespeare_char.py` with its README's CPU
+flags): 4 layers, 4 heads, width 128, context 64, batch 12, 2000 steps, AdamW lr 1e-3 -> 1e-4 cosine, beta2 0.99,
+100 warmup steps, no dropout, eval every 250 steps over 20 batches; 90/10 train/validation split of the file.
+"""
+
+OVERRIDES = {
+    "model.d_model": 128,
+    "model.max_seq_len": 64,
+    "model.vocab_multiple": 1,
+    "data.paths": ("../shared/data/tinyshakespeare.txt",),
+    "data.tokenizer": "char",
+    "data.val_fraction": 0.1,
+    "train.seq_len": 64,
+    "train.global_batch": 12,
+    "train.steps": 2000,
+    "train.eval_every": 250,
+    "train.sample_tokens": 300,
+    "train.run_dir": "runs/shakespeare_char",
+    "optimizer.decay_steps": 2000,
+    "checkpoint.every": 1000,
+}

@@ -1,0 +1,419 @@
+"""Typed configuration: the one place defaults live.
+
+A run is described by one frozen `Config` made of sections (model, mesh, optimizer, data, train, checkpoint).
+Named presets in `configs/<name>.py` hold an `OVERRIDES` dict of dotted keys that differ from these defaults;
+the command line adds more dotted overrides (`--train.steps=200 --mesh.tensor=2`). Every key and value is
+checked: an unknown key, a value of the wrong type or a value outside its allowed set raises `ConfigError`
+naming the key and what is allowed (the Levanter/draccus and torchtitan way of doing configs).
+
+Cross-field checks that do not need devices live in `Config.validate()`; checks against the devices present
+(mesh size) live in `msjax.mesh.make_mesh`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import pkgutil
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping, Sequence
+
+
+class ConfigError(ValueError):
+    """A preset, key or value the configuration does not accept; the message names it and what is allowed."""
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Causal self-attention.
+
+    window: sliding-window size W (each query sees itself and the W-1 keys before it, MegaScale sec. 3.1);
+      None means full causal attention.
+    impl: which implementation the dispatch point `msjax.ops.attention` uses: `xla` (plain JAX reference),
+      `pallas` (our sliding-window flash kernel), `cudnn` (`jax.nn.dot_product_attention`), `auto`.
+    """
+
+    window: int | None = None
+    impl: Literal["auto", "xla", "pallas", "cudnn"] = "auto"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only GPT (Radford et al. 2019; Brown et al. 2020), serial or parallel blocks (GPT-J, PaLM).
+
+    vocab_size 0 takes the tokenizer's vocabulary; the embedding is padded up to a multiple of `vocab_multiple`
+    so the vocab axis shards evenly and matmuls stay aligned. `num_kv_heads`, `head_dim` and `d_ff` of 0 take
+    `num_heads`, `d_model // num_heads` and `4 * d_model`.
+    """
+
+    vocab_size: int = 0
+    vocab_multiple: int = 128
+    num_layers: int = 4
+    d_model: int = 256
+    num_heads: int = 4
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    d_ff: int = 0
+    max_seq_len: int = 256
+    block: Literal["serial", "parallel"] = "serial"
+    tie_embeddings: bool = True
+    use_bias: bool = True
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
+    scan_layers: bool = True
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.d_model // self.num_heads
+
+    @property
+    def ff_size(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    def padded_vocab(self, vocab_size: int | None = None) -> int:
+        """Embedding rows: `vocab_size` (or this config's) rounded up to `vocab_multiple`."""
+        v = vocab_size or self.vocab_size
+        m = self.vocab_multiple
+        return -(-v // m) * m
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh sizes and the sharding rule set (see `sharding_rules`).
+
+    Axis order (outer to inner): pipeline, data, fsdp, sequence, tensor; the innermost axes get the fastest
+    links (NVLink/ICI), as in MaxText and Megatron-LM. `data=-1` takes whatever devices remain.
+    """
+
+    pipeline: int = 1
+    data: int = -1
+    fsdp: int = 1
+    sequence: int = 1
+    tensor: int = 1
+    rules: str = "fsdp_tp"
+
+    def axis_sizes(self) -> dict[str, int]:
+        return {
+            "pipeline": self.pipeline,
+            "data": self.data,
+            "fsdp": self.fsdp,
+            "sequence": self.sequence,
+            "tensor": self.tensor,
+        }
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """optax optimizer with linear warmup then cosine decay to `min_lr` (Loshchilov & Hutter 2017).
+
+    LAMB (You et al. 2020) is MegaScale's large-batch optimizer; AdamW (Loshchilov & Hutter 2019) the default.
+    decay_steps 0 decays over the whole run (`train.steps`). Weight decay skips norms, biases and embeddings.
+    """
+
+    name: Literal["adamw", "lamb"] = "adamw"
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    decay_steps: int = 0
+    b1: float = 0.9
+    b2: float = 0.99
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Corpus, tokenizer and loader.
+
+    paths empty: the running interpreter's standard-library sources (real text on every machine with Python).
+    Otherwise `.txt`, `.jsonl` (field `text_field`) or `.parquet` (column `text_field`) files or directories.
+    """
+
+    paths: tuple[str, ...] = ()
+    text_field: str = "text"
+    tokenizer: Literal["bpe", "byte", "char"] = "bpe"
+    tokenizer_path: str = ""
+    bpe_vocab_size: int = 4096
+    val_fraction: float = 0.05
+    on_decode_error: Literal["error", "skip"] = "error"
+    cache_dir: str = ".msjax_cache"
+    prefetch: int = 2
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Training loop. `global_batch` sequences of `seq_len` tokens per step, split into `microbatches`
+    gradient-accumulation steps. Intervals are in steps; 0 disables."""
+
+    steps: int = 1000
+    seq_len: int = 256
+    global_batch: int = 16
+    microbatches: int = 1
+    seed: int = 0
+    eval_every: int = 100
+    eval_batches: int = 20
+    log_every: int = 10
+    sample_tokens: int = 256
+    sample_temperature: float = 0.8
+    run_dir: str = "runs/default"
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints under `dir` (default `<run_dir>/checkpoints`) every `every` steps and at the end,
+    keeping the last `keep`; written asynchronously. `resume` restores the latest complete one."""
+
+    dir: str = ""
+    every: int = 500
+    keep: int = 3
+    async_save: bool = True
+    resume: bool = False
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    name: str = "default"
+
+    def validate(self) -> "Config":
+        """Cross-field checks that need no devices. Returns self; raises ConfigError naming the key."""
+        m, a, t = self.model, self.model.attention, self.train
+        _positive(self, "model.num_layers", "model.d_model", "model.num_heads", "model.max_seq_len",
+                  "model.vocab_multiple", "train.steps", "train.seq_len", "train.global_batch",
+                  "train.microbatches", "checkpoint.keep", "data.prefetch")
+        if m.num_kv_heads and m.num_heads % m.num_kv_heads:
+            raise ConfigError(f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads="
+                              f"{m.num_kv_heads} (grouped-query attention)")
+        if not m.head_dim and m.d_model % m.num_heads:
+            raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.num_heads={m.num_heads} "
+                              "(or set model.head_dim)")
+        if a.window is not None and a.window < 1:
+            raise ConfigError(f"model.attention.window={a.window}: allowed is an integer >= 1, or None for full "
+                              "causal attention")
+        if t.seq_len > m.max_seq_len:
+            raise ConfigError(f"train.seq_len={t.seq_len} is longer than the model's positions "
+                              f"(model.max_seq_len={m.max_seq_len})")
+        if t.global_batch % t.microbatches:
+            raise ConfigError(f"train.global_batch={t.global_batch} must be divisible by train.microbatches="
+                              f"{t.microbatches}")
+        if not 0.0 < self.data.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction={self.data.val_fraction}: allowed is 0 < value < 1")
+        mesh = self.mesh.axis_sizes()
+        for axis, size in mesh.items():
+            if size < 1 and not (axis == "data" and size == -1):
+                raise ConfigError(f"mesh.{axis}={size}: allowed is an integer >= 1"
+                                  + (" (or -1: the devices that remain)" if axis == "data" else ""))
+        tp = self.mesh.tensor
+        for key, value in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.kv_heads),
+                           ("model.d_model", m.d_model), ("model.d_ff", m.ff_size)):
+            if value % tp:
+                raise ConfigError(f"{key}={value} is not divisible by the tensor-parallel size mesh.tensor={tp}")
+        if t.seq_len % self.mesh.sequence:
+            raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by the sequence-parallel size "
+                              f"mesh.sequence={self.mesh.sequence}")
+        from sharding_rules import RULE_SETS  # local import: sharding_rules must not import msjax
+
+        if self.mesh.rules not in RULE_SETS:
+            raise ConfigError(f"mesh.rules={self.mesh.rules!r} is unknown; allowed: {sorted(RULE_SETS)}")
+        return self
+
+
+def _positive(cfg: Config, *keys: str) -> None:
+    for key in keys:
+        value = get_key(cfg, key)
+        if value < 1:
+            raise ConfigError(f"{key}={value}: allowed is an integer >= 1")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dotted keys: reading, overriding and parsing values from strings.
+
+
+def get_key(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def flat_keys(cfg: Any, prefix: str = "") -> dict[str, Any]:
+    """All leaf keys of a config as {dotted key: value}."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(flat_keys(value, f"{prefix}{f.name}."))
+        else:
+            out[f"{prefix}{f.name}"] = value
+    return out
+
+
+def _field_type(cls: type, name: str) -> Any:
+    return typing.get_type_hints(cls)[name]
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        return "a comma-separated list"
+    if tp is type(None):
+        return "None"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, tp: Any, value: Any) -> Any:
+    """Converts `value` (a string from the command line, or a Python value from a preset) to type `tp`."""
+    origin = typing.get_origin(tp)
+    bad = ConfigError(f"{key}={value!r}: allowed is {_describe(tp)}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise bad
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if type(None) in args and (value is None or (isinstance(value, str) and value.lower() in ("none", "null"))):
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(key, arg, value)
+            except ConfigError:
+                pass
+        raise bad
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        return tuple(str(v) for v in value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise bad
+    if tp is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            return value
+        try:
+            return int(str(value).replace("_", ""))
+        except ValueError:
+            raise bad from None
+    if tp is float:
+        if isinstance(value, bool):
+            raise bad
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise bad from None
+    if tp is str:
+        if not isinstance(value, str):
+            raise bad
+        return value
+    raise ConfigError(f"{key}: cannot set a value of type {_describe(tp)}")
+
+
+def apply_overrides(cfg: Config, overrides: Mapping[str, Any]) -> Config:
+    """Returns a copy of `cfg` with dotted keys replaced; raises ConfigError on unknown keys or bad values."""
+    for key, value in overrides.items():
+        cfg = _replace_one(cfg, key, value, key.split("."))
+    return cfg
+
+
+def _replace_one(node: Any, full_key: str, value: Any, parts: list[str]) -> Any:
+    names = [f.name for f in dataclasses.fields(node)]
+    head = parts[0]
+    if head not in names:
+        prefix = full_key[: len(full_key) - len(".".join(parts))]
+        allowed = sorted(f"{prefix}{n}" for n in names)
+        raise ConfigError(f"unknown config key {full_key!r}; allowed at this level: {', '.join(allowed)}")
+    current = getattr(node, head)
+    if len(parts) == 1:
+        if dataclasses.is_dataclass(current):
+            raise ConfigError(f"{full_key!r} is a section; set one of its keys, e.g. {full_key}."
+                              f"{dataclasses.fields(current)[0].name}=...")
+        new = _coerce(full_key, _field_type(type(node), head), value)
+    else:
+        if not dataclasses.is_dataclass(current):
+            raise ConfigError(f"unknown config key {full_key!r}: {'.'.join(full_key.split('.')[:-len(parts) + 1])} "
+                              "has no sub-keys")
+        new = _replace_one(current, full_key, value, parts[1:])
+    return dataclasses.replace(node, **{head: new})
+
+
+def preset_names() -> list[str]:
+    import configs
+
+    return sorted(m.name for m in pkgutil.iter_modules(configs.__path__) if not m.name.startswith("_"))
+
+
+def load_preset(name: str) -> Config:
+    """The preset `configs/<name>.py` applied to the defaults, validated. Raises ConfigError if unknown."""
+    names = preset_names()
+    if name not in names:
+        raise ConfigError(f"unknown preset --config={name!r}; allowed: {', '.join(names)}")
+    module = importlib.import_module(f"configs.{name}")
+    cfg = apply_overrides(Config(name=name), module.OVERRIDES)
+    return cfg
+
+
+def parse_args(argv: Sequence[str], default_preset: str = "gpt_tiny") -> tuple[Config, list[str]]:
+    """Builds a validated Config from `--config=NAME` and dotted `--key=value` flags.
+
+    `--resume` is shorthand for `--checkpoint.resume=true`. Flags in the form `--key value` are accepted too.
+    Returns the config and any positional arguments. Raises ConfigError on a bad flag.
+    """
+    preset, overrides, rest = default_preset, {}, []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if not arg.startswith("--"):
+            rest.append(arg)
+            continue
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if key == "resume":
+                value = "true"
+                key = "checkpoint.resume"
+            elif i < len(args) and not args[i].startswith("--"):
+                value = args[i]
+                i += 1
+            else:
+                raise ConfigError(f"flag --{key} needs a value (--{key}=VALUE)")
+        if key == "config":
+            preset = value
+        else:
+            overrides[key] = value
+    cfg = apply_overrides(load_preset(preset), overrides)
+    return cfg.validate(), rest
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,183 @@
+"""Accelerator catalogue: peak dense bf16 FLOP/s, memory and link bandwidths per device.
+
+Used by the training loop (MFU denominator) and the sharding-plan dry runs (`msjax.planner`). Figures are the
+vendors' published numbers; each entry names its source. Bandwidths are per device and per direction in bytes/s
+(a "900 GB/s NVLink" GPU moves 450 GB/s each way). Users add their own devices with a JSON file
+(`load_catalogue`).
+
+What "node" means: the set of devices joined by the fast fabric (an NVLink/NVSwitch server of 8 GPUs; for TPUs
+the ICI-connected slice). Collectives whose group stays inside a node run at `intra_node_bandwidth`; groups that
+span nodes go through the network at `inter_node_bandwidth` per device (rail-optimised: each GPU has its own
+NIC, MegaScale sec. 3.6; Narayanan et al. 2021 sec. 5).
+
+The three efficiency fields are *achievable fractions of the datasheet figure*, used only by the planner:
+  matmul_efficiency: large bf16 GEMMs, including the clock throttling of sustained training. A100: calibrated
+    once on the MegaScale headline row (175B, 12,288 GPUs, 55.2% MFU; see docs/planner.md); the same value is
+    assumed for the other devices until someone measures them.
+  intra_link_efficiency / inter_link_efficiency: NCCL bus bandwidth over line rate (nccl-tests "busbw"),
+    assumed 0.8 for both (typical nccl-tests results on DGX A100/H100 are 75-90% of line rate).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+GiB = 2**30
+GB = 10**9
+
+# See the module docstring. A100 GEMM efficiency: the one constant fitted (docs/planner.md, "Calibration").
+A100_MATMUL_EFFICIENCY = 0.6205
+LINK_EFFICIENCY = 0.8
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator model.
+
+    Attributes:
+      name: catalogue key, e.g. "a100-80g".
+      peak_flops: dense bf16 matmul peak, FLOP/s (no 2:4 sparsity).
+      memory_bytes: device memory, bytes.
+      hbm_bandwidth: device memory bandwidth, bytes/s.
+      intra_node_bandwidth: NVLink / ICI bandwidth per device per direction, bytes/s.
+      inter_node_bandwidth: network bandwidth per device per direction, bytes/s (NICs x link rate / devices).
+      devices_per_node: devices that share the fast intra-node fabric (8 for DGX/HGX; a TPU slice's ICI domain).
+      nics_per_node: network cards per node.
+      source: where the figures come from.
+      matmul_efficiency: achievable fraction of `peak_flops` for large GEMMs (planner only).
+      intra_link_efficiency, inter_link_efficiency: achievable fraction of the link bandwidths (planner only).
+    """
+
+    name: str
+    peak_flops: float
+    memory_bytes: float
+    hbm_bandwidth: float
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    devices_per_node: int
+    nics_per_node: int
+    source: str
+    matmul_efficiency: float = A100_MATMUL_EFFICIENCY
+    intra_link_efficiency: float = LINK_EFFICIENCY
+    inter_link_efficiency: float = LINK_EFFICIENCY
+
+
+_NV = "NVIDIA datasheet"
+_GC = "Google Cloud TPU docs (system architecture page)"
+CATALOGUE: dict[str, Hardware] = {
+    h.name: h
+    for h in (
+        # A100 SXM: 312 TFLOP/s dense bf16; NVLink 3 600 GB/s both directions per GPU; DGX A100: 8 x 200 Gb/s HDR
+        # InfiniBand per node (one NIC per GPU, 25 GB/s). MegaScale's servers: 8 x 200G NICs (sec. 3.6).
+        Hardware("a100-40g", 312e12, 40 * GiB, 1555 * GB, 300 * GB, 25 * GB, 8, 8,
+                 f"{_NV} A100 (2020): 40 GB HBM2 1555 GB/s; DGX A100 8x HDR 200 Gb/s"),
+        Hardware("a100-80g", 312e12, 80 * GiB, 2039 * GB, 300 * GB, 25 * GB, 8, 8,
+                 f"{_NV} A100 80GB SXM: 80 GB HBM2e 2039 GB/s; DGX A100 8x HDR 200 Gb/s"),
+        # H100 SXM5: 989 TFLOP/s dense bf16 (1979 with sparsity); NVLink 4 900 GB/s; DGX H100: 8 x 400 Gb/s NDR.
+        Hardware("h100", 989e12, 80 * GiB, 3350 * GB, 450 * GB, 50 * GB, 8, 8,
+                 f"{_NV} H100 SXM5: 80 GB HBM3 3.35 TB/s, NVLink 900 GB/s; DGX H100 8x NDR 400 Gb/s"),
+        Hardware("h200", 989e12, 141 * GB, 4800 * GB, 450 * GB, 50 * GB, 8, 8,
+                 f"{_NV} H200 SXM: 141 GB HBM3e 4.8 TB/s, NVLink 900 GB/s; HGX H200 8x 400 Gb/s"),
+        # B200: HGX B200 lists 36 PFLOP/s bf16 with sparsity for 8 GPUs -> 2.25 PFLOP/s dense per GPU; 180 GB
+        # HBM3e at 8 TB/s in DGX B200 (1,440 GB, 64 TB/s per system); NVLink 5 1.8 TB/s; 8 x 400 Gb/s.
+        Hardware("b200", 2250e12, 180 * GB, 8000 * GB, 900 * GB, 50 * GB, 8, 8,
+                 f"{_NV} DGX/HGX B200: 180 GB HBM3e 8 TB/s, NVLink 1.8 TB/s, 8x 400 Gb/s"),
+        # TPUs: the "node" is the ICI slice. ICI per direction = half the bidirectional per-chip figure.
+        # v4: 275 TFLOP/s, 32 GiB HBM2 1200 GB/s, 4096-chip pod; "all-reduce bandwidth per pod 1.1 PB/s" ->
+        # 268 GB/s per chip. DCN per chip is not on the v4 page: 50 Gb/s assumed (v5p's published figure).
+        Hardware("tpu-v4", 275e12, 32 * GiB, 1200 * GB, 1.1e15 / 4096, 6.25 * GB, 4096, 1024,
+                 f"{_GC} v4; DCN 50 Gb/s per chip assumed (v5p's figure)"),
+        # v5e: 197 TFLOP/s, 16 GB HBM 819 GB/s, 400 GB/s bidirectional ICI per chip, 256-chip pod, 8 chips and
+        # 2 x 100 Gb/s NICs per host (25 Gb/s per chip).
+        Hardware("tpu-v5e", 197e12, 16 * GB, 819 * GB, 200 * GB, 3.125 * GB, 256, 64, f"{_GC} v5e"),
+        # v5p: 459 TFLOP/s, 95 GiB HBM2e 2765 GB/s, 1200 GB/s bidirectional ICI per chip, 50 Gb/s DCN per chip;
+        # the largest single slice is 6,144 chips (16x16x24), 4 chips per host.
+        Hardware("tpu-v5p", 459e12, 95 * GiB, 2765 * GB, 600 * GB, 6.25 * GB, 6144, 1536, f"{_GC} v5p"),
+    )
+}
+
+# jax `device_kind` strings -> catalogue keys (checked in order; first substring match wins).
+_DEVICE_KINDS = (
+    ("A100-SXM4-40GB", "a100-40g"), ("A100", "a100-80g"), ("H100", "h100"), ("H200", "h200"), ("B200", "b200"),
+    ("TPU v4", "tpu-v4"), ("TPU v5 lite", "tpu-v5e"), ("TPU v5e", "tpu-v5e"), ("TPU v5p", "tpu-v5p"),
+    ("TPU v5", "tpu-v5p"),
+)
+
+_OPTIONAL = {f.name for f in dataclasses.fields(Hardware) if f.default is not dataclasses.MISSING}
+
+
+def lookup(name: str, extra_file: str | None = None) -> Hardware:
+    """The catalogue entry `name` (case-insensitive), also searching a user JSON file.
+
+    Raises:
+      KeyError: unknown name; the message lists the known ones.
+    """
+    catalogue = load_catalogue(extra_file) if extra_file else CATALOGUE
+    key = name.lower()
+    if key not in catalogue:
+        raise KeyError(f"unknown hardware {name!r}; known: {', '.join(sorted(catalogue))}"
+                       + ("" if extra_file else " (add your own with a JSON file: --hardware_file)"))
+    return catalogue[key]
+
+
+def load_catalogue(path: str | None) -> dict[str, Hardware]:
+    """CATALOGUE plus the devices in a JSON file: a list of objects with the `Hardware` fields.
+
+    `source` and the three efficiency fields are optional (defaults: the file name and the catalogue's
+    assumptions). Raises ValueError naming the file and the missing or unknown fields.
+    """
+    catalogue = dict(CATALOGUE)
+    if not path:
+        return catalogue
+    entries = json.loads(Path(path).read_text())
+    fields = {f.name for f in dataclasses.fields(Hardware)}
+    for i, entry in enumerate(entries if isinstance(entries, list) else [entries]):
+        missing, unknown = fields - set(entry) - {"source"} - _OPTIONAL, set(entry) - fields
+        if missing or unknown:
+            raise ValueError(f"{path} entry {i}: missing fields {sorted(missing)}, unknown fields {sorted(unknown)}")
+        entry = {"source": path, **entry}
+        catalogue[entry["name"].lower()] = Hardware(**entry)
+    return catalogue
+
+
+def for_device_kind(device_kind: str) -> Hardware | None:
+    """Catalogue entry for a jax `device.device_kind` string, or None (e.g. CPU)."""
+    for needle, key in _DEVICE_KINDS:
+        if needle.lower() in device_kind.lower():
+            return CATALOGUE[key]
+    return None
+
+
+def measured_cpu_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
+    """A quick measured float32 matmul rate of this host, FLOP/s: the CPU stand-in for a datasheet peak.
+
+    Times `repeats` (n x n) @ (n x n) products after one warm-up and returns the best rate (2 n^3 FLOP each).
+    On the 2-core development machine this gives roughly 2.5e11 (shared/FIELD_NOTES.md).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    matmul = jax.jit(lambda x: x @ x)
+    matmul(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        matmul(a).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def device_peak_flops(device) -> tuple[float, str]:
+    """(peak FLOP/s per device, label) for a jax device: the catalogue's bf16 peak, or on CPU a measured
+    matmul rate labelled as such."""
+    hw = for_device_kind(device.device_kind)
+    if hw is not None:
+        return hw.peak_flops, f"{hw.name} bf16 peak"
+    if device.platform == "cpu":
+        return measured_cpu_matmul_flops(), "measured CPU f32 matmul rate"
+    return float("nan"), f"unknown device {device.device_kind!r}"

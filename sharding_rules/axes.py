@@ -1,0 +1,37 @@
+"""Logical axis names: the vocabulary shared by the model (which names axes) and the rule sets (which place them).
+
+Parameters (MaxText's names): VOCAB, EMBED, MLP, HEADS, KV_HEADS, HEAD_DIM, LAYERS, NORM.
+Activations carry an `act_` prefix so a rule set can lay out a weight and the activation it produces differently
+(e.g. FSDP shards weights over `fsdp` on `embed` but never the activations' model dimension).
+"""
+
+# Mesh axes, outer (slowest links) to inner (fastest links).
+PIPELINE = "pipeline"
+DATA = "data"
+FSDP = "fsdp"
+SEQUENCE = "sequence"
+TENSOR = "tensor"
+MESH_AXES = (PIPELINE, DATA, FSDP, SEQUENCE, TENSOR)
+
+# Parameter axes.
+VOCAB = "vocab"
+EMBED = "embed"
+MLP = "mlp"
+HEADS = "heads"
+KV_HEADS = "kv_heads"
+HEAD_DIM = "head_dim"
+LAYERS = "layers"
+NORM = "norm"
+POSITION = "position"
+
+# Activation axes.
+ACT_BATCH = "act_batch"
+ACT_SEQ = "act_seq"
+ACT_EMBED = "act_embed"
+ACT_HEADS = "act_heads"
+ACT_KV_HEADS = "act_kv_heads"
+ACT_HEAD_DIM = "act_head_dim"
+ACT_MLP = "act_mlp"
+ACT_VOCAB = "act_vocab"
+
+__all__ = [name for name in dir() if name.isupper()]

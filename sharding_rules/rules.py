@@ -1,0 +1,72 @@
+"""Named rule sets: logical axis name -> mesh axis (or tuple of mesh axes, or None for replicated).
+
+- `dp`: pure data parallelism; every parameter replicated, the batch split over `data` and `fsdp`.
+- `fsdp`: ZeRO-3 / FSDP (Rajbhandari et al. 2020): parameters, gradients and optimizer state sharded over
+  `fsdp` on their `embed` dimension; XLA all-gathers a layer's weights before use and reduce-scatters its
+  gradients. The batch is split over `data` and `fsdp`.
+- `fsdp_tp`: FSDP plus Megatron tensor parallelism (Shoeybi et al. 2019): attention heads, the MLP hidden
+  dimension and the vocabulary split over `tensor`; activations' sequence dimension split over `sequence`
+  between the TP regions (Korthikanti et al. 2022 sequence parallelism, realised by GSPMD from the constraints).
+- `tp`: tensor (and sequence) parallelism with data parallelism, no FSDP.
+
+A mesh axis of size 1 is a no-op, so `fsdp_tp` (the default) serves every layout this step supports.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence, Union
+
+from jax.sharding import PartitionSpec
+
+from sharding_rules.axes import (
+    ACT_BATCH, ACT_EMBED, ACT_HEAD_DIM, ACT_HEADS, ACT_KV_HEADS, ACT_MLP, ACT_SEQ, ACT_VOCAB, DATA, EMBED, FSDP,
+    HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, NORM, POSITION, SEQUENCE, TENSOR, VOCAB,
+)
+
+MeshAxes = Union[str, tuple[str, ...], None]
+Rules = Mapping[str, MeshAxes]
+
+_BATCH = (DATA, FSDP)
+_REPLICATED_PARAMS: Rules = {
+    VOCAB: None, EMBED: None, MLP: None, HEADS: None, KV_HEADS: None, HEAD_DIM: None, LAYERS: None, NORM: None,
+    POSITION: None,
+}
+_DP_ACTIVATIONS: Rules = {
+    ACT_BATCH: _BATCH, ACT_SEQ: None, ACT_EMBED: None, ACT_HEADS: None, ACT_KV_HEADS: None, ACT_HEAD_DIM: None,
+    ACT_MLP: None, ACT_VOCAB: None,
+}
+_TP_PARAMS: Rules = {VOCAB: TENSOR, MLP: TENSOR, HEADS: TENSOR, KV_HEADS: TENSOR}
+_TP_ACTIVATIONS: Rules = {ACT_SEQ: SEQUENCE, ACT_HEADS: TENSOR, ACT_KV_HEADS: TENSOR, ACT_MLP: TENSOR,
+                          ACT_VOCAB: TENSOR}
+
+RULE_SETS: dict[str, Rules] = {
+    "dp": {**_REPLICATED_PARAMS, **_DP_ACTIVATIONS},
+    "fsdp": {**_REPLICATED_PARAMS, EMBED: FSDP, **_DP_ACTIVATIONS},
+    "tp": {**_REPLICATED_PARAMS, **_TP_PARAMS, **_DP_ACTIVATIONS, **_TP_ACTIVATIONS},
+    "fsdp_tp": {**_REPLICATED_PARAMS, EMBED: FSDP, **_TP_PARAMS, **_DP_ACTIVATIONS, **_TP_ACTIVATIONS},
+}
+
+
+def logical_to_mesh_spec(names: Sequence[str | None], rules: Rules) -> PartitionSpec:
+    """PartitionSpec for an array whose dimensions carry logical `names` under `rules`.
+
+    A mesh axis already used by an earlier dimension is dropped from later ones (an array may not be split
+    twice over the same axis), as flax's `logical_to_mesh_axes` does.
+
+    Raises:
+      KeyError: a name that the rule set does not know (the message lists the names it knows).
+    """
+    used: set[str] = set()
+    out: list[MeshAxes] = []
+    for name in names:
+        if name is None:
+            out.append(None)
+            continue
+        if name not in rules:
+            raise KeyError(f"logical axis {name!r} has no rule; known: {sorted(rules)}")
+        axes = rules[name]
+        axes_t = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        kept = tuple(a for a in axes_t if a not in used)
+        used.update(kept)
+        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return PartitionSpec(*out)
