@@ -1,0 +1,186 @@
+"""The sharded training program: state layout, initialisation, and the jitted train and eval steps.
+
+Data flow: config -> mesh + rules -> abstract model -> shardings -> jitted init (state created sharded, never
+materialised whole on one device) -> jitted step with explicit in/out shardings and the state donated.
+
+Train state (a plain pytree, what Orbax saves):
+  step     int32 scalar, optimizer steps taken.
+  params   nested dict of float arrays (see `msjax.model`), sharded by the rule set.
+  opt_state optax state; moments sharded like the parameters they follow.
+  rng      uint32 key data (2,): the run's random stream, advanced each step (sampling uses it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from msjax.config import Config, ConfigError
+from msjax.model import abstract_model, apply, init_params
+from msjax.optim import make_optimizer
+from msjax.sharding import tree_shardings, use_rules
+from sharding_rules import RULE_SETS, logical_to_mesh_spec
+from sharding_rules import axes as ax
+
+
+@dataclass
+class TrainProgram:
+    """Everything needed to run or compile one layout of one config.
+
+    Attributes:
+      config: the config, with model.vocab_size filled in.
+      mesh: the device mesh.
+      graphdef: the model's static structure (nnx.GraphDef).
+      optimizer: the optax transformation.
+      abstract_state: train state as jax.ShapeDtypeStruct leaves with `.sharding` set.
+      state_shardings: NamedSharding pytree matching the state.
+      abstract_batch: {"inputs", "targets"}: ShapeDtypeStruct (B, T) int32 with the batch sharding.
+      batch_sharding: NamedSharding of a (B, T) batch array.
+      init_fn: jitted `key -> state`, creating the state already sharded.
+      step_fn: jitted `(state, batch) -> (state, metrics)`; `state` is donated.
+      eval_fn: jitted `(params, batch) -> mean loss` (float32 scalar).
+      grad_fn: jitted `(params, batch) -> (loss, grads)` for one whole batch, grads sharded like params.
+      param_bytes, opt_state_bytes: global sizes of parameters and optimizer state, bytes.
+    """
+
+    config: Config
+    mesh: Mesh
+    graphdef: Any
+    optimizer: optax.GradientTransformation
+    abstract_state: dict
+    state_shardings: dict
+    abstract_batch: dict
+    batch_sharding: NamedSharding
+    init_fn: Callable
+    step_fn: Callable
+    eval_fn: Callable
+    grad_fn: Callable
+    param_bytes: int
+    opt_state_bytes: int
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy in float32 over all B*T positions (nats)."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits_btv.astype(jnp.float32), targets_bt)
+    return losses.mean()
+
+
+def build_train_program(cfg: Config, mesh: Mesh, vocab_size: int | None = None) -> TrainProgram:
+    """Builds the sharded train program for `cfg` on `mesh`.
+
+    Args:
+      cfg: a validated Config.
+      mesh: from `msjax.mesh.make_mesh(cfg.mesh)`.
+      vocab_size: the tokenizer's vocabulary (overrides model.vocab_size when given).
+    Raises:
+      ConfigError: pipeline parallelism requested (not in the step yet), a vocabulary that is missing or larger
+        than model.vocab_size, or a batch that does not split over the data-parallel devices.
+    """
+    if mesh.shape["pipeline"] != 1:
+        raise ConfigError(f"mesh.pipeline={mesh.shape['pipeline']}: pipeline parallelism is not implemented in the "
+                          "training step yet; allowed is 1 (scripts/plan.py models pipelined layouts)")
+    model_cfg = cfg.model
+    if vocab_size:
+        if model_cfg.vocab_size and vocab_size > model_cfg.vocab_size:
+            raise ConfigError(f"the tokenizer has {vocab_size} tokens but model.vocab_size={model_cfg.vocab_size}")
+        model_cfg = dataclasses.replace(model_cfg, vocab_size=model_cfg.vocab_size or vocab_size)
+    if model_cfg.vocab_size < 1:
+        raise ConfigError("model.vocab_size is 0 and no tokenizer vocabulary was given")
+    cfg = dataclasses.replace(cfg, model=model_cfg)
+    t = cfg.train
+    batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
+    micro = t.global_batch // t.microbatches
+    if micro % batch_devices:
+        raise ConfigError(f"microbatch of {micro} sequences (train.global_batch={t.global_batch} / "
+                          f"train.microbatches={t.microbatches}) does not split over data x fsdp = {batch_devices} "
+                          "devices")
+
+    rules = RULE_SETS[cfg.mesh.rules]
+    graphdef, abs_params, logical_specs = abstract_model(model_cfg)
+    param_shardings = tree_shardings(logical_specs, mesh, rules)
+    tx = make_optimizer(cfg.optimizer, t.steps)
+    abs_opt = jax.eval_shape(tx.init, abs_params)
+    replicated = NamedSharding(mesh, P())
+    # Optimizer moments follow their parameter's sharding (so FSDP shards them too); counters are replicated.
+    opt_shardings = optax.tree_map_params(tx, lambda _, s: s, abs_opt, param_shardings,
+                                          transform_non_params=lambda _: replicated)
+    state_shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings,
+                       "rng": replicated}
+    batch_spec = logical_to_mesh_spec((ax.ACT_BATCH, ax.ACT_SEQ), rules)
+    batch_sharding = NamedSharding(mesh, batch_spec)
+
+    def init(key: jax.Array) -> dict:
+        params_key, run_key = jax.random.split(key)
+        params = init_params(model_cfg, params_key)
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params),
+                "rng": jax.random.key_data(run_key)}
+
+    def loss_fn(params: dict, inputs_bt: jax.Array, targets_bt: jax.Array) -> jax.Array:
+        return cross_entropy(apply(graphdef, params, inputs_bt), targets_bt)
+
+    grad_fn = jax.value_and_grad(loss_fn)
+    micro_spec = NamedSharding(mesh, P(None, *batch_spec))
+
+    def train_step(state: dict, batch: dict) -> tuple[dict, dict]:
+        params = state["params"]
+        with use_rules(mesh, rules):
+            if t.microbatches == 1:
+                loss, grads = grad_fn(params, batch["inputs"], batch["targets"])
+            else:
+                # Gradient accumulation: microbatch m takes rows m, m + M, m + 2M, ... so every microbatch still
+                # spans all data-parallel devices (each holds contiguous rows).
+                def split(x_bt):
+                    x_mbt = x_bt.reshape(micro, t.microbatches, -1).swapaxes(0, 1)
+                    return jax.lax.with_sharding_constraint(x_mbt, micro_spec)
+
+                def accumulate(carry, mb):
+                    loss_sum, grad_sum = carry
+                    loss, grads = grad_fn(params, mb[0], mb[1])
+                    return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+                zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+                (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros),
+                                                (split(batch["inputs"]), split(batch["targets"])))
+                loss, grads = loss / t.microbatches, jax.tree.map(lambda g: g / t.microbatches, grads)
+        grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        new_params = optax.apply_updates(params, updates)
+        rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state["rng"]))[0])
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state, "rng": rng}
+        return new_state, metrics
+
+    def eval_step(params: dict, batch: dict) -> jax.Array:
+        with use_rules(mesh, rules):
+            return loss_fn(params, batch["inputs"], batch["targets"])
+
+    def batch_grads(params: dict, batch: dict) -> tuple[jax.Array, dict]:
+        with use_rules(mesh, rules):
+            return grad_fn(params, batch["inputs"], batch["targets"])
+
+    init_fn = jax.jit(init, out_shardings=state_shardings)
+    abstract_state = jax.eval_shape(init_fn, jax.random.key(0))
+    abstract_state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                  abstract_state, state_shardings)
+    step_fn = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                      out_shardings=(state_shardings, replicated), donate_argnums=0)
+    eval_fn = jax.jit(eval_step, in_shardings=(param_shardings, batch_sharding), out_shardings=replicated)
+    grads_fn = jax.jit(batch_grads, in_shardings=(param_shardings, batch_sharding),
+                       out_shardings=(replicated, param_shardings))
+    batch_shape = jax.ShapeDtypeStruct((t.global_batch, t.seq_len), jnp.int32, sharding=batch_sharding)
+    return TrainProgram(
+        config=cfg, mesh=mesh, graphdef=graphdef, optimizer=tx, abstract_state=abstract_state,
+        state_shardings=state_shardings, abstract_batch={"inputs": batch_shape, "targets": batch_shape},
+        batch_sharding=batch_sharding, init_fn=init_fn, step_fn=step_fn, eval_fn=eval_fn, grad_fn=grads_fn,
+        param_bytes=_nbytes(abs_params), opt_state_bytes=_nbytes(abs_opt),
+    )

@@ -1,0 +1,89 @@
+import dataclasses
+
+import pytest
+
+from msjax.config import Config, ConfigError, apply_overrides, flat_keys, load_preset, parse_args, preset_names
+from msjax.mesh import make_mesh, resolve_axis_sizes
+
+EXPECTED_PRESETS = {"gpt_tiny", "shakespeare_char", "gpt_125m", "gpt_1_3b", "gpt_13b", "gpt175b", "gpt530b"}
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_every_preset_loads_and_validates(name):
+    cfg = load_preset(name).validate()
+    assert cfg.name == name
+
+
+def test_required_presets_exist():
+    assert EXPECTED_PRESETS <= set(preset_names())
+
+
+def test_megascale_shapes():
+    c175, c530 = load_preset("gpt175b"), load_preset("gpt530b")
+    assert (c175.model.num_layers, c175.model.d_model, c175.model.num_heads) == (96, 12288, 128)
+    assert (c530.model.num_layers, c530.model.d_model, c530.model.num_heads) == (105, 20480, 160)
+    for c in (c175, c530):
+        assert (c.train.seq_len, c.model.vocab_size, c.optimizer.name) == (2048, 64000, "lamb")
+
+
+def test_presets_override_only_what_differs():
+    import importlib
+
+    defaults = flat_keys(Config())
+    for name in preset_names():
+        overrides = importlib.import_module(f"configs.{name}").OVERRIDES
+        same = [k for k, v in overrides.items() if defaults[k] == v]
+        assert not same, f"preset {name} repeats defaults: {same}"
+
+
+def test_dotted_overrides_parse_types():
+    cfg, rest = parse_args(["--config=gpt_tiny", "--train.steps=7", "--optimizer.lr=3e-4", "--model.block=parallel",
+                            "--model.attention.window", "16", "--train.progress=false", "--resume",
+                            "--data.paths=a.txt,b.txt"])
+    assert rest == []
+    assert cfg.train.steps == 7 and cfg.optimizer.lr == 3e-4 and cfg.model.block == "parallel"
+    assert cfg.model.attention.window == 16 and cfg.train.progress is False and cfg.checkpoint.resume is True
+    assert cfg.data.paths == ("a.txt", "b.txt")
+    cfg, _ = parse_args(["--model.attention.window=none"])
+    assert cfg.model.attention.window is None
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--config=nope"], "unknown preset --config='nope'; allowed: gpt175b"),
+    (["--train.stepz=3"], "unknown config key 'train.stepz'; allowed at this level: train.eval_batches"),
+    (["--trian.steps=3"], "unknown config key 'trian.steps'; allowed at this level: checkpoint, data"),
+    (["--train.steps=ten"], "train.steps='ten': allowed is int"),
+    (["--train.steps=1.5"], "train.steps='1.5': allowed is int"),
+    (["--model.block=diagonal"], "model.block='diagonal': allowed is one of 'serial', 'parallel'"),
+    (["--train.progress=maybe"], "train.progress='maybe': allowed is bool"),
+    (["--model.attention.window=0"], "model.attention.window=0: allowed is an integer >= 1, or None"),
+    (["--train.seq_len=4096"], "train.seq_len=4096 is longer than the model's positions (model.max_seq_len=128)"),
+    (["--mesh.tensor=4"], "model.num_heads=6 is not divisible by the tensor-parallel size mesh.tensor=4"),
+    (["--model.d_model=204", "--model.num_heads=8", "--model.head_dim=16", "--mesh.tensor=8"],
+     "model.d_model=204 is not divisible by the tensor-parallel size mesh.tensor=8"),
+    (["--mesh.rules=zero4"], "mesh.rules='zero4' is unknown; allowed: ['dp', 'fsdp', 'fsdp_tp', 'tp']"),
+    (["--train"], "flag --train needs a value"),
+    (["--train=3"], "'train' is a section"),
+    (["--model.num_kv_heads=4"], "model.num_heads=6 must be a multiple of model.num_kv_heads=4"),
+])
+def test_bad_flags_name_the_key_and_the_allowed_values(argv, needle):
+    with pytest.raises(ConfigError) as e:
+        parse_args(["--config=gpt_tiny", *argv])
+    assert needle in str(e.value)
+
+
+def test_config_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        load_preset("gpt_tiny").train.steps = 3
+
+
+def test_mesh_size_must_match_devices():
+    cfg = apply_overrides(Config(), {"mesh.tensor": 2, "mesh.fsdp": 2, "mesh.data": 3})
+    with pytest.raises(ConfigError, match="has 12 devices but 8 are present"):
+        make_mesh(cfg.mesh)
+    cfg = apply_overrides(Config(), {"mesh.tensor": 3})
+    with pytest.raises(ConfigError, match="needs a multiple of 3 devices; 8 present"):
+        make_mesh(cfg.mesh)
+    assert resolve_axis_sizes(apply_overrides(Config(), {"mesh.tensor": 2}).mesh, 8)["data"] == 4
+    mesh = make_mesh(apply_overrides(Config(), {"mesh.fsdp": 2, "mesh.tensor": 2}).mesh)
+    assert dict(mesh.shape) == {"pipeline": 1, "data": 2, "fsdp": 2, "sequence": 1, "tensor": 2}
