@@ -1,0 +1,293 @@
+"""Token cache: the corpus tokenized once into memory-mapped files.
+
+Layout: `<cache_dir>/<fingerprint>/{train.bin, val.bin, meta.json, tokenizer.json}`. The .bin files are flat
+little-endian token ids (uint16 when the vocabulary fits, else uint32), documents concatenated with the
+tokenizer's `eot_id` after each (nanoGPT's `train.bin`/`val.bin`). The fingerprint hashes everything the tokens
+depend on (resolved file paths, sizes, mtimes; tokenizer kind, vocabulary size and file; val_fraction;
+text_field; on_decode_error; `FORMAT_VERSION`), so changing any input builds a new cache beside the old one.
+
+Atomicity: a build writes into `<fingerprint>.tmp-<random>/` and renames the whole directory onto
+`<fingerprint>/` at the end. rename(2) of a directory onto a non-empty one fails, so the first of two concurrent
+builders wins and the other discards its copy; a build killed before the rename leaves only a temp directory,
+which is never read (and is removed after `_STALE_TMP_S`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+from msjax.data.corpus import (DataError, SourceFile, corpus_sources, read_documents, split_by_file)
+from msjax.data.tokenizer import TOKENIZER_FILE, Tokenizer, build_tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+META_FILE = "meta.json"
+_STALE_TMP_S = 24 * 3600
+# Characters of text handed to one encode_batch call: large enough to keep every core busy, small enough that
+# the int32 id lists of one chunk stay a few hundred MB at most.
+_ENCODE_CHUNK_CHARS = 8 << 20
+
+
+@dataclass
+class Datasets:
+    """A tokenized corpus.
+
+    tokenizer: the tokenizer that produced the ids (save it next to a run to sample from it).
+    train, val: 1-D token ids, np.memmap (uint16 or uint32), read-only.
+    meta: contents of meta.json (token and document counts, split mode, tokenizer name, fingerprint, ...) plus
+      `cache_path` (the cache directory) and `cache_hit` (True when nothing was tokenized this time).
+    """
+
+    tokenizer: Tokenizer
+    train: np.ndarray
+    val: np.ndarray
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 65535 else np.dtype(np.uint32)
+
+
+def fingerprint(data_cfg, sources: list[SourceFile]) -> str:
+    """`<tokenizer>-<16 hex digits>`: a SHA-256 over the inputs the cached tokens depend on."""
+    h = hashlib.sha256()
+
+    def add(*parts: Any) -> None:
+        h.update(json.dumps(parts, sort_keys=True).encode("utf-8"))
+        h.update(b"\0")
+
+    add("msjax-tokens", FORMAT_VERSION)
+    add(data_cfg.tokenizer, data_cfg.bpe_vocab_size if data_cfg.tokenizer == "bpe" else 0)
+    if data_cfg.tokenizer_path:
+        # The file's bytes, not its mtime: copying the same tokenizer elsewhere keeps the cache.
+        tp = Path(data_cfg.tokenizer_path).expanduser()
+        add("tokenizer_file", hashlib.sha256(tp.read_bytes()).hexdigest() if tp.is_file() else str(tp))
+    add(float(data_cfg.val_fraction), data_cfg.text_field, data_cfg.on_decode_error)
+    for s in sources:
+        add(str(s.path), s.rel, s.size, s.mtime_ns)
+    kind = "hf" if data_cfg.tokenizer_path else data_cfg.tokenizer
+    if kind == "bpe":
+        kind = f"bpe{data_cfg.bpe_vocab_size}"
+    return f"{kind}-{h.hexdigest()[:16]}"
+
+
+def prepare_data(data_cfg) -> Datasets:
+    """Tokenizes the corpus of `data_cfg` into the token cache (once), and opens the cached splits.
+
+    Runs on every host/process; each reads its input files at most once, and not at all on a cache hit. Empty
+    `data.paths` means the standard-library corpus. The split is by file (`corpus.split_by_file`) or, when that
+    leaves a split empty, by position: the last `val_fraction` of the token stream is validation.
+
+    Args:
+      data_cfg: `DataConfig`.
+    Returns:
+      Datasets with memory-mapped train/val token arrays.
+    Raises:
+      DataError: bad paths, undecodable files, missing fields/columns, a bad tokenizer file (see
+        `corpus.read_documents`, `tokenizer.build_tokenizer`), or a corpus that yields no tokens.
+    """
+    sources = corpus_sources(data_cfg.paths)
+    fp = fingerprint(data_cfg, sources)
+    cache_root = Path(data_cfg.cache_dir).expanduser()
+    final = cache_root / fp
+    opened = _open_cache(final, cache_hit=True)
+    if opened is not None:
+        return opened
+    cache_root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(cache_root)
+    tmp = cache_root / f"{fp}.tmp-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()
+    try:
+        t0 = time.perf_counter()
+        meta = _build(data_cfg, sources, tmp)
+        meta.update(fingerprint=fp, build_seconds=round(time.perf_counter() - t0, 3))
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
+        _publish(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    opened = _open_cache(final, cache_hit=False)
+    if opened is None:
+        raise DataError(f"token cache {final} was written but does not read back; is {cache_root} shared with a "
+                        "process that deletes it?")
+    m = opened.meta
+    log.info("tokenized %d files in %.1f s: %d train + %d val tokens (%s, %s split) -> %s", m["num_files"],
+             m["build_seconds"], m["train_tokens"], m["val_tokens"], m["tokenizer"], m["split"], final)
+    return opened
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Moves a finished build into place; if another process got there first, keeps theirs."""
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not (final / META_FILE).is_file():
+            raise
+
+
+def _remove_stale_tmp(cache_root: Path) -> None:
+    now = time.time()
+    for p in cache_root.glob("*.tmp-*"):
+        try:
+            if now - p.stat().st_mtime > _STALE_TMP_S:
+                shutil.rmtree(p, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _open_cache(path: Path, cache_hit: bool) -> Datasets | None:
+    meta_path = path / META_FILE
+    if not meta_path.is_file():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+        dtype = np.dtype(meta["dtype"])
+        sizes_ok = all((path / f"{s}.bin").stat().st_size == meta[f"{s}_tokens"] * dtype.itemsize
+                       for s in ("train", "val"))
+        ok = sizes_ok and meta.get("format_version") == FORMAT_VERSION
+    except (OSError, ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        # A complete-looking directory that does not match its own meta.json: someone edited it. Move it aside
+        # (never delete what we did not write this run) so a fresh build can take its name.
+        aside = path.with_name(f"{path.name}.bad-{uuid.uuid4().hex[:8]}")
+        log.warning("token cache %s is inconsistent with its %s; moving it to %s and rebuilding", path, META_FILE,
+                    aside)
+        try:
+            os.rename(path, aside)
+        except OSError:
+            pass
+        return None
+    tokenizer = load_tokenizer(path / TOKENIZER_FILE)
+    meta.update(cache_path=str(path), cache_hit=cache_hit)
+    return Datasets(tokenizer=tokenizer, train=_memmap(path / "train.bin", dtype),
+                    val=_memmap(path / "val.bin", dtype), meta=meta)
+
+
+def _memmap(path: Path, dtype: np.dtype) -> np.ndarray:
+    if path.stat().st_size == 0:  # mmap(2) refuses empty files; the loader reports the empty split by name
+        return np.zeros(0, dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def _documents(sources: Iterable[SourceFile], data_cfg) -> Iterator[str]:
+    for s in sources:
+        yield from read_documents(s.path, data_cfg.text_field, data_cfg.on_decode_error)
+
+
+def _needs_fitting(data_cfg) -> bool:
+    return not data_cfg.tokenizer_path and data_cfg.tokenizer in ("bpe", "char")
+
+
+def _chunks(docs: Iterable[str]) -> Iterator[list[str]]:
+    chunk, chars = [], 0
+    for doc in docs:
+        chunk.append(doc)
+        chars += len(doc)
+        if chars >= _ENCODE_CHUNK_CHARS:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
+
+
+def _write_tokens(tokenizer: Tokenizer, docs: Iterable[str], path: Path, dtype: np.dtype) -> tuple[int, int]:
+    """Encodes `docs` (eot after each) into the flat file `path`. Returns (tokens, documents)."""
+    eot = None if tokenizer.eot_id is None else np.array([tokenizer.eot_id], dtype)
+    n_tokens = n_docs = 0
+    with open(path, "wb") as f:
+        for chunk in _chunks(docs):
+            for ids in tokenizer.encode_batch(chunk):
+                parts = [ids.astype(dtype)] if eot is None else [ids.astype(dtype), eot]
+                for p in parts:
+                    f.write(p.tobytes())
+                    n_tokens += p.size
+            n_docs += len(chunk)
+    return n_tokens, n_docs
+
+
+def _build(data_cfg, sources: list[SourceFile], out: Path) -> dict[str, Any]:
+    split = split_by_file(sources, data_cfg.val_fraction)
+    mode = "file" if split is not None else "position"
+    if _needs_fitting(data_cfg):
+        # Fitting a tokenizer and then encoding needs the text twice; keep it in memory rather than read each
+        # file twice (the corpora this runs on are MBs to a few GB; a sharded pre-tokenized corpus is the answer
+        # beyond that).
+        if split is not None:
+            train_docs = list(_documents(split[0], data_cfg))
+            val_docs = list(_documents(split[1], data_cfg))
+            fit_texts: Iterable[str] = train_docs
+        else:
+            train_docs, val_docs = list(_documents(sources, data_cfg)), []
+            fit_texts = _head_chars(train_docs, 1.0 - data_cfg.val_fraction)
+        if data_cfg.tokenizer == "char":
+            # The char vocabulary must cover every character we encode (nanoGPT builds it from all the text).
+            fit_texts = train_docs + val_docs
+        tokenizer = build_tokenizer(data_cfg, fit_texts, out)
+    else:
+        tokenizer = build_tokenizer(data_cfg, (), out)
+        train_docs = _documents(split[0] if split else sources, data_cfg)
+        val_docs = _documents(split[1], data_cfg) if split else iter(())
+    tokenizer.save(out / TOKENIZER_FILE)
+    dtype = token_dtype(tokenizer.vocab_size)
+    n_train, d_train = _write_tokens(tokenizer, train_docs, out / "train.bin", dtype)
+    n_val, d_val = _write_tokens(tokenizer, val_docs, out / "val.bin", dtype)
+    if mode == "position":
+        n_train, n_val = _split_tail(out / "train.bin", out / "val.bin", n_train, data_cfg.val_fraction, dtype)
+    if n_train + n_val == 0:
+        raise DataError(f"data.paths={list(data_cfg.paths)!r}: the corpus holds no text (all documents empty "
+                        "or skipped)")
+    return {
+        "format_version": FORMAT_VERSION,
+        "tokenizer": tokenizer.name,
+        "vocab_size": tokenizer.vocab_size,
+        "eot_id": tokenizer.eot_id,
+        "dtype": dtype.name,
+        "split": mode,
+        "val_fraction": data_cfg.val_fraction,
+        "num_files": len(sources),
+        "train_files": len(split[0]) if split else len(sources),
+        "val_files": len(split[1]) if split else 0,
+        "train_documents": d_train,
+        "val_documents": d_val,
+        "train_tokens": n_train,
+        "val_tokens": n_val,
+        "corpus_bytes": sum(s.size for s in sources),
+        "paths": list(data_cfg.paths) or ["<stdlib>"],
+    }
+
+
+def _head_chars(docs: list[str], fraction: float) -> list[str]:
+    """The first `fraction` of the characters of `docs` (the text of a position split's train part, used to fit
+    the tokenizer so that validation text never shapes the vocabulary)."""
+    budget = int(sum(len(d) for d in docs) * fraction)
+    out = []
+    for d in docs:
+        if budget <= 0:
+            break
+        out.append(d[:budget])
+        budget -= len(d)
+    return out
+
+
+def _split_tail(train: Path, val: Path, n: int, val_fraction: float, dtype: np.dtype) -> tuple[int, int]:
+    """Moves the last `val_fraction` of the token file `train` into `val`; n_train = int(n * (1 - val_fraction))
+    as in nanoGPT's prepare.py."""
+    n_train = int(n * (1.0 - val_fraction))
+    with open(train, "rb") as src, open(val, "wb") as dst:
+        src.seek(n_train * dtype.itemsize)
+        shutil.copyfileobj(src, dst, 16 << 20)
+    os.truncate(train, n_train * dtype.itemsize)
+    return n_train, n - n_train
