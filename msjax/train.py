@@ -1,0 +1,146 @@
+"""The training loop: data in, metrics, checkpoints and a sample out.
+
+`run(config)` is the whole job: prepare data (tokenize once, cached), build the mesh and the sharded train
+program, restore or initialise the state, then step with a progress bar (loss, tokens/s, MFU), evaluate every
+`train.eval_every` steps, checkpoint every `checkpoint.every` steps and at the end, and print a sample.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+from tqdm import tqdm
+
+from msjax.checkpoint import Checkpointer, checkpoint_dir
+from msjax.config import Config, ConfigError, to_dict
+from msjax.data import BatchLoader, eval_batches, prepare_data
+from msjax.flops import flops_per_token
+from msjax.hardware import device_peak_flops
+from msjax.mesh import make_mesh
+from msjax.metrics import MetricsWriter
+from msjax.sample import generate
+from msjax.train_step import TrainProgram, build_train_program
+
+
+def _log(msg: str) -> None:
+    if jax.process_index() == 0:
+        tqdm.write(msg)
+
+
+def evaluate(program: TrainProgram, params: Any, batches: list[dict]) -> float:
+    """Mean validation loss (nats per token) over fixed batches."""
+    losses = [program.eval_fn(params, b) for b in batches]
+    return float(sum(float(x) for x in losses) / len(losses))
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    """Trains `cfg` and returns a summary: final train/val loss, tokens/s, MFU, step and wall times.
+
+    Raises:
+      ConfigError: a config that does not fit the devices or data (mesh size, vocabulary, batch split), an
+        unwritable checkpoint directory, or checkpoints already present without `checkpoint.resume`.
+      msjax.data.DataError: missing, empty or undecodable data.
+    """
+    t_start = time.perf_counter()
+    cfg = cfg.validate()
+    t = cfg.train
+    run_dir = Path(t.run_dir)
+    ckpt = Checkpointer(cfg.checkpoint, checkpoint_dir(cfg.checkpoint, t.run_dir))
+    latest = ckpt.latest_step()
+    if latest is not None and not cfg.checkpoint.resume:
+        raise ConfigError(f"{ckpt.directory} already holds checkpoints (latest step {latest}); pass --resume to "
+                          "continue from it, or set checkpoint.dir / train.run_dir to start a new run")
+
+    data = prepare_data(cfg.data)
+    mesh = make_mesh(cfg.mesh)
+    program = build_train_program(cfg, mesh, vocab_size=data.tokenizer.vocab_size)
+    cfg = program.config
+    if jax.process_index() == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+        data.tokenizer.save(str(run_dir / "tokenizer.json"))
+
+    loader_state = None
+    if latest is not None:
+        start_step, state, loader_state = ckpt.restore(program.abstract_state)
+        _log(f"resumed from step {start_step} ({ckpt.directory})")
+    else:
+        if cfg.checkpoint.resume:
+            _log(f"--resume: no checkpoint in {ckpt.directory}; starting from step 0")
+        start_step, state = 0, program.init_fn(jax.random.key(t.seed))
+    loader = BatchLoader(data.train, seq_len=t.seq_len, global_batch=t.global_batch, seed=cfg.data.seed,
+                         sharding=program.batch_sharding, prefetch=cfg.data.prefetch)
+    if loader_state is not None:
+        loader.restore(loader_state)
+    val = eval_batches(data.val, seq_len=t.seq_len, batch=t.global_batch, num_batches=t.eval_batches,
+                       seed=cfg.data.seed + 1, sharding=program.batch_sharding)
+
+    n_dev = mesh.devices.size
+    peak, peak_label = device_peak_flops(jax.devices()[0])
+    step_flops = flops_per_token(cfg.model, t.seq_len) * t.global_batch * t.seq_len
+    tokens_per_step = t.global_batch * t.seq_len
+    _log(f"msjax: {cfg.name} | {program.param_bytes / 4 / 1e6:.2f}M params | mesh "
+         f"{dict(mesh.shape)} | {n_dev} x {jax.devices()[0].device_kind} | MFU against {peak / 1e12:.3g} "
+         f"TFLOP/s per device ({peak_label}) | train {len(data.train):,} / val {len(data.val):,} tokens")
+
+    writer = MetricsWriter(run_dir)
+    summary: dict[str, Any] = {"val_loss": [], "start_step": start_step}
+    bar = tqdm(total=t.steps, initial=start_step, disable=not t.progress or jax.process_index() != 0,
+               dynamic_ncols=True, desc=cfg.name)
+    last_log_step, last_log_time, first_step_time = start_step, None, None
+    loss = float("nan")
+    try:
+        for step in range(start_step + 1, t.steps + 1):
+            state, metrics = program.step_fn(state, next(loader))
+            bar.update(1)
+            if last_log_time is None:  # the first step includes compilation: time from its end
+                jax.block_until_ready(metrics)
+                last_log_time, last_log_step = time.perf_counter(), step
+                first_step_time = last_log_time - t_start
+            elif step % t.log_every == 0 or step == t.steps:
+                loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+                now = time.perf_counter()
+                tok_s = (step - last_log_step) * tokens_per_step / (now - last_log_time)
+                mfu = tok_s / tokens_per_step * step_flops / (peak * n_dev)
+                last_log_step, last_log_time = step, now
+                bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", mfu=f"{mfu:.1%}")
+                writer.write(step, {"loss": loss, "grad_norm": grad_norm, "tokens_per_s": tok_s, "mfu": mfu})
+                summary.update(tokens_per_s=tok_s, mfu=mfu)
+            if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
+                val_loss = evaluate(program, state["params"], val)
+                summary["val_loss"].append((step, val_loss))
+                writer.write(step, {"val_loss": val_loss, "wall_s": time.perf_counter() - t_start})
+                _log(f"step {step}: val loss {val_loss:.4f} ({time.perf_counter() - t_start:.1f} s)")
+            ckpt.save(step, state, loader.state(), force=step == t.steps)
+    finally:
+        bar.close()
+        loader.close()
+        ckpt.close()
+        writer.close()
+
+    summary.update(
+        final_step=t.steps, train_loss=loss if not math.isnan(loss) else None,
+        wall_s=time.perf_counter() - t_start, first_step_s=first_step_time, checkpoints=ckpt.all_steps(),
+        param_count=program.param_bytes // 4,
+    )
+    if t.sample_tokens and jax.process_index() == 0:
+        tok = data.tokenizer
+        prompt = [tok.eot_id] if tok.eot_id is not None else tok.encode("\n").tolist()
+        key = jax.random.wrap_key_data(state["rng"])
+        ids = generate(program.graphdef, state["params"], prompt, t.sample_tokens, t.seq_len,
+                       t.sample_temperature, key)
+        summary["sample"] = tok.decode(ids)
+        _log("---- sample ----\n" + summary["sample"] + "\n----------------")
+    summary["state"] = state
+    return summary
+
+
+def summary_json(summary: dict[str, Any]) -> dict[str, Any]:
+    """The JSON-friendly part of `run`'s summary (drops the state)."""
+    return {k: v for k, v in summary.items() if k != "state"}
+
