@@ -1,0 +1,160 @@
+"""Benchmark causal sliding-window attention: Pallas kernels vs cuDNN, windowed and full causal.
+
+For each sequence length T and window W: forward and forward+backward wall time (median of --iters timed calls
+after --warmup untimed ones, each ended by block_until_ready) and achieved TFLOP/s, for
+  pallas         msjax's Pallas kernels, window W
+  pallas_causal  the same kernels, window None (full causal flash attention)
+  cudnn          jax.nn.dot_product_attention(is_causal=True, local_window_size=(W-1, 0), implementation="cudnn")
+  cudnn_causal   the same, no window
+With --smoke (CPU, seconds): tiny shapes, the Pallas kernels in interpret mode, and implementation="xla" in place
+of cuDNN; the timings are then meaningless, the point is that every path runs.
+
+FLOP count (useful work, window-aware, FlashAttention-2 convention):
+  forward          = 4 * B * H * K * P,  P = sum_{i=1..T} min(i, W)  (visible query-key pairs; W = T if None)
+  forward+backward = 3.5 * forward       (the backward has 5 matmuls to the forward's 2; recomputation of S in the
+                                          backward is not counted, as in the FA2 paper)
+Masked-out pairs are not counted even when a kernel computes them, so a kernel that wastes work on masked tiles
+shows a lower TFLOP/s.
+
+Usage:
+  python scripts/bench_attention.py --json bench.json             # GPU
+  python scripts/bench_attention.py --smoke --json /tmp/smoke.json  # CPU check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
+
+from pallas_kernels.sliding_window_attention import sliding_window_attention  # noqa: E402
+from pallas_kernels.sliding_window_attention.kernel import visible_pairs  # noqa: E402
+
+
+def attention_flops(batch: int, heads: int, head_dim: int, seq_len: int, window: int | None) -> tuple[int, int]:
+    """(forward, forward+backward) useful FLOPs; see the module docstring for the formula."""
+    forward = 4 * batch * heads * head_dim * visible_pairs(seq_len, window)
+    return forward, int(3.5 * forward)
+
+
+def make_impl(name: str, window: int | None, smoke: bool):
+    """A function (q, k, v) -> out for implementation `name`."""
+    if name.startswith("pallas"):
+        w = None if name == "pallas_causal" else window
+        backend = "cpu" if smoke else None
+        return lambda q, k, v: sliding_window_attention(q, k, v, window=w, backend=backend)
+    implementation = "xla" if smoke else "cudnn"
+    w = None if name.endswith("_causal") else window
+    local = None if w is None else (w - 1, 0)
+    return lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, local_window_size=local, implementation=implementation
+    )
+
+
+def time_fn(fn, args, warmup: int, iters: int) -> float:
+    """Median wall time of fn(*args) in seconds (each call waited on with block_until_ready)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_one(name, batch, seq_len, window, heads, kv_heads, head_dim, dtype, warmup, iters, smoke):
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (batch, seq_len, heads, head_dim), dtype)
+    k = jax.random.normal(keys[1], (batch, seq_len, kv_heads, head_dim), dtype)
+    v = jax.random.normal(keys[2], (batch, seq_len, kv_heads, head_dim), dtype)
+    do = jax.random.normal(keys[3], (batch, seq_len, heads, head_dim), dtype)
+    attn = make_impl(name, window, smoke)
+    forward = jax.jit(attn)
+    forward_backward = jax.jit(lambda q, k, v, do: jax.vjp(attn, q, k, v)[1](do))
+    counted_window = None if name.endswith("_causal") else window
+    flops_fwd, flops_fwd_bwd = attention_flops(batch, heads, head_dim, seq_len, counted_window)
+    row = {
+        "impl": name, "batch": batch, "seq_len": seq_len, "window": counted_window, "heads": heads,
+        "kv_heads": kv_heads, "head_dim": head_dim, "dtype": jnp.dtype(dtype).name,
+        "flops_fwd": flops_fwd, "flops_fwd_bwd": flops_fwd_bwd,
+    }
+    try:
+        t_fwd = time_fn(forward, (q, k, v), warmup, iters)
+        t_fwd_bwd = time_fn(forward_backward, (q, k, v, do), warmup, iters)
+    except Exception as e:  # noqa: BLE001 - a benchmark reports a failing implementation and moves on
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        return row
+    row.update(
+        fwd_s=t_fwd, fwd_bwd_s=t_fwd_bwd,
+        fwd_tflops=flops_fwd / t_fwd / 1e12, fwd_bwd_tflops=flops_fwd_bwd / t_fwd_bwd / 1e12,
+    )
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU run: interpret mode, xla instead of cudnn")
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--seq-lens", type=str, default="4096,8192,32768")
+    parser.add_argument("--windows", type=str, default="512,4096")
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads (no GQA)")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--tokens", type=int, default=131072, help="batch = max(1, tokens // T)")
+    parser.add_argument("--dtype", type=str, default="bfloat16")
+    parser.add_argument("--impls", type=str, default="pallas,cudnn,pallas_causal,cudnn_causal")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.seq_lens, args.windows, args.heads, args.head_dim, args.tokens = "256", "64", 2, 32, 256
+        args.warmup, args.iters = 1, 2
+        args.impls = args.impls.replace("cudnn", "xla")
+    seq_lens = [int(x) for x in args.seq_lens.split(",")]
+    windows = [int(x) for x in args.windows.split(",")]
+    impls = args.impls.split(",")
+    kv_heads = args.kv_heads or args.heads
+    dtype = jnp.dtype(args.dtype)
+    device = jax.devices()[0]
+    print(f"device: {device.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
+          f"H={args.heads} Hkv={kv_heads} K={args.head_dim} {dtype.name}, median of {args.iters}")
+
+    rows = []
+    header = f"{'impl':<14}{'T':>7}{'W':>7}{'B':>5}{'fwd ms':>10}{'fwd TF/s':>10}{'f+b ms':>10}{'f+b TF/s':>10}"
+    print(header)
+    print("-" * len(header))
+    for seq_len in seq_lens:
+        batch = max(1, args.tokens // seq_len)
+        for window in windows:
+            for name in impls:
+                if name.endswith("_causal") and window != windows[0]:
+                    continue  # the causal baselines do not depend on W: time them once per T
+                row = bench_one(name, batch, seq_len, window, args.heads, kv_heads, args.head_dim, dtype,
+                                args.warmup, args.iters, args.smoke)
+                rows.append(row)
+                w = "-" if row["window"] is None else row["window"]
+                if "error" in row:
+                    print(f"{name:<14}{seq_len:>7}{w:>7}{batch:>5}  {row['error']}")
+                else:
+                    print(f"{name:<14}{seq_len:>7}{w:>7}{batch:>5}{row['fwd_s'] * 1e3:>10.3f}"
+                          f"{row['fwd_tflops']:>10.3f}{row['fwd_bwd_s'] * 1e3:>10.3f}{row['fwd_bwd_tflops']:>10.3f}")
+    if args.json:
+        meta = {"device_kind": device.device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
+                "smoke": args.smoke, "warmup": args.warmup, "iters": args.iters,
+                "flops": "fwd = 4*B*H*K*sum_i min(i, W); fwd+bwd = 3.5*fwd"}
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
