@@ -9,8 +9,11 @@ x + attn(ln(x)) + mlp(ln(x)), so the two branches' tensor-parallel collectives c
 
 Parallelism is not written here: parameters carry logical axis names (`sharding_rules.axes`) and activations
 pass through `msjax.sharding.constrain`; the rule set picked in the config decides the layout.
-Layers are created stacked (leading `layers` axis) and run with `jax.lax.scan`, so compile time does not grow
-with depth; `scan_layers=False` unrolls the same scan.
+With `scan_layers=True` layers are created stacked (leading `layers` axis, parameters under `blocks`) and run
+with `jax.lax.scan`, so compile time does not grow with depth: the choice for deep models. `scan_layers=False`
+keeps one parameter set per layer (`layers.0`, `layers.1`, ...) and a Python loop, as MaxText does; for shallow
+models on CPU it is about 2x faster in the backward pass (measured: a 4-layer MLP stack's gradient took 31.6 ms
+scanned vs 14.7 ms looped on the 2-core machine, the scan paying for per-iteration slices and gradient stacking).
 """
 
 from __future__ import annotations
@@ -165,12 +168,15 @@ class GPT(nnx.Module):
         self.wte = _param(rngs, (v, d), (ax.VOCAB, ax.EMBED), cfg.init_std, dt)
         self.wpe = _param(rngs, (cfg.max_seq_len, d), (ax.POSITION, ax.EMBED), cfg.init_std, dt)
 
-        @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: ax.LAYERS})
-        def make_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, rngs)
+        if cfg.scan_layers:
+            @nnx.split_rngs(splits=cfg.num_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: ax.LAYERS})
+            def make_blocks(rngs: nnx.Rngs) -> Block:
+                return Block(cfg, rngs)
 
-        self.blocks = make_blocks(rngs)
+            self.blocks = make_blocks(rngs)
+        else:
+            self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
         self.ln_f = LayerNorm(cfg, rngs)
         self.lm_head = None if cfg.tie_embeddings else _param(rngs, (d, v), (ax.EMBED, ax.VOCAB), cfg.init_std, dt)
 
@@ -188,15 +194,19 @@ class GPT(nnx.Module):
         x_btd = jnp.take(wte_vd, tokens_bt, axis=0) + self.wpe[...][:t]
         x_btd = constrain(x_btd.astype(dt), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED))
 
-        graphdef, layer_states = nnx.split(self.blocks)
+        def remat(f):
+            if cfg.remat == "none":
+                return f
+            return jax.checkpoint(f, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
 
-        def layer(x_btd, state):
-            return nnx.merge(graphdef, state)(x_btd), None
-
-        if cfg.remat != "none":
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
-        x_btd, _ = jax.lax.scan(layer, x_btd, layer_states, unroll=1 if cfg.scan_layers else True)
-
+        if cfg.scan_layers:
+            graphdef, stacked = nnx.split(self.blocks)
+            layer = remat(lambda x, state: (nnx.merge(graphdef, state)(x), None))
+            x_btd, _ = jax.lax.scan(layer, x_btd, stacked)
+        else:
+            for block in self.layers:
+                graphdef, state = nnx.split(block)
+                x_btd = remat(lambda state, x, gd=graphdef: nnx.merge(gd, state)(x))(state, x_btd)
         x_btd = self.ln_f(x_btd)
         if self.lm_head is not None:
             logits_btv = jnp.einsum("btd,dv->btv", x_btd, self.lm_head[...].astype(dt))

@@ -41,7 +41,7 @@ def numpy_gpt(cfg: ModelConfig, params: dict, tokens: np.ndarray) -> np.ndarray:
     i, j = np.arange(t)[:, None], np.arange(t)[None, :]
     allowed = (j <= i) & (j > i - w)
     for layer in range(cfg.num_layers):
-        lp = jax.tree.map(lambda a: a[layer], p["blocks"])
+        lp = jax.tree.map(lambda a: a[layer], p["blocks"]) if "blocks" in p else p["layers"][layer]
 
         def attn(u):
             q = np.einsum("btd,dhk->bthk", u, lp["attn"]["wq"]) + lp["attn"]["bq"]
@@ -80,8 +80,17 @@ def _random_params(cfg, seed=0):
     return jax.tree.unflatten(treedef, leaves)
 
 
+def unstack(params: dict) -> dict:
+    """Stacked (scanned) parameters -> the per-layer layout of scan_layers=False."""
+    out = {k: v for k, v in params.items() if k != "blocks"}
+    n = jax.tree.leaves(params["blocks"])[0].shape[0]
+    out["layers"] = {i: jax.tree.map(lambda a: a[i], params["blocks"]) for i in range(n)}
+    return out
+
+
 @pytest.mark.parametrize("kw", [
     dict(),
+    dict(scan_layers=False, remat="full"),
     dict(block="parallel"),
     dict(attention=AttentionConfig(window=3)),
     dict(num_kv_heads=2, tie_embeddings=False),
@@ -152,13 +161,16 @@ def _loss_and_grads(cfg, params, tokens):
 
 
 @pytest.mark.parametrize("change", [dict(remat="full"), dict(remat="dots"), dict(remat="dots_no_batch"),
-                                    dict(scan_layers=False)])
-def test_remat_and_unrolled_layers_change_nothing(change):
+                                    dict(scan_layers=False), dict(scan_layers=False, remat="dots")])
+def test_remat_and_unscanned_layers_change_nothing(change):
     cfg = tiny()
     params = _random_params(cfg)
     tokens = np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 13)).astype(np.int32)
     l0, g0 = _loss_and_grads(cfg, params, tokens)
+    if change.get("scan_layers") is False:
+        params, g0 = unstack(params), unstack(g0)
     l1, g1 = _loss_and_grads(dataclasses.replace(cfg, **change), params, tokens)
+    assert jax.tree.structure(g0) == jax.tree.structure(g1)
     np.testing.assert_allclose(l0, l1, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
