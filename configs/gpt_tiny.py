@@ -9,7 +9,6 @@ OVERRIDES = {
     "model.num_heads": 6,
     "model.max_seq_len": 128,
     "train.seq_len": 128,
-    "train.steps": 1000,
     "train.eval_batches": 10,
     "train.run_dir": "runs/gpt_tiny",
     "optimizer.lr": 2e-3,
