@@ -1,0 +1,141 @@
+"""Communication per step: every collective of a layout, its bytes, the mesh axes and link it runs on, and the
+time it takes at that link's bandwidth.
+
+Ring-algorithm volumes per device (Thakur et al. 2005; the NCCL "bus bandwidth" convention): an all-gather or a
+reduce-scatter of a tensor of B bytes moves (n - 1) / n * B bytes through each device's link; an all-reduce
+moves twice that. Time = volume / bus bandwidth + (n - 1) ring steps x latency. Send/recv moves B bytes.
+
+The per-step inventory (per device, most loaded pipeline stage) follows the layout:
+  TP     (tensor)        per layer and microbatch: an all-gather entering and a reduce-scatter leaving each TP
+                         region (with sequence parallelism; without it an all-reduce, the same bytes) of the
+                         b x s x h activation, forward and backward, and again in a full-remat recompute.
+                         Serial blocks have two TP regions per layer (attention, MLP), parallel blocks one
+                         (MegaScale fig. 3a). The vocabulary-parallel embedding and logits add one pair each
+                         (with pipelining, the stage that has one of them).
+  SEQ    (sequence)      per TP region: the sequence is all-gathered in the forward, reduce-scattered backward.
+  FSDP   (fsdp)          per layer and microbatch: weights all-gathered for the forward and again for the
+                         backward (in the compute dtype), gradients reduce-scattered (ZeRO-3).
+  DP     (data, sequence) once per step after accumulation: all-reduce of the gradients (ZeRO-0), or reduce-
+                         scatter of the gradients + all-gather of the updated parameters (ZeRO-1/2,
+                         Megatron's distributed optimizer, MegaScale fig. 1).
+  PP     (pipeline)      per chunk boundary and microbatch: send the activation forward and its gradient back,
+                         1/t of it per tensor rank (Narayanan et al. 2021 sec. 4.1 scatter/gather).
+  EMB    (pipeline)      tied embedding: the first and last stages all-reduce the embedding gradient.
+"""
+
+from __future__ import annotations
+
+from msjax.config import Config
+from msjax.hardware import Hardware
+from msjax.planner.layout import Layout, Link, group_link
+from msjax.planner.memory import _DTYPE_BYTES, StageParams, state_bytes_per_element
+
+
+class Collective:
+    """One kind of collective in a step (times and volumes computed once, at construction).
+
+    Attributes:
+      name: what it is for ("TP all-gather", "DP reduce-scatter", ...).
+      group: "TP", "SEQ", "FSDP", "DP", "PP" or "EMB".
+      axes: mesh axes of the group.
+      op: "all-gather", "reduce-scatter", "all-reduce" or "send/recv".
+      size: devices in the group.
+      tensor_bytes: bytes of the full tensor of one call.
+      calls: calls per step (per device).
+      link: the link it runs on.
+      volume_per_call: bytes through one device's link per call.
+      time_per_call, bytes_per_step, time_per_step: seconds / bytes.
+    """
+
+    __slots__ = ("name", "group", "axes", "op", "size", "tensor_bytes", "calls", "link", "volume_per_call",
+                 "time_per_call", "bytes_per_step", "time_per_step")
+
+    def __init__(self, name: str, group: str, axes: tuple[str, ...], op: str, size: int, tensor_bytes: float,
+                 calls: float, link: Link):
+        self.name, self.group, self.axes, self.op, self.size = name, group, axes, op, size
+        self.tensor_bytes, self.calls, self.link = tensor_bytes, calls, link
+        if op == "send/recv":
+            self.volume_per_call, steps = tensor_bytes, 1
+        else:
+            factor = 2 if op == "all-reduce" else 1
+            self.volume_per_call = factor * (size - 1) / size * tensor_bytes
+            steps = factor * (size - 1)
+        self.time_per_call = self.volume_per_call / link.bandwidth + steps * link.latency
+        self.bytes_per_step = self.volume_per_call * calls
+        self.time_per_step = self.time_per_call * calls
+
+    def __repr__(self) -> str:
+        return (f"Collective({self.name!r}, {self.op}, size={self.size}, bytes={self.tensor_bytes:.3g}, "
+                f"calls={self.calls:g}, {self.link.kind})")
+
+
+def tp_regions(layout: Layout) -> int:
+    """Tensor-parallel regions per layer: attention and MLP (serial), or one fused region (parallel)."""
+    return 1 if layout.block == "parallel" else 2
+
+
+def passes(layout: Layout) -> float:
+    """Forward passes of a layer per microbatch counting remat recompute (full remat reruns the forward)."""
+    return 2.0 if layout.remat == "full" else 1.0
+
+
+def inventory(cfg: Config, layout: Layout, hw: Hardware, stage: StageParams) -> list[Collective]:
+    """Every collective of one step on the most loaded device (see module docstring)."""
+    m = cfg.model
+    e = _DTYPE_BYTES[m.dtype]
+    pe, ge, _ = state_bytes_per_element(cfg, layout)
+    s, b = cfg.train.seq_len, layout.microbatch_size
+    p, v, mb, t, sx, f = (layout.pipeline, layout.virtual_stages, layout.microbatches, layout.tensor,
+                         layout.sequence, layout.fsdp)
+    layers = m.num_layers // p
+    act = e * b * s * m.d_model  # the full b x s x h activation, bytes
+    out: list[Collective] = []
+    links: dict = {}
+
+    def add(name, group, axes, op, size, tensor_bytes, calls):
+        if size > 1 and calls > 0 and tensor_bytes > 0:
+            link = links.get(axes)
+            if link is None:
+                link = links[axes] = group_link(layout, axes, hw)
+            out.append(Collective(name, group, axes, op, size, tensor_bytes, calls, link))
+
+    regions = tp_regions(layout)
+    fwd_like = passes(layout)
+    # TP: per region one collective in, one out, in each forward-like pass and in the backward; the
+    # vocabulary-parallel embedding (first stage) and logits (last stage) add one pair each.
+    tp_calls = layers * mb * regions * (fwd_like + 1.0) + mb * (2.0 if p == 1 else 1.0)
+    tp_act = act / sx
+    add("TP all-gather", "TP", ("tensor",), "all-gather", t, tp_act, tp_calls)
+    add("TP reduce-scatter", "TP", ("tensor",), "reduce-scatter", t, tp_act, tp_calls)
+    # SEQ: the msjax model gathers the sequence at every TP-region entry (forward) and scatters it back (bwd).
+    seq_calls = layers * mb * regions * fwd_like
+    add("SEQ all-gather", "SEQ", ("sequence",), "all-gather", sx, act / t if layout.sequence_parallel else act,
+        seq_calls)
+    add("SEQ reduce-scatter", "SEQ", ("sequence",), "reduce-scatter", sx,
+        act / t if layout.sequence_parallel else act, layers * mb * regions)
+    # FSDP (ZeRO-3 over fsdp): gather weights for each forward-like pass and the backward; scatter gradients.
+    layer_w = stage.layer_total / t
+    embed_w = stage.embed_total / t
+    add("FSDP all-gather (weights)", "FSDP", ("fsdp",), "all-gather", f, e * layer_w,
+        layers * mb * (fwd_like + 1.0))
+    add("FSDP reduce-scatter (grads)", "FSDP", ("fsdp",), "reduce-scatter", f, ge * layer_w, layers * mb)
+    add("FSDP all-gather (embedding)", "FSDP", ("fsdp",), "all-gather", f, e * embed_w, mb * 2.0)
+    add("FSDP reduce-scatter (embedding)", "FSDP", ("fsdp",), "reduce-scatter", f, ge * embed_w, mb)
+    # DP over data (and sequence, where parameters are replicated too), once per step.
+    elements = layers * stage.layer_elements + max(stage.first_elements, stage.last_elements)
+    dp_axes = ("data", "sequence") if sx > 1 else ("data",)
+    n_dp = layout.data * sx
+    if layout.zero_stage == 0:
+        add("DP all-reduce (grads)", "DP", dp_axes, "all-reduce", n_dp, ge * elements, 1)
+    else:
+        add("DP reduce-scatter (grads)", "DP", dp_axes, "reduce-scatter", n_dp, ge * elements, 1)
+        add("DP all-gather (params)", "DP", dp_axes, "all-gather", n_dp, pe * elements, 1)
+    # PP: per chunk boundary per microbatch, activation forward and gradient backward (1/t per tensor rank).
+    if p > 1:
+        p2p = act / t / sx
+        add("PP send/recv (activations)", "PP", ("pipeline",), "send/recv", p, p2p, mb * v)
+        add("PP send/recv (gradients)", "PP", ("pipeline",), "send/recv", p, p2p, mb * v)
+        if m.tie_embeddings:
+            add("EMB all-reduce (tied embedding)", "EMB", ("pipeline",), "all-reduce", 2,
+                ge * stage.embed_total / t / f, 1)
+    return out

@@ -1,0 +1,160 @@
+"""`--compile`: lower and compile the real train step for a layout on fake CPU devices, and compare XLA's
+per-device argument bytes with the planner's analytic parameter + optimizer-state bytes.
+
+What is compiled (no accelerator; `XLA_FLAGS=--xla_force_host_platform_device_count=N` in a subprocess, or the
+current process when it already has enough devices):
+  `msjax.train_step.build_train_program(cfg, mesh).step_fn`, lowered with the abstract state and batch and
+  compiled; `compiled.memory_analysis().argument_size_in_bytes` is per device.
+  The mesh is the layout's (fsdp, sequence, tensor) with data = 1: data-parallel replicas hold identical bytes,
+  so one replica's worth of devices is enough. The global batch is divided by the data size to keep the
+  per-device batch the same.
+  Pipeline parallelism is not in the train step: for pipeline > 1 the compiled model is one stage's L/p layers
+  together with both ends' embedding and final norm (a p = 1 model of L/p layers), and the analytic side is
+  that same model. ZeRO-1/2 over `data` are not in the train step either: the comparison is always with the
+  state as the step lays it out (ZeRO over data = 0).
+What is compared:
+  analytic: params + optimizer moments + scalars (step, rng, optimizer counters), per device, from the
+    planner's own leaf inventory and the rule set (msjax.planner.memory.analytic_state_bytes), plus the int32
+    inputs/targets batch shard.
+  xla: the compiled step's argument bytes per device.
+  They must agree within 1%.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from msjax.config import Config, apply_overrides, flat_keys
+from msjax.planner.layout import AXES, resolve_vocab
+from msjax.planner.memory import analytic_state_bytes
+from msjax.planner.options import PlanError
+
+MAX_FAKE_DEVICES = 512
+
+
+def compile_config(cfg: Config, sizes: dict[str, int]) -> tuple[Config, dict[str, int], str]:
+    """(config to compile, its mesh sizes, a sentence saying what is compiled) for a layout's `sizes`."""
+    p, d = sizes["pipeline"], sizes["data"]
+    L = cfg.model.num_layers
+    g = cfg.train.global_batch // d
+    micro = cfg.train.microbatches if g % cfg.train.microbatches == 0 and \
+        (g // cfg.train.microbatches) % sizes["fsdp"] == 0 else 1
+    over = {"mesh.pipeline": 1, "mesh.data": 1, "mesh.fsdp": sizes["fsdp"], "mesh.sequence": sizes["sequence"],
+            "mesh.tensor": sizes["tensor"], "train.global_batch": g, "train.microbatches": micro,
+            "model.vocab_size": resolve_vocab(cfg) if not cfg.model.vocab_size else cfg.model.vocab_size}
+    what = (f"the train step of {cfg.name} on a (data=1, fsdp={sizes['fsdp']}, sequence={sizes['sequence']}, "
+            f"tensor={sizes['tensor']}) mesh of {sizes['fsdp'] * sizes['sequence'] * sizes['tensor']} fake CPU "
+            f"devices (one of the {d} data-parallel replicas; batch {g})")
+    if p > 1:
+        over["model.num_layers"] = L // p
+        what += (f"; pipeline={p} is not in the train step, so the model compiled is one stage's {L // p} layers "
+                 "plus both ends' embeddings and final norm")
+    csizes = {"pipeline": 1, "data": 1, "fsdp": sizes["fsdp"], "sequence": sizes["sequence"],
+              "tensor": sizes["tensor"]}
+    return apply_overrides(cfg, over).validate(), csizes, what
+
+
+def analytic_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, int]:
+    """Analytic per-device argument bytes of the train step: state (params, optimizer, scalars) + batch shard."""
+    state = analytic_state_bytes(cfg, resolve_vocab(cfg), sizes)
+    shards = sizes["data"] * sizes["fsdp"] * sizes["sequence"]
+    batch = 2 * 4 * cfg.train.global_batch * cfg.train.seq_len // shards
+    return {**{f"state_{k}": v for k, v in state.items()}, "batch": batch, "total": state["total"] + batch}
+
+
+def compile_here(cfg: Config, sizes: dict[str, int]) -> dict[str, Any]:
+    """Compiles in this process (needs prod(sizes) local devices) and returns the comparison dict."""
+    import jax
+
+    from msjax.mesh import make_mesh
+    from msjax.train_step import build_train_program
+
+    n = math.prod(sizes.values())
+    devices = jax.devices()[:n]
+    if len(devices) < n:
+        raise PlanError(f"compile check needs {n} devices, this process has {len(jax.devices())}")
+    t0 = time.perf_counter()
+    mesh = make_mesh(cfg.mesh, devices)
+    prog = build_train_program(cfg, mesh)
+    compiled = prog.step_fn.lower(prog.abstract_state, prog.abstract_batch).compile()
+    seconds = time.perf_counter() - t0
+    xla = int(compiled.memory_analysis().argument_size_in_bytes)
+    sharded = 0  # bytes per device implied by the step's own shardings (an independent middle check)
+    for leaf in jax.tree.leaves(prog.abstract_state) + jax.tree.leaves(prog.abstract_batch):
+        sharded += math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+    analytic = analytic_bytes(cfg, sizes)
+    return {"devices": n, "mesh": sizes, "compile_seconds": seconds, "xla_argument_bytes": xla,
+            "sharding_bytes": sharded, "analytic": analytic,
+            "param_bytes_global": prog.param_bytes, "opt_state_bytes_global": prog.opt_state_bytes,
+            "relative_difference": (xla - analytic["total"]) / analytic["total"]}
+
+
+def compile_check(cfg: Config, sizes: dict[str, int], zero_stage: int = 0,
+                  timeout: float = 600.0) -> dict[str, Any]:
+    """Compiles the train step for a layout (see module docstring) and compares argument bytes.
+
+    Args:
+      cfg: the planned config.
+      sizes: the layout's mesh axis sizes (pipeline, data, fsdp, sequence, tensor).
+      zero_stage: the plan's ZeRO stage over data (only mentioned: the step keeps the state whole over data).
+    Returns:
+      dict with "what" (the sentence above), "xla_argument_bytes", "analytic" (by part), "sharding_bytes",
+      "relative_difference", "agree" (within 1%), "compile_seconds", "devices", "mesh".
+    Raises:
+      PlanError: more than MAX_FAKE_DEVICES devices would be needed, or the subprocess failed (its stderr
+        tail is in the message).
+    """
+    ccfg, csizes, what = compile_config(cfg, sizes)
+    n = math.prod(csizes.values())
+    if n > MAX_FAKE_DEVICES:
+        raise PlanError(f"compile check would need {n} fake CPU devices (fsdp x sequence x tensor); at most "
+                        f"{MAX_FAKE_DEVICES} are supported")
+    try:
+        import jax
+
+        local = len(jax.devices()) if "jax" in sys.modules else 0
+    except Exception:  # noqa: BLE001 - no usable jax backend here: use the subprocess
+        local = 0
+    if local >= n:
+        out = compile_here(ccfg, csizes)
+    else:
+        out = _compile_subprocess(ccfg, csizes, n, timeout)
+    if zero_stage:
+        what += (f"; the plan's ZeRO-{zero_stage} over data is not in the train step, so both sides are the "
+                 "state as the step lays it out (whole over data)")
+    out["what"] = what
+    out["agree"] = abs(out["relative_difference"]) <= 0.01
+    return out
+
+
+def _compile_subprocess(cfg: Config, sizes: dict[str, int], n: int, timeout: float) -> dict[str, Any]:
+    env = dict(os.environ)
+    flags = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f)
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    payload = json.dumps({"config": {k: v for k, v in flat_keys(cfg).items()}, "name": cfg.name, "sizes": sizes})
+    proc = subprocess.run([sys.executable, "-m", "msjax.planner.compile_check"], input=payload, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode:
+        raise PlanError(f"compile check failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _main() -> None:
+    msg = json.loads(sys.stdin.read())
+    cfg = apply_overrides(Config(name=msg["name"]), {k: (list(v) if isinstance(v, list) else v)
+                                                     for k, v in msg["config"].items()}).validate()
+    sizes = {a: int(msg["sizes"][a]) for a in AXES}
+    print(json.dumps(compile_here(cfg, sizes)))
+
+
+if __name__ == "__main__":
+    _main()

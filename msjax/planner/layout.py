@@ -1,0 +1,272 @@
+"""A layout: the mesh sizes, pipeline schedule and batch split of one plan, checked for legality.
+
+Mesh axes are ordered outer to inner (pipeline, data, fsdp, sequence, tensor) as in `msjax.mesh`, and devices
+are numbered in that row-major order, so the tensor axis is contiguous (inside a node) and the pipeline axis is
+the most spread out (across nodes), as in Megatron-LM and MegaScale (sec. 2, "Combination of parallelism").
+
+What each axis means to the planner (matching `sharding_rules` and `msjax.model`):
+  tensor    Megatron TP (Shoeybi et al. 2019): heads, MLP width and vocabulary split; with
+            `sequence_parallel` the activations between TP regions are split along the sequence (Megatron-SP).
+  sequence  the activations' sequence dimension between TP regions is split over this axis (the rule sets map
+            `act_seq` to it); inside attention and the MLP the msjax model gathers the whole sequence, so that
+            work is repeated on every member of the axis. Parameters are replicated over it.
+  fsdp      ZeRO-3 / FSDP: parameters, gradients and optimizer state split on `embed`; weights all-gathered
+            before use, gradients reduce-scattered.
+  data      replicas; `zero_stage` 1/2 additionally shard optimizer state / gradients over it.
+  pipeline  stages of L/p layers, each split into `virtual_stages` chunks (interleaved 1F1B).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from msjax.config import Config
+from msjax.hardware import Hardware
+from msjax.planner.options import COLLECTIVE_LATENCY, PlanError, PlanOptions
+from sharding_rules import RULE_SETS
+from sharding_rules import axes as ax
+
+AXES = ("pipeline", "data", "fsdp", "sequence", "tensor")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One fully resolved layout (every size explicit).
+
+    Attributes:
+      pipeline, data, fsdp, sequence, tensor: mesh axis sizes (their product is the device count).
+      virtual_stages: model chunks per pipeline stage (1 = plain 1F1B).
+      microbatch_size: sequences per microbatch per replica (b).
+      microbatches: microbatches per step per replica (m).
+      zero_stage: 0, 1 or 2 over the data axis.
+      remat: msjax remat policy ("none", "dots_no_batch", "dots", "full").
+      sequence_parallel: Megatron-SP over the tensor axis.
+      block: "serial" or "parallel" transformer block.
+      window: sliding-window size or None.
+      flash: attention runs as a fused (flash) kernel: no T x T scores in memory, masked blocks skipped.
+      dropout: dropout masks are stored (Megatron's GPT recipe; the msjax model has no dropout).
+      vocab: padded vocabulary rows.
+      baseline: "msjax" or "megatron".
+    """
+
+    pipeline: int
+    data: int
+    fsdp: int
+    sequence: int
+    tensor: int
+    virtual_stages: int
+    microbatch_size: int
+    microbatches: int
+    zero_stage: int
+    remat: str
+    sequence_parallel: bool
+    block: str
+    window: int | None
+    flash: bool
+    dropout: bool
+    vocab: int
+    baseline: str
+
+    @property
+    def devices(self) -> int:
+        return self.pipeline * self.data * self.fsdp * self.sequence * self.tensor
+
+    def axis_sizes(self) -> dict[str, int]:
+        return {a: getattr(self, a) for a in AXES}
+
+    def describe(self) -> str:
+        return (f"pp={self.pipeline}x{self.virtual_stages}v dp={self.data} fsdp={self.fsdp} sp={self.sequence} "
+                f"tp={self.tensor} mb={self.microbatch_size}x{self.microbatches} zero={self.zero_stage} "
+                f"remat={self.remat}")
+
+
+@dataclass(frozen=True)
+class Link:
+    """The link a collective over a group of mesh axes runs on.
+
+    Attributes:
+      kind: "intra" (all members in one node: NVLink / ICI) or "inter" (crosses the network).
+      bandwidth: achievable bus bandwidth per device, bytes/s (datasheet x link efficiency).
+      latency: software + hop latency per ring step, seconds.
+      members_per_node: members of one group that share a node.
+    """
+
+    kind: str
+    bandwidth: float
+    latency: float
+    members_per_node: int
+
+
+def group_link(layout: Layout, axes: tuple[str, ...], hw: Hardware) -> Link:
+    """See `_group_link` (cached on the axis sizes)."""
+    return _group_link(tuple(getattr(layout, a) for a in AXES), axes, hw)
+
+
+@functools.lru_cache(maxsize=65536)
+def _group_link(sizes_t: tuple[int, ...], axes: tuple[str, ...], hw: Hardware) -> Link:
+    """Which link a collective over `axes` uses, and its bus bandwidth per device.
+
+    A group whose members all sit in one node runs at the intra-node bandwidth. A group spanning nodes is
+    limited by the network: its k members inside one node each drive their own NIC (rail-optimised clusters,
+    MegaScale sec. 3.6), so the bus bandwidth is min(intra, k x per-device network bandwidth) — the usual
+    NCCL ring / tree result (k = 1 for a DP group with one GPU per node, k = 8 for a flat 8-GPU-per-node ring).
+    """
+    sizes = dict(zip(AXES, sizes_t))
+    strides, stride = {}, 1
+    for a in reversed(AXES):
+        strides[a] = stride
+        stride *= sizes[a]
+    node = hw.devices_per_node
+    size = math.prod(sizes[a] for a in axes)
+    k = math.prod(min(sizes[a], max(1, node // strides[a])) for a in axes)
+    intra = hw.intra_node_bandwidth * hw.intra_link_efficiency
+    if k >= size:
+        return Link("intra", intra, COLLECTIVE_LATENCY["intra"], size)
+    inter = hw.inter_node_bandwidth * hw.inter_link_efficiency
+    return Link("inter", min(intra, k * inter), COLLECTIVE_LATENCY["inter"], k)
+
+
+def resolve_vocab(cfg: Config) -> int:
+    """The padded vocabulary the model would use: model.vocab_size, else the tokenizer's size from the data
+    config (bpe: data.bpe_vocab_size; byte: 256). Raises PlanError when it cannot be known."""
+    m = cfg.model
+    v = m.vocab_size
+    if not v:
+        if cfg.data.tokenizer == "bpe":
+            v = cfg.data.bpe_vocab_size
+        elif cfg.data.tokenizer == "byte":
+            v = 256
+        else:
+            raise PlanError("model.vocab_size is 0 and the char tokenizer's size depends on the corpus; "
+                            "set --model.vocab_size=N")
+    return m.padded_vocab(v)
+
+
+def mesh_sizes(cfg: Config, devices: int) -> dict[str, int]:
+    """Axis sizes with data=-1 filled in for `devices`. Raises PlanError naming the mismatch."""
+    sizes = cfg.mesh.axis_sizes()
+    fixed = math.prod(v for k, v in sizes.items() if not (k == "data" and v == -1))
+    if sizes["data"] == -1:
+        if devices % fixed:
+            raise PlanError(f"--devices={devices} is not a multiple of pipeline x fsdp x sequence x tensor = "
+                            f"{sizes['pipeline']} x {sizes['fsdp']} x {sizes['sequence']} x {sizes['tensor']} = "
+                            f"{fixed}")
+        sizes["data"] = devices // fixed
+    total = math.prod(sizes.values())
+    if total != devices:
+        raise PlanError(f"mesh pipeline x data x fsdp x sequence x tensor = {total} devices, but --devices="
+                        f"{devices}; set the sizes to multiply to the device count (or --mesh.data=-1)")
+    return sizes
+
+
+def check_model_split(cfg: Config, sizes: dict[str, int], vocab: int) -> None:
+    """Divisibility of the model over the mesh. Raises PlanError naming the key that does not divide."""
+    m, t, p, f, s = cfg.model, sizes["tensor"], sizes["pipeline"], sizes["fsdp"], sizes["sequence"]
+    if p > m.num_layers:
+        raise PlanError(f"mesh.pipeline={p} stages is more than model.num_layers={m.num_layers} layers")
+    if m.num_layers % p:
+        raise PlanError(f"model.num_layers={m.num_layers} is not divisible by mesh.pipeline={p} stages")
+    for key, value in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.kv_heads),
+                       ("model.d_ff", m.ff_size), ("vocabulary (padded)", vocab)):
+        if value % t:
+            raise PlanError(f"{key}={value} is not divisible by the tensor-parallel size mesh.tensor={t}")
+    if m.d_model % f:
+        raise PlanError(f"model.d_model={m.d_model} is not divisible by mesh.fsdp={f} (FSDP splits the embed axis)")
+    if cfg.train.seq_len % s:
+        raise PlanError(f"train.seq_len={cfg.train.seq_len} is not divisible by mesh.sequence={s}")
+    rules = RULE_SETS[cfg.mesh.rules]
+    if t > 1 and rules.get(ax.HEADS) != "tensor":
+        raise PlanError(f"mesh.tensor={t} but rule set mesh.rules={cfg.mesh.rules!r} splits nothing over the "
+                        "tensor axis (the work would be repeated t times); use 'tp' or 'fsdp_tp'")
+    if f > 1 and rules.get(ax.EMBED) != "fsdp":
+        raise PlanError(f"mesh.fsdp={f} but rule set mesh.rules={cfg.mesh.rules!r} shards no parameter over fsdp "
+                        "(that is plain data parallelism); use 'fsdp' or 'fsdp_tp', or set mesh.data instead")
+    if s > 1 and rules.get(ax.ACT_SEQ) != "sequence":
+        raise PlanError(f"mesh.sequence={s} but rule set mesh.rules={cfg.mesh.rules!r} does not split the "
+                        "sequence; use 'tp' or 'fsdp_tp'")
+
+
+def legal_virtual_stages(num_layers: int, pipeline: int, microbatches: int) -> list[int]:
+    """Chunk counts v for interleaved 1F1B: v divides the layers per stage, and (v > 1) the microbatch count is
+    a multiple of the stage count (Megatron-LM's requirement for the interleaved schedule)."""
+    per_stage = num_layers // pipeline
+    if pipeline == 1:
+        return [1]
+    return [v for v in range(1, per_stage + 1)
+            if per_stage % v == 0 and (v == 1 or microbatches % pipeline == 0)]
+
+
+def replica_batch(cfg: Config, sizes: dict[str, int]) -> int:
+    """Sequences per step per (data x fsdp) replica. Raises PlanError when the batch does not split."""
+    g, r = cfg.train.global_batch, sizes["data"] * sizes["fsdp"]
+    if g % r:
+        raise PlanError(f"train.global_batch={g} (--global_batch) does not split over data x fsdp = "
+                        f"{sizes['data']} x {sizes['fsdp']} = {r} replicas")
+    return g // r
+
+
+def default_microbatch_size(cfg: Config, sizes: dict[str, int]) -> int:
+    """The microbatch the training config implies: global_batch / (train.microbatches x replicas)."""
+    per_replica = replica_batch(cfg, sizes)
+    if per_replica % cfg.train.microbatches:
+        raise PlanError(f"train.microbatches={cfg.train.microbatches} does not divide the {per_replica} sequences "
+                        "each replica gets per step")
+    return per_replica // cfg.train.microbatches
+
+
+def attention_is_flash(cfg: Config, hw: Hardware) -> bool:
+    """Whether `model.attention.impl` resolves to a fused kernel on this hardware (msjax.ops.attention):
+    pallas and cudnn are fused; auto is cudnn on GPU for 16-bit inputs and pallas on TPU; xla materialises
+    the T x T scores."""
+    impl = cfg.model.attention.impl
+    if impl == "auto":
+        if hw.name.startswith("tpu"):
+            return True
+        return cfg.model.dtype == "bfloat16"
+    return impl in ("pallas", "cudnn")
+
+
+def make_layout(cfg: Config, opts: PlanOptions, hw: Hardware, sizes: dict[str, int], virtual_stages: int,
+                microbatch_size: int, zero_stage: int, remat: str) -> Layout:
+    """A checked Layout for explicit choices. Raises PlanError naming what does not divide."""
+    vocab = resolve_vocab(cfg)
+    check_model_split(cfg, sizes, vocab)
+    per_replica = replica_batch(cfg, sizes)
+    if per_replica % microbatch_size:
+        raise PlanError(f"microbatch size {microbatch_size} does not divide the {per_replica} sequences per "
+                        f"replica (train.global_batch={cfg.train.global_batch} over data x fsdp = "
+                        f"{sizes['data'] * sizes['fsdp']})")
+    m = per_replica // microbatch_size
+    p, L = sizes["pipeline"], cfg.model.num_layers
+    if (L // p) % virtual_stages:
+        raise PlanError(f"--virtual_stages={virtual_stages} does not divide the {L // p} layers per pipeline stage")
+    if virtual_stages > 1 and p == 1:
+        raise PlanError(f"--virtual_stages={virtual_stages} needs pipeline parallelism (mesh.pipeline > 1)")
+    if virtual_stages > 1 and m % p:
+        raise PlanError(f"interleaved 1F1B (--virtual_stages={virtual_stages}) needs the {m} microbatches per step "
+                        f"to be a multiple of mesh.pipeline={p}")
+    t = sizes["tensor"]
+    sp = opts.sequence_parallel and t > 1
+    if sp and (cfg.train.seq_len // sizes["sequence"]) % t:
+        raise PlanError(f"sequence parallelism splits the {cfg.train.seq_len // sizes['sequence']}-token "
+                        f"sequence over mesh.tensor={t}; it does not divide (or --sequence_parallel=false)")
+    megatron = opts.baseline == "megatron"
+    return Layout(
+        pipeline=p, data=sizes["data"], fsdp=sizes["fsdp"], sequence=sizes["sequence"], tensor=t,
+        virtual_stages=virtual_stages, microbatch_size=microbatch_size, microbatches=m, zero_stage=zero_stage,
+        remat=remat, sequence_parallel=sp, block="serial" if megatron else cfg.model.block,
+        window=None if megatron else cfg.model.attention.window, flash=attention_is_flash(cfg, hw),
+        dropout=megatron, vocab=vocab, baseline=opts.baseline,
+    )
+
+
+def fast_replace(layout: Layout, **changes) -> Layout:
+    """dataclasses.replace without re-running __init__ (the search makes ~10^6 variants of checked layouts;
+    only fields that need no re-checking may be changed this way: remat, zero_stage, and a microbatch size /
+    virtual-stage count that the caller took from the legal lists)."""
+    new = object.__new__(Layout)
+    new.__dict__.update(layout.__dict__)
+    new.__dict__.update(changes)
+    return new

@@ -1,0 +1,320 @@
+"""Per-device memory: parameters, gradients, optimizer state and activations.
+
+Parameters are counted leaf by leaf from the same shapes and logical axis names as `msjax.model` and split by the
+same rule set (`sharding_rules`), so the analytic state bytes can be compared exactly with what XLA allocates
+(`msjax.planner.compile_check`).
+
+Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"),
+sec. 4: bytes stored per transformer layer per microbatch, with s sequence length, b microbatch size, h hidden
+size, a heads, t tensor-parallel size, 16-bit activations and 1-byte dropout masks:
+    no parallelism (eq. 1):              s b h (34 + 5 a s / h)
+    tensor parallelism (eq. 2):          s b h (10 + 24 / t + 5 a s / (h t))
+    tensor + sequence parallelism (eq. 4): s b h / t (34 + 5 a s / h)
+    selective recomputation (eq. 6):     s b h 34 / t          (attention core recomputed)
+    full recomputation (sec. 4.3):       2 s b h               (layer input only)
+and pipeline parallelism makes the first stage hold L layers' worth (1F1B: p microbatches of L/p layers),
+times (1 + (p - 1) / (p v)) with v interleaved chunks (sec. 4.2.3). `korthikanti_layer_bytes` is that
+per-layer count, generalised (component by component) to any MLP width, grouped-query heads, parallel blocks,
+no dropout and fused (flash) attention; `layer_activation_bytes` maps msjax's remat policies onto it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from msjax.config import Config
+from sharding_rules import RULE_SETS, logical_to_mesh_spec
+from sharding_rules import axes as ax
+
+from msjax.planner.layout import Layout
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parameter inventory (mirrors msjax.model: shapes and logical axis names).
+
+
+@dataclass(frozen=True)
+class ParamLeaf:
+    """One parameter array. `per_layer` leaves are stacked L times (leading `layers` axis, replicated)."""
+
+    name: str
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+    per_layer: bool
+    where: str  # "first" (embedding end), "layers", "last" (output end); decides the pipeline stage
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+def param_leaves(model_cfg, vocab: int) -> list[ParamLeaf]:
+    """Every parameter of `msjax.model.GPT` for this config (one entry per leaf; layer leaves unstacked)."""
+    m = model_cfg
+    d, h, g, k, f = m.d_model, m.num_heads, m.kv_heads, m.head_size, m.ff_size
+    E, H, G, K, M, N = ax.EMBED, ax.HEADS, ax.KV_HEADS, ax.HEAD_DIM, ax.MLP, ax.NORM
+    out = [ParamLeaf("wte", (vocab, d), (ax.VOCAB, E), False, "first"),
+           ParamLeaf("wpe", (m.max_seq_len, d), (ax.POSITION, E), False, "first")]
+    layer = [("ln1.scale", (d,), (N,)), ("attn.wq", (d, h, k), (E, H, K)), ("attn.wk", (d, g, k), (E, G, K)),
+             ("attn.wv", (d, g, k), (E, G, K)), ("attn.wo", (h, k, d), (H, K, E)),
+             ("mlp.w_in", (d, f), (E, M)), ("mlp.w_out", (f, d), (M, E))]
+    if m.use_bias:
+        layer += [("ln1.bias", (d,), (N,)), ("attn.bq", (h, k), (H, K)), ("attn.bk", (g, k), (G, K)),
+                  ("attn.bv", (g, k), (G, K)), ("attn.bo", (d,), (N,)), ("mlp.b_in", (f,), (M,)),
+                  ("mlp.b_out", (d,), (N,))]
+    if m.block == "serial":
+        layer += [("ln2.scale", (d,), (N,))] + ([("ln2.bias", (d,), (N,))] if m.use_bias else [])
+    out += [ParamLeaf(n, s, nm, True, "layers") for n, s, nm in layer]
+    out += [ParamLeaf("ln_f.scale", (d,), (N,), False, "last")]
+    if m.use_bias:
+        out += [ParamLeaf("ln_f.bias", (d,), (N,), False, "last")]
+    if not m.tie_embeddings:
+        out += [ParamLeaf("lm_head", (d, vocab), (E, ax.VOCAB), False, "last")]
+    return out
+
+
+def shard_elements(leaf: ParamLeaf, rules_name: str, sizes: dict[str, int]) -> int:
+    """Elements of one (unstacked) leaf held per device under the rule set (ceil per sharded dimension)."""
+    spec = logical_to_mesh_spec(leaf.names, RULE_SETS[rules_name])
+    n = 1
+    for dim, entry in zip(leaf.shape, tuple(spec) + (None,) * (len(leaf.shape) - len(spec))):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        n *= -(-dim // math.prod(sizes[a] for a in axes))
+    return n
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """Parameter elements held per device on one pipeline stage (before ZeRO over `data`).
+
+    layer_elements: per device, one transformer layer. first_elements / last_elements: the embedding-end and
+    output-end leaves (on stage 0 and stage p-1; a tied embedding is on both, as in Megatron-LM).
+    """
+
+    layer_elements: int
+    first_elements: int
+    last_elements: int
+    layer_total: int  # unsharded elements of one layer (for FSDP gather volumes)
+    embed_total: int  # unsharded elements of the token embedding
+
+
+def stage_params(cfg: Config, vocab: int, sizes: dict[str, int]) -> StageParams:
+    leaves = param_leaves(cfg.model, vocab)
+    rules = cfg.mesh.rules
+    per = {w: sum(shard_elements(l, rules, sizes) for l in leaves if l.where == w) for w in ("first", "layers",
+                                                                                              "last")}
+    if cfg.model.tie_embeddings:  # the output projection reuses wte: Megatron keeps a copy on the last stage
+        wte = next(l for l in leaves if l.name == "wte")
+        per["last"] += shard_elements(wte, rules, sizes) if sizes["pipeline"] > 1 else 0
+    return StageParams(per["layers"], per["first"], per["last"],
+                       sum(l.size for l in leaves if l.where == "layers"), vocab * cfg.model.d_model)
+
+
+def total_params(cfg: Config, vocab: int) -> int:
+    """All parameters of the model (unsharded), tied embedding counted once."""
+    return sum(l.size * (cfg.model.num_layers if l.per_layer else 1) for l in param_leaves(cfg.model, vocab))
+
+
+def analytic_state_bytes(cfg: Config, vocab: int, sizes: dict[str, int]) -> dict[str, int]:
+    """Per-device bytes of the msjax train state as `msjax.train_step` lays it out (pipeline must be 1):
+    params, optimizer moments (2 per parameter, in the parameter dtype, sharded like it), and the replicated
+    scalars (step int32, rng uint32[2], two int32 optimizer counters: Adam's and the schedule's).
+    """
+    pb = _DTYPE_BYTES[cfg.model.param_dtype]
+    L = cfg.model.num_layers
+    params = sum(shard_elements(l, cfg.mesh.rules, sizes) * (L if l.per_layer else 1)
+                 for l in param_leaves(cfg.model, vocab)) * pb
+    opt_state = 2 * params + 2 * 4
+    scalars = 4 + 8
+    return {"params": params, "opt_state": opt_state, "scalars": scalars, "total": params + opt_state + scalars}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Activations.
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                            recompute: str = "none", *, ffn: int | None = None, q_width: int | None = None,
+                            kv_width: int | None = None, dropout: bool = True, flash: bool = False,
+                            parallel_block: bool = False, act_bytes: int = 2, kv_len: int | None = None,
+                            seq_split: int = 1) -> float:
+    """Bytes of activations one transformer layer stores for one microbatch (Korthikanti et al. 2022 sec. 4).
+
+    With the defaults (ffn=4h, q/kv width h, dropout, no flash, serial block, 16-bit) this is exactly the
+    paper's equations listed in the module docstring. Components (16-bit case, units of s*b*h bytes):
+      attention: QKV input 2 | Q, K 4 | softmax output 2as/h | softmax dropout mask as/h | dropout output
+                 2as/h | V 2 | output-projection input 2 | dropout mask 1
+      MLP:       first linear input 2 | GeLU input 8 | second linear input 8 | dropout mask 1
+      norms:     2 per LayerNorm input (two per serial block)
+    Terms inside the TP regions (Q, K, V, scores, proj input, GeLU/linear-2 inputs) divide by t; the rest
+    (norm inputs, linear inputs, dropout masks) divide by t only with sequence parallelism.
+
+    Args:
+      s, b, h, a: sequence length, microbatch size, hidden size, heads.
+      t, sp: tensor-parallel size and Megatron sequence parallelism.
+      recompute: "none", "selective" (attention core recomputed, eq. 6) or "full" (layer input only).
+      ffn, q_width, kv_width: MLP width (4h), query width a*k (h), key/value width g*k (h) for GQA.
+      dropout: store dropout masks and the dropped-out scores (the paper's GPT); False for msjax's model.
+      flash: fused attention (no s x s scores; keeps a float32 log-sum-exp per query and head instead).
+      parallel_block: one LayerNorm whose output feeds both the attention and the MLP (stored once).
+      act_bytes: bytes per activation element (2 for bf16/fp16, 4 for float32).
+      kv_len: keys per query held in the scores (default s).
+      seq_split: the sequence is further split over this many devices between TP regions (the `sequence`
+        mesh axis); TP-region tensors are not split by it (msjax gathers the sequence there).
+    Returns:
+      bytes per layer per microbatch on one device (float).
+    """
+    ffn = 4 * h if ffn is None else ffn
+    q_width = h if q_width is None else q_width
+    kv_width = h if kv_width is None else kv_width
+    kv_len = s if kv_len is None else kv_len
+    e = act_bytes
+    tok = s * b
+    mask = 1.0 if dropout else 0.0
+    if recompute == "full":
+        return e * tok * h / ((t if sp else 1) * seq_split)
+    # Outside the TP regions: norm inputs, the (shared) input of QKV / linear-1, dropout masks.
+    n_norm = 1 if parallel_block else 2
+    shared_inputs = 1 if parallel_block else 2
+    outer = tok * h * (e * n_norm + e * shared_inputs + 2 * mask) / ((t if sp else 1) * seq_split)
+    # Inside the TP regions (split over t, whole sequence).
+    inner = tok * (e * q_width + e * kv_width  # Q and K for QK^T
+                   + e * kv_width  # V
+                   + e * q_width  # output-projection input
+                   + e * ffn + e * ffn) / t  # GeLU input, linear-2 input
+    scores = 0.0
+    if recompute != "selective":
+        if flash:
+            scores = 4.0 * b * s * a / t  # float32 log-sum-exp per query and head
+        else:
+            scores = b * a * s * kv_len * (e + mask + (e if dropout else 0)) / t
+    return outer + inner + scores
+
+
+def layer_activation_bytes(cfg: Config, layout: Layout, policy: str | None = None) -> float:
+    """Bytes one layer keeps for one microbatch on one device under an msjax remat policy.
+
+    none: everything autodiff keeps (Korthikanti's count, with the layout's dropout / flash / block type).
+    full (`nothing_saveable`): the layer input only (split over t with sequence parallelism: Megatron-SP keeps
+      the residual stream sequence-split, so the saved input is already 1/t; Korthikanti sec. 4.3 notes 2sbh/t).
+    dots_no_batch (`checkpoint_dots_with_no_batch_dims`): the outputs of the weight matmuls (Q, K, V, output
+      projection, linear 1, linear 2) and the layer input; norms, GeLU and the attention core are recomputed.
+    dots (`checkpoint_dots`): as dots_no_batch plus the batched attention matmuls (QK^T scores and PV) when
+      attention is materialised (impl xla); a fused attention kernel is not a dot, so it is recomputed.
+    """
+    m = cfg.model
+    policy = policy or layout.remat
+    s = cfg.train.seq_len
+    b, t, sx = layout.microbatch_size, layout.tensor, layout.sequence
+    e = _DTYPE_BYTES[m.dtype]
+    h, f = m.d_model, m.ff_size
+    qw, kvw = m.num_heads * m.head_size, m.kv_heads * m.head_size
+    if policy in ("none", "full"):
+        return korthikanti_layer_bytes(
+            s, b, h, m.num_heads, t, layout.sequence_parallel, policy, ffn=f, q_width=qw, kv_width=kvw,
+            dropout=layout.dropout, flash=layout.flash, parallel_block=layout.block == "parallel", act_bytes=e,
+            seq_split=sx)
+    split_outer = (t if layout.sequence_parallel else 1) * sx
+    tok = s * b
+    saved = e * tok * (3 * h / split_outer + (qw + 2 * kvw + f) / t)  # x, proj out, lin2 out | Q K V, lin1 out
+    if policy == "dots" and not layout.flash:
+        saved += e * b * m.num_heads * s * s / t + e * tok * qw / t  # scores and PV output
+    return saved
+
+
+def in_flight_chunks(pipeline: int, virtual: int, microbatches: int) -> int:
+    """Chunk-microbatches whose activations the first pipeline stage holds at its peak.
+
+    Megatron-LM's schedules: 1F1B warms up p - 1 forwards (then one more in flight); interleaved 1F1B warms up
+    2 (p - 1) + (v - 1) p chunk forwards. Both are capped by the m v chunk-microbatches of the step. Without
+    pipelining (p = 1) one microbatch is in flight (gradient accumulation frees it after its backward).
+    """
+    if pipeline == 1:
+        return virtual
+    warmup = pipeline - 1 if virtual == 1 else 2 * (pipeline - 1) + (virtual - 1) * pipeline
+    return min(microbatches * virtual, warmup + 1)
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Per-device memory of the most loaded pipeline stage, bytes.
+
+    params, grads, optimizer: model state. activations: stored layer activations of all in-flight
+    microbatches. working: transient peak on top (one layer's full activations while it is recomputed under
+    remat; the output logits and their gradient in float32 for one microbatch; FSDP's gathered weights of two
+    layers). total vs capacity (= memory_fraction x device memory).
+    """
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    working: float
+    capacity: float
+    device_memory: float
+    per_layer_activation: float
+    in_flight_layers: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.working
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+
+def state_bytes_per_element(cfg: Config, layout: Layout) -> tuple[float, float, float]:
+    """(param, grad, optimizer) bytes per parameter element on a device before ZeRO division.
+
+    msjax: parameters in model.param_dtype, gradients accumulated in float32 (msjax.train_step), two optimizer
+    moments in the parameter dtype (optax's default). megatron: bf16 parameters, float32 main gradients, and
+    float32 master weights + two moments (12 bytes; Megatron-LM's mixed-precision optimizer).
+    """
+    if layout.baseline == "megatron":
+        return 2.0, 4.0, 12.0
+    pb = _DTYPE_BYTES[cfg.model.param_dtype]
+    return float(pb), 4.0, 2.0 * pb
+
+
+def memory_report(cfg: Config, layout: Layout, stage: StageParams, device_memory: float,
+                  memory_fraction: float) -> MemoryReport:
+    """Memory of the most loaded stage. Stage 0 holds the embedding and the most in-flight activations;
+    the last stage holds the output layer and the logits; with p = 1 one device holds everything."""
+    L, p, v = cfg.model.num_layers, layout.pipeline, layout.virtual_stages
+    layers = L // p
+    pe, ge, oe = state_bytes_per_element(cfg, layout)
+    d = layout.data
+    per_layer = layer_activation_bytes(cfg, layout)
+    chunks = in_flight_chunks(p, v, layout.microbatches)
+    in_flight_layers = chunks * layers / v
+    e = _DTYPE_BYTES[cfg.model.dtype]
+    s, b, t = cfg.train.seq_len, layout.microbatch_size, layout.tensor
+    logits = 2 * 4 * b * s * layout.vocab / t / layout.sequence
+    remat_working = layer_activation_bytes(cfg, layout, "none") if layout.remat != "none" else 0.0
+    fsdp_buffers = 2 * e * stage.layer_total / t if layout.fsdp > 1 else 0.0
+    candidates = []
+    for where in (("first",), ("last",)) if p > 1 else (("first", "last"),):
+        elements = layers * stage.layer_elements
+        elements += stage.first_elements if "first" in where else 0
+        elements += stage.last_elements if "last" in where else 0
+        acts = per_layer * in_flight_layers if "first" in where else per_layer * min(layers, layers * chunks / v)
+        if "first" in where:
+            acts += e * b * s * cfg.model.d_model / t / layout.sequence * chunks / v  # embedding outputs
+        work = remat_working + fsdp_buffers + (logits if "last" in where else 0.0)
+        params = pe * elements
+        grads = ge * elements / (d if layout.zero_stage >= 2 else 1)
+        opt = oe * elements / (d if layout.zero_stage >= 1 else 1)
+        candidates.append((params + grads + opt + acts + work, params, grads, opt, acts, work))
+    _, params, grads, opt, acts, work = max(candidates)
+    return MemoryReport(params, grads, opt, acts, work, memory_fraction * device_memory, device_memory, per_layer,
+                        in_flight_layers)
+
+
+def activation_table(cfg: Config, layout: Layout) -> dict[str, float]:
+    """Per-layer activation bytes under every remat policy (for the report)."""
+    return {p: layer_activation_bytes(cfg, layout, p) for p in ("none", "dots_no_batch", "dots", "full")}
+

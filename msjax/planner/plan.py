@@ -1,0 +1,165 @@
+"""One plan: a layout of a config on a cluster, with its memory, communication, step time and MFU."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from msjax.config import Config
+from msjax.hardware import Hardware, lookup
+from msjax.planner import comm as comm_mod
+from msjax.planner import memory as mem
+from msjax.planner import timing
+from msjax.planner.layout import (
+    Layout, check_model_split, default_microbatch_size, legal_virtual_stages, make_layout, mesh_sizes, replica_batch,
+    resolve_vocab,
+)
+from msjax.planner.options import PlanError, PlanOptions
+
+
+@dataclass
+class Plan:
+    """Everything the planner predicts for one layout (per device unless named otherwise).
+
+    Attributes:
+      config: the config planned (model, batch, mesh sizes as given).
+      options: the planner options (after the baseline switch).
+      hardware: the catalogue entry.
+      layout: the resolved layout.
+      memory: MemoryReport of the most loaded stage.
+      collectives: every collective of a step (comm.Collective).
+      time: StepTime breakdown.
+      model_flops_per_token: msjax.flops count (causal, window-aware).
+      paper_flops_per_token: Megatron-LM's count (full attention, Narayanan et al. 2021 eq. 3 without
+        recompute): the convention of the published MFU figures.
+      tokens_per_step, tokens_per_second, mfu, mfu_paper, hfu, days: throughput figures.
+      total_params: parameters of the model.
+      auto: which knobs the planner chose, and from which candidates.
+    """
+
+    config: Config
+    options: PlanOptions
+    hardware: Hardware
+    layout: Layout
+    memory: mem.MemoryReport
+    collectives: list
+    time: timing.StepTime
+    model_flops_per_token: float
+    paper_flops_per_token: float
+    total_params: int
+    auto: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.config.train.global_batch * self.config.train.seq_len
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_per_step / self.time.step
+
+    def _util(self, flops_per_token: float) -> float:
+        return flops_per_token * self.tokens_per_second / (self.layout.devices * self.hardware.peak_flops)
+
+    @property
+    def mfu(self) -> float:
+        return self._util(self.model_flops_per_token)
+
+    @property
+    def mfu_paper(self) -> float:
+        return self._util(self.paper_flops_per_token)
+
+    @property
+    def hfu(self) -> float:
+        return self.time.hw_flops_per_step / (self.time.step * self.hardware.peak_flops)
+
+    @property
+    def days(self) -> float:
+        return self.options.token_budget / self.tokens_per_second / 86400.0
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.fits
+
+
+def get_hardware(opts: PlanOptions) -> Hardware:
+    """The catalogue entry for --hardware. Raises PlanError naming the unknown device."""
+    try:
+        return lookup(opts.hardware, opts.hardware_file or None)
+    except KeyError as err:
+        raise PlanError(err.args[0]) from None
+
+
+def evaluate(cfg: Config, opts: PlanOptions, hw: Hardware, layout: Layout,
+             stage: mem.StageParams | None = None) -> Plan:
+    """Memory, communication and timing of one explicit layout."""
+    sizes = layout.axis_sizes()
+    stage = stage or mem.stage_params(cfg, layout.vocab, sizes)
+    memory = mem.memory_report(cfg, layout, stage, hw.memory_bytes, opts.memory_fraction)
+    colls = comm_mod.inventory(cfg, layout, hw, stage)
+    st = timing.step_time(cfg, layout, hw, opts, stage, colls)
+    return Plan(cfg, opts.effective(), hw, layout, memory, colls, st,
+                timing.model_flops_per_token(cfg, layout),
+                timing.model_flops_per_token(cfg, layout, megatron_convention=True),
+                mem.total_params(cfg, layout.vocab))
+
+
+def candidate_choices(cfg: Config, opts: PlanOptions, sizes: dict[str, int]) -> tuple[list, list, list]:
+    """(microbatch sizes, virtual-stage counts, zero stages) to try for the free knobs."""
+    per_replica = replica_batch(cfg, sizes)
+    if opts.microbatch_size:
+        mbs = [opts.microbatch_size]
+    elif sizes["pipeline"] == 1 and cfg.train.microbatches > 1:
+        mbs = [default_microbatch_size(cfg, sizes)]
+    else:
+        mbs = [b for b in range(1, per_replica + 1) if per_replica % b == 0]
+    zeros = [opts.zero_stage] if opts.zero_stage >= 0 else [0, 1, 2]
+    return mbs, [opts.virtual_stages] if opts.virtual_stages else [], zeros
+
+
+def make_plan(cfg: Config, opts: PlanOptions) -> Plan:
+    """The plan for `cfg` (mesh sizes from cfg.mesh, data=-1 filled in) on `opts.devices` x `opts.hardware`.
+
+    Free knobs (virtual_stages, microbatch_size, zero_stage at their "auto" values) are chosen to maximise
+    predicted MFU among the choices that fit in memory (smallest ZeRO stage on ties); if none fits, the
+    smallest-memory choice is returned with `fits` False.
+
+    Raises:
+      PlanError: unknown hardware, a mesh that does not match the device count, or a model / batch that does
+        not divide over it (the message names the key).
+    """
+    opts = opts.validate()
+    hw = get_hardware(opts)
+    sizes = mesh_sizes(cfg, opts.devices)
+    vocab = resolve_vocab(cfg)
+    # Fail early, with the named reason, on a layout no choice of the free knobs can fix.
+    check_model_split(cfg, sizes, vocab)
+    mbs, vs_fixed, zeros = candidate_choices(cfg, opts, sizes)
+    stage = None
+    best, best_key, errors = None, None, []
+    for b in mbs:
+        per_replica = replica_batch(cfg, sizes)
+        vs = vs_fixed or legal_virtual_stages(cfg.model.num_layers, sizes["pipeline"], per_replica // b)
+        for v in vs:
+            for z in zeros:
+                try:
+                    layout = make_layout(cfg, opts, hw, sizes, v, b, z, cfg.model.remat)
+                except PlanError as err:
+                    errors.append(str(err))
+                    continue
+                stage = stage or mem.stage_params(cfg, vocab, sizes)
+                plan = evaluate(cfg, opts, hw, layout, stage)
+                key = (plan.fits, plan.mfu if plan.fits else -plan.memory.total, -z)
+                if best_key is None or key > best_key:
+                    best, best_key = plan, key
+    if best is None:
+        raise PlanError(errors[0] if errors else "no legal layout")
+    auto = {}
+    if not opts.microbatch_size:
+        auto["microbatch_size"] = f"{best.layout.microbatch_size} (best of {len(mbs)} legal sizes)"
+    if not opts.virtual_stages and sizes["pipeline"] > 1:
+        auto["virtual_stages"] = f"{best.layout.virtual_stages} (best legal)"
+    if opts.zero_stage < 0:
+        auto["zero_stage"] = f"{best.layout.zero_stage} (fastest that fits)" if best.fits else \
+            f"{best.layout.zero_stage} (nothing fits)"
+    best.auto = auto
+    return best
+

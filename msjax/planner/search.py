@@ -1,0 +1,255 @@
+"""`--search`: every legal layout of a config on N devices, ranked by predicted MFU among those that fit.
+
+The space: every mesh (pipeline, data, fsdp, sequence, tensor) whose sizes multiply to N, every microbatch size
+dividing the per-replica batch, every legal interleaving (virtual stages), every remat policy; the ZeRO stage
+over `data` is then the fastest one that fits (see `_zero_order`). The
+config's own mesh sizes and remat policy are ignored (they are what is searched); explicit --virtual_stages,
+--microbatch_size and --zero_stage restrict the search.
+
+Every candidate that is not ranked carries its reason: a mesh that does not divide the model or the batch (the
+same PlanError message a single plan gives), or memory (bytes needed vs capacity). Pruning is exact: a mesh is
+rejected whole only if its smallest-memory variant (microbatch 1, plain 1F1B, ZeRO-2, the leanest remat) does
+not fit,
+and larger microbatches are not tried once a microbatch size fits under no policy (activations grow with it).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass, field
+
+from msjax.config import Config
+from msjax.planner import memory as mem
+from msjax.planner import timing
+from msjax.planner.layout import (
+    AXES, check_model_split, fast_replace, legal_virtual_stages, make_layout, replica_batch,
+    resolve_vocab,
+)
+from msjax.planner.options import REMATS, PlanError, PlanOptions
+from msjax.planner.plan import Plan, evaluate, get_hardware
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One searched layout: the axis sizes (pipeline, data, fsdp, sequence, tensor), virtual stages, microbatch
+    size, ZeRO stage and remat policy, with its prediction (fits: mfu, step seconds) or its rejection reason."""
+
+    sizes: tuple[int, ...]
+    virtual_stages: int
+    microbatch_size: int
+    zero_stage: int
+    remat: str
+    mfu: float
+    step: float
+    memory: float
+    reason: str
+
+    def describe(self) -> str:
+        p, d, f, s, t = self.sizes
+        if not self.virtual_stages:  # a mesh-level rejection: only the sizes are known
+            return f"pp={p} dp={d} fsdp={f} sp={s} tp={t}" + (f" mb={self.microbatch_size}+"
+                                                                 if self.microbatch_size else "")
+        return (f"pp={p}x{self.virtual_stages}v dp={d} fsdp={f} sp={s} tp={t} mb={self.microbatch_size} "
+                f"zero={self.zero_stage} remat={self.remat}")
+
+    def to_dict(self) -> dict:
+        out = dict(zip(AXES, self.sizes))
+        out.update(virtual_stages=self.virtual_stages, microbatch_size=self.microbatch_size,
+                   zero_stage=self.zero_stage, remat=self.remat)
+        if self.reason:
+            out["rejected"] = self.reason
+        else:
+            out.update(mfu=self.mfu, step_s=self.step, memory_bytes=self.memory)
+        return out
+
+
+@dataclass
+class SearchResult:
+    """ranked: fitting candidates, best MFU first. rejected: everything else with its reason. meshes: mesh
+    shapes considered; legal_meshes: those that divide; evaluated: step-time evaluations; seconds: wall time."""
+
+    ranked: list[Candidate] = field(default_factory=list)
+    rejected: list[Candidate] = field(default_factory=list)
+    meshes: int = 0
+    legal_meshes: int = 0
+    evaluated: int = 0
+    seconds: float = 0.0
+
+    def best_plan(self, cfg: Config, opts: PlanOptions) -> Plan | None:
+        """The full Plan of the top-ranked candidate (or None if nothing fits)."""
+        if not self.ranked:
+            return None
+        c = self.ranked[0]
+        return plan_candidate(cfg, opts, c)
+
+    def reason_counts(self) -> dict[str, int]:
+        """Rejections grouped by kind (the reason up to its first digit-bearing detail)."""
+        counts: dict[str, int] = {}
+        for c in self.rejected:
+            key = _reason_kind(c.reason)
+            counts[key] = counts.get(key, 0) + 1
+        return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def _reason_kind(reason: str) -> str:
+    if reason.startswith("out of memory"):
+        return "out of memory"
+    for marker in (" is not divisible by ", " is more than ", " does not split over ", " is not a multiple of ",
+                   " splits the ", " does not divide "):
+        if marker in reason:
+            head = reason.split(marker)[0].split("=")[0]
+            return f"{head}{marker.rstrip()}"
+    return reason[:60]
+
+
+def factorizations(n: int, parts: int = 5) -> list[tuple[int, ...]]:
+    """Every ordered tuple of `parts` positive integers whose product is n."""
+    if parts == 1:
+        return [(n,)]
+    out = []
+    for d in range(1, n + 1):
+        if n % d == 0:
+            out += [(d,) + rest for rest in factorizations(n // d, parts - 1)]
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan_candidate(cfg: Config, opts: PlanOptions, c: Candidate) -> Plan:
+    hw = get_hardware(opts)
+    sizes = dict(zip(AXES, c.sizes))
+    layout = make_layout(cfg, opts, hw, sizes, c.virtual_stages, c.microbatch_size, c.zero_stage, c.remat)
+    return evaluate(cfg, opts, hw, layout)
+
+
+def search(cfg: Config, opts: PlanOptions, workers: int = 0) -> SearchResult:
+    """Enumerates and ranks every legal layout (see module docstring).
+
+    Args:
+      cfg: the config (its mesh sizes and remat policy are what is searched, so they are ignored).
+      opts: devices, hardware and any knobs fixed by the user.
+      workers: processes to spread the meshes over (0: serial on <= 2 cores, else one per core, at most 8).
+    Raises:
+      PlanError: unknown hardware or vocabulary.
+    """
+    t0 = time.perf_counter()
+    opts = opts.validate()
+    get_hardware(opts)
+    resolve_vocab(cfg)
+    meshes = factorizations(opts.devices)
+    # Shipping ~10^5 results back costs more than a second core gains on a 2-core machine (measured: 18 s serial,
+    # 21 s with 2 processes for 175B on 12,288 devices), so processes are used only with more cores.
+    cores = os.cpu_count() or 1
+    workers = workers or (1 if cores <= 2 else min(8, cores))
+    if workers > 1 and len(meshes) > 64:
+        chunks = [meshes[i::workers] for i in range(workers)]
+        ctx = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+            parts = list(pool.map(_search_meshes, [cfg] * workers, [opts] * workers, chunks))
+    else:
+        parts = [_search_meshes(cfg, opts, meshes)]
+    result = SearchResult()
+    for part in parts:
+        result.ranked += part.ranked
+        result.rejected += part.rejected
+        result.meshes += part.meshes
+        result.legal_meshes += part.legal_meshes
+        result.evaluated += part.evaluated
+    result.ranked.sort(key=lambda c: (-c.mfu, c.sizes, c.virtual_stages, c.microbatch_size, c.remat))
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _zero_order(opts: PlanOptions, data: int) -> list[int]:
+    """ZeRO stages to try, in order: the user's, else 0 without data parallelism, else 1 then 2. ZeRO-0 is
+    never faster than ZeRO-1 (same collective volume, the update runs over all the state instead of 1/d of it),
+    and ZeRO-1 and -2 have equal time, so the smallest stage >= 1 that fits is the fastest that fits."""
+    if opts.zero_stage >= 0:
+        return [opts.zero_stage]
+    return [0] if data == 1 else [1, 2]
+
+
+def _search_meshes(cfg: Config, opts: PlanOptions, meshes: list[tuple[int, ...]]) -> SearchResult:
+    hw = get_hardware(opts)
+    vocab = resolve_vocab(cfg)
+    result = SearchResult()
+    tokens = cfg.train.global_batch * cfg.train.seq_len
+    flops_token: dict = {}
+    capacity = opts.memory_fraction * hw.memory_bytes
+    for sizes_t in meshes:
+        result.meshes += 1
+        sizes = dict(zip(AXES, sizes_t))
+        try:
+            check_model_split(cfg, sizes, vocab)
+            per_replica = replica_batch(cfg, sizes)
+            probe = make_layout(cfg, opts, hw, sizes, 1, 1, 2, "full")
+        except PlanError as err:
+            result.rejected.append(Candidate(sizes_t, 0, 0, 0, "", 0.0, 0.0, 0.0, str(err)))
+            continue
+        result.legal_meshes += 1
+        stage = mem.stage_params(cfg, vocab, sizes)
+        floor = min((mem.memory_report(cfg, dataclasses.replace(probe, remat=r), stage, hw.memory_bytes,
+                                       opts.memory_fraction) for r in REMATS), key=lambda rep: rep.total)
+        if not floor.fits:
+            result.rejected.append(Candidate(
+                sizes_t, 1, 1, 2, "", 0.0, 0.0, floor.total,
+                f"out of memory: needs {floor.total / GiB:.1f} GiB even with microbatch 1, plain 1F1B, ZeRO-2 "
+                f"and the leanest remat (capacity {floor.capacity / GiB:.1f} GiB)"))
+            continue
+        fpt = flops_token.get(probe.window)
+        if fpt is None:
+            fpt = flops_token[probe.window] = timing.model_flops_per_token(cfg, probe)
+        mbs = [opts.microbatch_size] if opts.microbatch_size else _divisors(per_replica)
+        zeros = _zero_order(opts, sizes["data"])
+        for b in mbs:
+            if per_replica % b:
+                result.rejected.append(Candidate(sizes_t, 0, b, 0, "", 0.0, 0.0, 0.0,
+                                                 f"microbatch size {b} does not divide the {per_replica} "
+                                                 "sequences per replica"))
+                continue
+            m = per_replica // b
+            vs = legal_virtual_stages(cfg.model.num_layers, sizes["pipeline"], m)
+            if opts.virtual_stages:
+                vs = [v for v in vs if v == opts.virtual_stages]
+            any_fit = False
+            for v in vs:
+                base = fast_replace(probe, virtual_stages=v, microbatch_size=b, microbatches=m)
+                for remat in REMATS:
+                    lay = fast_replace(base, remat=remat)
+                    chosen, need = None, None
+                    for z in zeros:
+                        lz = fast_replace(lay, zero_stage=z)
+                        rep = mem.memory_report(cfg, lz, stage, hw.memory_bytes, opts.memory_fraction)
+                        need = rep.total
+                        if rep.fits:
+                            chosen = lz
+                            break
+                    if chosen is None:
+                        result.rejected.append(Candidate(
+                            sizes_t, v, b, zeros[-1], remat, 0.0, 0.0, need,
+                            f"out of memory: needs {need / GiB:.1f} GiB > capacity {capacity / GiB:.1f} GiB"))
+                        continue
+                    any_fit = True
+                    st = timing.step_time(cfg, chosen, hw, opts, stage)
+                    result.evaluated += 1
+                    mfu = fpt * tokens / (st.step * opts.devices * hw.peak_flops)
+                    result.ranked.append(Candidate(sizes_t, v, b, chosen.zero_stage, remat, mfu, st.step,
+                                                   rep.total, ""))
+            if not any_fit and not opts.microbatch_size:
+                # Activations grow with the microbatch: no larger one can fit either.
+                larger = [x for x in mbs if x > b]
+                if larger:
+                    result.rejected.append(Candidate(
+                        sizes_t, 0, larger[0], 0, "", 0.0, 0.0, 0.0,
+                        f"out of memory: microbatch sizes {', '.join(map(str, larger))} (larger than {b}, "
+                        "which fits under no remat policy)"))
+                break
+    return result

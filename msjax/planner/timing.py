@@ -1,0 +1,294 @@
+"""Step time: compute from FLOPs and bytes, communication from `comm`, overlap modelled term by term.
+
+Compute (per device, per layer and microbatch):
+  GEMMs      2 x tokens x weight-elements / t FLOPs forward, twice that backward (input and weight gradients),
+             at peak x matmul_efficiency.
+  attention  4 x tokens x (a / t) x head_dim x k_bar FLOPs forward (QK^T and PV), where k_bar is the mean
+             number of keys a query attends: causal and window-aware for fused kernels, which skip masked
+             blocks (msjax.flops.mean_attended_keys); the full sequence for materialised (xla) attention.
+             Backward 2.5x forward for fused kernels (FlashAttention recomputes QK^T), 2x otherwise. Fused
+             kernels run at peak x attention_efficiency (FlashAttention-2 level for msjax's cuDNN / Pallas kernels,
+             FlashAttention-1 level for the megatron baseline), materialised ones at the GEMM rate plus the
+             softmax's memory traffic.
+  elementwise  LayerNorms, residual adds and GeLU are memory-bound: bytes read + written / (HBM bandwidth x
+             hbm_efficiency); backward twice the forward traffic.
+  recompute  full remat reruns the forward; dots / dots_no_batch rerun the elementwise ops (and the attention
+             core when it is not saved).
+  output     the vocabulary projection and softmax cross-entropy on the last stage.
+Overlap (msjax design; every term is exposed in the megatron baseline):
+  TP         each all-gather / reduce-scatter is a collective matmul with the GEMM it feeds or drains (MegaScale
+             fig. 3: parallel blocks fuse them into the MLP's two linears); it is exposed by
+             max(0, T_comm - T_gemm (t - 1) / t) (the first of the t chunks computes with no transfer under it).
+  FSDP       a layer's weights are all-gathered while the previous layer computes (prefetch): exposed by
+             max(0, T_gather - T_layer), and likewise gradient reduce-scatters in the backward.
+  PP         decoupled asynchronous send/recv (MegaScale fig. 4): only the pipeline fill and drain wait on
+             transfers, 2 (p v - 1) of them; without overlap every chunk's receive is on the critical path.
+  DP         reduce-scatter of a chunk's gradients starts when its last backward ends (MegaScale sec. 3.2):
+             the last chunk's share (1/v of it; with p = 1, the last layer's bucket) is exposed, or whatever does
+             not fit in the cool-down's backward compute. The parameter all-gather (ZeRO-1/2) runs chunk by
+             chunk ahead of the forward: the first chunk's share waits with nothing to hide behind, the rest is
+             exposed only beyond the warm-up's forward compute.
+  Contention hidden communication is not free: the compute under it runs OVERLAP_SLOWDOWN (18.9%, Lee et al.
+             2025) slower, charged on the hidden time.
+  Bubble     interleaved 1F1B idles (p - 1) / v microbatch-times per step (Narayanan et al. 2021 sec. 2.2.2); it
+             cannot be hidden. The slowest stage sets the pace.
+  Optimizer  memory-bound over the (ZeRO-sharded) state, after the gradients are reduced; not overlapped.
+  Links      every collective on the network (on NVLink / ICI) shares each device's NIC (ports): the step is at
+             least the sum of their times on each kind of link, whatever overlaps (`link_bound` says when this
+             binds, e.g. tensor parallelism across nodes competing with FSDP traffic).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from msjax import flops as model_flops
+from msjax.config import Config
+from msjax.hardware import Hardware
+from msjax.planner import comm as comm_mod
+from msjax.planner.layout import Layout
+from msjax.planner.memory import _DTYPE_BYTES, StageParams, in_flight_chunks
+from msjax.planner.options import (
+    ATTENTION_EFFICIENCY, ATTENTION_EFFICIENCY_FA1, FLASH_BACKWARD_FACTOR, HBM_EFFICIENCY, OPTIMIZER_BYTES_PER_PARAM,
+    OVERLAP_SLOWDOWN, PlanOptions,
+)
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Achievable rates: GEMM and attention FLOP/s, HBM bytes/s."""
+
+    gemm: float
+    attention: float
+    hbm: float
+
+    @staticmethod
+    def of(hw: Hardware, opts: PlanOptions) -> "Rates":
+        mm = opts.matmul_efficiency or hw.matmul_efficiency
+        default_attention = ATTENTION_EFFICIENCY_FA1 if opts.baseline == "megatron" else ATTENTION_EFFICIENCY
+        at = opts.attention_efficiency or default_attention
+        hb = opts.hbm_efficiency or HBM_EFFICIENCY
+        return Rates(hw.peak_flops * mm, hw.peak_flops * at, hw.hbm_bandwidth * hb)
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    """Seconds for one layer and one microbatch on one device.
+
+    gemm: forward GEMM time per linear (qkv, out, lin1, lin2). attn, elem: forward attention-core and
+    elementwise time. fwd / bwd / recompute: totals per pass. hw_flops: hardware FLOPs of fwd + bwd + recompute.
+    """
+
+    gemm: dict
+    attn: float
+    elem: float
+    fwd: float
+    bwd: float
+    recompute: float
+    hw_flops: float
+
+
+def layer_times(cfg: Config, layout: Layout, rates: Rates) -> LayerTimes:
+    m = cfg.model
+    s, b, t, sx = cfg.train.seq_len, layout.microbatch_size, layout.tensor, layout.sequence
+    e = _DTYPE_BYTES[m.dtype]
+    h, f = m.d_model, m.ff_size
+    qw, kvw = m.num_heads * m.head_size, m.kv_heads * m.head_size
+    tok = b * s  # TP regions see the whole sequence (the msjax model gathers it there)
+    widths = {"qkv": h * (qw + 2 * kvw), "out": qw * h, "lin1": h * f, "lin2": f * h}
+    gemm_flops = {k: 2.0 * tok * w / t for k, w in widths.items()}
+    gemm = {k: fl / rates.gemm for k, fl in gemm_flops.items()}
+    k_bar = model_flops.mean_attended_keys(s, layout.window) if layout.flash else float(s)
+    attn_flops = 4.0 * tok * (m.num_heads / t) * m.head_size * k_bar
+    outer_tok = tok / ((t if layout.sequence_parallel else 1) * sx)
+    n_ln = 1 if layout.block == "parallel" else 2
+    residual = 4 if layout.block == "parallel" else 6  # reads + writes of the residual adds, in units of h
+    elem_bytes = e * (outer_tok * h * (2 * n_ln + residual) + tok * 2 * f / t)
+    if layout.flash:
+        attn = attn_flops / rates.attention
+    else:  # materialised scores: batched matmuls plus softmax traffic (write scores, read, write probs)
+        elem_bytes += 3 * e * b * (m.num_heads / t) * s * s
+        attn = attn_flops / rates.gemm
+    elem = elem_bytes / rates.hbm
+    fwd = sum(gemm.values()) + attn + elem
+    bwd = 2 * sum(gemm.values()) + (FLASH_BACKWARD_FACTOR if layout.flash else 2.0) * attn + 2 * elem
+    attn_bwd_factor = FLASH_BACKWARD_FACTOR if layout.flash else 2.0
+    hw_flops = sum(gemm_flops.values()) * 3 + attn_flops * (1 + attn_bwd_factor)
+    if layout.remat == "full":
+        recompute = fwd
+        hw_flops += sum(gemm_flops.values()) + attn_flops
+    elif layout.remat == "dots_no_batch" or (layout.remat == "dots" and layout.flash):
+        recompute = elem + attn
+        hw_flops += attn_flops
+    elif layout.remat == "dots":
+        recompute = elem
+    else:
+        recompute = 0.0
+    return LayerTimes(gemm, attn, elem, fwd, bwd, recompute, hw_flops)
+
+
+@dataclass(frozen=True)
+class OutputTimes:
+    """Seconds per microbatch for the output layer (vocabulary projection + cross-entropy) on the last stage."""
+
+    fwd: float
+    bwd: float
+    hw_flops: float
+
+
+def output_times(cfg: Config, layout: Layout, rates: Rates) -> OutputTimes:
+    s, b, t, sx = cfg.train.seq_len, layout.microbatch_size, layout.tensor, layout.sequence
+    tok = b * s / sx  # logits are split over the sequence axis (act_seq) and the vocabulary over tensor
+    flops = 2.0 * tok * cfg.model.d_model * layout.vocab / t
+    elem = 3 * 4 * tok * layout.vocab / t / rates.hbm  # float32 logits: write, softmax read + write
+    return OutputTimes(flops / rates.gemm + elem, 2 * flops / rates.gemm + elem, 3 * flops)
+
+
+@dataclass
+class StepTime:
+    """Step-time breakdown, seconds (per device on the slowest stage), and derived throughput.
+
+    compute: fwd + bwd + recompute of all microbatches on the stage that sets the pace (no bubble). exposed:
+    communication on the critical path by group; compute + bubble + exposed + contention + optimizer = step
+    (unless a link bound sets it). hidden: communication time overlapped with compute, by group. bubble:
+    pipeline idle time. optimizer: the parameter update. link_busy: seconds each kind of link ("inter", "intra") is busy per step;
+    link_bound: which one sets the step time when it exceeds the overlap model's ("" when none does).
+    contention: the slowdown of compute that runs under hidden collectives (OVERLAP_SLOWDOWN x hidden time).
+    """
+
+    step: float
+    compute: float
+    bubble: float
+    optimizer: float
+    exposed: dict = field(default_factory=dict)
+    hidden: dict = field(default_factory=dict)
+    comm_total: dict = field(default_factory=dict)
+    microbatch_time: float = 0.0
+    hw_flops_per_step: float = 0.0
+    link_busy: dict = field(default_factory=dict)
+    link_bound: str = ""
+    contention: float = 0.0
+
+
+def step_time(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions, stage: StageParams,
+              collectives: list | None = None) -> StepTime:
+    """Predicted step time of `layout` (see module docstring for the overlap model)."""
+    if opts.baseline == "megatron":
+        opts = opts.effective()
+    rates = Rates.of(hw, opts)
+    lt = layer_times(cfg, layout, rates)
+    ot = output_times(cfg, layout, rates)
+    colls = comm_mod.inventory(cfg, layout, hw, stage) if collectives is None else collectives
+    per_call: dict[str, float] = {}
+    total: dict[str, float] = {}
+    busy = {"inter": 0.0, "intra": 0.0}
+    dp_rs = dp_ag = emb = pp_steps = 0.0
+    for c in colls:
+        per_call.setdefault(c.name, c.time_per_call)
+        group = {"EMB": "DP", "SEQ": "TP"}.get(c.group, c.group)  # reported with the overlap they share
+        total[group] = total.get(group, 0.0) + c.time_per_step
+        busy[c.link.kind] += c.time_per_step
+        if c.group == "DP":
+            if c.op == "all-gather":
+                dp_ag += c.time_per_step
+            else:
+                dp_rs += c.time_per_step
+        elif c.group == "EMB":
+            emb += c.time_per_step
+        elif c.group == "PP":
+            pp_steps += c.time_per_step
+    p, v, mb, t = layout.pipeline, layout.virtual_stages, layout.microbatches, layout.tensor
+    layers = cfg.model.num_layers // p
+    exposed: dict[str, float] = {}
+    call = lambda name: per_call.get(name, 0.0)  # noqa: E731
+
+    # TP (+ SEQ) per layer per microbatch.
+    ag, rs = call("TP all-gather"), call("TP reduce-scatter")
+    seq_ag, seq_rs = call("SEQ all-gather"), call("SEQ reduce-scatter")
+    g = lt.gemm
+    if layout.block == "parallel":
+        pairs_fwd = [(ag + seq_ag, g["lin1"]), (rs, g["lin2"])]
+        pairs_bwd = [(rs + seq_rs, 2 * g["lin1"]), (ag, 2 * g["lin2"])]
+    else:
+        pairs_fwd = [(ag + seq_ag, g["qkv"]), (rs, g["out"]), (ag + seq_ag, g["lin1"]), (rs, g["lin2"])]
+        pairs_bwd = [(rs + seq_rs, 2 * g["qkv"]), (ag, 2 * g["out"]), (rs + seq_rs, 2 * g["lin1"]),
+                     (ag, 2 * g["lin2"])]
+    hide = (t - 1) / t if opts.overlap_tp else 0.0
+    fwd_tp = sum(max(0.0, c - gm * hide) for c, gm in pairs_fwd)
+    bwd_tp = sum(max(0.0, c - gm * hide) for c, gm in pairs_bwd)
+    tp_layer = fwd_tp * (2.0 if layout.remat == "full" else 1.0) + bwd_tp
+    # Output layer: gather before the logits GEMM, scatter its gradient; the embedding's pair is exposed.
+    out_gemm = ot.fwd
+    tp_out = max(0.0, ag - out_gemm * hide) + max(0.0, rs - 2 * out_gemm * hide)
+    tp_embed = ag + rs
+
+    # FSDP per layer per microbatch.
+    f_ag, f_rs = call("FSDP all-gather (weights)"), call("FSDP reduce-scatter (grads)")
+    if opts.overlap_fsdp:
+        fsdp_layer = (max(0.0, f_ag - lt.fwd) + max(0.0, f_ag + f_rs - lt.bwd)
+                      + (max(0.0, f_ag - lt.recompute) if layout.remat == "full" else 0.0))
+        fsdp_embed = 0.0
+    else:
+        fsdp_layer = f_ag * (2.0 if layout.remat == "full" else 1.0) + f_ag + f_rs
+        fsdp_embed = 2 * call("FSDP all-gather (embedding)") + call("FSDP reduce-scatter (embedding)")
+
+    per_layer = lt.fwd + lt.bwd + lt.recompute
+    # Per microbatch on the first stage (embedding end) and the last (output layer); with p = 1 one device has
+    # both. The slowest stage sets the pipeline's pace (compute, TP and FSDP exposure are its own).
+    stages = [(layers * per_layer, layers * tp_layer + tp_embed, layers * fsdp_layer + fsdp_embed),
+              (layers * per_layer + ot.fwd + ot.bwd, layers * tp_layer + tp_out, layers * fsdp_layer + fsdp_embed)]
+    if p == 1:
+        stages = [(stages[1][0], stages[0][1] + tp_out, stages[0][2])]
+    compute_mb, tp_mb, fsdp_mb = max(stages, key=sum)
+    t_mb = compute_mb + tp_mb + fsdp_mb
+    pipeline_time = (mb + (p - 1) / v) * t_mb
+    bubble = (p - 1) / v * t_mb
+    exposed["TP"] = mb * tp_mb  # SEQ collectives share the TP slots and are counted here
+    exposed["FSDP"] = mb * fsdp_mb
+
+    # PP send/recv.
+    if p > 1:
+        p2p = call("PP send/recv (activations)")
+        exposed["PP"] = 2 * (p * v - 1) * p2p if opts.overlap_pp else pp_steps
+    # DP (+ tied-embedding sync).
+    if opts.overlap_dp:
+        units = v if p > 1 else layers
+        chunks_in_flight = in_flight_chunks(p, v, mb)
+        bwd_window = chunks_in_flight / v * layers * (lt.bwd + lt.recompute)
+        fwd_window = chunks_in_flight / v * layers * lt.fwd
+        red = dp_rs + emb
+        # The first chunk's gather has no compute in front of it; the rest overlap the warm-up forwards.
+        gather = dp_ag / units + max(0.0, dp_ag * (units - 1) / units - fwd_window)
+        exposed["DP"] = max(red / units, red - bwd_window) + gather
+    else:
+        exposed["DP"] = dp_rs + dp_ag + emb
+    # Optimizer update over the local (ZeRO-sharded) state.
+    elements = layers * stage.layer_elements + max(stage.first_elements, stage.last_elements)
+    local = elements / (layout.data if layout.zero_stage >= 1 else 1)
+    optimizer = local * OPTIMIZER_BYTES_PER_PARAM[cfg.optimizer.name] / rates.hbm
+    hidden = {k: max(0.0, total.get(k, 0.0) - exposed.get(k, 0.0)) for k in total}
+    contention = OVERLAP_SLOWDOWN * sum(hidden.values())
+    step = pipeline_time + exposed.get("PP", 0.0) + exposed["DP"] + optimizer + contention
+    # A link carries one thing at a time: all collectives on the network (or on NVLink / ICI) together must
+    # fit in the step, whatever the overlap model says. Collectives of different mesh axes share each
+    # device's NIC (and NVLink ports), so a layout can be network-bound even when every group overlaps.
+    bound = max(busy.values())
+    link_bound = ""
+    if bound > step:
+        link_bound = "network" if busy["inter"] >= busy["intra"] else "intra-node links"
+        step = bound
+    paced_by_last = p == 1 or stages[-1] == max(stages, key=sum)
+    hw_flops = mb * (layers * lt.hw_flops + (ot.hw_flops if paced_by_last else 0.0))
+    return StepTime(step=step, compute=mb * compute_mb, bubble=bubble, optimizer=optimizer,
+                    exposed={k: v_ for k, v_ in exposed.items() if v_ or k in total}, hidden=hidden,
+                    comm_total=total, microbatch_time=t_mb, hw_flops_per_step=hw_flops, link_busy=busy,
+                    link_bound=link_bound, contention=contention)
+
+
+def model_flops_per_token(cfg: Config, layout: Layout, megatron_convention: bool = False) -> float:
+    """Model FLOPs per token (msjax.flops) for the layout's model (the megatron baseline has no window)."""
+    mc = cfg.model
+    if layout.window != mc.attention.window:
+        mc = dataclasses.replace(mc, attention=dataclasses.replace(mc.attention, window=layout.window))
+    return model_flops.flops_per_token(mc, cfg.train.seq_len, layout.vocab, megatron_convention)

@@ -1,0 +1,310 @@
+"""Planner: memory formulas against the paper's equations (arithmetic written out), layout legality and errors,
+search legality, the calibration and the baseline switch, hardware catalogue, command line."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from msjax import hardware
+from msjax.config import ConfigError, apply_overrides, load_preset
+from msjax.planner import PlanError, PlanOptions, make_plan, search
+from msjax.planner import memory as mem
+from msjax.planner.cli import parse_plan_args, run
+from msjax.planner.layout import group_link, legal_virtual_stages, make_layout, mesh_sizes
+from msjax.planner.plan import get_hardware
+from msjax.planner.published import ROWS, predict
+
+MiB = 2**20
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Korthikanti et al. 2022 activation memory, GPT-3 175B: s=2048, b=1, h=12288, a=96, t=8 (their Table 3 model).
+
+S, B, H, A, T = 2048, 1, 12288, 96, 8
+SBH = S * B * H
+
+
+def test_no_parallelism_eq1():
+    # sbh (34 + 5 a s / h) = sbh (34 + 5 * 96 * 2048 / 12288) = sbh (34 + 80) = 114 sbh
+    assert mem.korthikanti_layer_bytes(S, B, H, A) == 114 * SBH
+
+
+def test_tensor_parallel_eq2():
+    # sbh (10 + 24 / t + 5 a s / (h t)) = sbh (10 + 3 + 10) = 23 sbh
+    assert mem.korthikanti_layer_bytes(S, B, H, A, T) == 23 * SBH
+
+
+def test_tensor_and_sequence_parallel_eq4():
+    # sbh / t (34 + 5 a s / h) = 114 / 8 sbh = 14.25 sbh
+    assert mem.korthikanti_layer_bytes(S, B, H, A, T, sp=True) == 14.25 * SBH
+
+
+def test_selective_recompute_eq6():
+    # 34 sbh / t = 4.25 sbh (the 5as/h attention-core term is recomputed)
+    assert mem.korthikanti_layer_bytes(S, B, H, A, T, sp=True, recompute="selective") == 4.25 * SBH
+    # without sequence parallelism the 10 sbh outside the TP regions stays whole: 10 + 24/8 = 13 sbh
+    assert mem.korthikanti_layer_bytes(S, B, H, A, T, recompute="selective") == 13 * SBH
+
+
+def test_full_recompute_keeps_the_layer_input():
+    # 2 sbh per layer (16-bit input only)
+    assert mem.korthikanti_layer_bytes(S, B, H, A, T, recompute="full") == 2 * SBH
+
+
+def test_microbatch_and_variants_scale_as_derived():
+    # b = 4 scales every term: 114 sbh x 4
+    assert mem.korthikanti_layer_bytes(S, 4, H, A) == 114 * SBH * 4
+    # no dropout: drop the two 1-byte masks (2 sbh) and, per score, the mask (1) and dropped output (2):
+    # 32 sbh + 2 a s^2 b = sbh (32 + 2 * 96 * 2048 / 12288) = 64 sbh
+    assert mem.korthikanti_layer_bytes(S, B, H, A, dropout=False) == 64 * SBH
+    # flash attention, no dropout: 32 sbh + float32 log-sum-exp 4 a s b = sbh (32 + 4 * 96 / 12288)
+    assert mem.korthikanti_layer_bytes(S, B, H, A, dropout=False, flash=True) == pytest.approx(
+        SBH * (32 + 4 * 96 / 12288))
+    # parallel block: one LayerNorm input (2) and one shared QKV / linear-1 input (2) instead of 4 + 4: 30 sbh
+    # with dropout (34 - 4), plus the scores 5 a s / h = 80
+    assert mem.korthikanti_layer_bytes(S, B, H, A, parallel_block=True) == 110 * SBH
+
+
+def test_interleaved_pipeline_first_stage_holds_L_times_one_plus():
+    # Korthikanti sec. 4.2.3: the first stage holds L (1 + (p - 1) / (p v)) layers' worth.
+    # 175B, p = 8, v = 6, m = 32: in-flight chunk-microbatches 2 (p - 1) + (v - 1) p + 1 = 14 + 40 + 1 = 55, each
+    # of L / (p v) = 2 layers -> 110 = 96 (1 + 7 / 48) layers.
+    chunks = mem.in_flight_chunks(8, 6, 32)
+    assert chunks == 55
+    assert chunks * 96 / (8 * 6) == 96 * (1 + 7 / 48) == 110
+    # plain 1F1B: p microbatches of L / p layers = L; fewer microbatches than stages caps it
+    assert mem.in_flight_chunks(8, 1, 32) == 8 and mem.in_flight_chunks(8, 1, 3) == 3
+    assert mem.in_flight_chunks(1, 1, 32) == 1
+
+
+def _cfg175(**over):
+    base = {"model.remat": "none", "train.global_batch": 6144}
+    base.update(over)
+    return apply_overrides(load_preset("gpt175b"), base)
+
+
+def _layout(cfg, devices=12288, v=6, b=1, z=2, remat=None, **opt):
+    opts = PlanOptions(devices=devices, **opt)
+    hw = get_hardware(opts)
+    return make_layout(cfg, opts, hw, mesh_sizes(cfg, devices), v, b, z, remat or cfg.model.remat), opts, hw
+
+
+def test_msjax_remat_policies_hand_computed():
+    # gpt175b (MegaScale: 128 heads, h = 12288, d_ff = 4h), t = 8, SP, bf16, flash, parallel block, no dropout.
+    lay, _, _ = _layout(_cfg175())
+    cfg = _cfg175()
+    e, tok = 2, 2048
+    # dots_no_batch: x, attention-projection output, linear-2 output (3h, split by t with SP) + Q, K, V (3h) and
+    # linear-1 output (4h) inside TP regions (/t): e * tok * (3h / 8 + 7h / 8) = 2 * 2048 * 1.25 * 12288
+    assert mem.layer_activation_bytes(cfg, lay, "dots_no_batch") == e * tok * 10 * H / 8
+    # flash attention is not a dot, so `dots` keeps the same
+    assert mem.layer_activation_bytes(cfg, lay, "dots") == e * tok * 10 * H / 8
+    # full: the (sequence-split) layer input, 2 * 2048 * 12288 / 8
+    assert mem.layer_activation_bytes(cfg, lay, "full") == e * tok * H / 8
+    # none: outer (1 norm input + 1 shared input) * 2 / 8 = 0.5, inner (Q K V proj 4h + GeLU in + lin2 in 8h)
+    # * 2 / 8 = 3, in units of tok * h bytes; plus the float32 log-sum-exp 4 * tok * 128 / 8
+    assert mem.layer_activation_bytes(cfg, lay, "none") == pytest.approx(tok * H * 3.5 + 4 * tok * 128 / 8)
+
+
+def test_state_memory_per_device_175b():
+    # 96 layers x 12 h^2 (+ biases, norms) over t = 8, p = 8: one stage holds 12 layers; stage 0 also the
+    # embedding (64000 x 12288 / 8) and positions (2048 x 12288, replicated over tensor).
+    cfg = _cfg175()
+    lay, opts, hw = _layout(cfg)
+    stage = mem.stage_params(cfg, 64000, lay.axis_sizes())
+    h, f = 12288, 4 * 12288
+    # weights / 8, TP-split biases (q, k, v, mlp-in) / 8, replicated: one LayerNorm's scale + bias (parallel
+    # block), the attention-output and MLP-output biases = 4h
+    layer = (4 * h * h + 2 * h * f) // 8 + (3 * h + f) // 8 + 4 * h
+    assert stage.layer_elements == layer
+    assert stage.first_elements == 64000 * h // 8 + 2048 * h
+    rep = mem.memory_report(cfg, lay, stage, hw.memory_bytes, 0.95)
+    first = 12 * layer + stage.first_elements
+    assert rep.params == 4 * first  # float32 parameters
+    assert rep.optimizer == pytest.approx(8 * first / 192)  # two float32 moments, ZeRO over data = 192
+    assert rep.grads == pytest.approx(4 * first / 192)  # ZeRO-2
+    assert rep.activations == pytest.approx(110 * rep.per_layer_activation + 2 * 2048 * h / 8 * 55 / 6)
+
+
+def test_megatron_state_bytes():
+    # Megatron-LM mixed precision: bf16 params 2 + float32 grads 4 + float32 master and two moments 12 = 18 B
+    lay, _, _ = _layout(_cfg175(), baseline="megatron")
+    assert mem.state_bytes_per_element(_cfg175(), lay) == (2.0, 4.0, 12.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Errors for impossible requests name the problem.
+
+
+def test_more_stages_than_layers():
+    cfg = apply_overrides(load_preset("gpt_tiny"), {"mesh.pipeline": 8})
+    with pytest.raises(PlanError, match=r"mesh.pipeline=8 stages is more than model.num_layers=4"):
+        make_plan(cfg, PlanOptions(devices=8))
+
+
+def test_tensor_not_dividing_heads():
+    cfg = apply_overrides(load_preset("gpt_tiny"), {"mesh.tensor": 4})  # 6 heads
+    with pytest.raises(PlanError, match=r"model.num_heads=6 is not divisible by .*mesh.tensor=4"):
+        make_plan(cfg, PlanOptions(devices=8))
+
+
+def test_unknown_hardware():
+    with pytest.raises(PlanError, match=r"unknown hardware 'x100'.*a100-80g"):
+        make_plan(load_preset("gpt_tiny"), PlanOptions(devices=8, hardware="x100"))
+
+
+def test_device_count_and_batch_errors():
+    cfg = apply_overrides(load_preset("gpt175b"), {"mesh.tensor": 8, "mesh.pipeline": 8})
+    with pytest.raises(PlanError, match=r"--devices=100 is not a multiple of .* = 64"):
+        make_plan(cfg, PlanOptions(devices=100))
+    with pytest.raises(PlanError, match=r"train.global_batch=6144 .* does not split over data x fsdp = 5 x 1"):
+        make_plan(apply_overrides(cfg, {"train.global_batch": 6144}), PlanOptions(devices=320))
+    with pytest.raises(PlanError, match=r"--virtual_stages=5 does not divide the 12 layers"):
+        make_plan(cfg, PlanOptions(devices=512, virtual_stages=5))
+    with pytest.raises(PlanError, match=r"--zero_stage=3: .*fsdp"):
+        make_plan(cfg, PlanOptions(devices=512, zero_stage=3))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Links, legality of the free knobs, search.
+
+
+def test_links_follow_the_mesh_order():
+    lay, _, hw = _layout(_cfg175())
+    assert group_link(lay, ("tensor",), hw).kind == "intra"  # 8 contiguous GPUs: one node
+    dp = group_link(lay, ("data",), hw)
+    assert dp.kind == "inter" and dp.members_per_node == 1
+    assert dp.bandwidth == pytest.approx(25e9 * hw.inter_link_efficiency)
+    # a flat ring over 16 GPUs (two nodes, 8 per node): min(NVLink, 8 NICs)
+    flat = dataclasses.replace(lay, pipeline=1, data=16, tensor=1)
+    link = group_link(flat, ("data",), hw)
+    assert link.members_per_node == 8
+    assert link.bandwidth == pytest.approx(min(300e9 * hw.intra_link_efficiency, 8 * 25e9 * hw.inter_link_efficiency))
+
+
+def test_legal_virtual_stages():
+    # 12 layers per stage; interleaving needs m % p == 0
+    assert legal_virtual_stages(96, 8, 32) == [1, 2, 3, 4, 6, 12]
+    assert legal_virtual_stages(96, 8, 12) == [1]
+    assert legal_virtual_stages(96, 1, 7) == [1]
+
+
+def test_search_returns_only_layouts_that_divide_and_fit():
+    cfg = apply_overrides(load_preset("gpt_1_3b"), {"train.global_batch": 64})
+    opts = PlanOptions(devices=16, hardware="a100-40g")
+    result = search(cfg, opts, workers=1)
+    assert result.ranked, "nothing fits"
+    m = cfg.model
+    for c in result.ranked:
+        p, d, f, s, t = c.sizes
+        assert p * d * f * s * t == 16
+        assert m.num_layers % p == 0 and (m.num_layers // p) % c.virtual_stages == 0
+        assert m.num_heads % t == 0 and m.ff_size % t == 0 and m.d_model % f == 0
+        assert cfg.train.seq_len % s == 0
+        per_replica = cfg.train.global_batch // (d * f)
+        assert cfg.train.global_batch % (d * f) == 0 and per_replica % c.microbatch_size == 0
+        micro = per_replica // c.microbatch_size
+        assert c.virtual_stages == 1 or micro % p == 0
+        assert c.memory <= opts.memory_fraction * hardware.lookup("a100-40g").memory_bytes
+    assert [c.mfu for c in result.ranked] == sorted((c.mfu for c in result.ranked), reverse=True)
+    # every rejection carries a reason, and a mesh that does not divide is among them with the planner's message
+    assert all(c.reason for c in result.rejected)
+    assert any("model.num_layers=24 is not divisible by mesh.pipeline=16" in c.reason for c in result.rejected)
+    # the best candidate re-plans to the same prediction
+    best = result.best_plan(cfg, opts)
+    assert best.mfu == pytest.approx(result.ranked[0].mfu)
+
+
+def test_search_rejects_what_cannot_fit():
+    # 175B on 8 GPUs of 40 GB cannot hold even its parameters
+    result = search(load_preset("gpt175b"), PlanOptions(devices=8, hardware="a100-40g"), workers=1)
+    assert not result.ranked
+    assert result.reason_counts().get("out of memory", 0) > 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Calibration, the baseline switch, published rows.
+
+
+def test_calibration_row_reproduced():
+    row = next(r for r in ROWS if r.role == "calibration")
+    res = predict(row)
+    assert res["step_s"] == pytest.approx(row.step_s, rel=0.01)  # 6.34 s, MegaScale Table 2
+    assert res["plan"].tokens_per_second == pytest.approx(1984.0e3, rel=0.01)
+
+
+def test_stored_constant_is_the_calibrated_one():
+    # If the model's physics changes, re-run the calibration and update msjax.hardware.A100_MATMUL_EFFICIENCY.
+    from msjax.planner.published import calibrate_matmul_efficiency
+
+    assert calibrate_matmul_efficiency() == pytest.approx(hardware.A100_MATMUL_EFFICIENCY, abs=2e-3)
+
+
+def test_megatron_baseline_is_slower_and_exposes_everything():
+    row = next(r for r in ROWS if r.role == "calibration")
+    ms = predict(row)["plan"]
+    mg = predict(dataclasses.replace(row, system="megatron"))["plan"]
+    assert mg.layout.block == "serial" and mg.layout.window is None
+    assert not mg.options.overlap_tp and not mg.options.overlap_dp
+    assert mg.time.contention == 0.0
+    assert mg.time.exposed["TP"] == pytest.approx(mg.time.comm_total["TP"])
+    # paper: 55.2% vs 41.2% (1.34x); the planner must at least order them and show a clear gap
+    assert mg.mfu_paper < ms.mfu_paper * 0.9
+
+
+def test_published_rows_within_fifteen_percent():
+    for row in ROWS:
+        res = predict(row)
+        assert res["fits"], row.label
+        assert res["predicted"] == pytest.approx(row.published, rel=0.15), row.label
+
+
+def test_sliding_window_cuts_attention_time():
+    cfg = _cfg175()
+    full = make_plan(cfg, PlanOptions(devices=12288, virtual_stages=6, microbatch_size=1, zero_stage=2))
+    swa = make_plan(apply_overrides(cfg, {"model.attention.window": 512}),
+                    PlanOptions(devices=12288, virtual_stages=6, microbatch_size=1, zero_stage=2))
+    assert swa.time.step < full.time.step
+    assert swa.model_flops_per_token < full.model_flops_per_token
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hardware catalogue and command line.
+
+
+def test_catalogue_entries_and_user_file(tmp_path):
+    for name in ("a100-40g", "a100-80g", "h100", "h200", "b200", "tpu-v4", "tpu-v5e", "tpu-v5p"):
+        hw = hardware.lookup(name)
+        assert hw.peak_flops > 1e14 and hw.memory_bytes > 1e10 and hw.source
+    assert hardware.for_device_kind("NVIDIA H100 80GB HBM3").name == "h100"
+    assert hardware.for_device_kind("cpu") is None
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps([{"name": "my-gpu", "peak_flops": 5e14, "memory_bytes": 96e9, "hbm_bandwidth": 3e12,
+                                 "intra_node_bandwidth": 4e11, "inter_node_bandwidth": 5e10,
+                                 "devices_per_node": 8, "nics_per_node": 8}]))
+    assert hardware.lookup("my-gpu", str(path)).matmul_efficiency == hardware.A100_MATMUL_EFFICIENCY
+    plan = make_plan(load_preset("gpt_tiny"), PlanOptions(devices=8, hardware="my-gpu", hardware_file=str(path)))
+    assert plan.hardware.name == "my-gpu"
+    path.write_text(json.dumps([{"name": "bad", "peak_flops": 1}]))
+    with pytest.raises(ValueError, match="missing fields"):
+        hardware.load_catalogue(str(path))
+
+
+def test_cli_parses_planner_and_config_flags(tmp_path):
+    cfg, opts, actions = parse_plan_args(["--config=gpt175b", "--devices", "12288", "--hardware=h100",
+                                          "--global_batch=6144", "--mesh.tensor=8", "--baseline", "megatron",
+                                          "--search", "--top=5", "--model.remat", "none"])
+    assert (cfg.train.global_batch, cfg.mesh.tensor, cfg.model.remat) == (6144, 8, "none")
+    assert (opts.devices, opts.hardware, opts.baseline) == (12288, "h100", "megatron")
+    assert actions["search"] and actions["top"] == 5
+    with pytest.raises(ConfigError, match="unknown config key 'mesh.tensr'"):
+        parse_plan_args(["--config=gpt_tiny", "--devices=8", "--mesh.tensr=2"])
+    with pytest.raises(PlanError, match="--devices=N is required"):
+        parse_plan_args(["--config=gpt_tiny"])
+    out = tmp_path / "plan.json"
+    result = run(["--config=gpt_tiny", "--devices=8", "--mesh.fsdp=8", f"--json={out}"], out=open("/dev/null", "w"))
+    saved = json.loads(out.read_text())
+    assert saved["plan"]["layout"]["fsdp"] == 8 and math.isfinite(saved["plan"]["throughput"]["mfu"])
+    assert result["plan"]["memory"]["fits"]
