@@ -10,7 +10,6 @@ OVERRIDES = {
     "model.max_seq_len": 2048,
     "model.block": "parallel",
     "model.dtype": "bfloat16",
-    "model.remat": "full",
     "data.bpe_vocab_size": 64000,
     "mesh.tensor": 8,
     "mesh.pipeline": 35,

@@ -95,11 +95,12 @@ class Attention(nnx.Module):
             q_bthk = q_bthk + self.bq[...].astype(dt)
             k_btgk = k_btgk + self.bk[...].astype(dt)
             v_btgk = v_btgk + self.bv[...].astype(dt)
-        q_bthk = constrain(q_bthk, (ax.ACT_BATCH, None, ax.ACT_HEADS, ax.ACT_HEAD_DIM))
+        # Queries keep their sequence split (context parallelism); keys and values are gathered whole.
+        q_bthk = constrain(q_bthk, (ax.ACT_BATCH, ax.ACT_SEQ_INNER, ax.ACT_HEADS, ax.ACT_HEAD_DIM))
         k_btgk = constrain(k_btgk, (ax.ACT_BATCH, None, ax.ACT_KV_HEADS, ax.ACT_HEAD_DIM))
         v_btgk = constrain(v_btgk, (ax.ACT_BATCH, None, ax.ACT_KV_HEADS, ax.ACT_HEAD_DIM))
         o_bthk = attention(q_bthk, k_btgk, v_btgk, window=self.window, impl=self.impl)
-        o_bthk = constrain(o_bthk, (ax.ACT_BATCH, None, ax.ACT_HEADS, ax.ACT_HEAD_DIM))
+        o_bthk = constrain(o_bthk, (ax.ACT_BATCH, ax.ACT_SEQ_INNER, ax.ACT_HEADS, ax.ACT_HEAD_DIM))
         y_btd = jnp.einsum("bthk,hkd->btd", o_bthk, self.wo[...].astype(dt))
         if self.use_bias:
             y_btd = y_btd + self.bo[...].astype(dt)
@@ -125,7 +126,7 @@ class MLP(nnx.Module):
         h_btf = jnp.einsum("btd,df->btf", x_btd, self.w_in[...].astype(dt))
         if self.use_bias:
             h_btf = h_btf + self.b_in[...].astype(dt)
-        h_btf = constrain(jax.nn.gelu(h_btf), (ax.ACT_BATCH, None, ax.ACT_MLP))
+        h_btf = constrain(jax.nn.gelu(h_btf), (ax.ACT_BATCH, ax.ACT_SEQ_INNER, ax.ACT_MLP))
         y_btd = jnp.einsum("btf,fd->btd", h_btf, self.w_out[...].astype(dt))
         if self.use_bias:
             y_btd = y_btd + self.b_out[...].astype(dt)
@@ -212,7 +213,7 @@ class GPT(nnx.Module):
             logits_btv = jnp.einsum("btd,dv->btv", x_btd, self.lm_head[...].astype(dt))
         else:
             logits_btv = jnp.einsum("btd,vd->btv", x_btd, self.wte[...].astype(dt))
-        logits_btv = constrain(logits_btv.astype(jnp.float32), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_VOCAB))
+        logits_btv = constrain(logits_btv.astype(jnp.float32), (ax.ACT_BATCH, ax.ACT_SEQ_INNER, ax.ACT_VOCAB))
         if cfg.padded_vocab() > cfg.vocab_size:
             real = jnp.arange(logits_btv.shape[-1]) < cfg.vocab_size
             logits_btv = jnp.where(real, logits_btv, -1e9)

@@ -26,7 +26,11 @@ POSITION = "position"
 
 # Activation axes.
 ACT_BATCH = "act_batch"
+# The sequence dimension of the residual stream (between tensor-parallel regions), and inside them (queries and
+# the MLP hidden state). Megatron sequence parallelism splits the first over `tensor` too; the second cannot
+# be, because the heads or MLP columns already are.
 ACT_SEQ = "act_seq"
+ACT_SEQ_INNER = "act_seq_inner"
 ACT_EMBED = "act_embed"
 ACT_HEADS = "act_heads"
 ACT_KV_HEADS = "act_kv_heads"

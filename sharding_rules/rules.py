@@ -5,9 +5,12 @@
   `fsdp` on their `embed` dimension; XLA all-gathers a layer's weights before use and reduce-scatters its
   gradients. The batch is split over `data` and `fsdp`.
 - `fsdp_tp`: FSDP plus Megatron tensor parallelism (Shoeybi et al. 2019): attention heads, the MLP hidden
-  dimension and the vocabulary split over `tensor`; activations' sequence dimension split over `sequence`
-  between the TP regions (Korthikanti et al. 2022 sequence parallelism, realised by GSPMD from the constraints).
-- `tp`: tensor (and sequence) parallelism with data parallelism, no FSDP.
+  dimension and the vocabulary split over `tensor`. Between the TP regions the residual stream's sequence
+  dimension is split over `tensor` as well (Megatron sequence parallelism, Korthikanti et al. 2022: GSPMD turns
+  each TP all-reduce into a reduce-scatter + all-gather and norms run on 1/tp of the tokens) and over
+  `sequence` (context parallelism: queries and the MLP stay split over `sequence`; attention all-gathers keys and
+  values over it).
+- `tp`: tensor, sequence and context parallelism with data parallelism, no FSDP.
 
 A mesh axis of size 1 is a no-op, so `fsdp_tp` (the default) serves every layout this step supports.
 """
@@ -19,7 +22,8 @@ from typing import Mapping, Sequence, Union
 from jax.sharding import PartitionSpec
 
 from sharding_rules.axes import (
-    ACT_BATCH, ACT_EMBED, ACT_HEAD_DIM, ACT_HEADS, ACT_KV_HEADS, ACT_MLP, ACT_SEQ, ACT_VOCAB, DATA, EMBED, FSDP,
+    ACT_BATCH, ACT_EMBED, ACT_HEAD_DIM, ACT_HEADS, ACT_KV_HEADS, ACT_MLP, ACT_SEQ, ACT_SEQ_INNER, ACT_VOCAB, DATA,
+    EMBED, FSDP,
     HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, NORM, POSITION, SEQUENCE, TENSOR, VOCAB,
 )
 
@@ -32,12 +36,12 @@ _REPLICATED_PARAMS: Rules = {
     POSITION: None,
 }
 _DP_ACTIVATIONS: Rules = {
-    ACT_BATCH: _BATCH, ACT_SEQ: None, ACT_EMBED: None, ACT_HEADS: None, ACT_KV_HEADS: None, ACT_HEAD_DIM: None,
-    ACT_MLP: None, ACT_VOCAB: None,
+    ACT_BATCH: _BATCH, ACT_SEQ: None, ACT_SEQ_INNER: None, ACT_EMBED: None, ACT_HEADS: None, ACT_KV_HEADS: None,
+    ACT_HEAD_DIM: None, ACT_MLP: None, ACT_VOCAB: None,
 }
 _TP_PARAMS: Rules = {VOCAB: TENSOR, MLP: TENSOR, HEADS: TENSOR, KV_HEADS: TENSOR}
-_TP_ACTIVATIONS: Rules = {ACT_SEQ: SEQUENCE, ACT_HEADS: TENSOR, ACT_KV_HEADS: TENSOR, ACT_MLP: TENSOR,
-                          ACT_VOCAB: TENSOR}
+_TP_ACTIVATIONS: Rules = {ACT_SEQ: (SEQUENCE, TENSOR), ACT_SEQ_INNER: SEQUENCE, ACT_HEADS: TENSOR,
+                          ACT_KV_HEADS: TENSOR, ACT_MLP: TENSOR, ACT_VOCAB: TENSOR}
 
 RULE_SETS: dict[str, Rules] = {
     "dp": {**_REPLICATED_PARAMS, **_DP_ACTIVATIONS},

@@ -183,7 +183,7 @@ def check_model_split(cfg: Config, sizes: dict[str, int], vocab: int) -> None:
     if f > 1 and rules.get(ax.EMBED) != "fsdp":
         raise PlanError(f"mesh.fsdp={f} but rule set mesh.rules={cfg.mesh.rules!r} shards no parameter over fsdp "
                         "(that is plain data parallelism); use 'fsdp' or 'fsdp_tp', or set mesh.data instead")
-    if s > 1 and rules.get(ax.ACT_SEQ) != "sequence":
+    if s > 1 and rules.get(ax.ACT_SEQ_INNER) != "sequence":
         raise PlanError(f"mesh.sequence={s} but rule set mesh.rules={cfg.mesh.rules!r} does not split the "
                         "sequence; use 'tp' or 'fsdp_tp'")
 
