@@ -28,6 +28,11 @@ def use_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
+def active_rules() -> tuple[Mesh, Rules] | None:
+    """The (mesh, rules) of the enclosing `use_rules`, or None outside one."""
+    return _ACTIVE.get()
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Pins activation `x` (one logical name per dimension, e.g. ("act_batch", "act_seq", "act_embed")) to the
     layout the active rule set gives those names; identity when no rules are active."""

@@ -16,6 +16,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from msjax.sharding import active_rules
+from sharding_rules import axes as ax
+from sharding_rules import logical_to_mesh_spec
+
 IMPLS = ("auto", "xla", "pallas", "cudnn")
 
 
@@ -59,12 +63,29 @@ def attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array, *, window
     if impl == "pallas":
         from pallas_kernels.sliding_window_attention import sliding_window_attention
 
-        return sliding_window_attention(q_bthk, k_bshk, v_bshk, window=window)
+        return _per_shard(lambda q, k, v: sliding_window_attention(q, k, v, window=window), q_bthk, k_bshk, v_bshk)
     if impl == "cudnn":
         local = None if window is None else (window - 1, 0)
         return jax.nn.dot_product_attention(q_bthk, k_bshk, v_bshk, is_causal=True, local_window_size=local,
                                             implementation="cudnn")
     return xla_attention(q_bthk, k_bshk, v_bshk, window=window)
+
+
+def _per_shard(fn, q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array) -> jax.Array:
+    """Runs a kernel on each device's (batch, heads) shard under the active mesh.
+
+    GSPMD cannot partition a `pallas_call`, so the kernel runs inside `jax.shard_map` over the batch and head
+    axes (attention is independent across both). The sequence stays whole on each device: the kernel has no
+    query-offset input yet, so under context parallelism (mesh.sequence > 1) queries are gathered first.
+    """
+    active = active_rules()
+    if active is None:
+        return fn(q_bthk, k_bshk, v_bshk)
+    mesh, rules = active
+    q_spec = logical_to_mesh_spec((ax.ACT_BATCH, None, ax.ACT_HEADS, None), rules)
+    kv_spec = logical_to_mesh_spec((ax.ACT_BATCH, None, ax.ACT_KV_HEADS, None), rules)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+                         check_vma=False)(q_bthk, k_bshk, v_bshk)
 
 
 def xla_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array, *, window: int | None) -> jax.Array:
