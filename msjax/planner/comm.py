@@ -8,16 +8,22 @@ moves twice that. Time = volume / bus bandwidth + (n - 1) ring steps x latency. 
 The per-step inventory (per device, most loaded pipeline stage) follows the layout:
   TP     (tensor)        per layer and microbatch: an all-gather entering and a reduce-scatter leaving each TP
                          region (with sequence parallelism; without it an all-reduce, the same bytes) of the
-                         b x s x h activation, forward and backward, and again in a full-remat recompute.
-                         Serial blocks have two TP regions per layer (attention, MLP), parallel blocks one
-                         (MegaScale fig. 3a). The vocabulary-parallel embedding and logits add one pair each
-                         (with pipelining, the stage that has one of them).
-  SEQ    (sequence)      per TP region: the sequence is all-gathered in the forward, reduce-scattered backward.
+                         b x (T / c) x h activation (c = the `sequence` size), forward and backward, and again
+                         in a full-remat recompute. Serial blocks have two TP regions per layer (attention, MLP),
+                         parallel blocks one (MegaScale fig. 3a). The vocabulary-parallel embedding and logits add
+                         one pair each (with pipelining, the stage that has one of them).
+  SEQ    (sequence)      context parallelism: per layer and microbatch, attention all-gathers K and V (b x T x
+                         G/t x K each, the whole sequence for this device's heads) in the forward and again in
+                         the backward's recompute under any remat policy (only `none` saves the gathered copy),
+                         and reduce-scatters dK and dV in the backward: (c - 1) / c of 2 b T (G / t) K elements
+                         each way (`memory.gathered_kv_bytes`). K and V are one call (two in XLA; the latency
+                         term is negligible at these sizes).
   FSDP   (fsdp)          per layer and microbatch: weights all-gathered for the forward and again for the
                          backward (in the compute dtype), gradients reduce-scattered (ZeRO-3).
   DP     (data, sequence) once per step after accumulation: all-reduce of the gradients (ZeRO-0), or reduce-
                          scatter of the gradients + all-gather of the updated parameters (ZeRO-1/2,
-                         Megatron's distributed optimizer, MegaScale fig. 1).
+                         Megatron's distributed optimizer, MegaScale fig. 1). Parameters are replicated over
+                         `sequence`, so its members' gradients are reduced with the data replicas'.
   PP     (pipeline)      per chunk boundary and microbatch: send the activation forward and its gradient back,
                          1/t of it per tensor rank (Narayanan et al. 2021 sec. 4.1 scatter/gather).
   EMB    (pipeline)      tied embedding: the first and last stages all-reduce the embedding gradient.
@@ -28,7 +34,7 @@ from __future__ import annotations
 from msjax.config import Config
 from msjax.hardware import Hardware
 from msjax.planner.layout import Layout, Link, group_link
-from msjax.planner.memory import _DTYPE_BYTES, StageParams, state_bytes_per_element
+from msjax.planner.memory import _DTYPE_BYTES, StageParams, gathered_kv_bytes, state_bytes_per_element
 
 
 class Collective:
@@ -79,6 +85,16 @@ def passes(layout: Layout) -> float:
     return 2.0 if layout.remat == "full" else 1.0
 
 
+def kv_gathers(layout: Layout) -> float:
+    """K/V all-gathers over `sequence` per layer and microbatch: the forward's, plus one in the backward unless
+    the gathered copy was saved (remat `none`): full remat reruns the forward, and the dots policies save only
+    the local K/V projection outputs (an all-gather is not a dot), so the backward gathers them again. Checked on
+    the compiled train step (fake CPU devices, 2-layer gpt_tiny with sequence = tensor = 2; XLA gathers K and V
+    separately): 2 all-gathers over `sequence` per layer under `none`, 4 under `dots_no_batch`, `dots` (xla
+    attention) and `full`."""
+    return 1.0 if layout.remat == "none" else 2.0
+
+
 def inventory(cfg: Config, layout: Layout, hw: Hardware, stage: StageParams) -> list[Collective]:
     """Every collective of one step on the most loaded device (see module docstring)."""
     m = cfg.model
@@ -107,12 +123,11 @@ def inventory(cfg: Config, layout: Layout, hw: Hardware, stage: StageParams) -> 
     tp_act = act / sx
     add("TP all-gather", "TP", ("tensor",), "all-gather", t, tp_act, tp_calls)
     add("TP reduce-scatter", "TP", ("tensor",), "reduce-scatter", t, tp_act, tp_calls)
-    # SEQ: the msjax model gathers the sequence at every TP-region entry (forward) and scatters it back (bwd).
-    seq_calls = layers * mb * regions * fwd_like
-    add("SEQ all-gather", "SEQ", ("sequence",), "all-gather", sx, act / t if layout.sequence_parallel else act,
-        seq_calls)
-    add("SEQ reduce-scatter", "SEQ", ("sequence",), "reduce-scatter", sx,
-        act / t if layout.sequence_parallel else act, layers * mb * regions)
+    # SEQ (context parallelism): K and V gathered for each forward-like pass, dK and dV reduce-scattered once.
+    if sx > 1:
+        kv = gathered_kv_bytes(cfg, layout)
+        add("SEQ all-gather (K, V)", "SEQ", ("sequence",), "all-gather", sx, kv, layers * mb * kv_gathers(layout))
+        add("SEQ reduce-scatter (dK, dV)", "SEQ", ("sequence",), "reduce-scatter", sx, kv, layers * mb)
     # FSDP (ZeRO-3 over fsdp): gather weights for each forward-like pass and the backward; scatter gradients.
     layer_w = stage.layer_total / t
     embed_w = stage.embed_total / t

@@ -5,11 +5,17 @@ are numbered in that row-major order, so the tensor axis is contiguous (inside a
 the most spread out (across nodes), as in Megatron-LM and MegaScale (sec. 2, "Combination of parallelism").
 
 What each axis means to the planner (matching `sharding_rules` and `msjax.model`):
-  tensor    Megatron TP (Shoeybi et al. 2019): heads, MLP width and vocabulary split; with
-            `sequence_parallel` the activations between TP regions are split along the sequence (Megatron-SP).
-  sequence  the activations' sequence dimension between TP regions is split over this axis (the rule sets map
-            `act_seq` to it); inside attention and the MLP the msjax model gathers the whole sequence, so that
-            work is repeated on every member of the axis. Parameters are replicated over it.
+  tensor    Megatron TP (Shoeybi et al. 2019): heads, MLP width and vocabulary split. The residual stream between
+            TP regions is split along the sequence over this axis too (Megatron-SP, Korthikanti et al. 2022):
+            msjax always does so (`act_seq` -> (sequence, tensor)); `sequence_parallel` = False exists only for
+            the megatron baseline.
+  sequence  context parallelism with all-gathered keys and values (as Llama 3's, Dubey et al. 2024 sec.
+            3.3.2): every per-token tensor is split along the sequence over this axis (`act_seq` and, inside the
+            TP regions, `act_seq_inner`), so projections, MLP, norms and logits run on T/c tokens of the
+            T-token sequence (c the axis size); attention all-gathers K and V over it (each member's queries
+            attend the whole prefix) and reduce-scatters dK and dV in the backward. Chunks are contiguous, so
+            the member holding the last chunk does the most causal attention work and paces the step.
+            Parameters are replicated over it.
   fsdp      ZeRO-3 / FSDP: parameters, gradients and optimizer state split on `embed`; weights all-gathered
             before use, gradients reduce-scattered.
   data      replicas; `zero_stage` 1/2 additionally shard optimizer state / gradients over it.
@@ -42,7 +48,7 @@ class Layout:
       microbatches: microbatches per step per replica (m).
       zero_stage: 0, 1 or 2 over the data axis.
       remat: msjax remat policy ("none", "dots_no_batch", "dots", "full").
-      sequence_parallel: Megatron-SP over the tensor axis.
+      sequence_parallel: Megatron-SP over the tensor axis (always, when tensor > 1, for the msjax baseline).
       block: "serial" or "parallel" transformer block.
       window: sliding-window size or None.
       flash: attention runs as a fused (flash) kernel: no T x T scores in memory, masked blocks skipped.
@@ -250,8 +256,10 @@ def make_layout(cfg: Config, opts: PlanOptions, hw: Hardware, sizes: dict[str, i
     t = sizes["tensor"]
     sp = opts.sequence_parallel and t > 1
     if sp and (cfg.train.seq_len // sizes["sequence"]) % t:
+        how = ("(or --sequence_parallel=false)" if opts.baseline == "megatron" else
+               "(msjax always splits the residual stream over tensor)")
         raise PlanError(f"sequence parallelism splits the {cfg.train.seq_len // sizes['sequence']}-token "
-                        f"sequence over mesh.tensor={t}; it does not divide (or --sequence_parallel=false)")
+                        f"sequence over mesh.tensor={t}; it does not divide {how}")
     megatron = opts.baseline == "megatron"
     return Layout(
         pipeline=p, data=sizes["data"], fsdp=sizes["fsdp"], sequence=sizes["sequence"], tensor=t,

@@ -16,6 +16,14 @@ and pipeline parallelism makes the first stage hold L layers' worth (1F1B: p mic
 times (1 + (p - 1) / (p v)) with v interleaved chunks (sec. 4.2.3). `korthikanti_layer_bytes` is that
 per-layer count, generalised (component by component) to any MLP width, grouped-query heads, parallel blocks,
 no dropout and fused (flash) attention; `layer_activation_bytes` maps msjax's remat policies onto it.
+
+The `sequence` mesh axis (context parallelism, size c) divides every per-token activation by c, inside and
+outside the TP regions, except the keys and values: attention all-gathers them over the axis, so each device
+holds the whole sequence's K and V for its heads, 2 b T (G / t) K elements per layer and microbatch
+(`gathered_kv_bytes`). Without remat autodiff saves that gathered copy for the backward (it is the attention's
+input); under every remat policy only the local T/c projection outputs (dots policies) or the layer input (full)
+are saved and the backward gathers K and V again, so the full-length copy is part of the working memory of the
+layer being recomputed.
 """
 
 from __future__ import annotations
@@ -162,8 +170,8 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
       parallel_block: one LayerNorm whose output feeds both the attention and the MLP (stored once).
       act_bytes: bytes per activation element (2 for bf16/fp16, 4 for float32).
       kv_len: keys per query held in the scores (default s).
-      seq_split: the sequence is further split over this many devices between TP regions (the `sequence`
-        mesh axis); TP-region tensors are not split by it (msjax gathers the sequence there).
+      seq_split: context parallelism (the `sequence` mesh axis): every per-token tensor is split over this many
+        devices, except K and V, which attention gathers whole (see the module docstring).
     Returns:
       bytes per layer per microbatch on one device (float).
     """
@@ -176,22 +184,35 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
     mask = 1.0 if dropout else 0.0
     if recompute == "full":
         return e * tok * h / ((t if sp else 1) * seq_split)
+    c = seq_split
     # Outside the TP regions: norm inputs, the (shared) input of QKV / linear-1, dropout masks.
     n_norm = 1 if parallel_block else 2
     shared_inputs = 1 if parallel_block else 2
-    outer = tok * h * (e * n_norm + e * shared_inputs + 2 * mask) / ((t if sp else 1) * seq_split)
-    # Inside the TP regions (split over t, whole sequence).
-    inner = tok * (e * q_width + e * kv_width  # Q and K for QK^T
-                   + e * kv_width  # V
-                   + e * q_width  # output-projection input
-                   + e * ffn + e * ffn) / t  # GeLU input, linear-2 input
+    outer = tok * h * (e * n_norm + e * shared_inputs + 2 * mask) / ((t if sp else 1) * c)
+    # Inside the TP regions (split over t, and over c except the gathered K and V).
+    inner = tok * (e * q_width / c + e * kv_width  # Q (local queries) and K (gathered) for QK^T
+                   + e * kv_width  # V (gathered)
+                   + e * q_width / c  # output-projection input
+                   + e * ffn / c + e * ffn / c) / t  # GeLU input, linear-2 input
     scores = 0.0
     if recompute != "selective":
         if flash:
-            scores = 4.0 * b * s * a / t  # float32 log-sum-exp per query and head
+            scores = 4.0 * b * s * a / t / c  # float32 log-sum-exp per (local) query and head
         else:
-            scores = b * a * s * kv_len * (e + mask + (e if dropout else 0)) / t
+            scores = b * a * s * kv_len * (e + mask + (e if dropout else 0)) / t / c
     return outer + inner + scores
+
+
+def gathered_kv_bytes(cfg: Config, layout: Layout) -> float:
+    """Bytes of one layer's keys and values after attention's all-gather over `sequence`, per device and
+    microbatch: 2 (K and V) x b x T x G / t x K x bytes per element (the whole sequence, this device's heads).
+
+    It is the tensor each K/V all-gather produces (and each dK/dV reduce-scatter consumes) in `comm`, and the
+    part of a layer's activations that the `sequence` axis does not divide.
+    """
+    m = cfg.model
+    return 2.0 * _DTYPE_BYTES[m.dtype] * layout.microbatch_size * cfg.train.seq_len * m.kv_heads / layout.tensor \
+        * m.head_size
 
 
 def layer_activation_bytes(cfg: Config, layout: Layout, policy: str | None = None) -> float:
@@ -204,6 +225,9 @@ def layer_activation_bytes(cfg: Config, layout: Layout, policy: str | None = Non
       projection, linear 1, linear 2) and the layer input; norms, GeLU and the attention core are recomputed.
     dots (`checkpoint_dots`): as dots_no_batch plus the batched attention matmuls (QK^T scores and PV) when
       attention is materialised (impl xla); a fused attention kernel is not a dot, so it is recomputed.
+    With context parallelism (`sequence` = c > 1) everything above is 1/c of the tokens, except that `none`
+    keeps the gathered (whole-sequence) K and V; the dots policies keep the local K and V projection outputs
+    (the gather is not a dot), so the backward gathers them again (counted in `comm`).
     """
     m = cfg.model
     policy = policy or layout.remat
@@ -219,9 +243,10 @@ def layer_activation_bytes(cfg: Config, layout: Layout, policy: str | None = Non
             seq_split=sx)
     split_outer = (t if layout.sequence_parallel else 1) * sx
     tok = s * b
-    saved = e * tok * (3 * h / split_outer + (qw + 2 * kvw + f) / t)  # x, proj out, lin2 out | Q K V, lin1 out
+    # x, proj out, lin2 out | Q K V (local, before the K/V gather), lin1 out
+    saved = e * tok * (3 * h / split_outer + (qw + 2 * kvw + f) / (t * sx))
     if policy == "dots" and not layout.flash:
-        saved += e * b * m.num_heads * s * s / t + e * tok * qw / t  # scores and PV output
+        saved += e * b * m.num_heads * s * s / t / sx + e * tok * qw / t / sx  # scores and PV output (local queries)
     return saved
 
 
@@ -244,8 +269,9 @@ class MemoryReport:
 
     params, grads, optimizer: model state. activations: stored layer activations of all in-flight
     microbatches. working: transient peak on top (one layer's full activations while it is recomputed under
-    remat; the output logits and their gradient in float32 for one microbatch; FSDP's gathered weights of two
-    layers). total vs capacity (= memory_fraction x device memory).
+    remat, which includes its gathered K and V under context parallelism; the output logits and their gradient
+    in float32 for one microbatch; FSDP's gathered weights of two layers). total vs capacity (= memory_fraction
+    x device memory).
     """
 
     params: float

@@ -1,8 +1,9 @@
 """Planner knobs the training config does not have, the error type, and the documented model constants.
 
 `PlanOptions` holds the layout choices that only the planner models (virtual pipeline stages, microbatch size,
-ZeRO stage over `data`, Megatron sequence parallelism, which overlaps to assume, efficiency overrides) and the
-`baseline` switch. The mesh sizes, model, batch and remat policy come from the normal `Config`.
+ZeRO stage over `data`, Megatron sequence parallelism for the megatron baseline, which overlaps to assume,
+efficiency overrides) and the `baseline` switch. The mesh sizes, model, batch and remat policy come from the
+normal `Config`.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ class PlanOptions:
         is the `fsdp` mesh axis. -1 picks the smallest stage that fits.
       sequence_parallel: Megatron-SP (Korthikanti et al. 2022 sec. 4.2.2): between tensor-parallel regions the
         activations are split over the `tensor` axis along the sequence (all-gather / reduce-scatter instead of
-        all-reduce; same bytes, 1/t of the activation memory).
+        all-reduce; same bytes, 1/t of the activation memory). msjax always does this when tensor > 1 (its rule
+        sets map `act_seq` to (sequence, tensor)), so the switch exists only for `--baseline=megatron`
+        comparisons (Narayanan et al. 2021 ran without it); False with the msjax baseline is a PlanError.
       baseline: "msjax" models msjax's design (block type and window from the config, all overlaps below on);
         "megatron" models the Megatron-LM baseline of MegaScale's Table 2: no overlap, serial blocks, no
         sliding window (and its FlashAttention-1 kernels, mixed-precision optimizer state and dropout masks).
@@ -88,6 +91,10 @@ class PlanOptions:
                             "fsdp mesh axis (--mesh.fsdp=N)")
         if self.baseline not in BASELINES:
             raise PlanError(f"--baseline={self.baseline!r}: allowed is one of {', '.join(BASELINES)}")
+        if not self.sequence_parallel and self.baseline == "msjax":
+            raise PlanError("--sequence_parallel=false: the msjax train step always splits the residual stream's "
+                            "sequence over `tensor` (Megatron-SP; sharding_rules maps act_seq to (sequence, "
+                            "tensor)), so this switch only applies with --baseline=megatron")
         for name in ("matmul_efficiency", "attention_efficiency", "hbm_efficiency"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:

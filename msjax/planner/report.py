@@ -47,8 +47,9 @@ def plan_text(plan: Plan) -> str:
     sched = "interleaved 1F1B" if lay.virtual_stages > 1 else ("1F1B" if lay.pipeline > 1 else "no pipeline")
     add(f"  pipeline   {lay.pipeline} stages x {lay.virtual_stages} virtual ({sched}); {per_stage} layers per stage, "
         f"{per_stage // lay.virtual_stages} per chunk")
+    cp = " (context parallel: K/V all-gathered)" if lay.sequence > 1 else ""
     add(f"  data       {lay.data} (ZeRO-{lay.zero_stage} over data)    fsdp {lay.fsdp} (ZeRO-3)    sequence "
-        f"{lay.sequence}    tensor {lay.tensor} (sequence parallel {'on' if lay.sequence_parallel else 'off'})")
+        f"{lay.sequence}{cp}    tensor {lay.tensor} (sequence parallel {'on' if lay.sequence_parallel else 'off'})")
     add(f"  batch      {cfg.train.global_batch} sequences x {cfg.train.seq_len} tokens; microbatch "
         f"{lay.microbatch_size} x {lay.microbatches} per replica per step")
     add(f"  model      {L} layers, d_model {mc.d_model}, {mc.num_heads} heads ({mc.kv_heads} kv), d_ff {mc.ff_size}, "

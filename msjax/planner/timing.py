@@ -15,6 +15,13 @@ Compute (per device, per layer and microbatch):
   recompute  full remat reruns the forward; dots / dots_no_batch rerun the elementwise ops (and the attention
              core when it is not saved).
   output     the vocabulary projection and softmax cross-entropy on the last stage.
+  sequence   context parallelism (axis size c) gives each member T/c contiguous tokens: every term above runs
+             on T/c tokens, and attention on its T/c queries against the keys they attend. Fused kernels skip
+             masked blocks, so the member with the last chunk does the most work and paces the step
+             (`chunk_attended_keys`; for causal attention (2c - 1) T / (2c) + 1/2 keys per query against
+             (T + 1) / 2 on average, 1.5x at c = 2); materialised attention computes every masked score, so it is
+             balanced (T keys per query on every member).
+
 Overlap (msjax design; every term is exposed in the megatron baseline):
   TP         each all-gather / reduce-scatter is a collective matmul with the GEMM it feeds or drains (MegaScale
              fig. 3: parallel blocks fuse them into the MLP's two linears); it is exposed by
@@ -28,6 +35,12 @@ Overlap (msjax design; every term is exposed in the megatron baseline):
              not fit in the cool-down's backward compute. The parameter all-gather (ZeRO-1/2) runs chunk by
              chunk ahead of the forward: the first chunk's share waits with nothing to hide behind, the rest is
              exposed only beyond the warm-up's forward compute.
+  SEQ        exposed, on the critical path of every layer: the K/V all-gather (forward and backward
+             recompute) and the dK/dV reduce-scatter over `sequence`. An assumption, the conservative one, and how
+             Llama 3 (Dubey et al. 2024, sec. 3.3.2) describes this all-gather design: it accepts the gather's
+             latency on the critical path as small next to attention (their K and V are small under GQA). XLA's
+             scheduler could hide part of it behind the query projection (the only GEMM of the layer that does not
+             need K and V); not modelled. The same for both baselines.
   Contention hidden communication is not free: the compute under it runs OVERLAP_SLOWDOWN (18.9%, Lee et al.
              2025) slower, charged on the hidden time.
   Bubble     interleaved 1F1B idles (p - 1) / v microbatch-times per step (Narayanan et al. 2021 sec. 2.2.2); it
@@ -89,26 +102,50 @@ class LayerTimes:
     hw_flops: float
 
 
+def chunk_attended_keys(seq_len: int, window: int | None, chunks: int) -> float:
+    """Mean keys per query of the last of `chunks` contiguous query chunks (causal, optional sliding window).
+
+    With context parallelism each member of the `sequence` axis holds one contiguous chunk of T / chunks
+    queries and attends them against the gathered keys; a fused kernel skips masked blocks, so query i costs
+    min(i, W) keys, and the last chunk, whose queries attend the longest prefixes, is the most work.
+    Sum_{i=1..x} min(i, W) = x (x + 1) / 2 for x <= W, else W (W + 1) / 2 + (x - W) W, so the last chunk's mean
+    is (sum(T) - sum(T - T / chunks)) / (T / chunks): for causal attention (2 chunks - 1) T / (2 chunks) + 1/2.
+    One chunk is `msjax.flops.mean_attended_keys`, the whole-sequence mean.
+    """
+    if chunks == 1:
+        return model_flops.mean_attended_keys(seq_len, window)
+    w = seq_len if window is None else min(window, seq_len)
+
+    def prefix(x: int) -> float:
+        return x * (x + 1) / 2 if x <= w else w * (w + 1) / 2 + (x - w) * w
+
+    n = seq_len // chunks
+    return (prefix(seq_len) - prefix(seq_len - n)) / n
+
+
 def layer_times(cfg: Config, layout: Layout, rates: Rates) -> LayerTimes:
+    """Times of one layer for one microbatch on the pacing device (see the module docstring)."""
     m = cfg.model
     s, b, t, sx = cfg.train.seq_len, layout.microbatch_size, layout.tensor, layout.sequence
     e = _DTYPE_BYTES[m.dtype]
     h, f = m.d_model, m.ff_size
     qw, kvw = m.num_heads * m.head_size, m.kv_heads * m.head_size
-    tok = b * s  # TP regions see the whole sequence (the msjax model gathers it there)
+    tok = b * s / sx  # tokens (and queries) per member of the sequence axis: its chunk
     widths = {"qkv": h * (qw + 2 * kvw), "out": qw * h, "lin1": h * f, "lin2": f * h}
     gemm_flops = {k: 2.0 * tok * w / t for k, w in widths.items()}
     gemm = {k: fl / rates.gemm for k, fl in gemm_flops.items()}
-    k_bar = model_flops.mean_attended_keys(s, layout.window) if layout.flash else float(s)
+    # Keys per query on the pacing member: the last chunk's for fused kernels (masked blocks skipped), every key
+    # for materialised attention (masked scores are computed too).
+    k_bar = chunk_attended_keys(s, layout.window, sx) if layout.flash else float(s)
     attn_flops = 4.0 * tok * (m.num_heads / t) * m.head_size * k_bar
-    outer_tok = tok / ((t if layout.sequence_parallel else 1) * sx)
+    outer_tok = b * s / ((t if layout.sequence_parallel else 1) * sx)
     n_ln = 1 if layout.block == "parallel" else 2
     residual = 4 if layout.block == "parallel" else 6  # reads + writes of the residual adds, in units of h
     elem_bytes = e * (outer_tok * h * (2 * n_ln + residual) + tok * 2 * f / t)
     if layout.flash:
         attn = attn_flops / rates.attention
     else:  # materialised scores: batched matmuls plus softmax traffic (write scores, read, write probs)
-        elem_bytes += 3 * e * b * (m.num_heads / t) * s * s
+        elem_bytes += 3 * e * b * (m.num_heads / t) * (s / sx) * s
         attn = attn_flops / rates.gemm
     elem = elem_bytes / rates.hbm
     fwd = sum(gemm.values()) + attn + elem
@@ -186,7 +223,7 @@ def step_time(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions, stag
     dp_rs = dp_ag = emb = pp_steps = 0.0
     for c in colls:
         per_call.setdefault(c.name, c.time_per_call)
-        group = {"EMB": "DP", "SEQ": "TP"}.get(c.group, c.group)  # reported with the overlap they share
+        group = {"EMB": "DP"}.get(c.group, c.group)  # reported with the overlap it shares
         total[group] = total.get(group, 0.0) + c.time_per_step
         busy[c.link.kind] += c.time_per_step
         if c.group == "DP":
@@ -203,17 +240,15 @@ def step_time(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions, stag
     exposed: dict[str, float] = {}
     call = lambda name: per_call.get(name, 0.0)  # noqa: E731
 
-    # TP (+ SEQ) per layer per microbatch.
+    # TP per layer per microbatch.
     ag, rs = call("TP all-gather"), call("TP reduce-scatter")
-    seq_ag, seq_rs = call("SEQ all-gather"), call("SEQ reduce-scatter")
     g = lt.gemm
     if layout.block == "parallel":
-        pairs_fwd = [(ag + seq_ag, g["lin1"]), (rs, g["lin2"])]
-        pairs_bwd = [(rs + seq_rs, 2 * g["lin1"]), (ag, 2 * g["lin2"])]
+        pairs_fwd = [(ag, g["lin1"]), (rs, g["lin2"])]
+        pairs_bwd = [(rs, 2 * g["lin1"]), (ag, 2 * g["lin2"])]
     else:
-        pairs_fwd = [(ag + seq_ag, g["qkv"]), (rs, g["out"]), (ag + seq_ag, g["lin1"]), (rs, g["lin2"])]
-        pairs_bwd = [(rs + seq_rs, 2 * g["qkv"]), (ag, 2 * g["out"]), (rs + seq_rs, 2 * g["lin1"]),
-                     (ag, 2 * g["lin2"])]
+        pairs_fwd = [(ag, g["qkv"]), (rs, g["out"]), (ag, g["lin1"]), (rs, g["lin2"])]
+        pairs_bwd = [(rs, 2 * g["qkv"]), (ag, 2 * g["out"]), (rs, 2 * g["lin1"]), (ag, 2 * g["lin2"])]
     hide = (t - 1) / t if opts.overlap_tp else 0.0
     fwd_tp = sum(max(0.0, c - gm * hide) for c, gm in pairs_fwd)
     bwd_tp = sum(max(0.0, c - gm * hide) for c, gm in pairs_bwd)
@@ -233,19 +268,27 @@ def step_time(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions, stag
         fsdp_layer = f_ag * (2.0 if layout.remat == "full" else 1.0) + f_ag + f_rs
         fsdp_embed = 2 * call("FSDP all-gather (embedding)") + call("FSDP reduce-scatter (embedding)")
 
+    # SEQ (context parallelism) per layer per microbatch: exposed (module docstring).
+    seq_layer = (call("SEQ all-gather (K, V)") * comm_mod.kv_gathers(layout)
+                 + call("SEQ reduce-scatter (dK, dV)")) if layout.sequence > 1 else 0.0
+
     per_layer = lt.fwd + lt.bwd + lt.recompute
     # Per microbatch on the first stage (embedding end) and the last (output layer); with p = 1 one device has
-    # both. The slowest stage sets the pipeline's pace (compute, TP and FSDP exposure are its own).
-    stages = [(layers * per_layer, layers * tp_layer + tp_embed, layers * fsdp_layer + fsdp_embed),
-              (layers * per_layer + ot.fwd + ot.bwd, layers * tp_layer + tp_out, layers * fsdp_layer + fsdp_embed)]
+    # both. The slowest stage sets the pipeline's pace (compute, TP, FSDP and SEQ exposure are its own).
+    stages = [(layers * per_layer, layers * tp_layer + tp_embed, layers * fsdp_layer + fsdp_embed,
+               layers * seq_layer),
+              (layers * per_layer + ot.fwd + ot.bwd, layers * tp_layer + tp_out, layers * fsdp_layer + fsdp_embed,
+               layers * seq_layer)]
     if p == 1:
-        stages = [(stages[1][0], stages[0][1] + tp_out, stages[0][2])]
-    compute_mb, tp_mb, fsdp_mb = max(stages, key=sum)
-    t_mb = compute_mb + tp_mb + fsdp_mb
+        stages = [(stages[1][0], stages[0][1] + tp_out, stages[0][2], stages[0][3])]
+    compute_mb, tp_mb, fsdp_mb, seq_mb = max(stages, key=sum)
+    t_mb = compute_mb + tp_mb + fsdp_mb + seq_mb
     pipeline_time = (mb + (p - 1) / v) * t_mb
     bubble = (p - 1) / v * t_mb
-    exposed["TP"] = mb * tp_mb  # SEQ collectives share the TP slots and are counted here
+    exposed["TP"] = mb * tp_mb
     exposed["FSDP"] = mb * fsdp_mb
+    if layout.sequence > 1:
+        exposed["SEQ"] = mb * seq_mb
 
     # PP send/recv.
     if p > 1:

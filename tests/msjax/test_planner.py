@@ -1,5 +1,6 @@
-"""Planner: memory formulas against the paper's equations (arithmetic written out), layout legality and errors,
-search legality, the calibration and the baseline switch, hardware catalogue, command line."""
+"""Planner: memory formulas against the paper's equations (arithmetic written out), the `sequence` axis (context
+parallelism: memory, K/V collectives and compute, by hand), layout legality and errors, search legality, the
+calibration and the baseline switch, hardware catalogue, command line."""
 
 import dataclasses
 import json
@@ -11,9 +12,11 @@ from msjax import hardware
 from msjax.config import ConfigError, apply_overrides, load_preset
 from msjax.planner import PlanError, PlanOptions, make_plan, search
 from msjax.planner import memory as mem
+from msjax.planner import timing
 from msjax.planner.cli import parse_plan_args, run
 from msjax.planner.layout import group_link, legal_virtual_stages, make_layout, mesh_sizes
-from msjax.planner.plan import get_hardware
+from msjax.planner.options import COLLECTIVE_LATENCY, FLASH_BACKWARD_FACTOR
+from msjax.planner.plan import evaluate, get_hardware
 from msjax.planner.published import ROWS, predict
 
 MiB = 2**20
@@ -132,6 +135,151 @@ def test_megatron_state_bytes():
     # Megatron-LM mixed precision: bf16 params 2 + float32 grads 4 + float32 master and two moments 12 = 18 B
     lay, _, _ = _layout(_cfg175(), baseline="megatron")
     assert mem.state_bytes_per_element(_cfg175(), lay) == (2.0, 4.0, 12.0)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The `sequence` axis: context parallelism with all-gathered K and V (sharding_rules act_seq / act_seq_inner).
+# gpt_13b: h = 5120, 40 heads of K = 128, no GQA (G = 40), d_ff = 4h, T = 2048, serial block, bf16 (e = 2), fused
+# attention, no dropout; 64 A100s as data x sequence x tensor = 4 x 2 x 8, microbatch b = 1.
+
+H13, T13 = 5120, 2048
+
+
+def _cfg13(sequence=2, tensor=8, remat="full"):
+    return apply_overrides(load_preset("gpt_13b"), {"mesh.sequence": sequence, "mesh.tensor": tensor,
+                                                     "model.remat": remat})
+
+
+def _layout13(sequence=2, tensor=8, remat="full", devices=64):
+    cfg = _cfg13(sequence, tensor, remat)
+    lay, opts, hw = _layout(cfg, devices=devices, v=1, b=1, z=1)
+    return cfg, lay, opts, hw
+
+
+def test_chunk_attended_keys_hand_computed():
+    # one chunk: the whole-sequence mean (T + 1) / 2
+    assert timing.chunk_attended_keys(2048, None, 1) == 1024.5
+    # two chunks: the last holds queries 1025..2048, which attend i keys each: mean (1025 + 2048) / 2
+    assert timing.chunk_attended_keys(2048, None, 2) == 1536.5
+    # four: queries 1537..2048, mean (1537 + 2048) / 2
+    assert timing.chunk_attended_keys(2048, None, 4) == 1792.5
+    # window 512: every query of the last half attends 512 keys
+    assert timing.chunk_attended_keys(2048, 512, 2) == 512.0
+    # window 1536: queries 1025..1536 attend i keys (mean 1280.5), 1537..2048 attend 1536: (1280.5 + 1536) / 2
+    assert timing.chunk_attended_keys(2048, 1536, 2) == 1408.25
+
+
+def test_sequence_axis_activation_memory_hand_computed():
+    cfg, lay, _, _ = _layout13()
+    tok, h, e = T13, H13, 2
+    # K and V gathered over `sequence`: 2 x b x T x (G / t) x K x e = 2 * 2048 * 5 * 128 * 2 = 5 MiB per layer
+    assert mem.gathered_kv_bytes(cfg, lay) == 2 * 2048 * 5 * 128 * 2 == 5 * MiB
+    # none, in units of tok * h bytes (tok = b T = 2048 tokens):
+    #   outside the TP regions, 2 norm inputs + 2 linear inputs at e = 2, / (t c) = 8 / 16:        0.5
+    #   inside, e / t = 2 / 8 times (Q 1/2 + K 1 + V 1 + proj-in 1/2 + GeLU-in 4/2 + lin2-in 4/2):  1.75
+    #   (K and V are the gathered whole-sequence copies, 2 * 2 / 8 = 0.5: the part c does not divide)
+    #   plus the float32 log-sum-exp of the local T / c = 1024 queries x 40 / 8 heads:              4 * 1024 * 5
+    none = tok * h * 2.25 + 4 * 1024 * 5
+    assert mem.layer_activation_bytes(cfg, lay, "none") == none
+    # c = 1 at the same t: 8 / 8 = 1 outside, 2 / 8 * 12 = 3 inside, log-sum-exp 4 * 2048 * 5: every term but
+    # K and V halves (4 -> 2.25 = 4 / 2 + 0.5 / 2)
+    _, lay1, _, _ = _layout13(sequence=1)
+    assert mem.layer_activation_bytes(cfg, lay1, "none") == tok * h * 4 + 4 * 2048 * 5
+    # dots_no_batch: x, proj out, lin2 out (3h) + the local Q, K, V (3h) and lin1 out (4h), all / (t c):
+    # 2 * 10 / 16 = 1.25 (the gather is not a dot: local K and V are saved, the backward gathers again)
+    assert mem.layer_activation_bytes(cfg, lay, "dots_no_batch") == tok * h * 1.25
+    assert mem.layer_activation_bytes(cfg, lay, "dots") == tok * h * 1.25  # fused attention: no scores to keep
+    # full: the layer input, split over (sequence, tensor): 2 / 16 = 0.125
+    assert mem.layer_activation_bytes(cfg, lay, "full") == tok * h * 0.125
+    # working memory under full remat: one layer recomputed in full (`none`, gathered K and V included) and the
+    # float32 logits + gradient of the local 1024 tokens over 50304 / 8 vocabulary rows; no FSDP buffers
+    stage = mem.stage_params(cfg, lay.vocab, lay.axis_sizes())
+    rep = mem.memory_report(cfg, lay, stage, 80 * 2**30, 0.95)
+    assert rep.working == none + 2 * 4 * 1024 * 50304 / 8
+    # stored: 40 layers x the (sequence, tensor)-split input 2 * 2048 * 5120 / 16, and the embedding output
+    assert rep.activations == 40 * tok * h * 0.125 + 2 * 2048 * 5120 / 16
+
+
+def test_sequence_axis_collectives_hand_computed():
+    cfg, lay, _, hw = _layout13()
+    plan = evaluate(cfg, PlanOptions(devices=64), hw, lay)
+    colls = {c.name: c for c in plan.collectives}
+    ag, rs = colls["SEQ all-gather (K, V)"], colls["SEQ reduce-scatter (dK, dV)"]
+    # per step: 1024 / 4 replicas = 256 microbatches of b = 1, 40 layers; full remat gathers K and V in the forward
+    # and again in the recompute: 2 * 40 * 256 = 20480 all-gathers, 40 * 256 = 10240 reduce-scatters
+    assert (ag.calls, rs.calls) == (20480, 10240)
+    # each of the 5 MiB K/V tensor: (c - 1) / c = 1/2 through each device's link
+    assert ag.tensor_bytes == rs.tensor_bytes == 5 * MiB
+    assert ag.volume_per_call == rs.volume_per_call == 2.5 * MiB
+    # tensor = 8 fills a node, so the two members of a sequence group are in different nodes: the network, one
+    # NIC per member at 25 GB/s x 0.8 efficiency; one ring step of 10 us latency
+    assert ag.link.kind == "inter" and ag.link.bandwidth == 25e9 * 0.8
+    assert ag.time_per_call == pytest.approx(2.5 * MiB / 20e9 + COLLECTIVE_LATENCY["inter"])
+    assert ag.bytes_per_step == 20480 * 2.5 * MiB
+    # TP collectives carry the residual stream's (sequence, tensor) chunk gathered over tensor: b (T / c) h e
+    assert colls["TP all-gather"].tensor_bytes == 1024 * 5120 * 2
+    # nothing hides them: exposed = 256 x 40 x (2 gathers + 1 reduce-scatter)
+    assert plan.time.exposed["SEQ"] == pytest.approx(256 * 40 * (2 * ag.time_per_call + rs.time_per_call))
+    assert plan.time.hidden["SEQ"] == 0.0
+    # remat none saves the gathered copy: one gather per layer and microbatch
+    cfg0, lay0, _, hw0 = _layout13(remat="none")
+    colls0 = {c.name: c for c in evaluate(cfg0, PlanOptions(devices=64), hw0, lay0).collectives}
+    assert colls0["SEQ all-gather (K, V)"].calls == 10240
+    # tensor = 4 x sequence = 2 on 8 GPUs: the group sits inside one node (NVLink, 300 GB/s x 0.8)
+    cfg8, lay8, _, hw8 = _layout13(tensor=4, devices=8)
+    colls8 = {c.name: c for c in evaluate(cfg8, PlanOptions(devices=8), hw8, lay8).collectives}
+    link = colls8["SEQ all-gather (K, V)"].link
+    assert link.kind == "intra" and link.bandwidth == 300e9 * 0.8
+    # K and V of 40 / 4 heads: twice the bytes of the tensor = 8 case
+    assert colls8["SEQ all-gather (K, V)"].tensor_bytes == 10 * MiB
+    # sequence = 1: no SEQ collective at all
+    _, lay1, _, _ = _layout13(sequence=1)
+    assert not [c for c in evaluate(_cfg13(sequence=1), PlanOptions(devices=64), hw, lay1).collectives
+                if c.group == "SEQ"]
+
+
+def test_sequence_axis_halves_per_token_compute_at_the_same_devices():
+    # 64 GPUs either way: data 8 x tensor 8, or data 4 x sequence 2 x tensor 8.
+    cfg1, lay1, opts, hw = _layout13(sequence=1)
+    cfg2, lay2, _, _ = _layout13(sequence=2)
+    rates = timing.Rates.of(hw, opts)
+    lt1, lt2 = timing.layer_times(cfg1, lay1, rates), timing.layer_times(cfg2, lay2, rates)
+    # per layer and microbatch of b = 1 sequence: GEMMs and elementwise work run on T / 2 tokens
+    for k in lt1.gemm:
+        assert lt2.gemm[k] == pytest.approx(lt1.gemm[k] / 2)
+    assert lt2.elem == pytest.approx(lt1.elem / 2)
+    # attention: half the queries, and the pacing member (the last chunk) attends 1536.5 keys per query instead of
+    # the 1024.5 average: 1/2 x 1536.5 / 1024.5 = 0.75 of the c = 1 time
+    assert lt2.attn == pytest.approx(lt1.attn / 2 * 1536.5 / 1024.5)
+
+    # Per step, same per-device work per microbatch: c = 1 with b = 4 and c = 2 with b = 8 (8192 tokens per device,
+    # 128 / 4 = 256 / 8 = 32 microbatches per replica), so the TP collectives are the same calls and bytes.
+    lay1 = _layout(cfg1, devices=64, v=1, b=4, z=1)[0]
+    lay2 = _layout(cfg2, devices=64, v=1, b=8, z=1)[0]
+    p1, p2 = evaluate(cfg1, opts, hw, lay1), evaluate(cfg2, opts, hw, lay2)
+    assert lay1.microbatches == lay2.microbatches == 32
+    tp = lambda plan: [(c.calls, c.tensor_bytes) for c in plan.collectives if c.group == "TP"]  # noqa: E731
+    assert tp(p1) == tp(p2)
+    # compute differs by the imbalance only: 32 microbatches x 40 layers x attention (forward 1 + backward 2.5 +
+    # full-remat recompute 1) x (1536.5 / 1024.5 - 1) of the b = 4, c = 1 attention time (= 4 x the b = 1 one)
+    extra = 32 * 40 * (2 + FLASH_BACKWARD_FACTOR) * 4 * lt1.attn * (1536.5 / 1024.5 - 1)
+    assert p2.time.compute == pytest.approx(p1.time.compute + extra)
+    assert 0 < extra < 0.05 * p1.time.compute  # T = 2048: attention is a small share
+    # model FLOPs per token do not change; the step grows by the imbalance and the exposed K/V traffic (the rest:
+    # DP overlap window and the optimizer over 1/4 instead of 1/8 of the state, under 0.1%), so MFU drops
+    assert p2.model_flops_per_token == p1.model_flops_per_token
+    assert p2.time.step == pytest.approx(p1.time.step + extra + p2.time.exposed["SEQ"], rel=1e-3)
+    assert p2.mfu < p1.mfu
+
+
+def test_sequence_parallel_switch_is_megatron_only():
+    with pytest.raises(PlanError, match=r"--sequence_parallel=false: the msjax train step always .*megatron"):
+        make_plan(_cfg13(), PlanOptions(devices=64, sequence_parallel=False))
+    plan = make_plan(_cfg13(), PlanOptions(devices=64, sequence_parallel=False, baseline="megatron",
+                                           microbatch_size=1, zero_stage=1))
+    assert not plan.layout.sequence_parallel
+    # without SP the residual stream is split over `sequence` only: the full-remat input is 2 tok h / 2
+    assert plan.memory.per_layer_activation == 2 * T13 * H13 / 2
 
 
 # ---------------------------------------------------------------------------------------------------------------
