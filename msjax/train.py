@@ -128,7 +128,7 @@ def run(cfg: Config) -> dict[str, Any]:
         wall_s=time.perf_counter() - t_start, first_step_s=first_step_time, checkpoints=ckpt.all_steps(),
         param_count=program.param_bytes // 4,
     )
-    if t.sample_tokens and jax.process_index() == 0:
+    if t.sample_tokens:  # every process takes part: the parameters are sharded over all of them
         tok = data.tokenizer
         prompt = [tok.eot_id] if tok.eot_id is not None else tok.encode("\n").tolist()
         key = jax.random.wrap_key_data(state["rng"])

@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+import jax
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from msjax.config import ConfigError, parse_args  # noqa: E402
@@ -18,15 +20,18 @@ def main(argv: list[str]) -> int:
         cfg, rest = parse_args(argv)
         if rest:
             raise ConfigError(f"unexpected arguments {rest}; flags look like --train.steps=100")
+        from msjax import distributed
         from msjax.train import run, summary_json
 
+        distributed.initialize()
         summary = run(cfg)
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = summary_json(summary)
     out.pop("sample", None)
-    print(json.dumps(out))
+    if jax.process_index() == 0:
+        print(json.dumps(out))
     return 0
 
 

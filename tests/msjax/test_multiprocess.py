@@ -1,0 +1,95 @@
+"""Multi-host on one machine: two jax.distributed processes with 4 CPU devices each train through
+scripts/train.py (global arrays built per process, Orbax checkpoints written by both), resume, and match one
+process with 8 devices."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TOL = 1e-5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _flags(tmp: Path, corpus: Path, steps: int, resume: bool = False) -> list[str]:
+    flags = ["--config=gpt_tiny", "--model.num_layers=2", "--model.d_model=32", "--model.num_heads=2",
+             "--model.max_seq_len=32", f"--data.paths={corpus}", "--data.tokenizer=char", "--data.val_fraction=0.2",
+             f"--data.cache_dir={tmp / 'cache'}", "--train.seq_len=32", "--train.global_batch=8",
+             f"--train.steps={steps}", "--train.eval_every=4", "--train.eval_batches=2", "--train.sample_tokens=8",
+             f"--train.run_dir={tmp / 'run'}", "--train.progress=false", "--optimizer.decay_steps=8",
+             "--optimizer.warmup_steps=2", "--checkpoint.every=4", "--mesh.data=2", "--mesh.fsdp=2",
+             "--mesh.tensor=2"]
+    return flags + (["--resume"] if resume else [])
+
+
+def _env(devices: int, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def _report(stdout: str) -> dict | None:
+    """The JSON summary line scripts/train.py prints (other lines are progress and gloo's connection log)."""
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1]) if lines else None
+
+
+def _single(tmp: Path, corpus: Path, steps: int, resume: bool = False) -> dict:
+    proc = subprocess.run([sys.executable, "scripts/train.py", *_flags(tmp, corpus, steps, resume)], cwd=ROOT,
+                          env=_env(8), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return _report(proc.stdout)
+
+
+def _two_processes(tmp: Path, corpus: Path, steps: int, resume: bool = False) -> dict:
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "scripts/train.py", *_flags(tmp, corpus, steps, resume)], cwd=ROOT,
+                              env=_env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+                                       JAX_PROCESS_ID=str(i)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(out)
+    finally:
+        for p in procs:
+            p.kill()
+    assert _report(outs[1]) is None  # only process 0 reports
+    return _report(outs[0])
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("corpus")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in ("textwrap.py", "fnmatch.py", "glob.py", "shlex.py"):
+        shutil.copy(stdlib / name, d / f"{name}.txt")
+    return d
+
+
+@pytest.mark.slow
+def test_two_processes_train_checkpoint_and_resume_like_one(tmp_path, corpus):
+    single = _single(tmp_path / "single", corpus, steps=8)
+    _two_processes(tmp_path / "multi", corpus, steps=4)
+    assert sorted(p.name for p in (tmp_path / "multi" / "run" / "checkpoints").iterdir() if p.name.isdigit()) == ["4"]
+    resumed = _two_processes(tmp_path / "multi", corpus, steps=8, resume=True)
+    assert resumed["start_step"] == 4 and resumed["checkpoints"] == [4, 8]
+    single_val = {step: loss for step, loss in single["val_loss"]}
+    assert [step for step, _ in resumed["val_loss"]] == [8]
+    for step, loss in resumed["val_loss"]:
+        assert abs(single_val[step] - loss) < TOL, (single["val_loss"], resumed["val_loss"])
+    assert abs(single["train_loss"] - resumed["train_loss"]) < TOL
