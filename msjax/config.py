@@ -382,37 +382,54 @@ def load_preset(name: str) -> Config:
     return cfg
 
 
-def parse_args(argv: Sequence[str], default_preset: str = "gpt_tiny") -> tuple[Config, list[str]]:
-    """Builds a validated Config from `--config=NAME` and dotted `--key=value` flags.
+def split_flags(argv: Sequence[str], valueless: frozenset[str] | set[str] = frozenset()
+                ) -> tuple[list[tuple[str, str]], list[str]]:
+    """Tokenises a command line into ([(key, value)], positional arguments).
 
-    `--resume` is shorthand for `--checkpoint.resume=true`. Flags in the form `--key value` are accepted too.
-    Returns the config and any positional arguments. Raises ConfigError on a bad flag.
+    Accepts `--key=value` and `--key value`; a key in `valueless` may stand alone (`--resume`), meaning "true".
+    Raises ConfigError for any other flag without a value.
     """
-    preset, overrides, rest = default_preset, {}, []
+    pairs, positional = [], []
     args = list(argv)
     i = 0
     while i < len(args):
         arg = args[i]
         i += 1
         if not arg.startswith("--"):
-            rest.append(arg)
+            positional.append(arg)
             continue
         key, eq, value = arg[2:].partition("=")
         if not eq:
-            if key == "resume":
+            if i < len(args) and not args[i].startswith("--"):
+                value, i = args[i], i + 1
+            elif key in valueless:
                 value = "true"
-                key = "checkpoint.resume"
-            elif i < len(args) and not args[i].startswith("--"):
-                value = args[i]
-                i += 1
             else:
                 raise ConfigError(f"flag --{key} needs a value (--{key}=VALUE)")
+        pairs.append((key, value))
+    return pairs, positional
+
+
+def config_from_flags(pairs: Sequence[tuple[str, str]], default_preset: str = "gpt_tiny") -> Config:
+    """A validated Config from (key, value) flags: `config` picks the preset, `resume` is shorthand for
+    `checkpoint.resume`, every other key is a dotted override. Raises ConfigError naming a bad key or value."""
+    preset, overrides = default_preset, {}
+    for key, value in pairs:
         if key == "config":
             preset = value
         else:
-            overrides[key] = value
-    cfg = apply_overrides(load_preset(preset), overrides)
-    return cfg.validate(), rest
+            overrides["checkpoint.resume" if key == "resume" else key] = value
+    return apply_overrides(load_preset(preset), overrides).validate()
+
+
+def parse_args(argv: Sequence[str], default_preset: str = "gpt_tiny") -> tuple[Config, list[str]]:
+    """Builds a validated Config from `--config=NAME` and dotted `--key=value` flags.
+
+    `--resume` is shorthand for `--checkpoint.resume=true`. Flags in the form `--key value` are accepted too.
+    Returns the config and any positional arguments. Raises ConfigError on a bad flag.
+    """
+    pairs, positional = split_flags(argv, valueless={"resume"})
+    return config_from_flags(pairs, default_preset), positional
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import sys
 import typing
 from typing import Sequence
 
-from msjax.config import Config, ConfigError, _coerce, parse_args
+from msjax.config import Config, ConfigError, _coerce, config_from_flags, split_flags
 
 from msjax.planner.options import PlanError, PlanOptions
 
@@ -34,38 +34,23 @@ def parse_plan_args(argv: Sequence[str]) -> tuple[Config, PlanOptions, dict]:
     """
     option_values: dict = {}
     actions: dict = {"search": False, "compile": False, "published": False, "json": "", "top": 20, "workers": 0}
-    rest: list[str] = []
-    args = list(argv)
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        i += 1
-        if not arg.startswith("--"):
-            rest.append(arg)
-            continue
-        key, eq, value = arg[2:].partition("=")
-        if key in ("help", "h"):
-            raise PlanError(USAGE)
-        if key in ACTIONS or key in _OPTION_TYPES or key == "global_batch":
-            kind = ACTIONS.get(key) or _OPTION_TYPES.get(key, int)
-            if not eq:
-                if kind is bool and (i >= len(args) or args[i].startswith("--")):
-                    value = "true"
-                elif i < len(args):
-                    value, i = args[i], i + 1
-                else:
-                    raise PlanError(f"flag --{key} needs a value (--{key}=VALUE)")
-            if key == "global_batch":
-                rest.append(f"--train.global_batch={value}")
-            elif key in ACTIONS:
-                actions[key] = _coerce(f"--{key}", kind, value)
-            else:
-                option_values[key] = _coerce(f"--{key}", kind, value)
-            continue
-        rest.append(arg)  # a config flag; "--key value" pairs are joined by parse_args
-    cfg, positional = parse_args(rest, default_preset="gpt_tiny")
+    types = {**_OPTION_TYPES, **ACTIONS}
+    pairs, positional = split_flags(argv, valueless={k for k, t in types.items() if t is bool} | {"help", "h"})
     if positional:
         raise PlanError(f"unexpected arguments {positional}; flags are --key=value\n{USAGE}")
+    config_flags: list[tuple[str, str]] = []
+    for key, value in pairs:
+        if key in ("help", "h"):
+            raise PlanError(USAGE)
+        if key == "global_batch":
+            config_flags.append(("train.global_batch", value))
+        elif key in ACTIONS:
+            actions[key] = _coerce(f"--{key}", ACTIONS[key], value)
+        elif key in _OPTION_TYPES:
+            option_values[key] = _coerce(f"--{key}", _OPTION_TYPES[key], value)
+        else:
+            config_flags.append((key, value))
+    cfg = config_from_flags(config_flags, default_preset="gpt_tiny")
     actions["plan"] = "devices" in option_values or not actions["published"]
     if "devices" not in option_values:
         sizes = cfg.mesh.axis_sizes()
