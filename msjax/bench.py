@@ -15,7 +15,7 @@ import numpy as np
 
 from msjax.config import Config
 from msjax.flops import flops_per_token
-from msjax.hardware import device_peak_flops
+from msjax.hardware import mesh_peak_flops
 from msjax.mesh import make_mesh
 from msjax.train_step import build_train_program
 
@@ -27,8 +27,9 @@ def benchmark(cfg: Config, steps: int = 20, warmup: int = 3, repeats: int = 3, v
     Args:
       cfg: a validated config (model.vocab_size 0 takes `vocab_size`, default 50304).
     Returns:
-      dict with compile_s, step_s (median seconds per step), tokens_per_s, mfu (model FLOPs over the device peak
-      times the device count; on CPU the peak is a measured matmul rate), peak label, devices and mesh.
+      dict with compile_s, step_s (median seconds per step), tokens_per_s, mfu (model FLOPs over
+      `hardware.mesh_peak_flops`: datasheet peak x devices, or on CPU the measured host rate), peak label,
+      devices and mesh.
     """
     mesh = make_mesh(cfg.mesh)
     program = build_train_program(cfg, mesh, vocab_size=vocab_size or cfg.model.vocab_size or 50304)
@@ -52,7 +53,7 @@ def benchmark(cfg: Config, steps: int = 20, warmup: int = 3, repeats: int = 3, v
         jax.block_until_ready(metrics)
         times.append((time.perf_counter() - t0) / steps)
     step_s = statistics.median(times)
-    peak, label = device_peak_flops(jax.devices()[0])
+    peak, label = mesh_peak_flops(mesh.devices.flat)
     tokens_per_step = t.global_batch * t.seq_len
     flops = flops_per_token(cfg.model, t.seq_len) * tokens_per_step
     return {
@@ -60,7 +61,7 @@ def benchmark(cfg: Config, steps: int = 20, warmup: int = 3, repeats: int = 3, v
         "mesh": dict(mesh.shape), "global_batch": t.global_batch, "seq_len": t.seq_len,
         "params": program.param_bytes // 4, "compile_s": compile_s, "step_s": step_s,
         "tokens_per_s": tokens_per_step / step_s, "model_flops_per_step": flops,
-        "mfu": flops / step_s / (peak * mesh.devices.size), "peak_flops_per_device": peak, "peak_label": label,
+        "mfu": flops / step_s / peak, "peak_flops": peak, "peak_label": label,
     }
 
 

@@ -181,3 +181,18 @@ def device_peak_flops(device) -> tuple[float, str]:
     if device.platform == "cpu":
         return measured_cpu_matmul_flops(), "measured CPU f32 matmul rate"
     return float("nan"), f"unknown device {device.device_kind!r}"
+
+
+def mesh_peak_flops(devices) -> tuple[float, str]:
+    """(peak FLOP/s of all `devices` together, label): the MFU denominator.
+
+    Accelerators: per-device peak times the device count. CPU: the measured host rate times the number of
+    processes, whatever the device count, because fake CPU devices (`--xla_force_host_platform_device_count`)
+    share their host's cores.
+    """
+    devices = list(devices)
+    peak, label = device_peak_flops(devices[0])
+    if devices[0].platform == "cpu":
+        hosts = len({d.process_index for d in devices})
+        return peak * hosts, f"{label} x {hosts} host(s)"
+    return peak * len(devices), f"{label} x {len(devices)} devices"

@@ -20,7 +20,7 @@ from msjax.checkpoint import Checkpointer, checkpoint_dir
 from msjax.config import Config, ConfigError, to_dict
 from msjax.data import BatchLoader, eval_batches, prepare_data
 from msjax.flops import flops_per_token
-from msjax.hardware import device_peak_flops
+from msjax.hardware import mesh_peak_flops
 from msjax.mesh import make_mesh
 from msjax.metrics import MetricsWriter
 from msjax.sample import generate
@@ -81,12 +81,12 @@ def run(cfg: Config) -> dict[str, Any]:
                        seed=cfg.data.seed + 1, sharding=program.batch_sharding)
 
     n_dev = mesh.devices.size
-    peak, peak_label = device_peak_flops(jax.devices()[0])
+    peak, peak_label = mesh_peak_flops(mesh.devices.flat)
     step_flops = flops_per_token(cfg.model, t.seq_len) * t.global_batch * t.seq_len
     tokens_per_step = t.global_batch * t.seq_len
     _log(f"msjax: {cfg.name} | {program.param_bytes / 4 / 1e6:.2f}M params | mesh "
          f"{dict(mesh.shape)} | {n_dev} x {jax.devices()[0].device_kind} | MFU against {peak / 1e12:.3g} "
-         f"TFLOP/s per device ({peak_label}) | train {len(data.train):,} / val {len(data.val):,} tokens")
+         f"TFLOP/s ({peak_label}) | train {len(data.train):,} / val {len(data.val):,} tokens")
 
     writer = MetricsWriter(run_dir)
     summary: dict[str, Any] = {"val_loss": [], "start_step": start_step}
@@ -106,7 +106,7 @@ def run(cfg: Config) -> dict[str, Any]:
                 loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
                 now = time.perf_counter()
                 tok_s = (step - last_log_step) * tokens_per_step / (now - last_log_time)
-                mfu = tok_s / tokens_per_step * step_flops / (peak * n_dev)
+                mfu = tok_s / tokens_per_step * step_flops / peak
                 last_log_step, last_log_time = step, now
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", mfu=f"{mfu:.1%}")
                 writer.write(step, {"loss": loss, "grad_norm": grad_norm, "tokens_per_s": tok_s, "mfu": mfu})

@@ -1,5 +1,5 @@
 """Benchmark a preset's train step on the devices present: `python scripts/bench.py --config=gpt_tiny
-[--steps=20] [--json out.json] [--train.global_batch=32 ...]`. Prints a table and JSON."""
+[--steps=20] [--json=out.json] [--train.global_batch=32 ...]`. Prints a table and JSON."""
 
 import json
 import os
@@ -7,26 +7,23 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from msjax.config import ConfigError, parse_args  # noqa: E402
+from msjax.config import ConfigError, config_from_flags, split_flags  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
-    opts = {"steps": 20, "json": ""}
-    rest = []
-    for arg in argv:
-        key = arg[2:].split("=", 1)[0] if arg.startswith("--") else ""
-        if key in opts and "=" in arg:
-            opts[key] = type(opts[key])(arg.split("=", 1)[1])
-        else:
-            rest.append(arg)
     try:
-        cfg, _ = parse_args(rest)
+        pairs, positional = split_flags(argv)
+        opts = {"steps": "20", "json": ""}
+        opts.update((k, v) for k, v in pairs if k in opts)
+        cfg = config_from_flags([(k, v) for k, v in pairs if k not in opts])
+        if positional or not opts["steps"].isdigit():
+            raise ConfigError(f"unexpected arguments {positional} or --steps={opts['steps']!r} (an integer)")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from msjax.bench import benchmark, format_table
 
-    row = benchmark(cfg, steps=opts["steps"])
+    row = benchmark(cfg, steps=int(opts["steps"]))
     print(format_table([row]))
     print(json.dumps(row))
     if opts["json"]:
