@@ -190,7 +190,8 @@ class StepTime:
     communication on the critical path by group; compute + bubble + exposed + contention + optimizer = step
     (unless a link bound sets it). hidden: communication time overlapped with compute, by group. bubble:
     pipeline idle time. optimizer: the parameter update. link_busy: seconds each kind of link ("inter",
-    "intra") is busy per step; link_bound: which one sets the step time when it exceeds the overlap model's ("" when none does).
+    "intra") is busy per step; link_bound: which one sets the step time when it exceeds the overlap model's
+    ("" when none does).
     contention: the slowdown of compute that runs under hidden collectives (OVERLAP_SLOWDOWN x hidden time).
     """
 
