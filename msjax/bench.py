@@ -59,7 +59,7 @@ def benchmark(cfg: Config, steps: int = 20, warmup: int = 3, repeats: int = 3, v
     return {
         "config": cfg.name, "devices": mesh.devices.size, "device_kind": jax.devices()[0].device_kind,
         "mesh": dict(mesh.shape), "global_batch": t.global_batch, "seq_len": t.seq_len,
-        "params": program.param_bytes // 4, "compile_s": compile_s, "step_s": step_s,
+        "params": program.param_count, "compile_s": compile_s, "step_s": step_s,
         "tokens_per_s": tokens_per_step / step_s, "model_flops_per_step": flops,
         "mfu": flops / step_s / peak, "peak_flops": peak, "peak_label": label,
     }

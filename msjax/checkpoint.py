@@ -74,8 +74,6 @@ class Checkpointer:
         """
         if not force and (self.cfg.every <= 0 or step % self.cfg.every):
             return False
-        if step in self._manager.all_steps():
-            return False
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), loader=ocp.args.JsonSave(loader_state))
         return self._manager.save(step, args=args, force=True)
 

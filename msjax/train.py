@@ -84,7 +84,7 @@ def run(cfg: Config) -> dict[str, Any]:
     peak, peak_label = mesh_peak_flops(mesh.devices.flat)
     step_flops = flops_per_token(cfg.model, t.seq_len) * t.global_batch * t.seq_len
     tokens_per_step = t.global_batch * t.seq_len
-    _log(f"msjax: {cfg.name} | {program.param_bytes / 4 / 1e6:.2f}M params | mesh "
+    _log(f"msjax: {cfg.name} | {program.param_count / 1e6:.2f}M params | mesh "
          f"{dict(mesh.shape)} | {n_dev} x {jax.devices()[0].device_kind} | MFU against {peak / 1e12:.3g} "
          f"TFLOP/s ({peak_label}) | train {len(data.train):,} / val {len(data.val):,} tokens")
 
@@ -126,7 +126,7 @@ def run(cfg: Config) -> dict[str, Any]:
     summary.update(
         final_step=t.steps, train_loss=loss if not math.isnan(loss) else None,
         wall_s=time.perf_counter() - t_start, first_step_s=first_step_time, checkpoints=ckpt.all_steps(),
-        param_count=program.param_bytes // 4,
+        param_count=program.param_count,
     )
     if t.sample_tokens:  # every process takes part: the parameters are sharded over all of them
         tok = data.tokenizer

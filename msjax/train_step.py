@@ -46,6 +46,7 @@ class TrainProgram:
       step_fn: jitted `(state, batch) -> (state, metrics)`; `state` is donated.
       eval_fn: jitted `(params, batch) -> mean loss` (float32 scalar).
       grad_fn: jitted `(params, batch) -> (loss, grads)` for one whole batch, grads sharded like params.
+      param_count: number of parameters (elements).
       param_bytes, opt_state_bytes: global sizes of parameters and optimizer state, bytes.
     """
 
@@ -61,6 +62,7 @@ class TrainProgram:
     step_fn: Callable
     eval_fn: Callable
     grad_fn: Callable
+    param_count: int
     param_bytes: int
     opt_state_bytes: int
 
@@ -182,5 +184,6 @@ def build_train_program(cfg: Config, mesh: Mesh, vocab_size: int | None = None) 
         config=cfg, mesh=mesh, graphdef=graphdef, optimizer=tx, abstract_state=abstract_state,
         state_shardings=state_shardings, abstract_batch={"inputs": batch_shape, "targets": batch_shape},
         batch_sharding=batch_sharding, init_fn=init_fn, step_fn=step_fn, eval_fn=eval_fn, grad_fn=grads_fn,
-        param_bytes=_nbytes(abs_params), opt_state_bytes=_nbytes(abs_opt),
+        param_count=sum(x.size for x in jax.tree.leaves(abs_params)), param_bytes=_nbytes(abs_params),
+        opt_state_bytes=_nbytes(abs_opt),
     )
