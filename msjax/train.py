@@ -11,7 +11,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 from tqdm import tqdm
@@ -21,6 +21,7 @@ from msjax.config import Config, ConfigError, to_dict
 from msjax.data import BatchLoader, eval_batches, prepare_data
 from msjax.flops import flops_per_token
 from msjax.hardware import mesh_peak_flops
+from msjax.hooks import Hook, Hooks, LoopControl, RunContext
 from msjax.mesh import make_mesh
 from msjax.metrics import MetricsWriter
 from msjax.sample import generate
@@ -38,8 +39,13 @@ def evaluate(program: TrainProgram, params: Any, batches: list[dict]) -> float:
     return float(sum(float(x) for x in losses) / len(losses))
 
 
-def run(cfg: Config) -> dict[str, Any]:
+def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = None) -> dict[str, Any]:
     """Trains `cfg` and returns a summary: final train/val loss, tokens/s, MFU, step and wall times.
+
+    Args:
+      cfg: the run's config.
+      hooks: subsystems joining the loop (`msjax.hooks`): control plane, observers, fault handlers.
+      control: requests to the loop (stop, checkpoint now, profile); a fresh LoopControl by default.
 
     Raises:
       ConfigError: a config that does not fit the devices or data (mesh size, vocabulary, batch split), an
@@ -89,15 +95,23 @@ def run(cfg: Config) -> dict[str, Any]:
          f"TFLOP/s ({peak_label}) | train {len(data.train):,} / val {len(data.val):,} tokens")
 
     writer = MetricsWriter(run_dir)
+    control = control or LoopControl()
+    hook = Hooks(hooks)
+    ctx = RunContext(config=cfg, run_dir=run_dir, mesh=mesh, program=program, start_step=start_step,
+                     control=control)
+    hook.on_start(ctx)
     summary: dict[str, Any] = {"val_loss": [], "start_step": start_step}
     bar = tqdm(total=t.steps, initial=start_step, disable=not t.progress or jax.process_index() != 0,
                dynamic_ncols=True, desc=cfg.name)
     last_log_step, last_log_time, first_step_time = start_step, None, None
+    step = start_step
     loss = float("nan")
+    error: BaseException | None = None
     try:
         for step in range(start_step + 1, t.steps + 1):
             state, metrics = program.step_fn(state, next(loader))
             bar.update(1)
+            hook.on_step_end(ctx, step, metrics)
             if last_log_time is None:  # the first step includes compilation: time from its end
                 jax.block_until_ready(metrics)
                 last_log_time, last_log_step = time.perf_counter(), step
@@ -109,22 +123,35 @@ def run(cfg: Config) -> dict[str, Any]:
                 mfu = tok_s / tokens_per_step * step_flops / peak
                 last_log_step, last_log_time = step, now
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", mfu=f"{mfu:.1%}")
-                writer.write(step, {"loss": loss, "grad_norm": grad_norm, "tokens_per_s": tok_s, "mfu": mfu})
+                scalars = {"loss": loss, "grad_norm": grad_norm, "tokens_per_s": tok_s, "mfu": mfu}
+                writer.write(step, scalars)
+                hook.on_log(ctx, step, scalars)
                 summary.update(tokens_per_s=tok_s, mfu=mfu)
             if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
                 val_loss = evaluate(program, state["params"], val)
                 summary["val_loss"].append((step, val_loss))
                 writer.write(step, {"val_loss": val_loss, "wall_s": time.perf_counter() - t_start})
                 _log(f"step {step}: val loss {val_loss:.4f} ({time.perf_counter() - t_start:.1f} s)")
-            ckpt.save(step, state, loader.state(), force=step == t.steps)
+            stopping = control.stop_reason is not None
+            force = step == t.steps or stopping or control.take_checkpoint_request()
+            if ckpt.save(step, state, loader.state(), force=force):
+                hook.on_checkpoint(ctx, step)
+            if stopping:
+                _log(f"stopping after step {step}: {control.stop_reason}")
+                summary["stop_reason"] = control.stop_reason
+                break
+    except BaseException as e:
+        error = e
+        raise
     finally:
+        hook.on_end(ctx, error)
         bar.close()
         loader.close()
         ckpt.close()
         writer.close()
 
     summary.update(
-        final_step=t.steps, train_loss=loss if not math.isnan(loss) else None,
+        final_step=step, train_loss=loss if not math.isnan(loss) else None,
         wall_s=time.perf_counter() - t_start, first_step_s=first_step_time, checkpoints=ckpt.all_steps(),
         param_count=program.param_count,
     )

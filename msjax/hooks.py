@@ -1,0 +1,133 @@
+"""How subsystems join the training loop: one small interface, so `msjax.train.run` stays readable top to bottom.
+
+The control plane, observability, fault handling and the supervisor each add a `Hook` (in the spirit of
+Levanter's trainer hooks and Keras callbacks); the loop calls every hook at the same fixed points. A run with no
+hooks runs the same code path as one with them. Hooks ask things of the loop (stop after this step, checkpoint
+now, profile some steps) through the shared `LoopControl`, which any thread may write (a signal handler, a
+control-plane poller) and the loop reads once per step without touching the device.
+
+Rules for hooks: `on_step_end` runs on every step and must not block on the device (its `metrics` are device
+arrays still being computed; reading them forces a host sync); `on_log` runs at logging steps with host floats.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+
+class LoopControl:
+    """Requests to the loop, set from any thread, read by the loop between steps (no device sync).
+
+    Attributes (read them through the methods below):
+      stop_reason: why the loop should stop after the current step (it saves first), or None.
+      checkpoint_requested: save at the end of the current step even if it is not a checkpoint step.
+      profile_request: (first_step, num_steps) of a profiler trace to capture, or None.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.stop_reason: str | None = None
+        self.checkpoint_requested = False
+        self.profile_request: tuple[int, int] | None = None
+
+    def request_stop(self, reason: str) -> None:
+        """Ask the loop to finish its step, save, and return. The first reason given is kept."""
+        with self._lock:
+            if self.stop_reason is None:
+                self.stop_reason = reason
+
+    def request_checkpoint(self) -> None:
+        with self._lock:
+            self.checkpoint_requested = True
+
+    def take_checkpoint_request(self) -> bool:
+        """True once per `request_checkpoint` (the request is consumed)."""
+        with self._lock:
+            requested, self.checkpoint_requested = self.checkpoint_requested, False
+            return requested
+
+    def request_profile(self, first_step: int, num_steps: int) -> None:
+        """Ask for a profiler trace of steps first_step .. first_step + num_steps - 1.
+
+        Raises ValueError for num_steps < 1 or first_step < 0."""
+        if num_steps < 1 or first_step < 0:
+            raise ValueError(f"profile request steps {first_step}:{num_steps}: allowed is first >= 0, count >= 1")
+        with self._lock:
+            self.profile_request = (first_step, num_steps)
+
+    def take_profile_request(self) -> tuple[int, int] | None:
+        with self._lock:
+            request, self.profile_request = self.profile_request, None
+            return request
+
+
+@dataclass
+class RunContext:
+    """What a hook may read about the run. Filled in by `msjax.train.run` before `on_start`.
+
+    Attributes:
+      config: the validated Config (model.vocab_size filled in).
+      run_dir: the run directory (metrics, checkpoints, events).
+      mesh: the jax Mesh the step runs on.
+      program: the TrainProgram (msjax.train_step).
+      start_step: the step the run starts from (0, or the restored checkpoint's step).
+      control: the loop's LoopControl.
+      extra: free-form values hooks share with each other (e.g. the control-plane client).
+    """
+
+    config: Any
+    run_dir: Path
+    mesh: Any
+    program: Any
+    start_step: int
+    control: LoopControl
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Hook:
+    """Base class: every method is a no-op; override the ones you need."""
+
+    def on_start(self, ctx: RunContext) -> None:
+        """Once, after the state is initialised or restored and before the first step."""
+
+    def on_step_end(self, ctx: RunContext, step: int, metrics: dict[str, Any]) -> None:
+        """After step `step` was dispatched. `metrics` are device arrays: do not read them here."""
+
+    def on_log(self, ctx: RunContext, step: int, scalars: dict[str, float]) -> None:
+        """At a logging step, with host values (loss, grad_norm, tokens_per_s, mfu, ...)."""
+
+    def on_checkpoint(self, ctx: RunContext, step: int) -> None:
+        """After a checkpoint of `step` was started."""
+
+    def on_end(self, ctx: RunContext, error: BaseException | None) -> None:
+        """Once, when the loop ends: `error` is None after a normal end (including a requested stop)."""
+
+
+class Hooks(Hook):
+    """Calls a sequence of hooks in order (on_end in reverse order, so the first started is the last ended)."""
+
+    def __init__(self, hooks: Sequence[Hook] = ()):
+        self.hooks = list(hooks)
+
+    def on_start(self, ctx: RunContext) -> None:
+        for h in self.hooks:
+            h.on_start(ctx)
+
+    def on_step_end(self, ctx: RunContext, step: int, metrics: dict[str, Any]) -> None:
+        for h in self.hooks:
+            h.on_step_end(ctx, step, metrics)
+
+    def on_log(self, ctx: RunContext, step: int, scalars: dict[str, float]) -> None:
+        for h in self.hooks:
+            h.on_log(ctx, step, scalars)
+
+    def on_checkpoint(self, ctx: RunContext, step: int) -> None:
+        for h in self.hooks:
+            h.on_checkpoint(ctx, step)
+
+    def on_end(self, ctx: RunContext, error: BaseException | None) -> None:
+        for h in reversed(self.hooks):
+            h.on_end(ctx, error)
