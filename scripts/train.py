@@ -21,11 +21,13 @@ def main(argv: list[str]) -> int:
         if rest:
             raise ConfigError(f"unexpected arguments {rest}; flags look like --train.steps=100")
         from msjax import distributed
+        from msjax.control import ControlError
+        from msjax.control.worker import worker_hooks
         from msjax.train import run, summary_json
 
         distributed.initialize()
-        summary = run(cfg)
-    except (ConfigError, DataError) as e:
+        summary = run(cfg, hooks=worker_hooks())
+    except (ConfigError, DataError, ControlError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = summary_json(summary)
