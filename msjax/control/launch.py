@@ -51,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("local")
     g.add_argument("--devices_per_process", type=int, default=None, help="CPU devices per worker (XLA_FLAGS)")
     g.add_argument("--redis_url", default=None, help="use this Redis instead of starting a private one")
+    g.add_argument("--redis_port", type=int, default=None, help="port of the private Redis (default: a free one)")
     g.add_argument("--rdzv_timeout_s", type=int, default=300, help="how long workers wait for each other")
     g.add_argument("--term_grace_s", type=float, default=10.0,
                    help="after Ctrl-C/SIGTERM: seconds between the stop command and forwarding SIGTERM")
@@ -193,7 +194,7 @@ class LocalLauncher:
             if a.redis_url:
                 url = a.redis_url
             else:
-                self.server = RedisServer().start()
+                self.server = RedisServer(port=a.redis_port).start()
                 url = self.server.url
                 self._out(f"[launch] Redis {self.server.bind}:{self.server.port} (pid {self.server.pid}), "
                           f"run {self.run_id}\n")

@@ -58,7 +58,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a listening socket holds `port` (SO_REUSEADDR, as redis-server binds: TIME_WAIT does not count)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
