@@ -14,12 +14,15 @@ so the device queue is already drained) by `multihost_utils.broadcast_one_to_all
 
 Redis going away (a restart) is survived: redis-py retries each command with bounded backoff; past that the
 thread logs once, keeps retrying with its own backoff (capped at `max_backoff_s`), and logs again when Redis is
-back. Training never waits for Redis.
+back. A restarted Redis has lost its state (no persistence): each heartbeat also re-creates the rank's members
+record if it is missing, and says so. Training never waits for Redis.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import sys
 import threading
 from typing import Any
@@ -58,7 +61,10 @@ class ControlPlaneHook(Hook):
         self._thread: threading.Thread | None = None
         self._ctx: RunContext | None = None
         self._ckpt_dir = None
-        self.reconnects = 0
+        self.reconnects = 0  # times this rank re-registered with a restarted Redis
+        a = worker.assignment
+        self._member = {"worker_id": getattr(worker, "worker_id", None), "rank": a.rank, "generation": a.generation,
+                        "host": socket.gethostname(), "pid": os.getpid()}
 
     # -- loop side -----------------------------------------------------------------------------------------------
     def on_start(self, ctx: RunContext) -> None:
@@ -128,10 +134,17 @@ class ControlPlaneHook(Hook):
         import redis
 
         last_id = self.worker.commands_after
-        backoff, down = 0.1, False
+        backoff, down, beats = 0.1, False, 0
         while not self._stop.is_set():
             try:
-                self.store.heartbeat(self.rank, self.ttl_s, step=self.step, generation=self.generation)
+                recreated = self.store.heartbeat(self.rank, self.ttl_s, member=self._member, step=self.step,
+                                                 generation=self.generation)
+                beats += 1
+                if recreated and beats > 1:
+                    # Our members record was gone: Redis restarted (it keeps nothing on disk).
+                    self.reconnects += 1
+                    self._log(f"msjax.control: rank {self.rank} re-registered with a restarted Redis")
+                    self.store.post_event("reregistered", rank=self.rank, step=self.step)
                 if self.rank == 0:
                     self._publish_checkpoint(raise_errors=True)
                     for entry_id, command in self.store.read_commands(last_id, block_s=self.interval_s):
@@ -142,7 +155,6 @@ class ControlPlaneHook(Hook):
                     self._stop.wait(self.interval_s)
                 if down:
                     down, backoff = False, 0.1
-                    self.reconnects += 1
                     self._log(f"msjax.control: rank {self.rank} reconnected to Redis")
                     self.store.post_event("reconnected", rank=self.rank, step=self.step)
             except (redis.ConnectionError, redis.TimeoutError, OSError) as e:

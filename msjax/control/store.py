@@ -194,10 +194,18 @@ class Store:
         return [json.loads(fields["json"]) for _, fields in reversed(rows)]
 
     # -- heartbeats ----------------------------------------------------------------------------------------------
-    def heartbeat(self, rank: int, ttl_s: float, **info: Any) -> None:
-        """Sets hb:{rank} = {"time", "pid", "host", **info} expiring after `ttl_s` seconds (ms precision)."""
+    def heartbeat(self, rank: int, ttl_s: float, member: dict | None = None, **info: Any) -> bool:
+        """Sets hb:{rank} = {"time", "pid", "host", **info} expiring after `ttl_s` seconds (ms precision).
+
+        With `member`, also writes the rank's members record if it is missing (one round trip for both): a Redis
+        that restarted without persistence gets its membership back. Returns True when that record was missing."""
         record = {"time": time.time(), "pid": os.getpid(), "host": socket.gethostname(), **info}
-        self.client.set(self.key(f"hb:{rank}"), json.dumps(record), px=max(1, int(ttl_s * 1000)))
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(self.key(f"hb:{rank}"), json.dumps(record), px=max(1, int(ttl_s * 1000)))
+        if member is not None:
+            pipe.hsetnx(self.key("members"), rank, json.dumps(member))
+        replies = pipe.execute()
+        return member is not None and bool(replies[1])
 
     def heartbeats(self) -> dict[int, dict]:
         """rank -> last heartbeat, for every rank whose heartbeat has not expired (one SCAN + one MGET)."""

@@ -33,6 +33,7 @@ class WorkerContext:
     store: object  # msjax.control.store.Store
     assignment: Assignment
     commands_after: str  # command stream id current when this worker joined: older commands are not for it
+    worker_id: str = ""
 
 
 _current: WorkerContext | None = None
@@ -92,8 +93,8 @@ def join_from_env() -> WorkerContext:
         store.client.hset(store.key("members"), 0, __import__("json").dumps({"worker_id": worker_id, **member}))
     else:
         assignment = rendezvous(store.client, run_id, worker_id, world, f"{host}:{port}", member, timeout_s)
-    print(f"msjax.control: rank {assignment.rank} of {assignment.world_size} (worker {worker_id}, run {run_id}, "
-          f"generation {assignment.generation}, coordinator {assignment.coordinator}"
+    print(f"msjax.control: rank {assignment.rank} of {assignment.world_size} (worker {worker_id}, pid {os.getpid()}, "
+          f"run {run_id}, generation {assignment.generation}, coordinator {assignment.coordinator}"
           f"{', re-admitted' if assignment.rejoined else ''})", file=sys.stderr, flush=True)
     store.post_event("joined", rank=assignment.rank, worker_id=worker_id, generation=assignment.generation)
     if world > 1:
@@ -101,7 +102,8 @@ def join_from_env() -> WorkerContext:
 
         jax.distributed.initialize(coordinator_address=assignment.coordinator, num_processes=world,
                                    process_id=assignment.rank, initialization_timeout=int(timeout_s))
-    _current = WorkerContext(store=store, assignment=assignment, commands_after=commands_after)
+    _current = WorkerContext(store=store, assignment=assignment, commands_after=commands_after,
+                             worker_id=worker_id)
     return _current
 
 

@@ -104,8 +104,16 @@ def test_minimal_client_runs_the_same_protocol(server):
     got = asyncio.run(main())
     assert sorted(a.rank for a in got) == list(range(64))
     assert len({a.coordinator for a in got}) == 1
+
+    async def wrong_password():
+        conn = await RespConnection.open("127.0.0.1", server.port, "wrong")
+        try:
+            await conn.execute("PING")
+        finally:
+            await conn.close()
+
     with pytest.raises(RespError, match="WRONGPASS"):
-        asyncio.run(RespConnection.open("127.0.0.1", server.port, "wrong"))
+        asyncio.run(wrong_password())
 
 
 def test_late_duplicate_rejoin_mismatch_and_timeout(server, client):
