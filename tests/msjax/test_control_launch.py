@@ -161,7 +161,9 @@ def test_redis_restart_commands_and_sigterm_mid_run(tmp):
     saved = sorted(int(p.name) for p in (tmp / "restart" / "checkpoints").iterdir() if p.name.isdigit())
     assert saved == sorted({ckpt_step, stop_step}), (saved, ckpt_step, stop_step)
     assert len(pids) == 2 and not any(_alive(p) for p in pids)
-    _assert_same_losses(_losses(tmp / "restart"), _reference(tmp, stop_step), stop_step)
+    # One reference run serves both tests (the next one needs 12 steps): it covers every step of this run,
+    # those after the Redis restart included.
+    _assert_same_losses(_losses(tmp / "restart"), _reference(tmp, max(stop_step, 12)), stop_step)
 
 
 @pytest.mark.slow
