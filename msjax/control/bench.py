@@ -9,8 +9,10 @@ TCPStore side: `torch.distributed.TCPStore` (libuv server) when torch is install
 pool of threads (a TCPStore client is synchronous; its calls release the GIL) running the pattern torch's own
 rendezvous runs for `init_process_group`: connect, rank = add("rank", 1) - 1 (as torchelastic assigns ranks),
 rank 0 sets the coordinator key, then `_store_based_barrier` (add(key, 1); add(key, 0); the last worker sets
-key:last_worker; everyone wait([key:last_worker])), then get(coordinator). Without torch, the row is skipped
-with a note (no re-implementation here: the real server is the baseline worth having).
+key:last_worker; everyone wait([key:last_worker])), then get(coordinator). Without torch (or with
+`--tcpstore_impl=twin`), a twin of it runs instead (`tcpstore_twin`): a single-threaded store server in its own
+process with TCPStore's semantics (set, blocking get, add, wait) and the same worker pattern, driven by the same
+asyncio client machinery as the Redis rows; its rows say so in "client".
 """
 
 from __future__ import annotations
@@ -172,6 +174,123 @@ def bench_tcpstore(n: int, pattern: str = "wait", limit_s: float = 120.0) -> dic
     return row
 
 
+# -- a TCPStore twin, for machines without torch ---------------------------------------------------------------
+def _twin_server(port_queue) -> None:
+    """A store server with TCPStore's semantics (c10d/TCPStore.hpp: set, get blocks until the key exists, add,
+    wait), single-threaded like TCPStore's libuv server; commands arrive RESP-encoded (msjax.control.resp)."""
+    from msjax.control.resp import Incomplete, parse  # the twin reads RESP-encoded commands
+
+    data: dict[str, str] = {}
+    waiters: dict[str, list] = {}
+
+    def reply(value) -> bytes:
+        if isinstance(value, int):
+            return b":%d\r\n" % value
+        b = value.encode()
+        return b"$%d\r\n%s\r\n" % (len(b), b)
+
+    class Handler(asyncio.Protocol):
+        def connection_made(self, transport):
+            self.t, self.buf = transport, b""
+
+        def data_received(self, chunk):
+            self.buf += chunk
+            pos = 0
+            while True:
+                try:
+                    cmd, pos = parse(self.buf, pos)
+                except Incomplete:
+                    break
+                self.handle(cmd)
+            self.buf = self.buf[pos:]
+
+        def handle(self, cmd):
+            op, key = cmd[0], cmd[1]
+            if op == "SET":
+                data[key] = cmd[2]
+                self.t.write(b"+OK\r\n")
+                for t, what in waiters.pop(key, []):
+                    t.write(reply(data[key]) if what == "GET" else b"+OK\r\n")
+            elif op == "ADD":
+                data[key] = str(int(data.get(key, "0")) + int(cmd[2]))
+                self.t.write(reply(int(data[key])))
+                for t, what in waiters.pop(key, []):
+                    t.write(reply(data[key]) if what == "GET" else b"+OK\r\n")
+            elif op in ("GET", "WAIT"):
+                if key in data:
+                    self.t.write(reply(data[key]) if op == "GET" else b"+OK\r\n")
+                else:
+                    waiters.setdefault(key, []).append((self.t, op))
+
+    async def main():
+        server = await asyncio.get_running_loop().create_server(Handler, "127.0.0.1", 0, backlog=4096)
+        port_queue.put(server.sockets[0].getsockname()[1])
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+def bench_tcpstore_twin(n: int, pattern: str = "wait", limit_s: float = 120.0,
+                        connect_concurrency: int = 1024) -> dict:
+    """Like bench_tcpstore, against the TCPStore twin (module docstring); same row format."""
+    import multiprocessing as mp
+
+    raise_open_files_limit(n + 1024)
+    ctx = mp.get_context("spawn")
+    ports = ctx.Queue()
+    server = ctx.Process(target=_twin_server, args=(ports,), daemon=True)
+    server.start()
+    try:
+        port = ports.get(timeout=30)
+        key = "store_based_barrier_key:1"
+
+        async def main():
+            tokens: asyncio.Queue = asyncio.Queue()
+            for _ in range(connect_concurrency):
+                tokens.put_nowait(None)
+
+            async def worker(i: int):
+                await tokens.get()
+                try:
+                    conn = await RespConnection.open("127.0.0.1", port)
+                finally:
+                    tokens.put_nowait(None)
+                try:
+                    rank = await conn.execute("ADD", "rank", 1) - 1
+                    if rank == 0:
+                        await conn.execute("SET", "coordinator", f"10.0.{i // 256}.{i % 256}:8476")
+                    await conn.execute("ADD", key, 1)
+                    count = await conn.execute("ADD", key, 0)
+                    if pattern == "wait":
+                        if count == n:
+                            await conn.execute("SET", f"{key}:last_worker", "1")
+                        await conn.execute("WAIT", f"{key}:last_worker")
+                    else:
+                        while count != n:
+                            await asyncio.sleep(0.01)
+                            count = await conn.execute("ADD", key, 0)
+                    return rank, await conn.execute("GET", "coordinator")
+                finally:
+                    await conn.close()
+
+            return await asyncio.wait_for(asyncio.gather(*(worker(i) for i in range(n))), limit_s)
+
+        t0 = time.perf_counter()
+        row = {"system": "tcpstore", "ranks": n, "pattern": TCPSTORE_PATTERNS[pattern],
+               "client": f"TCPStore twin (torch not installed): {_loop_name()} clients, 1 connection per worker",
+               "server": "TCPStore twin (Python asyncio, own process)"}
+        try:
+            got = _run(main())
+        except asyncio.TimeoutError:
+            return {**row, "seconds": None, "note": f"unfinished after {limit_s:g} s"}
+        row["seconds"] = round(time.perf_counter() - t0, 3)
+    finally:
+        server.kill()
+        server.join(10)
+    _check(sorted(r for r, _ in got), {c for _, c in got}, n)
+    return {"system": row.pop("system"), "ranks": row.pop("ranks"), "seconds": row.pop("seconds"), **row}
+
+
 def _loop_name() -> str:
     try:
         import uvloop  # noqa: F401
@@ -231,6 +350,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--ranks", default=",".join(map(str, RANKS)), help="comma-separated worker counts")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--tcpstore", default="wait,poll", help="TCPStore patterns to run: wait, poll, or none")
+    p.add_argument("--tcpstore_impl", choices=("auto", "torch", "twin"), default="auto",
+                   help="auto: torch.distributed.TCPStore if torch is installed, else the twin")
     p.add_argument("--limit_s", type=float, default=120.0, help="give up on a TCPStore row after this long")
     p.add_argument("--poll_max_ranks", type=int, default=2048,
                    help="run the polling pattern only up to this many ranks (it keeps every simulated worker "
@@ -252,7 +373,7 @@ def main(argv: list[str]) -> int:
     print(f"# {os.cpu_count()} CPUs, load average {load:.1f} at start (timings are wall clock under that load; "
           "*_cpu_s are CPU seconds)")
     rows = []
-    if patterns:  # warm-up, not recorded: the first TCPStore clients of a process paid a one-off ~10 s here
+    if patterns and args.tcpstore_impl != "twin":  # warm-up, not recorded
         bench_tcpstore(16, "wait", limit_s=60)
     header = f"{'system':<9} {'ranks':>6} {'seconds':>8}  details"
     print(header)
@@ -261,13 +382,18 @@ def main(argv: list[str]) -> int:
         todo = [("redis", None)] + [("tcpstore", pt) for pt in patterns
                                     if pt != "poll" or n <= args.poll_max_ranks]
         for system, pt in todo:
-            row = bench_redis(n) if system == "redis" else bench_tcpstore(n, pt, args.limit_s)
-            if row is None:
-                print(f"{'tcpstore':<9} {n:>6} {'-':>8}  torch not installed: no TCPStore baseline")
-                continue
+            if system == "redis":
+                row = bench_redis(n)
+            else:
+                row = None if args.tcpstore_impl == "twin" else bench_tcpstore(n, pt, args.limit_s)
+                if row is None and args.tcpstore_impl == "torch":
+                    print("error: --tcpstore_impl=torch but torch is not installed", file=sys.stderr)
+                    return 2
+                if row is None:
+                    row = bench_tcpstore_twin(n, pt, args.limit_s)
             rows.append(row)
             secs = "-" if row["seconds"] is None else f"{row['seconds']:.3f}"
-            details = row.get("pattern") or f"client {row['client_cpu_s']:.2f} s + server {row['server_cpu_s']:.2f} s CPU"
+            details = (row["pattern"] + (" (twin)" if "twin" in row["client"] else "")) if "pattern" in row else f"client {row['client_cpu_s']:.2f} s + server {row['server_cpu_s']:.2f} s CPU"
             print(f"{row['system']:<9} {n:>6} {secs:>8}  {details}{'; ' + row['note'] if 'note' in row else ''}",
                   flush=True)
     print(f"# redis rows: {rows[0]['client'] if rows else ''}, {rows[0]['server'] if rows else ''}; "

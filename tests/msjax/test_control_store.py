@@ -286,12 +286,16 @@ def test_bench_init_writes_rows(tmp_path):
     """scripts/bench_init.py runs the real protocol against a real Redis and writes the documented rows (no timing
     is asserted: a benchmark reports, it does not pass or fail on speed)."""
     out = tmp_path / "init.json"
-    proc = subprocess.run([sys.executable, "scripts/bench_init.py", "--ranks=64,128", "--tcpstore=none",
-                           f"--json={out}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "scripts/bench_init.py", "--ranks=64,128", "--tcpstore=wait",
+                           "--tcpstore_impl=twin", f"--json={out}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())
-    assert [(r["system"], r["ranks"]) for r in rows] == [("redis", 64), ("redis", 128)]
-    assert all(r["seconds"] > 0 and "msjax.control.resp" in r["client"] for r in rows)
+    assert [(r["system"], r["ranks"]) for r in rows] == [("redis", 64), ("tcpstore", 64), ("redis", 128),
+                                                         ("tcpstore", 128)]
+    assert all(r["seconds"] > 0 for r in rows)
+    assert all("msjax.control.resp" in r["client"] for r in rows if r["system"] == "redis")
+    assert all("twin" in r["client"] for r in rows if r["system"] == "tcpstore")
     assert re.search(r"^redis +64 +[0-9.]+ ", proc.stdout, re.M) and re.search(r"^redis +128 ", proc.stdout, re.M)
     bad = subprocess.run([sys.executable, "scripts/bench_init.py", "--ranks=0"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
