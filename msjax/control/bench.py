@@ -40,54 +40,90 @@ def raise_open_files_limit(needed: int) -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
-def bench_redis(n: int, connect_concurrency: int = 1024, timeout_s: float = 120.0) -> dict:
+async def _redis_workers(port: int, password: str, n: int, ids: range, connect_concurrency: int,
+                         timeout_s: float) -> list:
+    """Simulated workers `ids` (of n) rendezvous through Redis at 127.0.0.1:port; returns their Assignments."""
+    # A token queue, not asyncio.Semaphore: 3.11's Semaphore wakes waiters by scanning them all (O(n^2) over 12k
+    # workers, measured at over a second of the simulation's own time).
+    tokens: asyncio.Queue = asyncio.Queue()
+    for _ in range(connect_concurrency):
+        tokens.put_nowait(None)
+
+    async def worker(i: int):
+        await tokens.get()
+        try:
+            conn = await RespConnection.open("127.0.0.1", port, password)
+        finally:
+            tokens.put_nowait(None)
+        try:
+            return await run_protocol_async(
+                join_protocol("bench", f"sim-{i}", n, f"10.0.{i // 256}.{i % 256}:8476", timeout_s=timeout_s),
+                conn.execute)
+        finally:
+            await conn.close()
+
+    return await asyncio.gather(*(worker(i) for i in ids))
+
+
+def _redis_client_process(port, password, n, ids, connect_concurrency, timeout_s, go, out) -> None:
+    """One simulation process: waits for `go`, runs its workers, puts (CPU seconds, [(rank, coordinator)])."""
+    raise_open_files_limit(len(ids) + 1024)
+    go.wait()
+    cpu0 = time.process_time()
+    got = _run(_redis_workers(port, password, n, ids, connect_concurrency, timeout_s))
+    out.put((time.process_time() - cpu0, [(a.rank, a.coordinator) for a in got]))
+
+
+def bench_redis(n: int, client_procs: int = 1, connect_concurrency: int = 1024, timeout_s: float = 120.0) -> dict:
     """N simulated workers rendezvous through a fresh private redis-server; returns a result row.
 
     Args:
       n: number of simulated workers (ranks).
-      connect_concurrency: connections being opened at once (a real fleet does not SYN 12k sockets in the same
-        millisecond; the kernel's listen backlog would drop the excess and TCP would retry after 1 s).
+      client_procs: processes the simulated workers are spread over (1: all in this process). The clock starts
+        when every process is ready (spawned, imports done) and stops when the last worker has its assignment.
+      connect_concurrency: connections being opened at once per process (a real fleet does not SYN 12k sockets in
+        the same millisecond; the kernel's listen backlog would drop the excess and TCP would retry after 1 s).
       timeout_s: the rendezvous wait of each worker.
-    Returns: {"system": "redis", "ranks", "seconds", "client", "server"}.
+    Returns: {"system": "redis", "ranks", "seconds", "client_cpu_s", "server_cpu_s", "client", "server"}.
     Raises: RuntimeError if the ranks or the coordinator come out wrong.
     """
+    import multiprocessing as mp
+
     raise_open_files_limit(n + 1024)
     with RedisServer(maxclients=n + 256) as srv:
         version = _server_version(srv)
-
-        async def main() -> list:
-            # A token queue, not asyncio.Semaphore: 3.11's Semaphore wakes waiters by scanning them all (O(n^2)
-            # over 12k workers, measured at over a second of the simulation's own time).
-            tokens: asyncio.Queue = asyncio.Queue()
-            for _ in range(connect_concurrency):
-                tokens.put_nowait(None)
-
-            async def worker(i: int):
-                await tokens.get()
-                try:
-                    conn = await RespConnection.open("127.0.0.1", srv.port, srv.password)
-                finally:
-                    tokens.put_nowait(None)
-                try:
-                    return await run_protocol_async(
-                        join_protocol("bench", f"sim-{i}", n, f"10.0.{i // 256}.{i % 256}:8476",
-                                      timeout_s=timeout_s), conn.execute)
-                finally:
-                    await conn.close()
-
-            return await asyncio.gather(*(worker(i) for i in range(n)))
-
         server_cpu0 = _redis_cpu_s(srv)
-        cpu0 = time.process_time()
-        t0 = time.perf_counter()
-        got = _run(main())
-        seconds = time.perf_counter() - t0
-        client_cpu = time.process_time() - cpu0
+        if client_procs <= 1:
+            cpu0 = time.process_time()
+            t0 = time.perf_counter()
+            got = [(a.rank, a.coordinator) for a in _run(_redis_workers(srv.port, srv.password, n, range(n),
+                                                                        connect_concurrency, timeout_s))]
+            seconds = time.perf_counter() - t0
+            client_cpu = time.process_time() - cpu0
+        else:
+            ctx = mp.get_context("spawn")
+            go, out = ctx.Event(), ctx.Queue()
+            procs = [ctx.Process(target=_redis_client_process, daemon=True,
+                                 args=(srv.port, srv.password, n, range(k, n, client_procs), connect_concurrency,
+                                       timeout_s, go, out)) for k in range(client_procs)]
+            for pr in procs:
+                pr.start()
+            time.sleep(3.0)  # let the children finish importing before the clock starts
+            t0 = time.perf_counter()
+            go.set()
+            parts = [out.get(timeout=timeout_s + 60) for _ in procs]
+            seconds = time.perf_counter() - t0
+            for pr in procs:
+                pr.join(10)
+            client_cpu = sum(c for c, _ in parts)
+            got = [g for _, part in parts for g in part]
         server_cpu = _redis_cpu_s(srv) - server_cpu0
-    _check(sorted(a.rank for a in got), {a.coordinator for a in got}, n)
+    _check(sorted(r for r, _ in got), {c for _, c in got}, n)
+    procs_note = f", {client_procs} processes" if client_procs > 1 else ""
     return {"system": "redis", "ranks": n, "seconds": round(seconds, 3), "client_cpu_s": round(client_cpu, 3),
             "server_cpu_s": round(server_cpu, 3),
-            "client": f"msjax.control.resp ({_loop_name()}, 1 connection per worker)", "server": f"redis-server {version}"}
+            "client": f"msjax.control.resp ({_loop_name()}, 1 connection per worker{procs_note})",
+            "server": f"redis-server {version}"}
 
 
 TCPSTORE_PATTERNS = {
@@ -350,6 +386,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--ranks", default=",".join(map(str, RANKS)), help="comma-separated worker counts")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--tcpstore", default="wait,poll", help="TCPStore patterns to run: wait, poll, or none")
+    p.add_argument("--client_procs", type=int, default=1,
+                   help="processes the simulated Redis workers are spread over (the clients are the bottleneck)")
     p.add_argument("--tcpstore_impl", choices=("auto", "torch", "twin"), default="auto",
                    help="auto: torch.distributed.TCPStore if torch is installed, else the twin")
     p.add_argument("--limit_s", type=float, default=120.0, help="give up on a TCPStore row after this long")
@@ -383,7 +421,7 @@ def main(argv: list[str]) -> int:
                                     if pt != "poll" or n <= args.poll_max_ranks]
         for system, pt in todo:
             if system == "redis":
-                row = bench_redis(n)
+                row = bench_redis(n, client_procs=args.client_procs)
             else:
                 row = None if args.tcpstore_impl == "twin" else bench_tcpstore(n, pt, args.limit_s)
                 if row is None and args.tcpstore_impl == "torch":
