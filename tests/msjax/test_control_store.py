@@ -300,3 +300,16 @@ def test_bench_init_writes_rows(tmp_path):
     bad = subprocess.run([sys.executable, "scripts/bench_init.py", "--ranks=0"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --ranks='0'")
+
+
+def test_tls_options_reach_redis_py():
+    import redis
+
+    c = connect("rediss://:pw@redis.example:6380/0", ssl_ca_certs="/etc/ca.pem", ssl_certfile="/etc/c.pem",
+                ssl_keyfile="/etc/k.pem", check=False)
+    kw = c.connection_pool.connection_kwargs
+    assert c.connection_pool.connection_class is redis.SSLConnection
+    assert (kw["ssl_ca_certs"], kw["ssl_certfile"], kw["ssl_keyfile"]) == ("/etc/ca.pem", "/etc/c.pem", "/etc/k.pem")
+    assert (kw["host"], kw["port"], kw["password"]) == ("redis.example", 6380, "pw")
+    with pytest.raises(ControlError, match="TLS files were given for 'redis://:\\*\\*\\*@h:1/0', a plain redis:// URL"):
+        connect("redis://:pw@h:1/0", ssl_ca_certs="/etc/ca.pem", check=False)
