@@ -4,7 +4,9 @@
 SIGTERM (a preemption notice, a scheduler's kill) or SIGINT (Ctrl-C): the first asks the loop to stop after the
 current step; the loop then saves, waits for the checkpoint to be complete and returns (exit 0). A second signal
 exits at once with 128 + signal number: a checkpoint in flight then has no integrity record and is never taken
-for complete (msjax.checkpoint).
+for complete (msjax.checkpoint). In a multi-process run the handlers are not installed: one process stopping
+alone would hang the others in a collective, so jax's preemption service takes SIGTERM and every process stops
+at the step it agrees on (`Checkpointer.reached_preemption`, read by the loop).
 
 Non-finite loss or gradient norm: the update is never applied (optax.apply_if_finite in msjax.optim); with
 `train.nonfinite=skip` the loop goes on and counts it (`skipped`), with `stop` `NonFiniteStop` ends the run with
@@ -19,6 +21,8 @@ import signal
 import sys
 import threading
 from typing import Any
+
+import jax
 
 from msjax.hooks import Hook, LoopControl, RunContext
 
@@ -43,6 +47,10 @@ class StopOnSignal(Hook):
     def on_start(self, ctx: RunContext) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # Python delivers signals to the main thread only; a run in another thread keeps its handlers
+        if jax.process_count() > 1:
+            # One process stopping alone would leave the others waiting in a collective: jax's preemption service
+            # takes SIGTERM instead and agrees on a step with all processes (Checkpointer.reached_preemption).
+            return
         self._control = ctx.control
         for s in self.signals:
             self._previous[s] = signal.signal(s, self._handle)

@@ -147,6 +147,8 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
                 summary["val_loss"].append((step, val_loss))
                 writer.write(step, {"val_loss": val_loss, "wall_s": time.perf_counter() - t_start})
                 _log(f"step {step}: val loss {val_loss:.4f} ({time.perf_counter() - t_start:.1f} s)")
+            if ckpt.reached_preemption(step):  # multi-process: all processes stop at the same step
+                control.request_stop("preemption notice (jax preemption sync point)")
             stopping = control.stop_reason is not None
             # Orbax decides the periodic saves; these are the ones the loop was asked for.
             force = step == t.steps or stopping or control.take_checkpoint_request()

@@ -60,9 +60,9 @@ def _array_checksum(x: jax.Array) -> jax.Array:
     return jnp.stack([c1, c2, finite.astype(jnp.uint32)])
 
 
-@jax.jit
-def _tree_checksums(state: Any) -> Any:
-    return jax.tree.map(_array_checksum, state)
+# One jitted reduction per array (not one over the whole tree): leaves may live on different device sets (a
+# scalar on one device, a parameter over the mesh), and compiled reductions are shared by arrays of one shape.
+_jitted_checksum = jax.jit(_array_checksum)
 
 
 def checksum_state(state: Any) -> Callable[[], tuple[dict[str, str], bool]]:
@@ -77,7 +77,7 @@ def checksum_state(state: Any) -> Callable[[], tuple[dict[str, str], bool]]:
       fetch(): ({key path: "c1c2" as 16 hex digits}, whether every floating-point array is finite); it blocks
       until the reduction is done.
     """
-    sums = _tree_checksums(state)
+    sums = jax.tree.map(_jitted_checksum, state)
 
     def fetch() -> tuple[dict[str, str], bool]:
         out, finite = {}, True

@@ -180,9 +180,12 @@ class Checkpointer:
             policies.insert(0, ocp_policies.FixedIntervalPolicy(cfg.every))
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None,  # rotation is ours: it must count only complete (recorded) checkpoints
-            enable_async_checkpointing=cfg.async_save, create=True,
+            enable_async_checkpointing=cfg.async_save, create=True, cleanup_tmp_directories=True,
             save_decision_policy=ocp_policies.AnySavePolicy(policies))
         self._manager = ocp.CheckpointManager(self.write_directory, options=options)
+        if jax.process_index() == 0:  # copies to the persistent tier cut short by a crash
+            for leftover in directory.glob(f"*{_TMP_COPY}*"):
+                shutil.rmtree(leftover, ignore_errors=True)
         self._reader = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
         self._pending: tuple[int, Callable[[], tuple[dict, bool]], dict] | None = None
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="msjax-checkpoint")
@@ -228,9 +231,10 @@ class Checkpointer:
 
     # ---- saving -----------------------------------------------------------------------------------------------
 
-    def should_save(self, step: int) -> bool:
-        """Orbax's decision for `step` (interval or preemption)."""
-        return self._manager.should_save(step)
+    def reached_preemption(self, step: int) -> bool:
+        """Whether jax's preemption sync point is reached at `step` (multi-process runs with the preemption
+        service: every process sees it at the same step); Orbax then saves this step."""
+        return self._manager.reached_preemption(step)
 
     def save(self, step: int, state: Any, loader_state: dict, force: bool = False,
              config: dict | None = None) -> bool:
@@ -406,17 +410,17 @@ class Checkpointer:
                     restored = self._reader.restore(path, args=ocp.args.Composite(
                         state=ocp.args.StandardRestore(abstract_state), loader=ocp.args.JsonRestore()))
                     state, loader = restored["state"], dict(restored["loader"])
-                    checksums, _ = checksum_state(state)()
-                    bad = mismatches(record["checksums"], checksums)
-                    if bad:
-                        reason = (f"checksum mismatch in {len(bad)} array(s): {', '.join(bad[:3])}"
-                                  + (" ..." if len(bad) > 3 else ""))
-                    elif loader != record.get("loader"):
-                        reason = f"loader position {loader} differs from the recorded {record.get('loader')}"
                 except Exception as e:  # noqa: BLE001 - any unreadable file: report one line, try the next
                     root = _os_error(e)
                     text = str(root).strip().splitlines()[0] if str(root).strip() else ""
                     reason = f"unreadable: {type(root).__name__}: {text[:300]}"
+            if reason is None:  # outside the try: a fault of ours must not pass for a damaged checkpoint
+                bad = mismatches(record["checksums"], checksum_state(state)()[0])
+                if bad:
+                    reason = (f"checksum mismatch in {len(bad)} array(s): {', '.join(bad[:3])}"
+                              + (" ..." if len(bad) > 3 else ""))
+                elif loader != record.get("loader"):
+                    reason = f"loader position {loader} differs from the recorded {record.get('loader')}"
             if reason is None:
                 self.verified_step = step
                 self._manager.reload()
