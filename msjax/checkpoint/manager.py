@@ -1,9 +1,9 @@
 """The Checkpointer: verified two-stage checkpoints in two tiers, through Orbax.
 
 Stages (MegaScale sec. 4.3; Orbax's asynchronous save is the library that does stage 1 and 2):
-  1. `save` returns after Orbax has copied the device state to host memory: the only part the loop waits for.
-     The integrity checksums (msjax.checkpoint.integrity) are dispatched on the device in the same call and not
-     waited for.
+  1. `save` computes the integrity checksums (msjax.checkpoint.integrity: one reduction over the state where it
+     lives) and returns after Orbax has copied the device state to host memory: the only part the loop waits
+     for.
   2. Orbax's background thread writes the host copy to TensorStore (zarr/OCDBT) under a temporary name and
      renames it when every process is done (its commit).
   3. When `poll` (called by the loop each step, without touching the device) sees the write finished, the
@@ -187,7 +187,7 @@ class Checkpointer:
             for leftover in directory.glob(f"*{_TMP_COPY}*"):
                 shutil.rmtree(leftover, ignore_errors=True)
         self._reader = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-        self._pending: tuple[int, Callable[[], tuple[dict, bool]], dict] | None = None
+        self._pending: tuple[int, dict] | None = None  # the step whose write is in flight, and its record
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="msjax-checkpoint")
         self._worker_jobs: list[tuple[int, concurrent.futures.Future]] = []
         self.verified_step: int | None = None  # the newest step known complete (written, or restored + verified)
@@ -202,7 +202,7 @@ class Checkpointer:
     def candidates(self) -> list[tuple[int, str, Path]]:
         """Every committed step directory of both tiers as (step, tier, path), newest first, local first at
         equal steps (it restores faster). Includes directories without an integrity record."""
-        out = [(s, tier, d / str(s)) for order, (tier, d) in enumerate(self._tiers()) for s in _steps(d)]
+        out = [(s, tier, d / str(s)) for tier, d in self._tiers() for s in _steps(d)]
         order = {"local": 0, "persistent": 1}
         return sorted(out, key=lambda c: (-c[0], order[c[1]]))
 
@@ -245,18 +245,26 @@ class Checkpointer:
 
         Raises:
           CheckpointWriteError: the previous write failed (path and OS error in the message).
+          NonFiniteStateError: the state holds NaN or Inf; nothing was written.
         """
         if not force and not self._manager.should_save(step):
             return False
         self._finish_pending(block=True)
-        fetch = checksum_state(state)  # dispatched now, read after the write: not on the loop's critical path
+        # The checksums are read here, before the loop's next step donates the state's buffers: waiting for them
+        # costs one reduction over the state (measured in scripts/bench_checkpoint.py), and reading them
+        # after the donation (an earlier version) aborted XLA:CPU intermittently. It also lets a non-finite
+        # state be refused before anything is written.
+        checksums, finite = checksum_state(state)()
+        if not finite:
+            raise NonFiniteStateError(f"the state of step {step} holds NaN or Inf; it was not checkpointed (the "
+                                      f"newest complete checkpoint is step {self.verified_step})")
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), loader=ocp.args.JsonSave(loader_state))
         try:
-            started = self._manager.save(step, args=args, force=True)
+            started = self._manager.save(step, args=args, force=force)  # Orbax re-checks its policy unless forced
         except Exception as e:  # a synchronous failure (e.g. the directory could not be created)
             raise self._write_error(step, e) from None
         if started:
-            self._pending = (step, fetch, {"loader": loader_state, "config": config})
+            self._pending = (step, {"checksums": checksums, "loader": loader_state, "config": config})
         return bool(started)
 
     def _write_error(self, step: int, e: BaseException) -> CheckpointWriteError:
@@ -270,7 +278,6 @@ class Checkpointer:
 
         Raises:
           CheckpointWriteError: a write or copy failed (path and OS error in the message).
-          NonFiniteStateError: a saved state held NaN/Inf (it was deleted, never made complete).
         """
         if self._pending is not None and not self._manager.is_saving_in_progress():
             self._finish_pending(block=False)
@@ -279,7 +286,7 @@ class Checkpointer:
     def _finish_pending(self, block: bool) -> None:
         if self._pending is None:
             return
-        step, fetch, extra = self._pending
+        step, record = self._pending
         self._pending = None
         try:
             _wait(f"the checkpoint write of step {step} to {self.write_directory}",
@@ -288,16 +295,7 @@ class Checkpointer:
             raise
         except Exception as e:
             raise self._write_error(step, e) from None
-        checksums, finite = fetch()
-        step_dir = self.write_directory / str(step)
-        if jax.process_index() == 0:
-            if not finite:
-                shutil.rmtree(step_dir, ignore_errors=True)
-        self._manager.reload()
-        if not finite:
-            raise NonFiniteStateError(f"the state of step {step} holds NaN or Inf; its checkpoint was deleted "
-                                      f"(the newest complete checkpoint is step {self.verified_step})")
-        record = {"step": step, "checksums": checksums, **extra}
+        record = {"step": step, **record}
         self._worker_jobs.append((step, self._worker.submit(self._complete_step, step, record)))
         if block:
             self._reap_worker(block=True)
@@ -354,7 +352,7 @@ class Checkpointer:
         `checkpoint.timeout_s` per wait.
 
         Raises:
-          CheckpointWriteError / NonFiniteStateError: as `poll`.
+          CheckpointWriteError: as `poll`.
         """
         self._finish_pending(block=True)
         self._reap_worker(block=True)

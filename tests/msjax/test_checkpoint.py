@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from msjax.checkpoint import Checkpointer, checkpoint_dir
-from msjax.checkpoint.integrity import RECORD_NAME, checksum_state
+from msjax.checkpoint.integrity import checksum_state
 from msjax.config import ConfigError, apply_overrides
 from msjax.faults import NonFiniteLossError
 from msjax.train import run
@@ -47,9 +47,22 @@ def _tree_digest(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def _largest_data_file(step_dir: Path) -> Path:
-    files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.name != RECORD_NAME]
-    return max(files, key=lambda p: p.stat().st_size)
+def _live_data_file(step_dir: Path, state) -> tuple[Path, int]:
+    """A data file of the checkpoint and an offset in it that hold saved parameter values.
+
+    Orbax's OCDBT files also hold bytes no restore reads (superseded b-tree nodes, per-process manifests), and
+    damage there is harmless, so the damage must land on live data: randomly initialised float32 chunks do not
+    compress, zstd stores them raw, so the first 64 bytes of a saved shard appear verbatim in its file."""
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+    contents = {f: f.read_bytes() for f in files}
+    for leaf in jax.tree.leaves(state["params"]):
+        for shard in leaf.addressable_shards:
+            needle = np.ascontiguousarray(np.asarray(shard.data)).tobytes()[:64]
+            for f, data in contents.items():
+                offset = data.find(needle)
+                if len(needle) == 64 and offset >= 0:
+                    return f, offset
+    raise AssertionError(f"no saved parameter bytes found verbatim under {step_dir}")
 
 
 # ---- 7: optimizer settings, non-finite steps -----------------------------------------------------------------
@@ -125,16 +138,15 @@ def test_resume_with_another_model_is_one_clear_error_and_touches_nothing(cache,
 
 # ---- 2, 3: corrupted or unreadable newest checkpoint: fall back, end bit-identical -----------------------------
 
-def _corrupt(step_dir: Path, how: str) -> None:
-    f = _largest_data_file(step_dir)
+def _corrupt(step_dir: Path, how: str, state) -> None:
+    f, offset = _live_data_file(step_dir, state)
     data = bytearray(f.read_bytes())
     if how == "bitflip":
-        data[len(data) // 2] ^= 0x10
+        data[offset + 17] ^= 0x10  # one bit of one float32 of a parameter
     elif how == "garbage4k":
-        start = max(0, len(data) // 2 - 2048)
-        data[start:start + 4096] = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes()
+        data[offset:offset + 4096] = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes()
     elif how == "truncate":
-        data = data[: len(data) // 2]
+        data = data[: offset + 32]
     elif how == "missing":
         f.unlink()
         return
@@ -146,7 +158,7 @@ def test_damaged_newest_checkpoint_falls_back_and_ends_bit_identical(cache, tmp_
                                                                      small_corpus, make_tiny_config, capfd, how):
     ref_root, ref = reference(cache, tmp_path_factory, small_corpus, make_tiny_config)
     _copy_run(ref_root, tmp_path)
-    _corrupt(tmp_path / "run" / "checkpoints" / "8", how)
+    _corrupt(tmp_path / "run" / "checkpoints" / "8", how, ref["state"])
     capfd.readouterr()
     resumed = run(make_tiny_config(tmp_path, small_corpus, **{"checkpoint.resume": True}))
     err = capfd.readouterr().err
@@ -189,7 +201,7 @@ def test_local_tier_restores_first_and_persistent_tier_backs_it_up(tmp_path, sma
     assert sorted(p.name for p in local.iterdir() if p.name.isdigit()) == ["8"]
     assert sorted(p.name for p in persistent.iterdir() if p.name.isdigit()) == ["4", "8"]
     # The local copy of 8 is damaged: the persistent copy of the same step is restored, nothing retrained.
-    _corrupt(local / "8", "bitflip")
+    _corrupt(local / "8", "bitflip", straight["state"])
     resumed = run(apply_overrides(cfg, {"checkpoint.resume": True}))
     assert resumed["start_step"] == 8 and "local/8 failed verification" in capfd.readouterr().err
     for x, y in zip(_leaves(straight["state"]), _leaves(resumed["state"])):
