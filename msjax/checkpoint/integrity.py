@@ -8,10 +8,10 @@ with h a multiplicative hash (Knuth's 2654435761). Both weights are odd, so a si
 changes c1 (2^k times an odd number is never 0 mod 2^32); garbage over a region collides in both lanes with
 probability about 2^-64. It is not a cryptographic hash: it detects corruption, not tampering.
 
-Why a weighted sum rather than CRC32 over the file bytes: a sum composes over shards. It is computed by one
-jitted reduction on the arrays where they live; in a multi-process run every process reduces the shards it holds
-(replicas are counted once, by XLA's SPMD partitioner) and an all-reduce combines them, so each process
-checksums what it writes and no process gathers the whole state. And the value does not depend on the layout:
+Why a weighted sum rather than CRC32 over the file bytes: a sum composes over shards. Each shard is reduced on
+its own device (the host copy's source; on CPU the same memory); every process reduces the shards it holds
+with replica id 0, which are exactly the ones Orbax has that process write, and the partial sums are added, so
+each process checksums what it writes and no process gathers the whole state. And the value does not depend on the layout:
 a checkpoint written on one mesh verifies after a restore onto another.
 
 The record (`msjax_integrity.json` in the step directory) is written only after Orbax has committed the step
@@ -21,6 +21,7 @@ without a record is an interrupted write and is never restored.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -35,8 +36,7 @@ RECORD_FORMAT = 1
 
 
 def _words(x: jax.Array) -> jax.Array:
-    """x as a flat uint32 array, one word per element (64-bit types are not used in the train state)."""
-    x = x.reshape(-1)
+    """x as uint32 words of the same shape, one per element (64-bit types are not used in the train state)."""
     size = jnp.dtype(x.dtype).itemsize
     if x.dtype == jnp.bool_:
         return x.astype(jnp.uint32)
@@ -49,10 +49,20 @@ def _words(x: jax.Array) -> jax.Array:
     raise TypeError(f"checksum: unsupported dtype {x.dtype} (itemsize {size})")
 
 
-def _array_checksum(x: jax.Array) -> jax.Array:
-    """uint32 (3,): c1, c2, all-finite flag of one array; see the module docstring for the formula."""
+@functools.partial(jax.jit, static_argnames=("strides",))
+def _shard_sums(x: jax.Array, starts: jax.Array, strides: tuple[int, ...]) -> jax.Array:
+    """uint32 (3,): the shard's part of c1 and c2 and its all-finite flag.
+
+    Args:
+      x: one shard, on one device.
+      starts: int32 (ndim,): the shard's first global index per dimension.
+      strides: the global array's row-major strides (elements), so i = sum_k (start_k + j_k) * stride_k.
+    """
     b = _words(x)
-    i = jax.lax.iota(jnp.uint32, b.shape[0])
+    i = jnp.zeros(x.shape, jnp.uint32)
+    for k, stride in enumerate(strides):
+        i = i + (jax.lax.broadcasted_iota(jnp.uint32, x.shape, k) + starts[k].astype(jnp.uint32)) * jnp.uint32(
+            stride % 2**32)
     c1 = jnp.sum(b * (2 * i + 1), dtype=jnp.uint32)
     rot = (b << 13) | (b >> 19)
     c2 = jnp.sum(rot * ((i * jnp.uint32(2654435761)) | 1), dtype=jnp.uint32)
@@ -60,32 +70,57 @@ def _array_checksum(x: jax.Array) -> jax.Array:
     return jnp.stack([c1, c2, finite.astype(jnp.uint32)])
 
 
-# One jitted reduction per array (not one over the whole tree): leaves may live on different device sets (a
-# scalar on one device, a parameter over the mesh), and compiled reductions are shared by arrays of one shape.
-_jitted_checksum = jax.jit(_array_checksum)
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
 
 
 def checksum_state(state: Any) -> Callable[[], tuple[dict[str, str], bool]]:
     """Dispatches the checksums of every array of `state` and returns a function that fetches them.
 
-    The reduction is dispatched asynchronously, so the caller is not blocked; the state's buffers are read
-    before any later computation that donates them (PjRt orders a donation after pending reads).
+    Each process reduces only the shards it holds with replica id 0 (so a replicated value is counted once),
+    one single-device computation per shard: no collective runs, so the checksum never waits on other devices
+    (XLA:CPU aborts a collective whose participants do not all arrive within its rendezvous timeout, which a
+    loaded machine can exceed). In a multi-process run the per-process partial sums are then added with one
+    small `process_allgather`.
 
     Args:
-      state: pytree of jax.Arrays (any sharding, any number of processes; every process must call this).
+      state: pytree of jax.Arrays (any sharding; every process must call this).
     Returns:
       fetch(): ({key path: "c1c2" as 16 hex digits}, whether every floating-point array is finite); it blocks
-      until the reduction is done.
+      until the reductions are done.
     """
-    sums = jax.tree.map(_jitted_checksum, state)
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    parts = []
+    for path, x in leaves:
+        x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+        strides = _strides(x.shape)
+        shard_sums = [_shard_sums(sh.data, np.array([ix.start or 0 for ix in sh.index], np.int32), strides)
+                      for sh in x.addressable_shards if sh.replica_id == 0]
+        parts.append((jax.tree_util.keystr(path), shard_sums))
 
     def fetch() -> tuple[dict[str, str], bool]:
-        out, finite = {}, True
-        for path, sum3 in jax.tree_util.tree_flatten_with_path(jax.device_get(sums))[0]:
-            c1, c2, ok = (int(v) for v in np.asarray(sum3))
-            out[jax.tree_util.keystr(path)] = f"{c1:08x}{c2:08x}"
-            finite = finite and bool(ok)
-        return out, finite
+        local = np.zeros((len(parts), 3), np.uint64)
+        local[:, 2] = 1
+        for row, (_, shard_sums) in enumerate(parts):
+            for sums in shard_sums:
+                c1, c2, ok = (int(v) for v in np.asarray(sums))
+                local[row, 0] = (int(local[row, 0]) + c1) % 2**32
+                local[row, 1] = (int(local[row, 1]) + c2) % 2**32
+                local[row, 2] &= ok
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            every = np.asarray(multihost_utils.process_allgather(local.astype(np.uint32)), np.uint64)
+            total = every.sum(axis=0) % 2**32
+            total[:, 2] = every[..., 2].min(axis=0)
+        else:
+            total = local
+        out = {key: f"{int(total[row, 0]):08x}{int(total[row, 1]):08x}" for row, (key, _) in enumerate(parts)}
+        return out, bool(total[:, 2].all()) if len(parts) else True
 
     return fetch
 

@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -112,6 +113,9 @@ class _OrbaxTracebacks(logging.Filter):
 
 _FILTER = _OrbaxTracebacks()
 logging.getLogger("absl").addFilter(_FILTER)
+# After a failed write Orbax leaves the coroutines of the abandoned save unawaited; Python reports each one at
+# exit. The failure itself was reported once, as CheckpointWriteError.
+warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
 
 
 def _steps(directory: Path) -> list[int]:
