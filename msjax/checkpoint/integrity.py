@@ -3,7 +3,7 @@ checkpoint complete.
 
 The checksum of an array x with n elements, read as 32-bit words b_i (16-bit dtypes widened, booleans and 8-bit
 types widened likewise) at flat position i (row-major, of the global array), is two sums modulo 2^32:
-  c1 = sum_i b_i * (2 i + 1)               c2 = sum_i rotl(b_i, 13) * h(i) | 1
+  c1 = sum_i b_i * (2 i + 1)               c2 = sum_i b_i * (h(i) | 1)
 with h a multiplicative hash (Knuth's 2654435761). Both weights are odd, so a single flipped bit at any position
 changes c1 (2^k times an odd number is never 0 mod 2^32); garbage over a region collides in both lanes with
 probability about 2^-64. It is not a cryptographic hash: it detects corruption, not tampering.
@@ -64,8 +64,7 @@ def _shard_sums(x: jax.Array, starts: jax.Array, strides: tuple[int, ...]) -> ja
         i = i + (jax.lax.broadcasted_iota(jnp.uint32, x.shape, k) + starts[k].astype(jnp.uint32)) * jnp.uint32(
             stride % 2**32)
     c1 = jnp.sum(b * (2 * i + 1), dtype=jnp.uint32)
-    rot = (b << 13) | (b >> 19)
-    c2 = jnp.sum(rot * ((i * jnp.uint32(2654435761)) | 1), dtype=jnp.uint32)
+    c2 = jnp.sum(b * ((i * jnp.uint32(2654435761)) | 1), dtype=jnp.uint32)
     finite = jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
     return jnp.stack([c1, c2, finite.astype(jnp.uint32)])
 

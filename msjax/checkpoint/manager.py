@@ -1,9 +1,9 @@
 """The Checkpointer: verified two-stage checkpoints in two tiers, through Orbax.
 
 Stages (MegaScale sec. 4.3; Orbax's asynchronous save is the library that does stage 1 and 2):
-  1. `save` computes the integrity checksums (msjax.checkpoint.integrity: one reduction over the state where it
-     lives) and returns after Orbax has copied the device state to host memory: the only part the loop waits
-     for.
+  1. `save` returns after Orbax has copied the device state to host memory: the only part the loop waits for.
+     The integrity checksums (msjax.checkpoint.integrity) are dispatched on the devices in the same call and
+     read only when the write has finished.
   2. Orbax's background thread writes the host copy to TensorStore (zarr/OCDBT) under a temporary name and
      renames it when every process is done (its commit).
   3. When `poll` (called by the loop each step, without touching the device) sees the write finished, the
@@ -191,7 +191,8 @@ class Checkpointer:
             for leftover in directory.glob(f"*{_TMP_COPY}*"):
                 shutil.rmtree(leftover, ignore_errors=True)
         self._reader = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-        self._pending: tuple[int, dict] | None = None  # the step whose write is in flight, and its record
+        # The step whose write is in flight, the fetch of its checksums, and the rest of its record.
+        self._pending: tuple[int, Callable[[], tuple[dict, bool]], dict] | None = None
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="msjax-checkpoint")
         self._worker_jobs: list[tuple[int, concurrent.futures.Future]] = []
         self.verified_step: int | None = None  # the newest step known complete (written, or restored + verified)
@@ -249,26 +250,22 @@ class Checkpointer:
 
         Raises:
           CheckpointWriteError: the previous write failed (path and OS error in the message).
-          NonFiniteStateError: the state holds NaN or Inf; nothing was written.
+          NonFiniteStateError: the previous checkpoint's state held NaN or Inf (deleted before completion).
         """
         if not force and not self._manager.should_save(step):
             return False
         self._finish_pending(block=True)
-        # The checksums are read here, before the loop's next step donates the state's buffers: waiting for them
-        # costs one reduction over the state (measured in scripts/bench_checkpoint.py), and reading them
-        # after the donation (an earlier version) aborted XLA:CPU intermittently. It also lets a non-finite
-        # state be refused before anything is written.
-        checksums, finite = checksum_state(state)()
-        if not finite:
-            raise NonFiniteStateError(f"the state of step {step} holds NaN or Inf; it was not checkpointed (the "
-                                      f"newest complete checkpoint is step {self.verified_step})")
+        # Dispatched now (one single-device reduction per shard), read when the write has finished: not on the
+        # loop's critical path. The next step may donate these buffers; PjRt orders a donating execution after
+        # the pending reads of its inputs.
+        fetch = checksum_state(state)
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), loader=ocp.args.JsonSave(loader_state))
         try:
             started = self._manager.save(step, args=args, force=force)  # Orbax re-checks its policy unless forced
         except Exception as e:  # a synchronous failure (e.g. the directory could not be created)
             raise self._write_error(step, e) from None
         if started:
-            self._pending = (step, {"checksums": checksums, "loader": loader_state, "config": config})
+            self._pending = (step, fetch, {"loader": loader_state, "config": config})
         return bool(started)
 
     def _write_error(self, step: int, e: BaseException) -> CheckpointWriteError:
@@ -282,6 +279,7 @@ class Checkpointer:
 
         Raises:
           CheckpointWriteError: a write or copy failed (path and OS error in the message).
+          NonFiniteStateError: the state just written held NaN or Inf; it was deleted, never made complete.
         """
         if self._pending is not None and not self._manager.is_saving_in_progress():
             self._finish_pending(block=False)
@@ -290,7 +288,7 @@ class Checkpointer:
     def _finish_pending(self, block: bool) -> None:
         if self._pending is None:
             return
-        step, record = self._pending
+        step, fetch, extra = self._pending
         self._pending = None
         try:
             _wait(f"the checkpoint write of step {step} to {self.write_directory}",
@@ -299,7 +297,15 @@ class Checkpointer:
             raise
         except Exception as e:
             raise self._write_error(step, e) from None
-        record = {"step": step, **record}
+        checksums, finite = fetch()
+        if not finite:  # never made complete: deleted before its record exists
+            if jax.process_index() == 0:
+                shutil.rmtree(self.write_directory / str(step), ignore_errors=True)
+            self._manager.reload()
+            raise NonFiniteStateError(f"the state of step {step} holds NaN or Inf; its checkpoint was deleted "
+                                      f"before completion (the newest complete checkpoint is step "
+                                      f"{self.verified_step})")
+        record = {"step": step, "checksums": checksums, **extra}
         self._worker_jobs.append((step, self._worker.submit(self._complete_step, step, record)))
         if block:
             self._reap_worker(block=True)
