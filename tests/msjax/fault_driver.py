@@ -5,7 +5,9 @@ python tests/msjax/fault_driver.py TMP CORPUS OVERRIDES_JSON OUT_JSON [--lock-af
 Runs `msjax.train.run` on the tiny config of conftest.py with the given overrides, printing "step S" after every
 step (flushed, so the parent can time its signal), and writes {"digest": sha256 of every state leaf's bytes,
 "summary": ...} to OUT_JSON when the run returns. `--lock-after-checkpoint=N`: once checkpoint N is complete,
-makes the checkpoint directory immutable (`chattr +i`; root ignores chmod), so the next write fails.
+makes the checkpoint directory immutable (`chattr +i`; root ignores chmod), so the next write fails, and from
+then on each step takes 0.5 s longer (a real model's step), so how many steps the failure takes to surface is
+measurable.
 """
 
 import hashlib
@@ -40,12 +42,15 @@ def digest(state) -> str:
 class Progress(Hook):
     def __init__(self, lock_after: int | None):
         self.lock_after = lock_after
+        self.locked = False
 
     def on_checkpoint(self, ctx, step):
         print(f"checkpoint {step} started", flush=True)  # stage 1 done, stage 2 (the write) in flight
 
     def on_step_end(self, ctx, step, metrics):
         print(f"step {step}", flush=True)
+        if self.locked:
+            time.sleep(0.5)  # steps of a real model's length, so "within a step or two" is measurable
         if self.lock_after is not None and step > self.lock_after:
             ckpt_dir = ctx.run_dir / "checkpoints"
             deadline = time.time() + 120
@@ -54,7 +59,7 @@ class Progress(Hook):
             time.sleep(0.5)  # the integrity record follows the commit within a poll
             subprocess.run(["chattr", "+i", str(ckpt_dir)], check=True)
             print(f"locked {ckpt_dir}", flush=True)
-            self.lock_after = None
+            self.lock_after, self.locked = None, True
 
 
 def main() -> int:
