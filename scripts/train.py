@@ -21,10 +21,11 @@ def main(argv: list[str]) -> int:
         if rest:
             raise ConfigError(f"unexpected arguments {rest}; flags look like --train.steps=100")
         from msjax import distributed
+        from msjax.supervise.heartbeat import worker_hooks
         from msjax.train import run, summary_json
 
         distributed.initialize()
-        summary = run(cfg)
+        summary = run(cfg, hooks=worker_hooks(cfg))
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
