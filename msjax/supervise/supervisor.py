@@ -54,25 +54,28 @@ class Fault:
       rank: which worker of the attempt.
       step: inject once the worker reports this step (0: at its first heartbeat).
       attempt: the attempt to inject in; None injects in every attempt (a fault loop).
+      relative: `step` counts from the step the attempt resumed from.
     """
 
     kind: str
     rank: int
     step: int
     attempt: int | None = 0
+    relative: bool = False
 
     @staticmethod
     def parse(spec: str) -> "Fault":
-        """'KIND:RANK@STEP' (first attempt), '...#A' (attempt A) or '...#*' (every attempt).
+        """'KIND:RANK@STEP' (first attempt), '...#A' (attempt A) or '...#*' (every attempt); '@+N' is N steps
+        after the attempt's resume step.
 
         Raises ValueError naming the spec and the allowed form."""
-        m = re.fullmatch(r"(\w+):(\d+)@(\d+)(?:#(\d+|\*))?", spec.strip())
+        m = re.fullmatch(r"(\w+):(\d+)@(\+?)(\d+)(?:#(\d+|\*))?", spec.strip())
         if not m or m.group(1) not in FAULT_KINDS:
-            raise ValueError(f"fault {spec!r}: allowed is KIND:RANK@STEP[#ATTEMPT|#*] with KIND one of "
+            raise ValueError(f"fault {spec!r}: allowed is KIND:RANK@[+]STEP[#ATTEMPT|#*] with KIND one of "
                              f"{', '.join(FAULT_KINDS)}")
-        attempt = m.group(4)
-        return Fault(m.group(1), int(m.group(2)), int(m.group(3)),
-                     None if attempt == "*" else int(attempt or 0))
+        attempt = m.group(5)
+        return Fault(m.group(1), int(m.group(2)), int(m.group(4)),
+                     None if attempt == "*" else int(attempt or 0), relative=bool(m.group(3)))
 
 
 @dataclass
@@ -329,7 +332,9 @@ class Supervisor:
             for f in list(pending):
                 w = workers[f.rank] if f.rank < len(workers) else None
                 o = seen.get(f.rank)
-                if w is None or o is None or o.last_beat is None or (o.step or 0) < f.step or w.proc.poll() is not None:
+                if w is None or o is None or o.last_beat is None or w.proc.poll() is not None:
+                    continue
+                if (o.step or 0) < f.step + ((o.start_step or 0) if f.relative else 0):
                     continue
                 pending.remove(f)
                 if f.kind == "diag":
