@@ -21,12 +21,14 @@ def main(argv: list[str]) -> int:
         if rest:
             raise ConfigError(f"unexpected arguments {rest}; flags look like --train.steps=100")
         from msjax import distributed
-        from msjax.supervise.heartbeat import worker_hooks
+        from msjax.control import ControlError
+        from msjax.control.worker import worker_hooks
+        from msjax.supervise.heartbeat import supervisor_hooks
         from msjax.train import run, summary_json
 
         distributed.initialize()
-        summary = run(cfg, hooks=worker_hooks(cfg))
-    except (ConfigError, DataError) as e:
+        summary = run(cfg, hooks=worker_hooks() + supervisor_hooks(cfg))
+    except (ConfigError, DataError, ControlError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = summary_json(summary)

@@ -181,7 +181,7 @@ def diagnose_local(hosts: Sequence[str], env: dict[str, str], timeout_s: float, 
       min_flops: expected per-device matmul rate (0: the default of `check_devices`).
       log_dir: where each host's output goes (diag_<host>.log); None keeps it in memory only.
     """
-    from msjax.supervise.store import free_port
+    from msjax.control.server import free_port
 
     coordinator = f"127.0.0.1:{free_port()}"
     n = len(hosts)

@@ -9,11 +9,12 @@ heartbeat, shows progress (MegaScale sec. 5.1 runs its heartbeat in a daemon bes
 At logging steps, a non-finite loss is reported to the supervisor (the loop's own handling of it, if any, is the
 checkpoint subsystem's concern).
 
-Workers learn where to send from the environment the supervisor sets (`worker_hooks`):
-  MSJAX_SUPERVISOR_REDIS  redis://:password@host:port/0
+Workers learn where to send from the environment the supervisor sets (`supervisor_hooks`):
+  MSJAX_SUPERVISED        1 when a supervisor watches this worker
+  MSJAX_REDIS_URL         the control plane's Redis (msjax.control.worker)
   MSJAX_RUN_ID            the run's namespace in Redis
-  MSJAX_RANK              this worker's rank (defaults to JAX_PROCESS_ID)
-  MSJAX_HOST              this worker's host name (defaults to the machine's)
+  MSJAX_SLOT              this worker's place in the supervisor's host list (default: its jax process index)
+  MSJAX_HOST              this worker's host name (default: the machine's)
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class HeartbeatHook(Hook):
     Args:
       store: where beats go (a HeartbeatStore, or anything with `beat(rank, payload, ttl_s)` and
         `report(rank, kind, **fields)`).
-      rank: this worker's rank.
+      rank: this worker's slot (its place in the supervisor's host list).
       host: this worker's host name.
       period_s: seconds between beats.
       ttl_s: seconds a beat stays visible (the supervisor's heartbeat timeout).
@@ -113,26 +114,32 @@ class HeartbeatHook(Hook):
         atexit.register(self.stop, self._state)
 
 
-def worker_hooks(cfg: Any) -> list[Hook]:
-    """The supervision hooks for this worker: a HeartbeatHook when the supervisor set MSJAX_SUPERVISOR_REDIS,
-    else none (an unsupervised run is unchanged).
+def supervisor_hooks(cfg: Any) -> list[Hook]:
+    """The supervision hooks for this worker: a HeartbeatHook when the supervisor launched it (MSJAX_SUPERVISED=1
+    with the control plane's MSJAX_REDIS_URL and MSJAX_RUN_ID), else none (an unsupervised run is unchanged).
 
     Args:
       cfg: the run's Config (its `supervisor` section gives the period and the TTL).
     Raises:
-      ValueError: MSJAX_SUPERVISOR_REDIS is set without MSJAX_RUN_ID, or the rank is not an integer.
+      msjax.control.ControlError: MSJAX_RUN_ID missing, a bad slot, or Redis unreachable.
     """
-    url = os.environ.get("MSJAX_SUPERVISOR_REDIS")
-    if not url:
+    if os.environ.get("MSJAX_SUPERVISED") != "1":
         return []
-    run_id = os.environ.get("MSJAX_RUN_ID")
-    if not run_id:
-        raise ValueError("MSJAX_SUPERVISOR_REDIS is set but MSJAX_RUN_ID is not (the run's namespace)")
-    rank_text = os.environ.get("MSJAX_RANK", os.environ.get("JAX_PROCESS_ID", "0"))
+    from msjax.control import ControlError
+
+    url, run_id = os.environ.get("MSJAX_REDIS_URL"), os.environ.get("MSJAX_RUN_ID")
+    if not url or not run_id:
+        raise ControlError("MSJAX_SUPERVISED=1 needs MSJAX_REDIS_URL and MSJAX_RUN_ID (the supervisor sets them)")
+    slot_text = os.environ.get("MSJAX_SLOT")
+    if slot_text is None:
+        import jax
+
+        slot_text = str(jax.process_index())
     try:
-        rank = int(rank_text)
+        slot = int(slot_text)
     except ValueError:
-        raise ValueError(f"MSJAX_RANK={rank_text!r}: allowed is an integer") from None
+        raise ControlError(f"MSJAX_SLOT={slot_text!r}: allowed is an integer") from None
     host = os.environ.get("MSJAX_HOST") or socket.gethostname()
     s = cfg.supervisor
-    return [HeartbeatHook(HeartbeatStore(url, run_id), rank, host, s.heartbeat_period_s, s.heartbeat_timeout_s)]
+    return [HeartbeatHook(HeartbeatStore.from_url(url, run_id), slot, host, s.heartbeat_period_s,
+                          s.heartbeat_timeout_s)]

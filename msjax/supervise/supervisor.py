@@ -36,7 +36,7 @@ from msjax.supervise.diagnostics import TEST_FAIL_ENV, HostDiagnosis, diagnose_l
 from msjax.supervise.events import EventLog, effective_time, fault_figures, read_events
 from msjax.supervise.policy import RestartBudgetExhausted, RestartPolicy
 from msjax.supervise.replan import planner_hardware, replan
-from msjax.supervise.store import HeartbeatStore, free_port
+from msjax.supervise.store import HeartbeatStore
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULT_KINDS = ("kill", "stop", "diag")
@@ -97,11 +97,13 @@ class LocalBackend:
       devices_per_host: CPU devices each worker gets (XLA_FLAGS); 0 leaves the device setup alone.
       log_dir: where each worker's output goes (attempt<k>_<host>.log).
       env: base environment of the workers (default: this process's).
+      rdzv_timeout_s: how long workers wait for each other at the Redis rendezvous.
     """
 
     def __init__(self, train_flags: Sequence[str], devices_per_host: int, log_dir: Path,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, rdzv_timeout_s: int = 300):
         self.train_flags = list(train_flags)
+        self.rdzv_timeout_s = rdzv_timeout_s
         self.devices_per_host = devices_per_host
         self.log_dir = Path(log_dir)
         self.env = dict(os.environ if env is None else env)
@@ -115,24 +117,28 @@ class LocalBackend:
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         return env
 
-    def launch(self, attempt: int, hosts: Sequence[str], overrides: dict, resume: bool,
-               supervisor_env: dict[str, str]) -> list[Worker]:
-        """Starts one worker per host (rank = position in `hosts`), each in a new session (process group)."""
+    def launch(self, attempt: int, hosts: Sequence[str], overrides: dict, resume: bool, redis_url: str,
+               run_id: str) -> list[Worker]:
+        """Starts one worker per host (slot = position in `hosts`), each in a new session (process group) that
+        dies with this process. Workers join the run through the control plane's Redis rendezvous
+        (msjax.control.worker), which assigns their jax process ids."""
+        from msjax.control.launch import worker_env
+        from msjax.control.server import die_with_parent
+
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        n = len(hosts)
-        coordinator = f"127.0.0.1:{free_port()}"
         flags = self.train_flags + [f"--{k}={v}" for k, v in overrides.items()] + (["--resume"] if resume else [])
         workers = []
-        for rank, host in enumerate(hosts):
-            env = self.host_env()
-            env.update(supervisor_env, MSJAX_RANK=str(rank), MSJAX_HOST=host)
-            if n > 1:
-                env.update(JAX_COORDINATOR_ADDRESS=coordinator, JAX_NUM_PROCESSES=str(n), JAX_PROCESS_ID=str(rank))
+        for slot, host in enumerate(hosts):
+            env = worker_env(self.host_env(), redis_url=redis_url, run_id=run_id, num_processes=len(hosts),
+                             worker_index=slot, devices_per_process=self.devices_per_host or None,
+                             rdzv_timeout_s=self.rdzv_timeout_s)
+            env.update(MSJAX_SUPERVISED="1", MSJAX_SLOT=str(slot), MSJAX_HOST=host, MSJAX_WORKER_ID=host)
             log_path = self.log_dir / f"attempt{attempt}_{host}.log"
             with log_path.open("w") as log:
                 proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "train.py"), *flags], cwd=str(ROOT),
-                                        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            workers.append(Worker(rank, host, proc, time.time(), log_path))
+                                        env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        start_new_session=True, preexec_fn=die_with_parent)
+            workers.append(Worker(slot, host, proc, time.time(), log_path))
         return workers
 
     @staticmethod
@@ -221,14 +227,20 @@ class Supervisor:
         self.run_id = run_id or f"sup-{uuid.uuid4().hex[:12]}"
         self.out = out
         self.run_dir = Path(cfg.train.run_dir)
-        self.store = HeartbeatStore(store_url, self.run_id)
-        self.events = EventLog(self.run_dir / "events.jsonl", sink=self.store.push_event)
+        from msjax.control.store import Store, connect
+
+        self.control = Store(connect(store_url), self.run_id)
+        self.store = HeartbeatStore(self.control.client, self.run_id)
+        self.events = EventLog(self.run_dir / "events.jsonl", sink=self._post_event)
         self.hosts = [f"host{i}" for i in range(num_hosts + self.s.spares)]
         self.excluded: dict[str, str] = {}
         self.policy = RestartPolicy(self.s.restart_budget, self.s.backoff_s, self.s.backoff_max_s)
         self._reports_read = 0
         self._diag_fail: set[str] = set()
         self._workers: list[Worker] = []
+
+    def _post_event(self, event: dict) -> None:
+        self.control.post_event(event["kind"], **{k: v for k, v in event.items() if k != "kind"})
 
     def _print(self, msg: str) -> None:
         print(f"[supervisor] {msg}", file=self.out, flush=True)
@@ -246,8 +258,9 @@ class Supervisor:
             while True:
                 hosts = [h for h in self.hosts if h not in self.excluded][:n]
                 self.store.clear_heartbeats(range(len(self.hosts)))
-                env = {"MSJAX_SUPERVISOR_REDIS": self.store_url, "MSJAX_RUN_ID": self.run_id}
-                self._workers = self.backend.launch(attempt, hosts, overrides, resume, env)
+                if attempt:
+                    self.control.bump_restarts()  # a new rendezvous generation for the restarted workers
+                self._workers = self.backend.launch(attempt, hosts, overrides, resume, self.store_url, self.run_id)
                 self.events.emit("launch", attempt=attempt, hosts=hosts, pids=[w.proc.pid for w in self._workers],
                                  overrides=overrides, resume=resume)
                 self._print(f"attempt {attempt}: {len(hosts)} host(s) {hosts}" + (f", {overrides}" if overrides
@@ -284,7 +297,8 @@ class Supervisor:
                     return self._finish("budget_exhausted", 4, str(e))
                 attempt += 1
                 resume = True
-                self.events.emit("restart", attempt=attempt, delay_s=delay, restarts=self.policy.restarts)
+                self.events.emit("restart", attempt=attempt, delay_s=delay, restarts=self.policy.restarts,
+                                 newest_checkpoint=self.control.checkpoint("persistent"))
                 self._print(f"restart {self.policy.restarts}/{self.s.restart_budget} in {delay:g} s")
                 time.sleep(delay)
         except BaseException as e:
@@ -294,7 +308,7 @@ class Supervisor:
             if self._workers:
                 self.backend.stop(self._workers, 0.0)
             self.events.close()
-            self.store.close()
+            self.control.client.close()
 
     def _watch(self, attempt: int, workers: list[Worker]) -> tuple[list[detect.Failure], dict[int, _Seen]]:
         """Polls until every worker exited 0 (returns no failures) or a failure is detected."""
@@ -385,6 +399,7 @@ class Supervisor:
                 self.excluded[r.host] = reason
                 newly.append(r.host)
                 self.events.emit("excluded", host=r.host, reason=reason)
+                self.control.exclude_host(r.host, reason)
                 self._print(f"excluded {r.host}: {reason}")
         if not newly:
             self._print(f"diagnostics passed on {len(results)} host(s) ({time.time() - t0:.1f} s)")

@@ -7,7 +7,9 @@ GPT while faults are injected.
 - a worker whose matmul self-check fails (the test-only setting): its host is excluded, the run is re-planned onto
   the other host's 2 devices (gradient accumulation 2) and finishes with the same losses within 1e-5.
 - a fault loop (the same worker killed at every start): the restart budget ends the run with a report.
-No process is left behind (every descendant carries a tag in its environment; none may survive the run).
+Every run goes through `scripts/launch.py --backend=local --supervise` (faults through the test-only
+MSJAX_TEST_INJECT). No process is left behind (every descendant carries a tag in its environment; none may
+survive the run).
 Checkpoints are written synchronously here so "at most one interval" is exact (an asynchronous save that is
 still being written when the kill lands is not restorable, which can cost one more interval).
 """
@@ -51,17 +53,18 @@ def _flags(corpus: Path, run_dir: Path, cache: Path, **extra) -> list[str]:
     return [f"--{k}={v}" for k, v in flags.items()]
 
 
-def _supervise(tmp: Path, corpus: Path, cache: Path, *extra_args: str, **cfg) -> tuple[int, str, list[dict]]:
-    """Runs a supervised 2-host job to its end; returns (exit code, output, events) and checks nothing survived."""
+def _supervise(tmp: Path, corpus: Path, cache: Path, *faults: str, **cfg) -> tuple[int, str, list[dict]]:
+    """Runs a supervised 2-host job under `launch.py --backend=local --supervise` to its end; returns (exit code,
+    output, events) and checks that nothing it started survived."""
     tag = uuid.uuid4().hex
-    env = {**os.environ, "MSJAX_TEST_TAG": tag, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "msjax.supervise", "--hosts=2", "--devices_per_host=2", *extra_args,
-           *_flags(corpus, tmp / "run", cache, **cfg)]
+    env = {**os.environ, "SUPERVISE_TEST_TAG": tag, "PYTHONUNBUFFERED": "1", "MSJAX_TEST_INJECT": ",".join(faults)}
+    cmd = [sys.executable, "scripts/launch.py", "--backend=local", "--num_processes=2", "--devices_per_process=2",
+           "--supervise", "--", *_flags(corpus, tmp / "run", cache, **cfg)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     left = []
     for p in psutil.process_iter():
         try:
-            if p.environ().get("MSJAX_TEST_TAG") == tag:
+            if p.environ().get("SUPERVISE_TEST_TAG") == tag:
                 left.append((p.pid, " ".join(p.cmdline())[:120]))
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
@@ -113,8 +116,8 @@ def test_kill_and_sigstop_recover_to_the_uninterrupted_parameters(tmp_path, smal
     kill_step, stop_step = rng.randint(EVERY + 1, STEPS - 2), rng.randint(2 * EVERY + 1, STEPS - 1)
     kill_rank, stop_rank = rng.randint(0, 1), rng.randint(0, 1)
     # the SIGSTOP goes into the restarted job (attempt 1)
-    code, out, events = _supervise(tmp_path, small_corpus, cache, f"--inject=kill:{kill_rank}@{kill_step}",
-                                   f"--inject=stop:{stop_rank}@{stop_step}#1")
+    code, out, events = _supervise(tmp_path, small_corpus, cache, f"kill:{kill_rank}@{kill_step}",
+                                   f"stop:{stop_rank}@{stop_step}#1")
     note = f"kill rank {kill_rank} at {kill_step}, stop rank {stop_rank} at {stop_step}\n{out[-4000:]}"
     assert code == 0, note
     kinds = [e["kind"] for e in events]
@@ -136,7 +139,7 @@ def test_kill_and_sigstop_recover_to_the_uninterrupted_parameters(tmp_path, smal
 
 @pytest.mark.slow
 def test_failed_diagnostic_excludes_the_host_and_replans(tmp_path, small_corpus, cache, reference):
-    code, out, events = _supervise(tmp_path, small_corpus, cache, "--inject=diag:1@4")
+    code, out, events = _supervise(tmp_path, small_corpus, cache, "diag:1@4")
     assert code == 0, out[-4000:]
     (excluded,) = [e for e in events if e["kind"] == "excluded"]
     assert excluded["host"] == "host1" and "matmul error" in excluded["reason"]
@@ -154,7 +157,7 @@ def test_failed_diagnostic_excludes_the_host_and_replans(tmp_path, small_corpus,
 
 @pytest.mark.slow
 def test_fault_loop_ends_on_the_restart_budget(tmp_path, small_corpus, cache):
-    code, out, events = _supervise(tmp_path, small_corpus, cache, "--inject=kill:1@0#*",
+    code, out, events = _supervise(tmp_path, small_corpus, cache, "kill:1@0#*",
                                    **{"supervisor.restart_budget": 1, "supervisor.diagnose": False})
     assert code == 4, out[-3000:]
     assert "restart budget exhausted: 1 restart(s) allowed (supervisor.restart_budget=1)" in out

@@ -1,0 +1,276 @@
+"""`scripts/launch.py`: start a multi-process training run, or write the spec that a cluster runs.
+
+  python scripts/launch.py --backend=local --num_processes=2 --devices_per_process=4 -- --config=... --mesh.data=2
+  python scripts/launch.py --backend=k8s --num_processes=16 --image=IMAGE [--output job.yaml] -- <train flags>
+  python scripts/launch.py --backend=slurm --num_processes=16 [--output job.sbatch] -- <train flags>
+
+Local backend: starts a private Redis (loopback, generated password, free port; or uses --redis_url), then N
+worker processes of `scripts/train.py <train flags>` with MSJAX_* variables (msjax.control.worker), each with
+`--devices_per_process` CPU devices (XLA_FLAGS) when given. Worker output is streamed with a `[rank R]` prefix
+(`[worker i]` until the worker has its rank). Everything stops when the run ends, fails or is interrupted:
+
+  - a worker exits non-zero: the others are sent SIGTERM, then SIGKILL after --kill_grace_s; exit status 1.
+  - Ctrl-C / SIGTERM to the launcher: a `stop` command goes on the command channel (every worker stops after the
+    same step and saves: see msjax.control.hook), SIGTERM is forwarded to the workers after --term_grace_s if they
+    are still running (a second Ctrl-C forwards it at once), SIGKILL after --kill_grace_s more; exit status
+    128 + signal number.
+  - Redis is stopped last, always; workers and Redis die with the launcher even if it is SIGKILLed
+    (PR_SET_PDEATHSIG), and each runs in its own process group so that nothing of theirs is left behind.
+Exit status 0 only if every worker exited 0. Bad flags are `error: ...` and exit status 2, before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from msjax.control.errors import ControlError
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN_SCRIPT = ROOT / "scripts" / "train.py"
+_RANK_LINE = re.compile(r"msjax\.control: rank (\d+) of (\d+)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="launch.py", description=__doc__.split("\n\n")[0],
+                                usage="launch.py --backend={local,k8s,slurm} --num_processes=N [options] -- "
+                                      "<train.py flags>")
+    p.add_argument("--backend", choices=("local", "k8s", "slurm"), required=True)
+    p.add_argument("--num_processes", type=int, required=True,
+                   help="worker processes (local) or nodes, one worker process per node (k8s, slurm)")
+    p.add_argument("--run_id", default=None, help="run id for the Redis keys (default: generated)")
+    p.add_argument("--output", default=None, help="k8s/slurm: write the spec here instead of printing it")
+    g = p.add_argument_group("local")
+    g.add_argument("--devices_per_process", type=int, default=None, help="CPU devices per worker (XLA_FLAGS)")
+    g.add_argument("--redis_url", default=None, help="use this Redis instead of starting a private one")
+    g.add_argument("--redis_port", type=int, default=None, help="port of the private Redis (default: a free one)")
+    g.add_argument("--rdzv_timeout_s", type=int, default=300, help="how long workers wait for each other")
+    g.add_argument("--term_grace_s", type=float, default=10.0,
+                   help="after Ctrl-C/SIGTERM: seconds between the stop command and forwarding SIGTERM")
+    g.add_argument("--kill_grace_s", type=float, default=20.0, help="seconds between SIGTERM and SIGKILL")
+    g.add_argument("--supervise", action="store_true",
+                   help="run under the supervisor (msjax.supervise: heartbeats, diagnostics, restarts, re-planning); "
+                        "also on with the train flag --supervisor.enabled=true")
+    g = p.add_argument_group("k8s / slurm")
+    g.add_argument("--name", default="msjax", help="job name (k8s objects, slurm job)")
+    g.add_argument("--image", default=None, help="k8s: container image holding msjax (required for k8s)")
+    g.add_argument("--accelerator", choices=("gpu", "tpu", "none"), default="gpu")
+    g.add_argument("--accelerators_per_node", type=int, default=8)
+    g.add_argument("--tpu_type", default="tpu-v5p-slice", help="k8s: cloud.google.com/gke-tpu-accelerator")
+    g.add_argument("--tpu_topology", default="2x2x1", help="k8s: cloud.google.com/gke-tpu-topology")
+    g.add_argument("--cpus_per_node", type=int, default=32)
+    g.add_argument("--memory_per_node", default="256Gi")
+    g.add_argument("--max_restarts", type=int, default=3, help="k8s JobSet failurePolicy.maxRestarts")
+    g.add_argument("--namespace", default="default")
+    g.add_argument("--redis_secret", default=None, help="k8s: Secret holding the Redis password "
+                                                        "(default: NAME-redis, created by the manifest)")
+    g.add_argument("--partition", default=None, help="slurm partition")
+    g.add_argument("--time_limit", default="24:00:00", help="slurm --time")
+    g.add_argument("--workdir", default="/workspace/msjax", help="repository path on the nodes")
+    return p
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(launcher flags, train.py flags): everything after the first `--` goes to train.py."""
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def _error(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of scripts/launch.py; returns the exit status (see the module docstring)."""
+    own, train_flags = split_argv(list(argv))
+    args = _parser().parse_args(own)
+    if args.num_processes < 1:
+        return _error(f"--num_processes={args.num_processes}: must be >= 1")
+    if args.devices_per_process is not None and args.devices_per_process < 1:
+        return _error(f"--devices_per_process={args.devices_per_process}: must be >= 1")
+    from msjax.config import ConfigError, parse_args
+
+    try:  # a bad train flag fails here, before any process starts
+        cfg, rest = parse_args(train_flags)
+        if rest:
+            raise ConfigError(f"unexpected train.py arguments {rest}; flags look like --train.steps=100")
+    except ConfigError as e:
+        return _error(f"train.py flags: {e}")
+    run_id = args.run_id or f"{args.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+    if args.backend in ("k8s", "slurm"):
+        from msjax.control import specs
+
+        try:
+            text = (specs.k8s_jobset(args, run_id, train_flags) if args.backend == "k8s"
+                    else specs.slurm_sbatch(args, run_id, train_flags))
+        except ValueError as e:
+            return _error(str(e))
+        if args.output:
+            Path(args.output).write_text(text)
+            print(f"wrote {args.output}", file=sys.stderr)
+        else:
+            sys.stdout.write(text)
+        return 0
+    if args.supervise or cfg.supervisor.enabled:
+        from msjax.supervise.cli import supervise_local
+
+        return supervise_local(train_flags, args.num_processes, args.devices_per_process or 0, args.redis_url,
+                               run_id, rdzv_timeout_s=args.rdzv_timeout_s)
+    try:
+        return LocalLauncher(args, run_id, train_flags).run()
+    except ControlError as e:
+        return _error(str(e))
+
+
+def worker_env(base: dict[str, str], *, redis_url: str, run_id: str, num_processes: int, worker_index: int,
+               devices_per_process: int | None, rdzv_timeout_s: int) -> dict[str, str]:
+    """The environment of local worker `worker_index`: the launcher's, minus JAX_* (the rendezvous decides
+    those), plus MSJAX_* and, when `devices_per_process` is given, XLA_FLAGS forcing that many CPU devices."""
+    env = {k: v for k, v in base.items() if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROCESSES",
+                                                              "JAX_PROCESS_ID", "MSJAX_"))}
+    env.update(MSJAX_REDIS_URL=redis_url, MSJAX_RUN_ID=run_id, MSJAX_NUM_PROCESSES=str(num_processes),
+               MSJAX_WORKER_ID=f"local-{worker_index}", MSJAX_ADVERTISE_HOST="127.0.0.1",
+               MSJAX_RDZV_TIMEOUT_S=str(rdzv_timeout_s), PYTHONUNBUFFERED="1")
+    if devices_per_process is not None:
+        flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")).split()
+        env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices_per_process}"])
+    return env
+
+
+class LocalLauncher:
+    """Runs one local multi-process job (see the module docstring). `run()` returns the exit status."""
+
+    def __init__(self, args: argparse.Namespace, run_id: str, train_flags: list[str]):
+        self.args, self.run_id, self.train_flags = args, run_id, train_flags
+        self.procs: list[subprocess.Popen] = []
+        self.server = None
+        self.store = None
+        self._print_lock = threading.Lock()
+        self._signal: int | None = None
+        self._signal_count = 0
+
+    def _on_signal(self, signum, frame) -> None:
+        self._signal = self._signal or signum
+        self._signal_count += 1
+
+    def _out(self, line: str) -> None:
+        with self._print_lock:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+    def _pump(self, index: int, proc: subprocess.Popen) -> None:
+        prefix = f"[worker {index}] "
+        for line in proc.stdout:
+            m = _RANK_LINE.search(line)
+            if m:
+                prefix = f"[rank {m.group(1)}] "
+            self._out(prefix + line)
+
+    def _signal_workers(self, sig: int) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def _send_stop(self) -> None:
+        try:
+            self.store.send_command("stop", source="launcher")
+        except Exception as e:  # Redis down: SIGTERM after the grace period still stops the workers
+            self._out(f"[launch] could not send the stop command ({e}); relying on SIGTERM\n")
+
+    def run(self) -> int:
+        from msjax.control.server import RedisServer, die_with_parent
+        from msjax.control.store import Store, connect
+
+        a = self.args
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        pumps: list[threading.Thread] = []
+        try:
+            if a.redis_url:
+                url = a.redis_url
+            else:
+                self.server = RedisServer(port=a.redis_port).start()
+                url = self.server.url
+                self._out(f"[launch] Redis {self.server.bind}:{self.server.port} (pid {self.server.pid}), "
+                          f"run {self.run_id}\n")
+            self.store = Store(connect(url), self.run_id)
+            cmd = [sys.executable, str(TRAIN_SCRIPT), *self.train_flags]
+            for i in range(a.num_processes):
+                env = worker_env(dict(os.environ), redis_url=url, run_id=self.run_id,
+                                 num_processes=a.num_processes, worker_index=i,
+                                 devices_per_process=a.devices_per_process, rdzv_timeout_s=a.rdzv_timeout_s)
+                # Own process group (the launcher decides what a Ctrl-C means for it); dies with the launcher.
+                p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, text=True, bufsize=1, start_new_session=True,
+                                     preexec_fn=die_with_parent)
+                self.procs.append(p)
+                t = threading.Thread(target=self._pump, args=(i, p), daemon=True)
+                t.start()
+                pumps.append(t)
+            return self._supervise()
+        finally:
+            self._signal_workers(signal.SIGKILL)
+            for p in self.procs:
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+            for t in pumps:
+                t.join(timeout=2)
+            if self.server is not None:
+                self.server.close()
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def _supervise(self) -> int:
+        a = self.args
+        stop_sent_at = term_sent_at = None
+        failed: tuple[int, int] | None = None
+        while True:
+            codes = [p.poll() for p in self.procs]
+            if all(c is not None for c in codes):
+                break
+            now = time.monotonic()
+            bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            if bad and failed is None:
+                failed = bad[0]
+                self._out(f"[launch] worker {failed[0]} exited with status {failed[1]}: stopping the others\n")
+                self._signal_workers(signal.SIGTERM)
+                term_sent_at = now
+            if self._signal is not None and stop_sent_at is None:
+                self._out(f"[launch] {signal.Signals(self._signal).name}: stop command sent; SIGTERM to workers "
+                          f"in {a.term_grace_s:g} s if they are still running\n")
+                self._send_stop()
+                stop_sent_at = now
+            if stop_sent_at is not None and term_sent_at is None and (
+                    now - stop_sent_at >= a.term_grace_s or self._signal_count > 1):
+                self._out("[launch] forwarding SIGTERM to the workers\n")
+                self._signal_workers(signal.SIGTERM)
+                term_sent_at = now
+            if term_sent_at is not None and now - term_sent_at >= a.kill_grace_s:
+                self._out("[launch] workers still running: SIGKILL\n")
+                self._signal_workers(signal.SIGKILL)
+                term_sent_at = float("inf")
+            time.sleep(0.1)
+        codes = [p.returncode for p in self.procs]
+        if self._signal is not None:
+            self._out(f"[launch] interrupted ({signal.Signals(self._signal).name}); worker exit statuses {codes}\n")
+            return 128 + self._signal
+        if any(codes):
+            self._out(f"[launch] failed: worker exit statuses {codes}\n")
+            return 1
+        self._out(f"[launch] all {len(codes)} workers finished\n")
+        return 0

@@ -1,0 +1,280 @@
+"""The control plane against a real redis-server: rendezvous outcomes (through redis-py and through the minimal
+asyncio client, running the same protocol), run-state keys, the command channel into LoopControl, reconnection
+after a Redis restart, and one clear error for each bad URL, password or port, with nothing left running."""
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from msjax.control import ControlError, RendezvousError
+from msjax.control.rendezvous import Assignment, join_protocol, rendezvous, run_protocol_async
+from msjax.control.resp import RespConnection, RespError
+from msjax.control.server import RedisServer
+from msjax.control.store import Store, connect
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie still answers kill(0): read its state
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_dead(pid: int, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RedisServer() as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(server):
+    c = connect(server.url)
+    yield c
+    c.close()
+
+
+def _join_threads(url: str, run_id: str, ids: list[str], world: int, timeout_s: float = 10.0) -> dict:
+    out, errors = {}, {}
+
+    def worker(wid):
+        try:
+            out[wid] = rendezvous(connect(url), run_id, wid, world, f"host-{wid}:1234", timeout_s=timeout_s)
+        except Exception as e:  # collected and asserted on below
+            errors[wid] = e
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in ids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 5)
+    return out, errors
+
+
+def test_rendezvous_assigns_distinct_ranks_and_rank0s_coordinator(server, client):
+    ids = [f"w{i}" for i in range(16)]
+    got, errors = _join_threads(server.url, "rdzv-ok", ids, 16)
+    assert not errors
+    ranks = sorted(a.rank for a in got.values())
+    assert ranks == list(range(16))
+    rank0 = next(w for w, a in got.items() if a.rank == 0)
+    assert {a.coordinator for a in got.values()} == {f"host-{rank0}:1234"}
+    assert {(a.world_size, a.generation) for a in got.values()} == {(16, 0)}
+    members = Store(client, "rdzv-ok").members()
+    assert {m["worker_id"] for m in members.values()} == set(ids)
+    assert {r: m["worker_id"] for r, m in members.items()} == {a.rank: w for w, a in got.items()}
+
+
+def test_minimal_client_runs_the_same_protocol(server):
+    """64 asyncio workers through msjax.control.resp: the same generator, the same outcome as redis-py."""
+
+    async def main():
+        async def one(i):
+            conn = await RespConnection.open("127.0.0.1", server.port, server.password)
+            try:
+                return await run_protocol_async(join_protocol("rdzv-resp", f"a{i}", 64, f"h{i}:1"), conn.execute)
+            finally:
+                await conn.close()
+
+        return await asyncio.gather(*(one(i) for i in range(64)))
+
+    got = asyncio.run(main())
+    assert sorted(a.rank for a in got) == list(range(64))
+    assert len({a.coordinator for a in got}) == 1
+
+    async def wrong_password():
+        conn = await RespConnection.open("127.0.0.1", server.port, "wrong")
+        try:
+            await conn.execute("PING")
+        finally:
+            await conn.close()
+
+    with pytest.raises(RespError, match="WRONGPASS"):
+        asyncio.run(wrong_password())
+
+
+def test_late_duplicate_rejoin_mismatch_and_timeout(server, client):
+    got, errors = _join_threads(server.url, "rdzv-late", ["a", "b"], 2)
+    assert not errors and sorted(a.rank for a in got.values()) == [0, 1]
+    with pytest.raises(RendezvousError, match=r"worker 'c' arrived late: run 'rdzv-late' generation 0 is already "
+                                              r"complete with 2 of 2"):
+        rendezvous(client, "rdzv-late", "c", 2, "c:1", timeout_s=1)
+    with pytest.raises(RendezvousError, match=r"worker 'a' already joined run 'rdzv-late' generation 0 as rank "
+                                              f"{got['a'].rank}"):
+        rendezvous(client, "rdzv-late", "a", 2, "a:1", timeout_s=1)
+    with pytest.raises(RendezvousError, match="expects 3 processes but run 'rdzv-late' generation 0 was started "
+                                              "with 2"):
+        rendezvous(client, "rdzv-late", "d", 3, "d:1", timeout_s=1)
+
+    # A new generation (the job restarted): everyone joins afresh, also the worker that was late.
+    store = Store(client, "rdzv-late")
+    assert store.bump_restarts() == 1
+    got2, errors2 = _join_threads(server.url, "rdzv-late", ["a", "c"], 2)
+    assert not errors2 and {a.generation for a in got2.values()} == {1}
+    assert sorted(a.rank for a in got2.values()) == [0, 1]
+
+    # Re-admission: a worker that crashes and comes back before the generation is complete keeps its rank.
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousError, match=r"worker 'x' \(rank 0\) timed out after 0.5 s waiting for all 2 "
+                                              r"members of run 'rdzv-re' generation 0: 1 had arrived"):
+        rendezvous(client, "rdzv-re", "x", 2, "x-first:1", timeout_s=0.5)
+    assert time.monotonic() - t0 < 5
+    got3, errors3 = {}, {}
+    rejoin = threading.Thread(target=lambda: got3.setdefault("x", rendezvous(
+        connect(server.url), "rdzv-re", "x", 2, "host-x:1234", timeout_s=10)))
+    rejoin.start()
+    deadline = time.monotonic() + 10  # x must be back (its record rewritten) before y completes the generation
+    while "host-x:1234" not in (client.hget("msjax:rdzv-re:members", 0) or "") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    got3["y"] = rendezvous(client, "rdzv-re", "y", 2, "host-y:1234", timeout_s=10)
+    rejoin.join(15)
+    assert got3["x"] == Assignment(rank=0, world_size=2, coordinator="host-x:1234", generation=0, rejoined=True)
+    assert got3["y"].rank == 1 and got3["y"].coordinator == "host-x:1234" and not got3["y"].rejoined
+
+
+def test_store_run_state(server, client):
+    store = Store(client, "state")
+    assert store.restart_count() == 0
+    store.heartbeat(3, ttl_s=0.3, step=17)
+    assert store.heartbeats()[3]["step"] == 17
+    time.sleep(0.5)
+    assert 3 not in store.heartbeats()  # expired: a dead rank
+    store.set_checkpoint("persistent", 20, "/ckpt/20")
+    store.set_checkpoint("persistent", 10, "/ckpt/10")  # older: ignored
+    store.set_checkpoint("local", 30, "/local/30")
+    assert store.checkpoint("persistent")["step"] == 20 and store.checkpoints()["local"]["path"] == "/local/30"
+    store.exclude_host("node-7", reason="ECC errors")
+    assert store.excluded_hosts() == {"node-7"}
+    store.post_event("custom", value=3)
+    kinds = [e["kind"] for e in store.events()]
+    assert kinds[-2:] == ["host_excluded", "custom"]
+    first = store.send_command("checkpoint")
+    store.send_command("profile", first_step=5, num_steps=2)
+    cmds = store.read_commands()
+    assert [c["kind"] for _, c in cmds] == ["checkpoint", "profile"] and cmds[0][0] == first
+    assert store.read_commands(cmds[-1][0], block_s=0.05) == []
+    with pytest.raises(ValueError, match="command 'pause': allowed are stop, checkpoint, profile"):
+        store.send_command("pause")
+    with pytest.raises(ValueError, match="profile command needs"):
+        store.send_command("profile", first_step=1)
+    with pytest.raises(ValueError, match="run id"):
+        Store(client, "bad id")
+    # Values are JSON, readable by any tool: never pickle.
+    raw = client.hget(store.key("ckpt"), "persistent")
+    assert raw.startswith("{") and '"step": 20' in raw
+
+
+def test_command_channel_reaches_loop_control(server, client):
+    """A single-process ControlPlaneHook: stop / checkpoint / profile commands arrive in LoopControl."""
+    from msjax.control.hook import ControlPlaneHook
+    from msjax.config import Config
+    from msjax.hooks import LoopControl, RunContext
+
+    store = Store(client, "hook")
+    worker = SimpleNamespace(store=store, assignment=Assignment(0, 1, "h:1", 0), commands_after="0-0")
+    hook = ControlPlaneHook(worker, interval_s=0.1, ttl_s=5)
+    ctx = RunContext(config=Config(name="t"), run_dir=Path("/nonexistent"), mesh=None, program=None,
+                     start_step=0, control=LoopControl())
+    hook.on_start(ctx)
+    try:
+        hook.on_step_end(ctx, 7, {})
+        store.send_command("checkpoint")
+        store.send_command("profile", first_step=9, num_steps=3)
+        store.client.xadd(store.key("cmd"), {"json": '{"kind": "stop", "generation": 5}'})  # another generation
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and ctx.control.profile_request is None:
+            time.sleep(0.02)
+        assert ctx.control.take_checkpoint_request() and ctx.control.take_profile_request() == (9, 3)
+        time.sleep(0.3)
+        assert ctx.control.stop_reason is None
+        store.send_command("stop")
+        while time.monotonic() < deadline and ctx.control.stop_reason is None:
+            time.sleep(0.02)
+        assert ctx.control.stop_reason == "control plane: stop command"
+        assert store.heartbeats()[0]["step"] == 7
+    finally:
+        hook.on_end(ctx, None)
+    assert 0 not in store.heartbeats()
+    assert [e["kind"] for e in store.events()][-2:] == ["loop_start", "loop_end"]
+
+
+def test_client_survives_a_redis_restart():
+    """Kill Redis, start it again on the same port: the next command waits through the backoff and succeeds."""
+    with RedisServer() as srv:
+        store = Store(connect(srv.url), "restart")
+        store.heartbeat(0, 10, step=1)
+        srv.kill()
+        result = {}
+        t = threading.Thread(target=lambda: result.setdefault("id", store.post_event("after_restart")))
+        t.start()
+        time.sleep(1.0)
+        srv.start()
+        t.join(30)
+        assert "id" in result
+        assert [e["kind"] for e in store.events()] == ["after_restart"]  # a fresh (empty) server
+
+
+def test_bad_url_password_and_port_are_one_clear_error(server):
+    bad_pw = server.url.replace(server.password, "not-the-password")
+    with pytest.raises(ControlError, match=r"refused the password") as e:
+        connect(bad_pw)
+    assert "not-the-password" not in str(e.value)  # the password is redacted
+    with pytest.raises(ControlError, match="requires a password and none was given"):
+        connect(f"redis://127.0.0.1:{server.port}/0")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(ControlError, match=f"cannot reach Redis at redis://:\\*\\*\\*@127.0.0.1:{dead_port}/0"):
+        connect(f"redis://:pw@127.0.0.1:{dead_port}/0")
+    assert time.monotonic() - t0 < 10  # one error, not a retry loop
+    with pytest.raises(ControlError, match="malformed"):
+        connect("http://127.0.0.1:6379")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        srv = RedisServer(port=taken)
+        with pytest.raises(ControlError, match=f"port {taken} on 127.0.0.1 is already in use"):
+            srv.start()
+        assert srv.proc is None
+        srv.close()
+
+
+def test_server_dies_with_its_owner():
+    """SIGKILL the process that started Redis: the kernel (PR_SET_PDEATHSIG) ends the server too; a normal exit
+    stops it through atexit."""
+    code = ("import sys, time; from msjax.control.server import RedisServer; s = RedisServer().start(); "
+            "print(s.pid, flush=True); time.sleep(float(sys.argv[1]))")
+    for hold_s, kill in ((60, True), (0, False)):
+        owner = subprocess.Popen([sys.executable, "-c", code, str(hold_s)], cwd=ROOT, stdout=subprocess.PIPE,
+                                 text=True)
+        pid = int(owner.stdout.readline())
+        assert _alive(pid)
+        if kill:
+            owner.send_signal(signal.SIGKILL)
+        owner.wait(30)
+        assert _wait_dead(pid), f"redis-server {pid} outlived its owner (kill={kill})"
