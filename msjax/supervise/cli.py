@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -61,13 +62,31 @@ def supervise_local(train_flags: Sequence[str], num_hosts: int, devices_per_host
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    def interrupted(signum, frame):  # unwind through Supervisor.run's cleanup: workers stopped, Redis stopped
+        raise SupervisorInterrupted(signum)
+
+    previous = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
     with contextlib.ExitStack() as stack:
+        stack.callback(lambda: [signal.signal(sig, h) for sig, h in previous.items()])
         if not redis_url:
             redis_url = stack.enter_context(RedisServer()).url
         backend = LocalBackend(train_flags, devices_per_host, Path(cfg.train.run_dir) / "supervisor",
                                rdzv_timeout_s=rdzv_timeout_s)
         sup = Supervisor(cfg, backend, redis_url, num_hosts, devices_per_host or 1, faults, run_id=run_id, out=out)
-        return sup.run().exit_code
+        try:
+            return sup.run().exit_code
+        except SupervisorInterrupted as e:
+            print(f"[supervisor] interrupted by {signal.Signals(e.signum).name}: workers stopped", file=out,
+                  flush=True)
+            return 128 + e.signum
+
+
+class SupervisorInterrupted(Exception):
+    """SIGTERM or SIGINT reached the supervisor (its workers are stopped on the way out)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
 def main(argv: Sequence[str] | None = None, out=sys.stdout) -> int:

@@ -181,7 +181,7 @@ def diagnose_local(hosts: Sequence[str], env: dict[str, str], timeout_s: float, 
       min_flops: expected per-device matmul rate (0: the default of `check_devices`).
       log_dir: where each host's output goes (diag_<host>.log); None keeps it in memory only.
     """
-    from msjax.control.server import free_port
+    from msjax.control.server import die_with_parent, free_port
 
     coordinator = f"127.0.0.1:{free_port()}"
     n = len(hosts)
@@ -194,7 +194,8 @@ def diagnose_local(hosts: Sequence[str], env: dict[str, str], timeout_s: float, 
         child_env = {k: v for k, v in env.items() if not k.startswith("JAX_")}
         child_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), child_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         procs.append(subprocess.Popen(cmd, cwd=str(ROOT), env=child_env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, start_new_session=True))
+                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+                                      start_new_session=True, preexec_fn=die_with_parent))
     outputs = []
     for proc in procs:
         remaining = max(0.1, timeout_s - (time.monotonic() - t0))

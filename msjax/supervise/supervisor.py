@@ -305,8 +305,8 @@ class Supervisor:
             self.events.emit("supervisor_error", error=repr(e))
             raise
         finally:
-            if self._workers:
-                self.backend.stop(self._workers, 0.0)
+            if self._workers:  # an interrupted or failed supervisor: workers get the grace period to save
+                self.backend.stop(self._workers, self.s.stop_grace_s)
             self.events.close()
             self.control.client.close()
 
@@ -342,7 +342,12 @@ class Supervisor:
             self._reports_read += len(reports)
             for r in reports:
                 if r.get("kind") == "nonfinite" and r.get("rank") in seen:
-                    seen[r["rank"]].nonfinite = (r.get("step"), r.get("loss"))
+                    self.events.emit("nonfinite_reported", attempt=attempt, rank=r["rank"], step=r.get("step"),
+                                     loss=r.get("loss"))
+                    # With train.nonfinite=skip the loop skips the update itself and goes on: an observation,
+                    # not a failure. Otherwise the run cannot go on from here: restart from the newest checkpoint.
+                    if getattr(self.cfg.train, "nonfinite", "stop") != "skip":
+                        seen[r["rank"]].nonfinite = (r.get("step"), r.get("loss"))
             for f in list(pending):
                 w = workers[f.rank] if f.rank < len(workers) else None
                 o = seen.get(f.rank)

@@ -34,7 +34,9 @@ from msjax.supervise.events import fault_figures, read_events
 from msjax.train_step import build_train_program
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS, EVERY, PERIOD, TIMEOUT = 8, 3, 0.5, 2.5
+# A heartbeat timeout generous enough for a 2-core machine shared with other jobs (a worker's heartbeat thread can
+# go seconds without CPU while XLA compiles); SIGSTOP detection then takes about TIMEOUT.
+STEPS, EVERY, PERIOD, TIMEOUT = 8, 3, 1.0, 8.0
 TOL = 1e-5
 
 
