@@ -84,7 +84,8 @@ def test_fault_specs():
     assert Fault.parse("kill:1@5") == Fault("kill", 1, 5, 0)
     assert Fault.parse("stop:0@9#1") == Fault("stop", 0, 9, 1)
     assert Fault.parse("diag:1@0#*") == Fault("diag", 1, 0, None)
-    with pytest.raises(ValueError, match="allowed is KIND:RANK@STEP"):
+    assert Fault.parse("kill:0@+4#2") == Fault("kill", 0, 4, 2, relative=True)
+    with pytest.raises(ValueError, match=r"allowed is KIND:RANK@\[\+\]STEP"):
         Fault.parse("boom:1@5")
 
 
