@@ -114,6 +114,10 @@ def main(argv: list[str]) -> int:
         try:
             text = (specs.k8s_jobset(args, run_id, train_flags) if args.backend == "k8s"
                     else specs.slurm_sbatch(args, run_id, train_flags))
+            if args.supervise or cfg.supervisor.enabled:
+                from msjax.supervise.cluster import supervise_spec
+
+                text = supervise_spec(args.backend, text, cfg, train_flags)
         except ValueError as e:
             return _error(str(e))
         if args.output:

@@ -145,6 +145,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--coordinator", default="")
     p.add_argument("--min_flops", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--fail_exit", action="store_true", help="exit 1 when a local check fails (a node's own "
+                                                           "self-check, e.g. a Kubernetes initContainer)")
     a = p.parse_args(argv)
     import jax
 
@@ -163,6 +165,10 @@ def _main(argv: Sequence[str] | None = None) -> int:
     else:
         result = check_allreduce()
     print("MSJAX_DIAG " + json.dumps({"phase": "allreduce", **result}), flush=True)
+    if a.fail_exit and not (local["ok"] and result.get("ok")):
+        print(f"msjax diagnostics: {a.host} failed: {'; '.join(local['reasons']) or result.get('error')}",
+              file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
