@@ -192,7 +192,9 @@ class SupervisorConfig:
     heartbeat_period_s: how often each worker sends a heartbeat (its step, with a TTL of the timeout).
     heartbeat_timeout_s: a worker whose last heartbeat is older than this is failed (a hang, SIGSTOP).
     startup_timeout_s: a worker that has sent no heartbeat this long after its start is failed.
-    stall_timeout_s: a worker whose step has not advanced this long while another's did is failed (0: off).
+    stall_timeout_s: a worker whose step has not advanced this long while another's did is failed, and so is
+      every worker when none advanced this long with heartbeats still coming (a job-wide hang) (0: off; set it
+      above the longest checkpoint save or evaluation).
     restart_budget: restarts allowed over the whole run; one more failure ends it with a report.
     backoff_s, backoff_max_s: delay before restart k (0-based) is min(backoff_s * 2**k, backoff_max_s).
     stop_grace_s: after SIGTERM, how long workers get to save and exit before SIGKILL.

@@ -9,7 +9,9 @@ Rules (MegaScale sec. 5.1: heartbeats with process status; ByteRobust: hang dete
   heartbeat   no heartbeat for `heartbeat_timeout` seconds (a hang, SIGSTOP, a dead host), or none at all within
               `startup_timeout` seconds of the start (or of the loop's end, for a worker that is exiting).
   nonfinite   the worker reported a non-finite loss.
-  stalled     its step has not advanced for `stall_timeout` seconds while another worker's step did.
+  stalled     its step has not advanced for `stall_timeout` seconds while another worker's step did; or no
+              worker's step has advanced for `stall_timeout` seconds although their heartbeats go on (a job-wide
+              hang: a deadlocked collective or a stuck checkpoint write; every worker is failed).
 """
 
 from __future__ import annotations
@@ -111,6 +113,12 @@ def detect_failures(workers: Sequence[WorkerState], now: float, *, heartbeat_tim
                                   f"advanced (stall timeout {stall_timeout:g} s)")
         if failure:
             out.append(Failure(w.rank, w.host, *failure))
+    running = [w for w in workers if w.exit_code is None and not w.loop_done]
+    if (not out and stall_timeout > 0 and running and newest_progress is not None
+            and all(w.step_changed_at is not None for w in running) and now - newest_progress > stall_timeout):
+        out = [Failure(w.rank, w.host, "stalled", f"no worker's step advanced for {now - newest_progress:.1f} s "
+                                                  f"(stall timeout {stall_timeout:g} s; at step {w.step}): a "
+                                                  "job-wide hang") for w in sorted(running, key=lambda w: w.rank)]
     return out
 
 

@@ -62,8 +62,11 @@ def test_a_step_that_stops_while_others_advance_is_stalled():
     # rank 1 still beats (its heartbeat thread lives) but its step has not moved for 10 s; rank 0 moved at 99.
     (f,) = detect_failures([_w(0), _w(1, step_changed_at=90.0)], now=100.0, **T)
     assert (f.rank, f.kind) == (1, "stalled")
-    # everyone stopped together (a long checkpoint, an eval): not a stall of one worker
-    assert detect_failures([_w(0, step_changed_at=90.0), _w(1, step_changed_at=90.0)], now=100.0, **T) == []
+    # everyone stopped together for less than the timeout (a checkpoint, an eval): no failure
+    assert detect_failures([_w(0, step_changed_at=96.0), _w(1, step_changed_at=96.0)], now=100.0, **T) == []
+    # ... for longer, with heartbeats still coming: a job-wide hang (a deadlocked collective), every worker failed
+    hung = detect_failures([_w(0, step_changed_at=90.0), _w(1, step_changed_at=90.0)], now=100.0, **T)
+    assert [(f.rank, f.kind) for f in hung] == [(0, "stalled"), (1, "stalled")] and "job-wide" in hung[0].detail
     # the rule is off with stall_timeout 0
     assert detect_failures([_w(0), _w(1, step_changed_at=90.0)], now=100.0,
                            **{**T, "stall_timeout": 0.0}) == []
