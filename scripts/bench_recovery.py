@@ -33,7 +33,9 @@ DEFAULTS = {
     "data.tokenizer": "char", "train.seq_len": 64, "train.global_batch": 8, "train.eval_every": 0,
     "train.sample_tokens": 0, "train.progress": False, "train.log_every": 5, "optimizer.warmup_steps": 5,
     "checkpoint.every": 5, "mesh.data": -1, "mesh.fsdp": 2, "mesh.tensor": 1,
-    "supervisor.heartbeat_period_s": 1.0, "supervisor.heartbeat_timeout_s": 2.0, "supervisor.stop_grace_s": 3,
+    # timeout = 1.8 periods: a SIGSTOP is found 0.8-1.8 periods after it; 4.5 s also rides out the heartbeat gaps
+    # seen on the shared 2-core machine while XLA compiles (up to 2.7 s)
+    "supervisor.heartbeat_period_s": 2.5, "supervisor.heartbeat_timeout_s": 4.5, "supervisor.stop_grace_s": 3,
     "supervisor.backoff_s": 0.5, "supervisor.startup_timeout_s": 300,
 }
 OWN = {"faults_per_kind": 1, "hosts": 2, "devices_per_host": 2, "steps": 60, "compile_cache": "", "json": "",
@@ -72,7 +74,7 @@ def main(argv: list[str]) -> int:
         cfg_flags["data.paths"] = shakespeare
     run_dir = Path(cfg_flags.get("train.run_dir") or tempfile.mkdtemp(prefix="bench_recovery_")) / "run"
     cfg_flags.update({"train.run_dir": run_dir, "train.steps": own["steps"], "supervisor.spares": k - 1,
-                      "supervisor.restart_budget": len(kinds), "optimizer.decay_steps": own["steps"]})
+                      "supervisor.restart_budget": len(kinds) + 2, "optimizer.decay_steps": own["steps"]})
     if own["compile_cache"]:
         # jax reads its config from JAX_* variables; the workers inherit them.
         os.environ.update(JAX_COMPILATION_CACHE_DIR=own["compile_cache"], JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
