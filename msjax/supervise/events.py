@@ -21,7 +21,8 @@ flushed as it is written (a supervisor that dies leaves a readable log), and als
 Definitions (all wall-clock seconds on the supervisor's clock):
   detection latency  fault_injected -> detected.
   recovery time      fault_injected -> first_step of the next attempt (the first kept step after restart).
-  recomputed steps   the last step seen before the fault minus the step the next attempt restored.
+  recomputed steps   the furthest step seen in the faulted attempt minus the step the next attempt restored
+                     (heartbeats lag by up to a period, so this is a lower bound).
   effective training time ratio  (wall time of the steps that were kept) / (run_start -> run_end), where an
     attempt's kept steps are those from its restore step up to the step the next attempt restored (all of them
     for the last attempt), each costing the attempt's steady-state step time (steps after the first, which
@@ -107,12 +108,17 @@ def fault_figures(events: Iterable[dict]) -> list[dict]:
             worker_start = next((x for x in rest if x["kind"] == "worker_start"
                                  and x["attempt"] == nxt["attempt"]), None)
         restored = worker_start["start_step"] if worker_start else None
+        # Heartbeats lag the host-side step by up to a period, and a stopped worker reports no more: the furthest
+        # step any worker of the attempt reported (its attempt_end) bounds the work lost better than the step seen
+        # when the fault went in.
+        end = next((x for x in rest if x["kind"] == "attempt_end" and x["attempt"] == e["attempt"]), None)
+        reached = max(e["step"], (end or {}).get("last_step") or 0)
         out.append({
             "kind": e["fault"], "rank": e["rank"], "step": e["step"], "attempt": e["attempt"],
             "detection_s": detected["t"] - e["t"] if detected else None,
             "recovery_s": first["t"] - e["t"] if first else None,
-            "restored_step": restored,
-            "recomputed_steps": e["step"] - restored if restored is not None else None,
+            "restored_step": restored, "reached_step": reached,
+            "recomputed_steps": max(0, reached - restored) if restored is not None else None,
         })
     return out
 
