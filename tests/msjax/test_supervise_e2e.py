@@ -28,7 +28,7 @@ import psutil
 import pytest
 
 from msjax.checkpoint import Checkpointer
-from msjax.config import config_from_flags, split_flags
+from msjax.config import config_from_flags
 from msjax.mesh import make_mesh
 from msjax.supervise.events import fault_figures, read_events
 from msjax.train_step import build_train_program
