@@ -196,6 +196,61 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class SupervisorConfig:
+    """The supervisor that watches a multi-process run and heals it (`msjax.supervise`): heartbeats, failure
+    detection, self-check diagnostics, restarts within a budget with exponential backoff, re-planning.
+
+    enabled: `scripts/launch.py` runs the job under the supervisor. Times are seconds.
+    heartbeat_period_s: how often each worker sends a heartbeat (its step, with a TTL of the timeout).
+    heartbeat_timeout_s: a worker whose last heartbeat is older than this is failed (a hang, SIGSTOP).
+    startup_timeout_s: a worker that has sent no heartbeat this long after its start is failed.
+    stall_timeout_s: a worker whose step has not advanced this long while another's did is failed, and so is
+      every worker when none advanced this long with heartbeats still coming (a job-wide hang) (0: off; set it
+      above the longest checkpoint save or evaluation).
+    restart_budget: restarts allowed over the whole run; one more failure ends it with a report.
+    backoff_s, backoff_max_s: delay before restart k (0-based) is min(backoff_s * 2**k, backoff_max_s).
+    stop_grace_s: after SIGTERM, how long workers get to save and exit before SIGKILL.
+    diagnose: run the self-checks on every host after a failure and exclude the hosts that fail.
+    diagnose_timeout_s: the diagnostics' time limit (a host that does not answer in time fails).
+    diag_min_matmul_flops: the per-device matmul rate below which a host fails its speed check, FLOP/s; 0 takes
+      0.1 x the catalogue peak on accelerators and 1e9 on CPU.
+    spares: extra hosts held back to replace excluded ones (local backend: extra processes).
+    replan: when hosts are excluded and no spare is left, re-plan the same global batch onto the devices left.
+    replan_hardware: the planner's hardware model for re-planning ("" : the catalogue entry of the devices,
+      a100-80g as a stand-in on CPU).
+    """
+
+    enabled: bool = False
+    heartbeat_period_s: float = 1.0
+    heartbeat_timeout_s: float = 5.0
+    startup_timeout_s: float = 300.0
+    stall_timeout_s: float = 0.0
+    restart_budget: int = 3
+    backoff_s: float = 1.0
+    backoff_max_s: float = 60.0
+    stop_grace_s: float = 10.0
+    diagnose: bool = True
+    diagnose_timeout_s: float = 120.0
+    diag_min_matmul_flops: float = 0.0
+    spares: int = 0
+    replan: bool = True
+    replan_hardware: str = ""
+
+    def check(self) -> None:
+        """Range checks; raises ConfigError naming the key."""
+        for key in ("heartbeat_period_s", "heartbeat_timeout_s", "startup_timeout_s", "diagnose_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"supervisor.{key}={getattr(self, key)}: allowed is a number of seconds > 0")
+        for key in ("stall_timeout_s", "backoff_s", "backoff_max_s", "stop_grace_s", "diag_min_matmul_flops",
+                    "restart_budget", "spares"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"supervisor.{key}={getattr(self, key)}: allowed is a value >= 0")
+        if self.heartbeat_timeout_s <= self.heartbeat_period_s:
+            raise ConfigError(f"supervisor.heartbeat_timeout_s={self.heartbeat_timeout_s} must be longer than "
+                              f"supervisor.heartbeat_period_s={self.heartbeat_period_s} (else every worker fails)")
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -203,6 +258,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     name: str = "default"
 
     def validate(self) -> "Config":
@@ -211,6 +267,7 @@ class Config:
         _positive(self, "model.num_layers", "model.d_model", "model.num_heads", "model.max_seq_len",
                   "model.vocab_multiple", "train.steps", "train.seq_len", "train.global_batch",
                   "train.microbatches", "checkpoint.keep", "checkpoint.local_keep", "data.prefetch")
+        self.supervisor.check()
         _check_optimizer(self.optimizer)
         if self.checkpoint.every < 0:
             raise ConfigError(f"checkpoint.every={self.checkpoint.every}: allowed is an integer >= 0 (0: save "

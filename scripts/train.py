@@ -25,10 +25,11 @@ def main(argv: list[str]) -> int:
         from msjax import distributed
         from msjax.control import ControlError
         from msjax.control.worker import worker_hooks
+        from msjax.supervise.heartbeat import supervisor_hooks
         from msjax.train import run, summary_json
 
         distributed.initialize()
-        summary = run(cfg, hooks=worker_hooks())
+        summary = run(cfg, hooks=worker_hooks() + supervisor_hooks(cfg))
     except (ConfigError, DataError, ControlError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -19,6 +19,9 @@ MAY_DIFFER = (
     "optimizer.lr", "optimizer.min_lr", "optimizer.warmup_steps", "optimizer.decay_steps", "optimizer.b1",
     "optimizer.b2", "optimizer.eps", "optimizer.weight_decay", "optimizer.grad_clip", "checkpoint.", "mesh.",
     "data.prefetch", "data.cache_dir", "model.remat", "model.attention.impl", "model.dtype",
+    # gradient accumulation splits the same global batch (the supervisor's re-planning changes it with the mesh);
+    # how a run is supervised does not touch its state
+    "train.microbatches", "supervisor.",
 )
 
 

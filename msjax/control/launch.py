@@ -57,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--term_grace_s", type=float, default=10.0,
                    help="after Ctrl-C/SIGTERM: seconds between the stop command and forwarding SIGTERM")
     g.add_argument("--kill_grace_s", type=float, default=20.0, help="seconds between SIGTERM and SIGKILL")
+    g.add_argument("--supervise", action="store_true",
+                   help="run under the supervisor (msjax.supervise: heartbeats, diagnostics, restarts, re-planning); "
+                        "also on with the train flag --supervisor.enabled=true")
     g = p.add_argument_group("k8s / slurm")
     g.add_argument("--name", default="msjax", help="job name (k8s objects, slurm job)")
     g.add_argument("--image", default=None, help="k8s: container image holding msjax (required for k8s)")
@@ -100,7 +103,7 @@ def main(argv: list[str]) -> int:
     from msjax.config import ConfigError, parse_args
 
     try:  # a bad train flag fails here, before any process starts
-        _, rest = parse_args(train_flags)
+        cfg, rest = parse_args(train_flags)
         if rest:
             raise ConfigError(f"unexpected train.py arguments {rest}; flags look like --train.steps=100")
     except ConfigError as e:
@@ -112,6 +115,10 @@ def main(argv: list[str]) -> int:
         try:
             text = (specs.k8s_jobset(args, run_id, train_flags) if args.backend == "k8s"
                     else specs.slurm_sbatch(args, run_id, train_flags))
+            if args.supervise or cfg.supervisor.enabled:
+                from msjax.supervise.cluster import supervise_spec
+
+                text = supervise_spec(args.backend, text, cfg, train_flags)
         except ValueError as e:
             return _error(str(e))
         if args.output:
@@ -120,6 +127,11 @@ def main(argv: list[str]) -> int:
         else:
             sys.stdout.write(text)
         return 0
+    if args.supervise or cfg.supervisor.enabled:
+        from msjax.supervise.cli import supervise_local
+
+        return supervise_local(train_flags, args.num_processes, args.devices_per_process or 0, args.redis_url,
+                               run_id, rdzv_timeout_s=args.rdzv_timeout_s)
     try:
         return LocalLauncher(args, run_id, train_flags).run()
     except ControlError as e:

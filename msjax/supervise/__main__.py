@@ -1,0 +1,5 @@
+import sys
+
+from msjax.supervise.cli import main
+
+sys.exit(main())

@@ -1,0 +1,261 @@
+"""Self-check diagnostics per host (MegaScale sec. 5.2): run after a failure, before restarting, to find the
+host to exclude.
+
+Each host runs, in a subprocess of its own (so a hang is killed, not waited on):
+  1. matmul correctness: on every local device, a float32 (n x n) @ (n x n) product of random matrices (seeded per
+     host and device) against a NumPy float64 reference; fails when max|C - C_ref| / max|C_ref| > `MATMUL_RTOL`.
+     Computed at `Precision.HIGHEST` so a GPU's TF32 default is not taken for a fault.
+  2. matmul speed: the best of a few timed products against the expected per-device rate (`min_flops`).
+  3. a cross-process all-reduce: a psum over every device of every host (jax.distributed, its own coordinator),
+     checked against the exact sum; hosts that cannot join within the timeout are reported.
+The local result (1, 2) is printed as one JSON line before the all-reduce starts, so a hang in the all-reduce
+still leaves the local verdict. The supervisor kills whatever has not finished by the timeout.
+
+Test-only setting: MSJAX_TEST_FAIL_DIAGNOSTIC=<host or rank>[,...] corrupts one element of the matmul result on
+the named hosts *before* the comparison, so the check itself finds the fault (nothing is hard-coded to fail).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+MATMUL_RTOL = 1e-4
+MATMUL_N = 256
+SPEED_N = 512
+TEST_FAIL_ENV = "MSJAX_TEST_FAIL_DIAGNOSTIC"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class HostDiagnosis:
+    """One host's verdict.
+
+    Attributes:
+      host, rank: which host (its rank in the diagnostic run).
+      ok: True when every check it finished passed and it answered in time.
+      reasons: why it failed (empty when ok).
+      devices: per device {"device", "error" (relative), "flops" (FLOP/s), "ok"}.
+      allreduce: {"ok", "seconds"} or {"ok": False, "error"}; None when the host never got that far.
+      device_kind: jax's device_kind of its devices (for the planner's hardware model).
+      seconds: the subprocess's wall time.
+    """
+
+    host: str
+    rank: int
+    ok: bool
+    reasons: list[str] = field(default_factory=list)
+    devices: list[dict] = field(default_factory=list)
+    allreduce: dict | None = None
+    device_kind: str = ""
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _failing_hosts() -> set[str]:
+    return {x.strip() for x in os.environ.get(TEST_FAIL_ENV, "").split(",") if x.strip()}
+
+
+def check_devices(host: str, rank: int, min_flops: float) -> dict:
+    """Matmul correctness and speed on every local device of this process (steps 1 and 2 above).
+
+    Args:
+      host, rank: this host's name and rank (the test-only setting matches either).
+      min_flops: expected per-device FLOP/s; 0 takes 0.1 x the catalogue peak, or 1e9 on CPU.
+    Returns:
+      {"host", "rank", "device_kind", "devices": [...], "ok", "reasons"}.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from msjax.hardware import for_device_kind
+
+    devices = jax.local_devices()
+    kind = devices[0].device_kind
+    if not min_flops:
+        hw = for_device_kind(kind)
+        min_flops = 0.1 * hw.peak_flops if hw is not None else 1e9
+    corrupt = host in _failing_hosts() or str(rank) in _failing_hosts()
+    matmul = jax.jit(lambda a, b: jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST))
+    out, reasons = [], []
+    for i, d in enumerate(devices):
+        rng = np.random.default_rng([rank, i])
+        a = rng.standard_normal((MATMUL_N, MATMUL_N), dtype=np.float32)
+        b = rng.standard_normal((MATMUL_N, MATMUL_N), dtype=np.float32)
+        c = np.asarray(matmul(jax.device_put(a, d), jax.device_put(b, d)))
+        if corrupt and i == 0:
+            c = c.copy()
+            c[0, 0] += 1.0  # test-only: a wrong element, as a faulty unit would produce
+        ref = a.astype(np.float64) @ b.astype(np.float64)
+        err = float(np.max(np.abs(c - ref)) / np.max(np.abs(ref)))
+        x = jax.device_put(rng.standard_normal((SPEED_N, SPEED_N), dtype=np.float32), d)
+        matmul(x, x).block_until_ready()
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            matmul(x, x).block_until_ready()
+            best = min(best, time.perf_counter() - t0)
+        flops = 2 * SPEED_N**3 / best
+        ok = err <= MATMUL_RTOL and flops >= min_flops
+        if err > MATMUL_RTOL:
+            reasons.append(f"device {d.id}: matmul error {err:.3g} > {MATMUL_RTOL:g} against the float64 reference")
+        if flops < min_flops:
+            reasons.append(f"device {d.id}: matmul rate {flops:.3g} FLOP/s < expected {min_flops:.3g}")
+        out.append({"device": d.id, "error": err, "flops": flops, "ok": ok})
+    return {"host": host, "rank": rank, "device_kind": kind, "devices": out, "ok": not reasons, "reasons": reasons}
+
+
+def check_allreduce() -> dict:
+    """A psum over every device of every process, against the exact sum. Needs jax.distributed initialised."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    t0 = time.perf_counter()
+    devices = jax.devices()
+    mesh = jax.make_mesh((len(devices),), ("i",), axis_types=(jax.sharding.AxisType.Explicit,), devices=devices)
+    # Device k of the mesh holds k + 1: the sum is n (n + 1) / 2, exact in float32 for any realistic n.
+    mine = [(k, d) for k, d in enumerate(mesh.devices.flat) if d.process_index == jax.process_index()]
+    x = jax.make_array_from_single_device_arrays(
+        (len(devices),), NamedSharding(mesh, P("i")),
+        [jax.device_put(np.array([k + 1], np.float32), d) for k, d in mine])
+    total = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "i"), mesh=mesh, in_specs=P("i"), out_specs=P()))(x)
+    got = float(np.asarray(total.addressable_data(0))[0])
+    want = len(devices) * (len(devices) + 1) / 2
+    ok = got == want
+    return {"ok": ok, "seconds": time.perf_counter() - t0,
+            **({} if ok else {"error": f"all-reduce gave {got}, expected {want}"})}
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="msjax self-check diagnostics for one host (run by the supervisor)")
+    p.add_argument("--host", required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--num", type=int, required=True)
+    p.add_argument("--coordinator", default="")
+    p.add_argument("--min_flops", type=float, default=0.0)
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--fail_exit", action="store_true", help="exit 1 when a local check fails (a node's own "
+                                                           "self-check, e.g. a Kubernetes initContainer)")
+    a = p.parse_args(argv)
+    import jax
+
+    joined, join_error = False, None
+    if a.num > 1:
+        try:
+            jax.distributed.initialize(a.coordinator, num_processes=a.num, process_id=a.rank,
+                                       initialization_timeout=max(1, int(a.timeout)))
+            joined = True
+        except Exception as e:  # noqa: BLE001 - reported, and the local checks still run
+            join_error = f"could not join the all-reduce group within {a.timeout:g} s: {e!r}"
+    local = check_devices(a.host, a.rank, a.min_flops)
+    print("MSJAX_DIAG " + json.dumps({"phase": "local", **local}), flush=True)
+    if a.num > 1:
+        result = check_allreduce() if joined else {"ok": False, "error": join_error}
+    else:
+        result = check_allreduce()
+    print("MSJAX_DIAG " + json.dumps({"phase": "allreduce", **result}), flush=True)
+    if a.fail_exit and not (local["ok"] and result.get("ok")):
+        print(f"msjax diagnostics: {a.host} failed: {'; '.join(local['reasons']) or result.get('error')}",
+              file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def diagnose_local(hosts: Sequence[str], env: dict[str, str], timeout_s: float, min_flops: float = 0.0,
+                   log_dir: Path | None = None) -> list[HostDiagnosis]:
+    """Runs the self-checks for `hosts` as local subprocesses (one per host, `env` giving each its devices) and
+    returns one HostDiagnosis per host, in order.
+
+    Every subprocess is killed (its whole process group) once `timeout_s` has passed; a host with no local
+    result by then fails with "no answer within ... s".
+
+    Args:
+      hosts: host names; host i runs as rank i.
+      env: the environment of each subprocess (XLA_FLAGS for the device count, the test-only setting).
+      timeout_s: the whole diagnostic's time limit, seconds.
+      min_flops: expected per-device matmul rate (0: the default of `check_devices`).
+      log_dir: where each host's output goes (diag_<host>.log); None keeps it in memory only.
+    """
+    from msjax.control.server import die_with_parent, free_port
+
+    coordinator = f"127.0.0.1:{free_port()}"
+    n = len(hosts)
+    procs = []
+    t0 = time.monotonic()
+    for rank, host in enumerate(hosts):
+        cmd = [sys.executable, "-m", "msjax.supervise.diagnostics", "--host", host, "--rank", str(rank),
+               "--num", str(n), "--coordinator", coordinator, "--min_flops", str(min_flops),
+               "--timeout", str(max(1.0, timeout_s - 5))]
+        child_env = {k: v for k, v in env.items() if not k.startswith("JAX_")}
+        child_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), child_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        procs.append(subprocess.Popen(cmd, cwd=str(ROOT), env=child_env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+                                      start_new_session=True, preexec_fn=die_with_parent))
+    outputs = []
+    for proc in procs:
+        remaining = max(0.1, timeout_s - (time.monotonic() - t0))
+        try:
+            out, _ = proc.communicate(timeout=remaining)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            out, _ = proc.communicate()
+        outputs.append(out or "")
+    for p in procs:  # a hung peer may still hold the group open after its sibling timed out
+        _kill_group(p)
+    seconds = time.monotonic() - t0
+    results = []
+    for rank, (host, out) in enumerate(zip(hosts, outputs)):
+        if log_dir is not None:
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+            (Path(log_dir) / f"diag_{host}.log").write_text(out)
+        phases = {}
+        for line in out.splitlines():
+            if line.startswith("MSJAX_DIAG "):
+                rec = json.loads(line[len("MSJAX_DIAG "):])
+                phases[rec.pop("phase")] = rec
+        local = phases.get("local")
+        if local is None:
+            tail = out.strip().splitlines()[-1:] or [""]
+            results.append(HostDiagnosis(host, rank, False, [f"no answer within {timeout_s:g} s (last output: "
+                                                             f"{tail[0][-200:]!r})"], seconds=seconds))
+            continue
+        reasons = list(local["reasons"])
+        allreduce = phases.get("allreduce")
+        results.append(HostDiagnosis(host, rank, not reasons, reasons, local["devices"], allreduce,
+                                     local["device_kind"], seconds))
+    # An all-reduce failure is a fault of the group, not of one host: it is reported on every host it touched,
+    # and a host is excluded for it only when it alone did not finish (the others did).
+    finished = [r for r in results if r.allreduce is not None and r.allreduce.get("ok")]
+    if finished:
+        for r in results:
+            if r.ok and (r.allreduce is None or not r.allreduce.get("ok")):
+                r.ok = False
+                r.reasons.append("did not finish the cross-process all-reduce that the other hosts finished"
+                                 + (f": {r.allreduce['error']}" if r.allreduce and "error" in r.allreduce else ""))
+    return results
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    import signal
+
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,149 @@
+"""The run's event log and the figures read off it.
+
+Every event is one JSON object per line in `<run_dir>/events.jsonl`: `{"t": unix seconds, "kind": ..., ...}`,
+flushed as it is written (a supervisor that dies leaves a readable log), and also passed to an optional sink
+(the control plane's Redis stream). Kinds written by `msjax.supervise.supervisor`:
+
+  run_start        the supervisor started (hosts, layout).
+  launch           attempt k started (hosts, restore step known later, overrides).
+  worker_start     a worker's first heartbeat (rank, start_step: the step it resumed from).
+  first_step       the first training step of an attempt finished (attempt, step).
+  fault_injected   a test/benchmark fault was injected (fault kind, rank, step).
+  detected         failures found (each: rank, host, kind, detail).
+  stopped          the job was stopped (how many workers took SIGTERM, SIGKILL).
+  diagnosed        the self-checks' result per host.
+  excluded         a host left the job (reason).
+  replanned        the old and new layout, with predicted MFU.
+  restart          a restart was decided (attempt, backoff delay).
+  attempt_end      an attempt ended: restore step, last step seen, the step rate seen (for the effective time).
+  run_end          the run ended (status: finished / budget_exhausted / no_layout / error, and the figures).
+
+Definitions (all wall-clock seconds on the supervisor's clock):
+  detection latency  fault_injected -> detected.
+  recovery time      fault_injected -> first_step of the next attempt (the first kept step after restart).
+  recomputed steps   the furthest step seen in the faulted attempt minus the step the next attempt restored
+                     (heartbeats lag by up to a period, so this is a lower bound).
+  effective training time ratio  (wall time of the steps that were kept) / (run_start -> run_end), where an
+    attempt's kept steps are those from its restore step up to the step the next attempt restored (all of them
+    for the last attempt), each costing the attempt's steady-state step time (steps after the first, which
+    carries the compilation).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+
+class EventLog:
+    """Appends events to `path` (JSON lines) and hands each to `sink` too. Thread-safe.
+
+    Args:
+      path: the events.jsonl file (its directory is created).
+      sink: optional callable taking each event dict (e.g. a Redis stream writer); its errors are recorded in
+        the log once as `sink_error` and otherwise ignored, so a lost control plane does not stop the run.
+    """
+
+    def __init__(self, path: Path | str, sink: Callable[[dict], None] | None = None):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8")
+        self._sink = sink
+        self._sink_failed = False
+        self._lock = threading.Lock()
+
+    def emit(self, kind: str, **fields: Any) -> dict:
+        """Writes `{"t": now, "kind": kind, **fields}` and returns it."""
+        event = {"t": time.time(), "kind": kind, **fields}
+        line = json.dumps(event, default=str)
+        with self._lock:
+            self._file.write(line + "\n")
+            self._file.flush()
+        if self._sink is not None and not self._sink_failed:
+            try:
+                self._sink(event)
+            except Exception as e:  # noqa: BLE001 - the local log stays the record
+                self._sink_failed = True
+                self.emit("sink_error", error=repr(e))
+        return event
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def read_events(path: Path | str) -> list[dict]:
+    """The events of an events.jsonl file, in order (a torn last line, from a crash mid-write, is skipped)."""
+    out = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def fault_figures(events: Iterable[dict]) -> list[dict]:
+    """Per injected fault: {kind, rank, step, attempt, detection_s, recovery_s, recomputed_steps}.
+
+    detection_s is fault_injected -> the next `detected`; recovery_s is fault_injected -> the next attempt's
+    `first_step`; recomputed_steps is the step seen at the fault minus the next attempt's restore step. A figure
+    is None when the run ended before it happened (e.g. no restart after the last fault).
+    """
+    events = list(events)
+    out = []
+    for i, e in enumerate(events):
+        if e["kind"] != "fault_injected":
+            continue
+        rest = events[i + 1:]
+        detected = next((x for x in rest if x["kind"] == "detected"), None)
+        nxt = next((x for x in rest if x["kind"] == "launch" and x["attempt"] > e["attempt"]), None)
+        first = None
+        worker_start = None
+        if nxt is not None:
+            first = next((x for x in rest if x["kind"] == "first_step" and x["attempt"] == nxt["attempt"]), None)
+            worker_start = next((x for x in rest if x["kind"] == "worker_start"
+                                 and x["attempt"] == nxt["attempt"]), None)
+        restored = worker_start["start_step"] if worker_start else None
+        # Heartbeats lag the host-side step by up to a period, and a stopped worker reports no more: the furthest
+        # step any worker of the attempt reported (its attempt_end) bounds the work lost better than the step seen
+        # when the fault went in.
+        end = next((x for x in rest if x["kind"] == "attempt_end" and x["attempt"] == e["attempt"]), None)
+        reached = max(e["step"], (end or {}).get("last_step") or 0)
+        out.append({
+            "kind": e["fault"], "rank": e["rank"], "step": e["step"], "attempt": e["attempt"],
+            "detection_s": detected["t"] - e["t"] if detected else None,
+            "recovery_s": first["t"] - e["t"] if first else None,
+            "restored_step": restored, "reached_step": reached,
+            "recomputed_steps": max(0, reached - restored) if restored is not None else None,
+        })
+    return out
+
+
+def effective_time(events: Iterable[dict]) -> dict:
+    """The effective training time ratio of a run (see the module docstring).
+
+    Returns {"ratio", "kept_s", "total_s", "kept_steps", "lost_steps"}; ratio is None without run_start/run_end.
+    """
+    events = list(events)
+    start = next((e["t"] for e in events if e["kind"] == "run_start"), None)
+    end = next((e["t"] for e in reversed(events) if e["kind"] == "run_end"), None)
+    attempts = [e for e in events if e["kind"] == "attempt_end"]
+    kept_s, kept_steps, lost_steps = 0.0, 0, 0
+    for i, a in enumerate(attempts):
+        restored, last = a.get("start_step"), a.get("last_step")
+        if restored is None or last is None or last <= restored:
+            continue
+        nxt = attempts[i + 1].get("start_step") if i + 1 < len(attempts) else None
+        kept_until = last if nxt is None else min(last, nxt)
+        kept = max(0, kept_until - restored)
+        kept_steps += kept
+        lost_steps += last - restored - kept
+        if a.get("step_s"):
+            kept_s += kept * a["step_s"]
+    total = (end - start) if start is not None and end is not None else None
+    return {"ratio": kept_s / total if total else None, "kept_s": kept_s, "total_s": total,
+            "kept_steps": kept_steps, "lost_steps": lost_steps}

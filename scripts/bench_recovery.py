@@ -1,0 +1,139 @@
+"""Recovery benchmark: a supervised local run with K injected faults of each kind (kill -9, SIGSTOP, a failed
+diagnostic), and what each cost.
+
+    python scripts/bench_recovery.py [--faults_per_kind=1] [--hosts=2] [--devices_per_host=2] [--steps=60]
+        [--compile_cache=DIR] [--json=PATH] [any config flag, e.g. --supervisor.heartbeat_period_s=1]
+
+Faults go in this order, one per attempt, each a random 3-8 steps after the attempt resumed: K kills, K stops,
+then K diagnostic failures (the first K-1 replaced by spare hosts, the last one re-planned onto the hosts left).
+Prints a table per fault (detection latency, in seconds and heartbeat periods; recovery time = fault to the
+first kept step after restart; the restart's start-up and compile time; steps recomputed) and the run's
+effective training time, plus its extrapolation to one fault every 5 minutes:
+    ETTR(T) = 1 - (mean per-fault cost) / T,  per-fault cost = recovery time + recomputed steps x step time,
+which assumes the steady state between faults is pure training (it is, apart from checkpoint saves, which the
+measured step time includes). `--json PATH` writes everything as JSON too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from msjax.config import ConfigError, split_flags  # noqa: E402
+
+DEFAULTS = {
+    "config": "gpt_tiny", "model.num_layers": 2, "model.d_model": 64, "model.num_heads": 2, "model.max_seq_len": 64,
+    "data.tokenizer": "char", "train.seq_len": 64, "train.global_batch": 8, "train.eval_every": 0,
+    "train.sample_tokens": 0, "train.progress": False, "train.log_every": 5, "optimizer.warmup_steps": 5,
+    "checkpoint.every": 5, "mesh.data": -1, "mesh.fsdp": 2, "mesh.tensor": 1,
+    # timeout = 1.8 periods: a SIGSTOP is found 0.8-1.8 periods after it; 4.5 s also rides out the heartbeat gaps
+    # seen on the shared 2-core machine while XLA compiles (up to 2.7 s)
+    "supervisor.heartbeat_period_s": 2.5, "supervisor.heartbeat_timeout_s": 4.5, "supervisor.stop_grace_s": 3,
+    "supervisor.backoff_s": 0.5, "supervisor.startup_timeout_s": 300,
+}
+OWN = {"faults_per_kind": 1, "hosts": 2, "devices_per_host": 2, "steps": 60, "compile_cache": "", "json": "",
+       "seed": -1}
+
+
+def main(argv: list[str]) -> int:
+    try:
+        pairs, positional = split_flags(argv)
+        if positional:
+            raise ConfigError(f"unexpected arguments {positional}")
+        own, cfg_flags = dict(OWN), dict(DEFAULTS)
+        for k, v in pairs:
+            if k in own:
+                own[k] = type(OWN[k])(v) if not isinstance(OWN[k], str) else v
+            else:
+                cfg_flags[k] = v
+        k = int(own["faults_per_kind"])
+        if k < 1 or int(own["hosts"]) < 2:
+            raise ConfigError("--faults_per_kind must be >= 1 and --hosts >= 2 (a diagnostic failure excludes one)")
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from msjax.supervise import cli
+    from msjax.supervise.events import effective_time, fault_figures, read_events
+
+    seed = own["seed"] if own["seed"] >= 0 else random.randrange(1 << 30)
+    rng = random.Random(seed)
+    hosts = int(own["hosts"])
+    faults = []
+    kinds = ["kill"] * k + ["stop"] * k + ["diag"] * k
+    for attempt, kind in enumerate(kinds):
+        faults.append(f"--inject={kind}:{rng.randrange(hosts)}@+{rng.randint(3, 8)}#{attempt}")
+    shakespeare = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+    if "data.paths" not in cfg_flags and shakespeare.exists():  # small and char-level: quick to tokenize
+        cfg_flags["data.paths"] = shakespeare
+    run_dir = Path(cfg_flags.get("train.run_dir") or tempfile.mkdtemp(prefix="bench_recovery_")) / "run"
+    cfg_flags.update({"train.run_dir": run_dir, "train.steps": own["steps"], "supervisor.spares": k - 1,
+                      "supervisor.restart_budget": len(kinds) + 2, "optimizer.decay_steps": own["steps"]})
+    if own["compile_cache"]:
+        # jax reads its config from JAX_* variables; the workers inherit them.
+        os.environ.update(JAX_COMPILATION_CACHE_DIR=own["compile_cache"], JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                          JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+    argv_sup = [f"--hosts={hosts}", f"--devices_per_host={own['devices_per_host']}", *faults,
+                *[f"--{key}={value}" for key, value in cfg_flags.items()]]
+    print(f"bench_recovery: seed {seed}, faults {' '.join(f[9:] for f in faults)}, run dir {run_dir}", flush=True)
+    t0 = time.time()
+    code = cli.main(argv_sup)
+    wall = time.time() - t0
+    events = read_events(run_dir / "events.jsonl")
+    figures = fault_figures(events)
+    eff = effective_time(events)
+    period = float(cfg_flags["supervisor.heartbeat_period_s"])
+    attempts = [e for e in events if e["kind"] == "attempt_end"]
+    step_s = [a["step_s"] for a in attempts if a.get("step_s")]
+    step_time = sorted(step_s)[len(step_s) // 2] if step_s else None
+    starts = {}
+    for e in events:  # start-up + compile of each attempt: launch -> its first step
+        if e["kind"] == "launch":
+            starts[e["attempt"]] = {"launch": e["t"]}
+        elif e["kind"] == "first_step" and e["attempt"] in starts:
+            starts[e["attempt"]]["first_step"] = e["t"]
+    startup = {a: v["first_step"] - v["launch"] for a, v in starts.items() if "first_step" in v}
+    rows = []
+    for f in figures:
+        nxt = f["attempt"] + 1
+        cost = None
+        if f["recovery_s"] is not None and f["recomputed_steps"] is not None and step_time:
+            cost = f["recovery_s"] + f["recomputed_steps"] * step_time
+        rows.append({**f, "detection_periods": None if f["detection_s"] is None else f["detection_s"] / period,
+                     "restart_startup_s": startup.get(nxt), "cost_s": cost})
+    costs = [r["cost_s"] for r in rows if r["cost_s"] is not None]
+    mean_cost = sum(costs) / len(costs) if costs else None
+    extrapolated = 1 - mean_cost / 300.0 if mean_cost is not None else None
+    print(f"\n{'fault':6} {'rank':>4} {'step':>5} {'detect s':>9} {'periods':>8} {'recover s':>10} "
+          f"{'startup s':>10} {'recomp':>7} {'cost s':>7}")
+    for r in rows:
+        def f(x, fmt):
+            return "-" if x is None else format(x, fmt)
+        print(f"{r['kind']:6} {r['rank']:>4} {r['step']:>5} {f(r['detection_s'], '9.2f')} "
+              f"{f(r['detection_periods'], '8.2f')} {f(r['recovery_s'], '10.2f')} {f(r['restart_startup_s'], '10.2f')} "
+              f"{f(r['recomputed_steps'], '7d')} {f(r['cost_s'], '7.2f')}")
+    print(f"\nstatus {code}; wall {wall:.1f} s; step time {step_time and round(step_time, 3)} s; heartbeat period "
+          f"{period:g} s, timeout {cfg_flags['supervisor.heartbeat_timeout_s']} s")
+    if eff["ratio"] is not None:
+        print(f"effective training time of this run: {eff['ratio']:.1%} ({eff['kept_s']:.1f} s kept of "
+              f"{eff['total_s']:.1f} s, {len(rows)} faults in {eff['total_s'] / 60:.1f} min)")
+    if extrapolated is not None:
+        print(f"extrapolated to one fault every 5 minutes: {extrapolated:.1%} (mean per-fault cost {mean_cost:.1f} s)")
+    out = {"seed": seed, "exit_code": code, "wall_s": wall, "faults": rows, "effective": eff, "step_s": step_time,
+           "startup_s": startup, "heartbeat_period_s": period,
+           "heartbeat_timeout_s": float(cfg_flags["supervisor.heartbeat_timeout_s"]),
+           "mean_fault_cost_s": mean_cost, "ettr_one_fault_per_5min": extrapolated,
+           "compile_cache": own["compile_cache"] or None, "run_dir": str(run_dir)}
+    if own["json"]:
+        Path(own["json"]).write_text(json.dumps(out, indent=2, default=str))
+    return 0 if code == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

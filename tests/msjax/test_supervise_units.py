@@ -1,0 +1,144 @@
+"""The supervisor's pure parts: failure detection rules, restart policy, fault specs, and the figures read off an
+event log (detection latency, recovery time, effective training time), on made-up times."""
+
+import json
+
+import pytest
+
+from msjax.config import Config, ConfigError, apply_overrides
+from msjax.supervise.detect import WorkerState, detect_failures, finished
+from msjax.supervise.events import EventLog, effective_time, fault_figures, read_events
+from msjax.supervise.policy import RestartBudgetExhausted, RestartPolicy
+from msjax.supervise.supervisor import Fault
+
+T = dict(heartbeat_timeout=3.0, startup_timeout=30.0, stall_timeout=5.0)
+
+
+def _w(rank, **kw):
+    base = dict(rank=rank, host=f"host{rank}", started_at=0.0, last_beat=99.0, step=10, step_changed_at=99.0)
+    return WorkerState(**{**base, **kw})
+
+
+def test_healthy_workers_have_no_failures():
+    assert detect_failures([_w(0), _w(1)], now=100.0, **T) == []
+
+
+@pytest.mark.parametrize("code, text", [(-9, "killed by SIGKILL"), (-15, "killed by SIGTERM"), (3, "exit code 3")])
+def test_nonzero_exit_is_a_failure(code, text):
+    (f,) = detect_failures([_w(0), _w(1, exit_code=code)], now=100.0, **T)
+    assert (f.rank, f.kind, f.detail) == (1, "exit", text)
+
+
+def test_exit_zero_is_not_a_failure_and_all_zero_is_finished():
+    workers = [_w(0, exit_code=0), _w(1)]
+    assert detect_failures(workers, now=100.0, **T) == [] and not finished(workers)
+    assert finished([_w(0, exit_code=0), _w(1, exit_code=0)])
+
+
+def test_missed_heartbeats_fail_only_past_the_timeout():
+    assert detect_failures([_w(0, last_beat=97.1)], now=100.0, **T) == []  # 2.9 s < 3 s
+    (f,) = detect_failures([_w(0, last_beat=96.9)], now=100.0, **T)
+    assert f.kind == "heartbeat" and "3.1 s ago" in f.detail
+
+
+def test_a_worker_past_its_loop_gets_the_startup_timeout_to_exit():
+    assert detect_failures([_w(0, last_beat=80.0, loop_done=True)], now=100.0, **T) == []
+    (f,) = detect_failures([_w(0, last_beat=60.0, loop_done=True)], now=100.0, **T)
+    assert f.kind == "heartbeat" and "after the loop ended" in f.detail
+
+
+def test_no_first_heartbeat_within_the_startup_timeout():
+    assert detect_failures([_w(0, last_beat=None, step=None, step_changed_at=None)], now=29.0, **T) == []
+    (f,) = detect_failures([_w(0, last_beat=None, step=None, step_changed_at=None)], now=31.0, **T)
+    assert f.kind == "heartbeat" and "no heartbeat" in f.detail
+
+
+def test_nonfinite_loss_report_is_a_failure():
+    (f,) = detect_failures([_w(0), _w(1, nonfinite=(8, float("nan")))], now=100.0, **T)
+    assert (f.rank, f.kind) == (1, "nonfinite") and "step 8" in f.detail
+
+
+def test_a_step_that_stops_while_others_advance_is_stalled():
+    # rank 1 still beats (its heartbeat thread lives) but its step has not moved for 10 s; rank 0 moved at 99.
+    (f,) = detect_failures([_w(0), _w(1, step_changed_at=90.0)], now=100.0, **T)
+    assert (f.rank, f.kind) == (1, "stalled")
+    # everyone stopped together for less than the timeout (a checkpoint, an eval): no failure
+    assert detect_failures([_w(0, step_changed_at=96.0), _w(1, step_changed_at=96.0)], now=100.0, **T) == []
+    # ... for longer, with heartbeats still coming: a job-wide hang (a deadlocked collective), every worker failed
+    hung = detect_failures([_w(0, step_changed_at=90.0), _w(1, step_changed_at=90.0)], now=100.0, **T)
+    assert [(f.rank, f.kind) for f in hung] == [(0, "stalled"), (1, "stalled")] and "job-wide" in hung[0].detail
+    # the rule is off with stall_timeout 0
+    assert detect_failures([_w(0), _w(1, step_changed_at=90.0)], now=100.0,
+                           **{**T, "stall_timeout": 0.0}) == []
+
+
+def test_restart_policy_backoff_and_budget_report():
+    p = RestartPolicy(budget=3, backoff_s=0.5, backoff_max_s=1.5)
+    assert [p.next_restart("rank 1: exit: killed by SIGKILL") for _ in range(3)] == [0.5, 1.0, 1.5]
+    with pytest.raises(RestartBudgetExhausted) as err:
+        p.next_restart("rank 1: exit: killed by SIGKILL")
+    text = str(err.value)
+    assert "restart_budget=3" in text and text.count("killed by SIGKILL") == 4 and "fault loop" in text
+    with pytest.raises(RestartBudgetExhausted, match="0 restart"):
+        RestartPolicy(budget=0).next_restart("x")
+
+
+def test_fault_specs():
+    assert Fault.parse("kill:1@5") == Fault("kill", 1, 5, 0)
+    assert Fault.parse("stop:0@9#1") == Fault("stop", 0, 9, 1)
+    assert Fault.parse("diag:1@0#*") == Fault("diag", 1, 0, None)
+    assert Fault.parse("kill:0@+4#2") == Fault("kill", 0, 4, 2, relative=True)
+    with pytest.raises(ValueError, match=r"allowed is KIND:RANK@\[\+\]STEP"):
+        Fault.parse("boom:1@5")
+
+
+def test_supervisor_config_is_checked():
+    with pytest.raises(ConfigError, match="supervisor.heartbeat_timeout_s=1.0 must be longer"):
+        apply_overrides(Config(), {"supervisor.heartbeat_timeout_s": 1.0}).validate()
+    with pytest.raises(ConfigError, match="supervisor.restart_budget=-1"):
+        apply_overrides(Config(), {"supervisor.restart_budget": -1}).validate()
+
+
+def _log(tmp_path, rows):
+    log = EventLog(tmp_path / "events.jsonl")
+    for kind, t, fields in rows:
+        event = log.emit(kind, **fields)
+        event["t"] = t
+    log.close()
+    events = read_events(tmp_path / "events.jsonl")
+    for e, (_, t, _) in zip(events, rows):  # put the made-up times in
+        e["t"] = t
+    return events
+
+
+def test_figures_from_an_event_log(tmp_path):
+    events = _log(tmp_path, [
+        ("run_start", 0.0, {}),
+        ("launch", 0.0, {"attempt": 0}),
+        ("worker_start", 5.0, {"attempt": 0, "rank": 0, "start_step": 0}),
+        ("first_step", 10.0, {"attempt": 0, "rank": 0, "step": 1}),
+        ("fault_injected", 40.0, {"fault": "kill", "rank": 1, "step": 31, "attempt": 0}),
+        ("detected", 40.5, {"attempt": 0, "failures": []}),
+        ("attempt_end", 40.5, {"attempt": 0, "start_step": 0, "last_step": 31, "step_s": 1.0}),
+        ("launch", 45.0, {"attempt": 1}),
+        ("worker_start", 50.0, {"attempt": 1, "rank": 0, "start_step": 30}),
+        ("first_step", 55.0, {"attempt": 1, "rank": 0, "step": 31}),
+        ("attempt_end", 125.0, {"attempt": 1, "start_step": 30, "last_step": 100, "step_s": 1.0}),
+        ("run_end", 125.0, {"status": "finished"}),
+    ])
+    (f,) = fault_figures(events)
+    assert f["detection_s"] == pytest.approx(0.5) and f["recovery_s"] == pytest.approx(15.0)
+    assert f["restored_step"] == 30 and f["recomputed_steps"] == 1
+    eff = effective_time(events)
+    # kept: steps 1..30 of attempt 0 and 31..100 of attempt 1 at 1 s each = 100 s of 125 s; step 31 was lost once.
+    assert eff["kept_steps"] == 100 and eff["lost_steps"] == 1
+    assert eff["ratio"] == pytest.approx(100 / 125)
+
+
+def test_event_log_is_json_lines_and_feeds_a_sink(tmp_path):
+    got = []
+    log = EventLog(tmp_path / "run" / "events.jsonl", sink=got.append)
+    log.emit("detected", failures=[{"rank": 1}])
+    log.close()
+    (line,) = (tmp_path / "run" / "events.jsonl").read_text().splitlines()
+    assert json.loads(line)["kind"] == "detected" and got[0]["failures"] == [{"rank": 1}]
