@@ -24,6 +24,7 @@ from msjax.hardware import mesh_peak_flops
 from msjax.hooks import Hook, Hooks, LoopControl, RunContext
 from msjax.mesh import make_mesh
 from msjax.metrics import MetricsWriter
+from msjax.observe import loop_hooks
 from msjax.sample import generate
 from msjax.train_step import TrainProgram, build_train_program
 
@@ -96,7 +97,7 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
 
     writer = MetricsWriter(run_dir)
     control = control or LoopControl()
-    hook = Hooks(hooks)
+    hook = Hooks([*loop_hooks(cfg), *hooks])
     ctx = RunContext(config=cfg, run_dir=run_dir, mesh=mesh, program=program, start_step=start_step,
                      control=control)
     hook.on_start(ctx)
@@ -109,7 +110,11 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
     error: BaseException | None = None
     try:
         for step in range(start_step + 1, t.steps + 1):
-            state, metrics = program.step_fn(state, next(loader))
+            t_fetch = time.perf_counter()
+            batch = next(loader)
+            ctx.timings["issue_t"] = t_issue = time.perf_counter()
+            state, metrics = program.step_fn(state, batch)
+            ctx.timings.update(data_s=t_issue - t_fetch, dispatch_s=time.perf_counter() - t_issue)
             bar.update(1)
             hook.on_step_end(ctx, step, metrics)
             if last_log_time is None:  # the first step includes compilation: time from its end
@@ -134,7 +139,10 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
                 _log(f"step {step}: val loss {val_loss:.4f} ({time.perf_counter() - t_start:.1f} s)")
             stopping = control.stop_reason is not None
             force = step == t.steps or stopping or control.take_checkpoint_request()
-            if ckpt.save(step, state, loader.state(), force=force):
+            t_save = time.perf_counter()
+            saved = ckpt.save(step, state, loader.state(), force=force)
+            ctx.timings["checkpoint_s"] = time.perf_counter() - t_save
+            if saved:
                 hook.on_checkpoint(ctx, step)
             if stopping:
                 _log(f"stopping after step {step}: {control.stop_reason}")
