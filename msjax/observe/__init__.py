@@ -21,7 +21,8 @@ from typing import Any, Sequence
 from msjax.hooks import Hook
 from msjax.observe.events import append_event, read_events
 from msjax.observe.profile import ProfileHook, traced_steps
-from msjax.observe.stragglers import RankPlace, mesh_places, persistent_stragglers, slowdown_scores
+from msjax.observe.stragglers import (RankPlace, StragglerDetector, WindowVerdict, mesh_places,
+                                      persistent_stragglers, slowdown_scores)
 from msjax.observe.timing import MetricsSink, StepObserver
 
 
@@ -32,4 +33,5 @@ def loop_hooks(config: Any, sinks: Sequence[MetricsSink] = ()) -> list[Hook]:
 
 
 __all__ = ["MetricsSink", "ProfileHook", "RankPlace", "StepObserver", "append_event", "loop_hooks", "mesh_places",
-           "persistent_stragglers", "read_events", "slowdown_scores", "traced_steps"]
+           "persistent_stragglers", "read_events", "slowdown_scores", "StragglerDetector", "traced_steps",
+           "WindowVerdict"]

@@ -135,3 +135,59 @@ def mesh_places(mesh_devices: np.ndarray, axis_names: Sequence[str] = MESH_AXES,
     hosts = hosts or {}
     return {p: RankPlace(p, hosts.get(p, ""), {a: sorted(v) for a, v in c.items()}, sorted(devs[p]))
             for p, c in sorted(per_proc.items())}
+
+
+@dataclass
+class WindowVerdict:
+    """The detector's answer for one window.
+
+    Attributes:
+      scores: figure -> (R,) slowdown of each rank in this window.
+      stragglers: ranks flagged now (persistently slow on at least one figure).
+      new: ranks flagged now but not in the previous window.
+      recovered: ranks flagged in the previous window but not now.
+    """
+
+    scores: dict[str, np.ndarray]
+    stragglers: list[int]
+    new: list[int]
+    recovered: list[int]
+
+
+class StragglerDetector:
+    """Keeps the per-window history of per-rank figures and flags persistent stragglers.
+
+    Feed it each window's figures of every rank (from jax's all-gather, or from a control-plane store).
+
+    Args:
+      floors: figure name -> floor of the score's denominator as a fraction of the median step time
+        (`slowdown_scores`); only these figures are scored.
+      threshold, persist: see `persistent_stragglers`.
+    """
+
+    def __init__(self, floors: dict[str, float], threshold: float, persist: int):
+        if threshold <= 1.0 or persist < 1:
+            raise ValueError(f"threshold={threshold}, persist={persist}: allowed is threshold > 1, persist >= 1")
+        self.floors, self.threshold, self.persist = dict(floors), threshold, persist
+        self._history: dict[str, list[np.ndarray]] = {k: [] for k in floors}
+        self._flagged: set[int] = set()
+
+    def update(self, figures: dict[str, np.ndarray], step_s: float) -> WindowVerdict:
+        """Adds one window.
+
+        Args:
+          figures: figure name -> (R,) values of every rank (seconds); must hold every figure in `floors`.
+          step_s: the window's median step time (seconds), the unit of the floors.
+        Raises:
+          KeyError: a scored figure is missing.
+        """
+        scores, flagged = {}, set()
+        for fig, floor_frac in self.floors.items():
+            self._history[fig].append(np.asarray(figures[fig], np.float64))
+            s = slowdown_scores(np.stack(self._history[fig], axis=1), floor=floor_frac * step_s)
+            scores[fig] = s[:, -1]
+            flagged.update(persistent_stragglers(s, self.threshold, self.persist))
+        verdict = WindowVerdict(scores, sorted(flagged), sorted(flagged - self._flagged),
+                                sorted(self._flagged - flagged))
+        self._flagged = flagged
+        return verdict

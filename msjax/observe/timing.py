@@ -56,7 +56,7 @@ from msjax.flops import flops_per_token
 from msjax.hardware import mesh_peak_flops
 from msjax.hooks import Hook, RunContext
 from msjax.observe.events import append_event
-from msjax.observe.stragglers import RankPlace, mesh_places, persistent_stragglers, slowdown_scores
+from msjax.observe.stragglers import RankPlace, StragglerDetector, mesh_places
 from msjax.optim import lr_schedule
 
 # How long the observer waits for a step's results at a window boundary before it gives up (seconds).
@@ -139,8 +139,8 @@ class StepObserver(Hook):
         self._done_step = -1
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self._history: dict[str, list[np.ndarray]] = {k: [] for k in SCORED_FIGURES}
-        self._flagged: set[int] = set()
+        floors = {k: v for k, v in SCORED_FIGURES.items() if cfg.probe or k != "probe_s"}
+        self._detector = StragglerDetector(floors, cfg.threshold, cfg.persist)
 
     # ---- set-up and tear-down -----------------------------------------------------------------------------------
 
@@ -166,9 +166,7 @@ class StepObserver(Hook):
 
             self._jsonl = open(ranks / f"rank{self.rank}.jsonl", "a", buffering=1)
             self._tb = SummaryWriter(str(self.run_dir / "tb" / f"rank{self.rank}"))
-        sink = ctx.extra.get("metrics_sink")
-        if sink is not None:
-            self.sinks.append(sink)
+        self._extra = ctx.extra  # a control plane may put its sink there in its own on_start, after ours
         local = [d for d in ctx.mesh.devices.flat if d.process_index == self.rank]
         self._probe = ComputeProbe(local) if self.cfg.window and self.cfg.probe else None
         self._gc_was_enabled = gc.isenabled()
@@ -266,7 +264,8 @@ class StepObserver(Hook):
             for k, v in row.items():
                 if k not in ("step", "time", "compile"):
                     self._tb.add_scalar(k, v, step)
-        for sink in self.sinks:
+        extra_sink = self._extra.get("metrics_sink")
+        for sink in self.sinks + ([extra_sink] if extra_sink is not None else []):
             sink.publish(self.rank, step, {k: v for k, v in row.items() if k != "step"})
 
     # ---- every window -------------------------------------------------------------------------------------------
@@ -295,25 +294,16 @@ class StepObserver(Hook):
 
     def _compare(self, ctx: RunContext, step: int, every: np.ndarray) -> None:
         per_fig = {k: every[:, i] for i, k in enumerate(WINDOW_FIGURES)}
-        median_step = float(np.median(per_fig["step_s"]))
-        scores, flagged = {}, set()
-        for fig, floor_frac in SCORED_FIGURES.items():
-            if fig == "probe_s" and self._probe is None:
-                continue
-            self._history[fig].append(per_fig[fig])
-            s = slowdown_scores(np.stack(self._history[fig], axis=1), floor=floor_frac * median_step)
-            scores[fig] = s[:, -1]
-            for r in persistent_stragglers(s, self.cfg.threshold, self.cfg.persist):
-                flagged.add(r)
+        verdict = self._detector.update(per_fig, step_s=float(np.median(per_fig["step_s"])))
         row = {"step": step, "time": time.time(), "figures": {k: v.tolist() for k, v in per_fig.items()},
-               "scores": {k: v.tolist() for k, v in scores.items()}, "stragglers": sorted(flagged)}
+               "scores": {k: v.tolist() for k, v in verdict.scores.items()}, "stragglers": verdict.stragglers}
         self.window_rows.append(row)
         if self.rank == 0:
             with open(self.run_dir / "ranks" / "windows.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
-        for r in sorted(flagged - self._flagged):
+        for r in verdict.new:
             place = self.places[r]
-            why = {k: round(float(v[r]), 3) for k, v in scores.items()}
+            why = {k: round(float(v[r]), 3) for k, v in verdict.scores.items()}
             _log(f"observe: straggler at step {step}: {place.describe()}; slowdown vs the other ranks' median "
                  f"{why} (threshold {self.cfg.threshold} for {self.cfg.persist} windows)")
             details = {"step": step, **place.to_dict(), "scores": why,
@@ -322,8 +312,7 @@ class StepObserver(Hook):
             self.stragglers.append(details)
             if self.rank == 0:
                 append_event(self.run_dir, "straggler", **details)
-        for r in sorted(self._flagged - flagged):
+        for r in verdict.recovered:
             _log(f"observe: {self.places[r].describe()} is no longer a straggler at step {step}")
             if self.rank == 0:
                 append_event(self.run_dir, "straggler_recovered", step=step, process=r)
-        self._flagged = flagged
