@@ -158,8 +158,11 @@ class StepObserver(Hook):
         self.places: dict[int, RankPlace] = mesh_places(ctx.mesh.devices, hosts=hosts)
         ranks = self.run_dir / "ranks"
         ranks.mkdir(parents=True, exist_ok=True)
+        devs = ctx.mesh.devices
+        coords = [list(map(int, i)) for i in np.ndindex(devs.shape) if devs[i].process_index == self.rank]
         (ranks / f"rank{self.rank}.meta.json").write_text(json.dumps(
-            {**self.places[self.rank].to_dict(), "pid": os.getpid(), "process_count": self.nproc,
+            {**self.places[self.rank].to_dict(), "device_coords": coords, "pid": os.getpid(),
+             "process_count": self.nproc,
              "mesh": dict(ctx.mesh.shape), "peak_flops": self.peak}, indent=1))
         if self.cfg.per_rank:
             from tensorboardX import SummaryWriter  # as msjax.metrics: a TensorBoard writer without TensorFlow
