@@ -100,7 +100,7 @@ def test_the_same_run_unslowed_flags_nobody(tmp_path, corpus, cache):
 
 @pytest.mark.slow
 def test_a_process_slowed_from_outside_is_flagged_with_its_coordinates(tmp_path, corpus, cache):
-    outs, run_dir = _train_two_processes(tmp_path / "slowed", corpus, cache, burners=4)
+    outs, run_dir = _train_two_processes(tmp_path / "slowed", corpus, cache, burners=2)
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     flagged = [e for e in events if e["kind"] == "straggler"]
     windows = [json.loads(line) for line in (run_dir / "ranks" / "windows.jsonl").read_text().splitlines()]
