@@ -167,8 +167,10 @@ class StepObserver(Hook):
         if self.cfg.per_rank:
             from tensorboardX import SummaryWriter  # as msjax.metrics: a TensorBoard writer without TensorFlow
 
-            self._jsonl = open(ranks / f"rank{self.rank}.jsonl", "a", buffering=1)
+            # Block-buffered, flushed at window ends and at the end: a line write per step is measurable on CPU.
+            self._jsonl = open(ranks / f"rank{self.rank}.jsonl", "a")
             self._tb = SummaryWriter(str(self.run_dir / "tb" / f"rank{self.rank}"))
+        self._tb_every = max(1, t.log_every)  # TensorBoard at the loop's log cadence (per-step rows are in JSONL)
         self._extra = ctx.extra  # a control plane may put its sink there in its own on_start, after ours
         local = [d for d in ctx.mesh.devices.flat if d.process_index == self.rank]
         self._probe = ComputeProbe(local) if self.cfg.window and self.cfg.probe else None
@@ -264,9 +266,10 @@ class StepObserver(Hook):
     def _emit(self, step: int, row: dict[str, Any]) -> None:
         if self.cfg.per_rank:
             self._jsonl.write(json.dumps(row) + "\n")
-            for k, v in row.items():
-                if k not in ("step", "time", "compile"):
-                    self._tb.add_scalar(k, v, step)
+            if step % self._tb_every == 0:
+                for k, v in row.items():
+                    if k not in ("step", "time", "compile"):
+                        self._tb.add_scalar(k, v, step)
         extra_sink = self._extra.get("metrics_sink")
         for sink in self.sinks + ([extra_sink] if extra_sink is not None else []):
             sink.publish(self.rank, step, {k: v for k, v in row.items() if k != "step"})
@@ -282,6 +285,8 @@ class StepObserver(Hook):
             if self._error is not None:
                 raise RuntimeError(f"observe: the metrics thread failed: {self._error!r}") from self._error
             rows, self._rows = self._rows, []
+            if self.cfg.per_rank:
+                self._jsonl.flush()
         figures = {k: float(np.mean([r[k] for r in rows])) if rows else 0.0 for k in WINDOW_FIGURES if k != "probe_s"}
         figures["probe_s"] = self._probe() if self._probe is not None else 0.0
         mine = np.array([figures[k] for k in WINDOW_FIGURES], np.float32)
