@@ -252,6 +252,8 @@ class StepObserver(Hook):
                 if first:
                     row["compile"] = True
                 self._emit(step, row)
+                if first and self.cfg.per_rank:
+                    self._jsonl.flush()  # the first row says "compiled and running" to whoever tails the file
                 with self._cv:
                     if not first:
                         self._rows.append(row)
