@@ -251,6 +251,33 @@ class SupervisorConfig:
 
 
 @dataclass(frozen=True)
+class ObserveConfig:
+    """Observability (`msjax/observe`): per-rank step timing, Python GC control, stragglers, profiling.
+
+    per_rank: every process writes per-step timing, loss, grad norm, lr, tokens/s and MFU to
+      `<run_dir>/ranks/rank<i>.jsonl` and TensorBoard (`<run_dir>/tb/rank<i>`).
+    gc_every: automatic garbage collection is off during training and every process collects at the same step
+      every `gc_every` steps (torchtitan's gc_freq); 0 leaves Python's automatic collection on.
+    window: steps per straggler window: at its end every rank times a collective-free probe and the per-rank
+      figures are gathered and compared (0: no exchange).
+    threshold, persist: a rank is a straggler when its figure is >= threshold x the other ranks' median in each
+      of the last `persist` windows.
+    probe: time the collective-free compute probe at window ends (the rank's own compute speed).
+    profile_steps: "K:N" captures a jax.profiler trace of steps K..K+N-1 into `<run_dir>/profile/`; "" none.
+    profile_signal_steps: steps traced when SIGUSR1 asks for a profile (single-process runs).
+    """
+
+    per_rank: bool = True
+    gc_every: int = 50
+    window: int = 20
+    threshold: float = 1.5
+    persist: int = 2
+    probe: bool = True
+    profile_steps: str = ""
+    profile_signal_steps: int = 3
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -259,6 +286,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
     name: str = "default"
 
     def validate(self) -> "Config":
@@ -308,6 +336,16 @@ class Config:
         if t.seq_len % self.mesh.sequence:
             raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by the sequence-parallel size "
                               f"mesh.sequence={self.mesh.sequence}")
+        o = self.observe
+        if o.gc_every < 0 or o.window < 0 or o.persist < 1 or o.threshold <= 1.0 or o.profile_signal_steps < 1:
+            raise ConfigError(f"observe: gc_every={o.gc_every}, window={o.window}, persist={o.persist}, threshold="
+                              f"{o.threshold}, profile_signal_steps={o.profile_signal_steps}: allowed is gc_every "
+                              ">= 0, window >= 0, persist >= 1, threshold > 1, profile_signal_steps >= 1")
+        if o.profile_steps:
+            first, _, count = o.profile_steps.partition(":")
+            if not (first.isdigit() and count.isdigit() and int(first) >= 1 and int(count) >= 1):
+                raise ConfigError(f"observe.profile_steps={o.profile_steps!r}: allowed is 'K:N' with first step "
+                                  "K >= 1 and N >= 1 steps (e.g. '10:3'), or '' for none")
         from sharding_rules import RULE_SETS  # local import: sharding_rules must not import msjax
 
         if self.mesh.rules not in RULE_SETS:

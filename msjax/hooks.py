@@ -76,6 +76,9 @@ class RunContext:
       start_step: the step the run starts from (0, or the restored checkpoint's step).
       control: the loop's LoopControl.
       extra: free-form values hooks share with each other (e.g. the control-plane client).
+      timings: host times of the current step, written by the loop before `on_step_end`: `issue_t` (perf_counter
+        seconds when the step was called), `data_s` (waiting for the batch), `dispatch_s` (inside the step call),
+        `checkpoint_s` (blocked in the checkpoint save after the previous step). Seconds.
     """
 
     config: Any
@@ -85,6 +88,7 @@ class RunContext:
     start_step: int
     control: LoopControl
     extra: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 class Hook:

@@ -25,6 +25,7 @@ from msjax.faults import NonFiniteStop, StopOnSignal
 from msjax.hooks import Hook, Hooks, LoopControl, RunContext
 from msjax.mesh import make_mesh
 from msjax.metrics import MetricsWriter
+from msjax.observe import loop_hooks
 from msjax.sample import generate
 from msjax.train_step import TrainProgram, build_train_program
 
@@ -109,7 +110,8 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
 
     writer = MetricsWriter(run_dir, start_step=start_step)
     control = control or LoopControl()
-    hook = Hooks([StopOnSignal(), *([NonFiniteStop()] if t.nonfinite == "stop" else []), *hooks])
+    fault_hooks = [StopOnSignal(), *([NonFiniteStop()] if t.nonfinite == "stop" else [])]
+    hook = Hooks([*fault_hooks, *loop_hooks(cfg), *hooks])
     ctx = RunContext(config=cfg, run_dir=run_dir, mesh=mesh, program=program, start_step=start_step,
                      control=control)
     hook.on_start(ctx)
@@ -122,7 +124,11 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
     error: BaseException | None = None
     try:
         for step in range(start_step + 1, t.steps + 1):
-            state, metrics = program.step_fn(state, next(loader))
+            t_fetch = time.perf_counter()
+            batch = next(loader)
+            ctx.timings["issue_t"] = t_issue = time.perf_counter()
+            state, metrics = program.step_fn(state, batch)
+            ctx.timings.update(data_s=t_issue - t_fetch, dispatch_s=time.perf_counter() - t_issue)
             bar.update(1)
             ckpt.poll()  # a failed checkpoint write stops the run here, within a step of the failure
             hook.on_step_end(ctx, step, metrics)
@@ -152,7 +158,10 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
             stopping = control.stop_reason is not None
             # Orbax decides the periodic saves; these are the ones the loop was asked for.
             force = step == t.steps or stopping or control.take_checkpoint_request()
-            if ckpt.save(step, state, loader.state(), force=force, config=to_dict(cfg)):
+            t_save = time.perf_counter()
+            saved = ckpt.save(step, state, loader.state(), force=force, config=to_dict(cfg))
+            ctx.timings["checkpoint_s"] = time.perf_counter() - t_save
+            if saved:
                 hook.on_checkpoint(ctx, step)
             if stopping:
                 ckpt.wait()  # the stop's checkpoint is complete (recorded, copied) before the loop returns

@@ -18,6 +18,8 @@ from msjax.data import DataError  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
+    # `--profile_steps=K:N` is short for `--observe.profile_steps=K:N` (trace steps K..K+N-1).
+    argv = ["--observe." + a[2:] if a.startswith("--profile_steps=") else a for a in argv]
     try:
         cfg, rest = parse_args(argv)
         if rest:

@@ -1,0 +1,37 @@
+"""Observability: seeing inside a run, per rank, in numbers and pictures.
+
+Owns: per-step per-process timing without a host sync per step (`timing`: step, data, checkpoint, compute and
+host-stall time, tokens/s, MFU, loss, grad norm, lr, to JSONL, TensorBoard and a pluggable live sink), Python GC
+control (collection off during training, every rank collects at the same steps), straggler detection with mesh
+coordinates (`stragglers`: pure scoring functions; `timing` gathers the figures at window ends), run events
+(`events`: `<run_dir>/events.jsonl`), profiling on demand (`profile`: jax.profiler traces of chosen steps, on
+request, at start or on SIGUSR1) and reports (`report`: heatmaps over the mesh, loss/MFU curves, per-rank
+timelines as PNGs + index.html).
+
+Everything joins the loop through `msjax.hooks` (`loop_hooks(config)`), so a run without it runs the same code.
+Seams for the control plane: `MetricsSink.publish(rank, step, values)` (or `ctx.extra["metrics_sink"]`) for live
+metrics, `LoopControl.request_profile` for traces, and the pure functions of `stragglers` for scoring figures that
+arrive through a store instead of jax's all-gather.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from msjax.hooks import Hook
+from msjax.observe.events import append_event, read_events
+from msjax.observe.profile import ProfileHook, traced_steps
+from msjax.observe.stragglers import (RankPlace, StragglerDetector, WindowVerdict, mesh_places,
+                                      persistent_stragglers, slowdown_scores)
+from msjax.observe.timing import MetricsSink, StepObserver
+
+
+def loop_hooks(config: Any, sinks: Sequence[MetricsSink] = ()) -> list[Hook]:
+    """The observability hooks for a run of `config` (its `observe` section): step observer, then profiler."""
+    o = config.observe
+    return [StepObserver(o, sinks=sinks), ProfileHook(o.profile_steps, signal_steps=o.profile_signal_steps)]
+
+
+__all__ = ["MetricsSink", "ProfileHook", "RankPlace", "StepObserver", "append_event", "loop_hooks", "mesh_places",
+           "persistent_stragglers", "read_events", "slowdown_scores", "StragglerDetector", "traced_steps",
+           "WindowVerdict"]
