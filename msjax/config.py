@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import pkgutil
 import types
 import typing
@@ -169,18 +170,29 @@ class TrainConfig:
     sample_temperature: float = 0.8
     run_dir: str = "runs/default"
     progress: bool = True
+    # A step whose loss or gradient norm is not finite never updates the state (msjax.faults): `skip` goes on
+    # with the next batch and counts it (metric `skipped`); `stop` ends the run with an error, leaving the newest
+    # verified checkpoint as the point `--resume` rolls back to.
+    nonfinite: Literal["skip", "stop"] = "skip"
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Orbax checkpoints under `dir` (default `<run_dir>/checkpoints`) every `every` steps and at the end,
-    keeping the last `keep`; written asynchronously. `resume` restores the latest complete one."""
+    """Verified two-stage Orbax checkpoints (msjax.checkpoint) every `every` steps (0: only at the end and on a
+    stop), written asynchronously. The persistent tier `dir` (default `<run_dir>/checkpoints`) keeps the last
+    `keep`; the optional local tier `local_dir` (host RAM such as /dev/shm, or a local disk; "" = none) takes
+    each write first and keeps the newest `local_keep` for fast restore, and a background copy moves each
+    checkpoint on to `dir`. `resume` restores the newest verified checkpoint of either tier. `timeout_s` bounds
+    every wait on a checkpoint write (seconds)."""
 
     dir: str = ""
     every: int = 500
     keep: int = 3
     async_save: bool = True
     resume: bool = False
+    local_dir: str = ""
+    local_keep: int = 1
+    timeout_s: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -254,8 +266,18 @@ class Config:
         m, a, t = self.model, self.model.attention, self.train
         _positive(self, "model.num_layers", "model.d_model", "model.num_heads", "model.max_seq_len",
                   "model.vocab_multiple", "train.steps", "train.seq_len", "train.global_batch",
-                  "train.microbatches", "checkpoint.keep", "data.prefetch")
+                  "train.microbatches", "checkpoint.keep", "checkpoint.local_keep", "data.prefetch")
         self.supervisor.check()
+        _check_optimizer(self.optimizer)
+        if self.checkpoint.every < 0:
+            raise ConfigError(f"checkpoint.every={self.checkpoint.every}: allowed is an integer >= 0 (0: save "
+                              "only at the end and on a stop)")
+        if not (math.isfinite(self.checkpoint.timeout_s) and self.checkpoint.timeout_s > 0):
+            raise ConfigError(f"checkpoint.timeout_s={self.checkpoint.timeout_s}: allowed is a finite number of "
+                              "seconds > 0")
+        if t.eval_batches < 0 or t.eval_every < 0 or t.log_every < 0:
+            raise ConfigError(f"train.eval_batches={t.eval_batches}, train.eval_every={t.eval_every}, "
+                              f"train.log_every={t.log_every}: allowed are integers >= 0 (0 disables)")
         if m.num_kv_heads and m.num_heads % m.num_kv_heads:
             raise ConfigError(f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads="
                               f"{m.num_kv_heads} (grouped-query attention)")
@@ -291,6 +313,25 @@ class Config:
         if self.mesh.rules not in RULE_SETS:
             raise ConfigError(f"mesh.rules={self.mesh.rules!r} is unknown; allowed: {sorted(RULE_SETS)}")
         return self
+
+
+def _check_optimizer(o: OptimizerConfig) -> None:
+    """Rejects optimizer settings that would train on garbage: a NaN or negative learning rate, a negative
+    warmup, a NaN or negative clip norm (0 means no clipping), betas outside [0, 1), eps <= 0."""
+    for key, value in (("lr", o.lr), ("min_lr", o.min_lr), ("weight_decay", o.weight_decay)):
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"optimizer.{key}={value}: allowed is a finite number >= 0")
+    for key, value in (("warmup_steps", o.warmup_steps), ("decay_steps", o.decay_steps)):
+        if value < 0:
+            raise ConfigError(f"optimizer.{key}={value}: allowed is an integer >= 0")
+    if not (math.isfinite(o.grad_clip) and o.grad_clip >= 0):
+        raise ConfigError(f"optimizer.grad_clip={o.grad_clip}: allowed is a finite global norm > 0, or 0 for no "
+                          "clipping")
+    for key, value in (("b1", o.b1), ("b2", o.b2)):
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"optimizer.{key}={value}: allowed is 0 <= value < 1")
+    if not (math.isfinite(o.eps) and o.eps > 0):
+        raise ConfigError(f"optimizer.eps={o.eps}: allowed is a finite number > 0")
 
 
 def _positive(cfg: Config, *keys: str) -> None:

@@ -27,8 +27,16 @@ def lr_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
     return lambda count: schedule(count + 1)
 
 
+# optax.apply_if_finite applies an update only when every gradient is finite, else leaves the inner state as it
+# was and emits zero updates; past this many consecutive non-finite steps it would apply them anyway, so the
+# limit is set beyond any run (the loop's `train.nonfinite` policy decides what happens instead).
+_NEVER_APPLY_NONFINITE = 2**30
+
+
 def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
-    """The full update rule: clip_by_global_norm(grad_clip) then AdamW or LAMB with the schedule and mask.
+    """The full update rule: clip_by_global_norm(grad_clip) then AdamW or LAMB with the schedule and mask, inside
+    `optax.apply_if_finite`: a step with a non-finite gradient (hence non-finite norm or loss) changes neither
+    the parameters nor the optimizer state, and `opt_state.total_notfinite` counts such steps (`skipped_steps`).
 
     LAMB: You et al. 2020, "Large Batch Optimization for Deep Learning", Algorithm 2 (optax.lamb).
     """
@@ -37,4 +45,9 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTran
                   mask=decay_mask)
     opt = optax.adamw(**kwargs) if cfg.name == "adamw" else optax.lamb(**kwargs)
     parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
-    return optax.chain(*parts, opt)
+    return optax.apply_if_finite(optax.chain(*parts, opt), max_consecutive_errors=_NEVER_APPLY_NONFINITE)
+
+
+def skipped_steps(opt_state: optax.ApplyIfFiniteState) -> jax.Array:
+    """int32 scalar: how many steps `make_optimizer`'s update left out because a gradient was not finite."""
+    return opt_state.total_notfinite

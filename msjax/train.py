@@ -16,11 +16,12 @@ from typing import Any, Sequence
 import jax
 from tqdm import tqdm
 
-from msjax.checkpoint import Checkpointer, checkpoint_dir
+from msjax.checkpoint import Checkpointer, check_resume_config, checkpoint_dir
 from msjax.config import Config, ConfigError, to_dict
 from msjax.data import BatchLoader, eval_batches, prepare_data
 from msjax.flops import flops_per_token
 from msjax.hardware import mesh_peak_flops
+from msjax.faults import NonFiniteStop, StopOnSignal
 from msjax.hooks import Hook, Hooks, LoopControl, RunContext
 from msjax.mesh import make_mesh
 from msjax.metrics import MetricsWriter
@@ -34,7 +35,9 @@ def _log(msg: str) -> None:
 
 
 def evaluate(program: TrainProgram, params: Any, batches: list[dict]) -> float:
-    """Mean validation loss (nats per token) over fixed batches."""
+    """Mean validation loss (nats per token) over fixed batches (NaN when there are none)."""
+    if not batches:
+        return float("nan")
     losses = [program.eval_fn(params, b) for b in batches]
     return float(sum(float(x) for x in losses) / len(losses))
 
@@ -49,8 +52,12 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
 
     Raises:
       ConfigError: a config that does not fit the devices or data (mesh size, vocabulary, batch split), an
-        unwritable checkpoint directory, or checkpoints already present without `checkpoint.resume`.
+        unwritable checkpoint directory, checkpoints already present without `checkpoint.resume`, or a resume
+        whose config differs from the checkpoint's in a key that must match (checked before anything is written).
       msjax.data.DataError: missing, empty or undecodable data.
+      msjax.checkpoint.CheckpointError: a checkpoint write failed (raised within a step of the failure), or no
+        checkpoint passes verification on resume.
+      msjax.faults.NonFiniteLossError: a non-finite loss with `train.nonfinite=stop`.
     """
     t_start = time.perf_counter()
     cfg = cfg.validate()
@@ -61,6 +68,12 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
     if latest is not None and not cfg.checkpoint.resume:
         raise ConfigError(f"{ckpt.directory} already holds checkpoints (latest step {latest}); pass --resume to "
                           "continue from it, or set checkpoint.dir / train.run_dir to start a new run")
+    if latest is not None:
+        record = ckpt.newest_record()
+        saved_cfg, where = (record or {}).get("config"), f"step {latest} in {ckpt.directory}"
+        if saved_cfg is None and (run_dir / "config.json").exists():
+            saved_cfg, where = json.loads((run_dir / "config.json").read_text()), str(run_dir / "config.json")
+        check_resume_config(saved_cfg, cfg, where)
 
     data = prepare_data(cfg.data)
     mesh = make_mesh(cfg.mesh)
@@ -94,9 +107,9 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
          f"{dict(mesh.shape)} | {n_dev} x {jax.devices()[0].device_kind} | MFU against {peak / 1e12:.3g} "
          f"TFLOP/s ({peak_label}) | train {len(data.train):,} / val {len(data.val):,} tokens")
 
-    writer = MetricsWriter(run_dir)
+    writer = MetricsWriter(run_dir, start_step=start_step)
     control = control or LoopControl()
-    hook = Hooks(hooks)
+    hook = Hooks([StopOnSignal(), *([NonFiniteStop()] if t.nonfinite == "stop" else []), *hooks])
     ctx = RunContext(config=cfg, run_dir=run_dir, mesh=mesh, program=program, start_step=start_step,
                      control=control)
     hook.on_start(ctx)
@@ -111,6 +124,7 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
         for step in range(start_step + 1, t.steps + 1):
             state, metrics = program.step_fn(state, next(loader))
             bar.update(1)
+            ckpt.poll()  # a failed checkpoint write stops the run here, within a step of the failure
             hook.on_step_end(ctx, step, metrics)
             if last_log_time is None:  # the first step includes compilation: time from its end
                 jax.block_until_ready(metrics)
@@ -123,21 +137,26 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
                 mfu = tok_s / tokens_per_step * step_flops / peak
                 last_log_step, last_log_time = step, now
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", mfu=f"{mfu:.1%}")
-                scalars = {"loss": loss, "grad_norm": grad_norm, "tokens_per_s": tok_s, "mfu": mfu}
+                scalars = {"loss": loss, "grad_norm": grad_norm, "tokens_per_s": tok_s, "mfu": mfu,
+                           "skipped": int(metrics["skipped"])}
                 writer.write(step, scalars)
                 hook.on_log(ctx, step, scalars)
                 summary.update(tokens_per_s=tok_s, mfu=mfu)
-            if (t.eval_every and step % t.eval_every == 0) or step == t.steps:
+            if val and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
                 val_loss = evaluate(program, state["params"], val)
                 summary["val_loss"].append((step, val_loss))
                 writer.write(step, {"val_loss": val_loss, "wall_s": time.perf_counter() - t_start})
                 _log(f"step {step}: val loss {val_loss:.4f} ({time.perf_counter() - t_start:.1f} s)")
+            if ckpt.reached_preemption(step):  # multi-process: all processes stop at the same step
+                control.request_stop("preemption notice (jax preemption sync point)")
             stopping = control.stop_reason is not None
+            # Orbax decides the periodic saves; these are the ones the loop was asked for.
             force = step == t.steps or stopping or control.take_checkpoint_request()
-            if ckpt.save(step, state, loader.state(), force=force):
+            if ckpt.save(step, state, loader.state(), force=force, config=to_dict(cfg)):
                 hook.on_checkpoint(ctx, step)
             if stopping:
-                _log(f"stopping after step {step}: {control.stop_reason}")
+                ckpt.wait()  # the stop's checkpoint is complete (recorded, copied) before the loop returns
+                _log(f"stopping after step {step}: {control.stop_reason}; checkpoint of step {step} complete")
                 summary["stop_reason"] = control.stop_reason
                 break
     except BaseException as e:
@@ -155,7 +174,8 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
         wall_s=time.perf_counter() - t_start, first_step_s=first_step_time, checkpoints=ckpt.all_steps(),
         param_count=program.param_count,
     )
-    if t.sample_tokens:  # every process takes part: the parameters are sharded over all of them
+    # Every process takes part (the parameters are sharded over all of them); a stopped run exits without one.
+    if t.sample_tokens and "stop_reason" not in summary:
         tok = data.tokenizer
         prompt = [tok.eot_id] if tok.eot_id is not None else tok.encode("\n").tolist()
         key = jax.random.wrap_key_data(state["rng"])

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from msjax.config import Config, ConfigError
 from msjax.model import abstract_model, apply, init_params
-from msjax.optim import make_optimizer
+from msjax.optim import make_optimizer, skipped_steps
 from msjax.sharding import tree_shardings, use_rules
 from sharding_rules import RULE_SETS, logical_to_mesh_spec
 from sharding_rules import axes as ax
@@ -158,7 +158,7 @@ def build_train_program(cfg: Config, mesh: Mesh, vocab_size: int | None = None) 
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
         rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state["rng"]))[0])
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "skipped": skipped_steps(opt_state)}
         new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state, "rng": rng}
         return new_state, metrics
 

@@ -11,7 +11,9 @@ import jax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from msjax.checkpoint import CheckpointError  # noqa: E402
 from msjax.config import ConfigError, parse_args  # noqa: E402
+from msjax.faults import NonFiniteLossError  # noqa: E402
 from msjax.data import DataError  # noqa: E402
 
 
@@ -31,6 +33,9 @@ def main(argv: list[str]) -> int:
     except (ConfigError, DataError, ControlError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (CheckpointError, NonFiniteLossError) as e:  # the run stopped; the newest verified checkpoint is kept
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     out = summary_json(summary)
     out.pop("sample", None)
     if jax.process_index() == 0:

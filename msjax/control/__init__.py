@@ -13,7 +13,9 @@ torch's TCPStore with Redis and removing O(n^2) barriers. This package owns that
   resp.py        a minimal asyncio RESP2 client (connect, AUTH, one command at a time).
   worker.py      what a worker process does: rendezvous from MSJAX_* variables, then `jax.distributed.initialize`.
   hook.py        `ControlPlaneHook`: the loop's side (heartbeats, command channel -> LoopControl).
-  launch.py      `scripts/launch.py`: local processes, a Kubernetes JobSet manifest, a SLURM sbatch script.
+  launch.py      `scripts/launch.py`: a private Redis + N local worker processes, or a cluster spec (specs.py).
+  specs.py       launch specs: a Kubernetes JobSet manifest and a SLURM sbatch script, one pod/task per node.
+  bench.py       `scripts/bench_init.py`: N simulated workers through Redis beside torch's TCPStore patterns.
 
 A single-process run without MSJAX_REDIS_URL imports nothing from here that needs Redis and runs unchanged.
 """

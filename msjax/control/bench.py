@@ -9,8 +9,10 @@ TCPStore side: `torch.distributed.TCPStore` (libuv server) when torch is install
 pool of threads (a TCPStore client is synchronous; its calls release the GIL) running the pattern torch's own
 rendezvous runs for `init_process_group`: connect, rank = add("rank", 1) - 1 (as torchelastic assigns ranks),
 rank 0 sets the coordinator key, then `_store_based_barrier` (add(key, 1); add(key, 0); the last worker sets
-key:last_worker; everyone wait([key:last_worker])), then get(coordinator). Without torch, the row is skipped
-with a note (no re-implementation here: the real server is the baseline worth having).
+key:last_worker; everyone wait([key:last_worker])), then get(coordinator). Without torch (or with
+`--tcpstore_impl=twin`), a twin of it runs instead (`tcpstore_twin`): a single-threaded store server in its own
+process with TCPStore's semantics (set, blocking get, add, wait) and the same worker pattern, driven by the same
+asyncio client machinery as the Redis rows; its rows say so in "client".
 """
 
 from __future__ import annotations
@@ -38,54 +40,90 @@ def raise_open_files_limit(needed: int) -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
-def bench_redis(n: int, connect_concurrency: int = 1024, timeout_s: float = 120.0) -> dict:
+async def _redis_workers(port: int, password: str, n: int, ids: range, connect_concurrency: int,
+                         timeout_s: float) -> list:
+    """Simulated workers `ids` (of n) rendezvous through Redis at 127.0.0.1:port; returns their Assignments."""
+    # A token queue, not asyncio.Semaphore: 3.11's Semaphore wakes waiters by scanning them all (O(n^2) over 12k
+    # workers, measured at over a second of the simulation's own time).
+    tokens: asyncio.Queue = asyncio.Queue()
+    for _ in range(connect_concurrency):
+        tokens.put_nowait(None)
+
+    async def worker(i: int):
+        await tokens.get()
+        try:
+            conn = await RespConnection.open("127.0.0.1", port, password)
+        finally:
+            tokens.put_nowait(None)
+        try:
+            return await run_protocol_async(
+                join_protocol("bench", f"sim-{i}", n, f"10.0.{i // 256}.{i % 256}:8476", timeout_s=timeout_s),
+                conn.execute)
+        finally:
+            await conn.close()
+
+    return await asyncio.gather(*(worker(i) for i in ids))
+
+
+def _redis_client_process(port, password, n, ids, connect_concurrency, timeout_s, go, out) -> None:
+    """One simulation process: waits for `go`, runs its workers, puts (CPU seconds, [(rank, coordinator)])."""
+    raise_open_files_limit(len(ids) + 1024)
+    go.wait()
+    cpu0 = time.process_time()
+    got = _run(_redis_workers(port, password, n, ids, connect_concurrency, timeout_s))
+    out.put((time.process_time() - cpu0, [(a.rank, a.coordinator) for a in got]))
+
+
+def bench_redis(n: int, client_procs: int = 1, connect_concurrency: int = 1024, timeout_s: float = 120.0) -> dict:
     """N simulated workers rendezvous through a fresh private redis-server; returns a result row.
 
     Args:
       n: number of simulated workers (ranks).
-      connect_concurrency: connections being opened at once (a real fleet does not SYN 12k sockets in the same
-        millisecond; the kernel's listen backlog would drop the excess and TCP would retry after 1 s).
+      client_procs: processes the simulated workers are spread over (1: all in this process). The clock starts
+        when every process is ready (spawned, imports done) and stops when the last worker has its assignment.
+      connect_concurrency: connections being opened at once per process (a real fleet does not SYN 12k sockets in
+        the same millisecond; the kernel's listen backlog would drop the excess and TCP would retry after 1 s).
       timeout_s: the rendezvous wait of each worker.
-    Returns: {"system": "redis", "ranks", "seconds", "client", "server"}.
+    Returns: {"system": "redis", "ranks", "seconds", "client_cpu_s", "server_cpu_s", "client", "server"}.
     Raises: RuntimeError if the ranks or the coordinator come out wrong.
     """
+    import multiprocessing as mp
+
     raise_open_files_limit(n + 1024)
     with RedisServer(maxclients=n + 256) as srv:
         version = _server_version(srv)
-
-        async def main() -> list:
-            # A token queue, not asyncio.Semaphore: 3.11's Semaphore wakes waiters by scanning them all (O(n^2)
-            # over 12k workers, measured at over a second of the simulation's own time).
-            tokens: asyncio.Queue = asyncio.Queue()
-            for _ in range(connect_concurrency):
-                tokens.put_nowait(None)
-
-            async def worker(i: int):
-                await tokens.get()
-                try:
-                    conn = await RespConnection.open("127.0.0.1", srv.port, srv.password)
-                finally:
-                    tokens.put_nowait(None)
-                try:
-                    return await run_protocol_async(
-                        join_protocol("bench", f"sim-{i}", n, f"10.0.{i // 256}.{i % 256}:8476",
-                                      timeout_s=timeout_s), conn.execute)
-                finally:
-                    await conn.close()
-
-            return await asyncio.gather(*(worker(i) for i in range(n)))
-
         server_cpu0 = _redis_cpu_s(srv)
-        cpu0 = time.process_time()
-        t0 = time.perf_counter()
-        got = _run(main())
-        seconds = time.perf_counter() - t0
-        client_cpu = time.process_time() - cpu0
+        if client_procs <= 1:
+            cpu0 = time.process_time()
+            t0 = time.perf_counter()
+            got = [(a.rank, a.coordinator) for a in _run(_redis_workers(srv.port, srv.password, n, range(n),
+                                                                        connect_concurrency, timeout_s))]
+            seconds = time.perf_counter() - t0
+            client_cpu = time.process_time() - cpu0
+        else:
+            ctx = mp.get_context("spawn")
+            go, out = ctx.Event(), ctx.Queue()
+            procs = [ctx.Process(target=_redis_client_process, daemon=True,
+                                 args=(srv.port, srv.password, n, range(k, n, client_procs), connect_concurrency,
+                                       timeout_s, go, out)) for k in range(client_procs)]
+            for pr in procs:
+                pr.start()
+            time.sleep(3.0)  # let the children finish importing before the clock starts
+            t0 = time.perf_counter()
+            go.set()
+            parts = [out.get(timeout=timeout_s + 60) for _ in procs]
+            seconds = time.perf_counter() - t0
+            for pr in procs:
+                pr.join(10)
+            client_cpu = sum(c for c, _ in parts)
+            got = [g for _, part in parts for g in part]
         server_cpu = _redis_cpu_s(srv) - server_cpu0
-    _check(sorted(a.rank for a in got), {a.coordinator for a in got}, n)
+    _check(sorted(r for r, _ in got), {c for _, c in got}, n)
+    procs_note = f", {client_procs} processes" if client_procs > 1 else ""
     return {"system": "redis", "ranks": n, "seconds": round(seconds, 3), "client_cpu_s": round(client_cpu, 3),
             "server_cpu_s": round(server_cpu, 3),
-            "client": f"msjax.control.resp ({_loop_name()}, 1 connection per worker)", "server": f"redis-server {version}"}
+            "client": f"msjax.control.resp ({_loop_name()}, 1 connection per worker{procs_note})",
+            "server": f"redis-server {version}"}
 
 
 TCPSTORE_PATTERNS = {
@@ -172,6 +210,123 @@ def bench_tcpstore(n: int, pattern: str = "wait", limit_s: float = 120.0) -> dic
     return row
 
 
+# -- a TCPStore twin, for machines without torch ---------------------------------------------------------------
+def _twin_server(port_queue) -> None:
+    """A store server with TCPStore's semantics (c10d/TCPStore.hpp: set, get blocks until the key exists, add,
+    wait), single-threaded like TCPStore's libuv server; commands arrive RESP-encoded (msjax.control.resp)."""
+    from msjax.control.resp import Incomplete, parse  # the twin reads RESP-encoded commands
+
+    data: dict[str, str] = {}
+    waiters: dict[str, list] = {}
+
+    def reply(value) -> bytes:
+        if isinstance(value, int):
+            return b":%d\r\n" % value
+        b = value.encode()
+        return b"$%d\r\n%s\r\n" % (len(b), b)
+
+    class Handler(asyncio.Protocol):
+        def connection_made(self, transport):
+            self.t, self.buf = transport, b""
+
+        def data_received(self, chunk):
+            self.buf += chunk
+            pos = 0
+            while True:
+                try:
+                    cmd, pos = parse(self.buf, pos)
+                except Incomplete:
+                    break
+                self.handle(cmd)
+            self.buf = self.buf[pos:]
+
+        def handle(self, cmd):
+            op, key = cmd[0], cmd[1]
+            if op == "SET":
+                data[key] = cmd[2]
+                self.t.write(b"+OK\r\n")
+                for t, what in waiters.pop(key, []):
+                    t.write(reply(data[key]) if what == "GET" else b"+OK\r\n")
+            elif op == "ADD":
+                data[key] = str(int(data.get(key, "0")) + int(cmd[2]))
+                self.t.write(reply(int(data[key])))
+                for t, what in waiters.pop(key, []):
+                    t.write(reply(data[key]) if what == "GET" else b"+OK\r\n")
+            elif op in ("GET", "WAIT"):
+                if key in data:
+                    self.t.write(reply(data[key]) if op == "GET" else b"+OK\r\n")
+                else:
+                    waiters.setdefault(key, []).append((self.t, op))
+
+    async def main():
+        server = await asyncio.get_running_loop().create_server(Handler, "127.0.0.1", 0, backlog=4096)
+        port_queue.put(server.sockets[0].getsockname()[1])
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+
+
+def bench_tcpstore_twin(n: int, pattern: str = "wait", limit_s: float = 120.0,
+                        connect_concurrency: int = 1024) -> dict:
+    """Like bench_tcpstore, against the TCPStore twin (module docstring); same row format."""
+    import multiprocessing as mp
+
+    raise_open_files_limit(n + 1024)
+    ctx = mp.get_context("spawn")
+    ports = ctx.Queue()
+    server = ctx.Process(target=_twin_server, args=(ports,), daemon=True)
+    server.start()
+    try:
+        port = ports.get(timeout=30)
+        key = "store_based_barrier_key:1"
+
+        async def main():
+            tokens: asyncio.Queue = asyncio.Queue()
+            for _ in range(connect_concurrency):
+                tokens.put_nowait(None)
+
+            async def worker(i: int):
+                await tokens.get()
+                try:
+                    conn = await RespConnection.open("127.0.0.1", port)
+                finally:
+                    tokens.put_nowait(None)
+                try:
+                    rank = await conn.execute("ADD", "rank", 1) - 1
+                    if rank == 0:
+                        await conn.execute("SET", "coordinator", f"10.0.{i // 256}.{i % 256}:8476")
+                    await conn.execute("ADD", key, 1)
+                    count = await conn.execute("ADD", key, 0)
+                    if pattern == "wait":
+                        if count == n:
+                            await conn.execute("SET", f"{key}:last_worker", "1")
+                        await conn.execute("WAIT", f"{key}:last_worker")
+                    else:
+                        while count != n:
+                            await asyncio.sleep(0.01)
+                            count = await conn.execute("ADD", key, 0)
+                    return rank, await conn.execute("GET", "coordinator")
+                finally:
+                    await conn.close()
+
+            return await asyncio.wait_for(asyncio.gather(*(worker(i) for i in range(n))), limit_s)
+
+        t0 = time.perf_counter()
+        row = {"system": "tcpstore", "ranks": n, "pattern": TCPSTORE_PATTERNS[pattern],
+               "client": f"TCPStore twin (torch not installed): {_loop_name()} clients, 1 connection per worker",
+               "server": "TCPStore twin (Python asyncio, own process)"}
+        try:
+            got = _run(main())
+        except asyncio.TimeoutError:
+            return {**row, "seconds": None, "note": f"unfinished after {limit_s:g} s"}
+        row["seconds"] = round(time.perf_counter() - t0, 3)
+    finally:
+        server.kill()
+        server.join(10)
+    _check(sorted(r for r, _ in got), {c for _, c in got}, n)
+    return {"system": row.pop("system"), "ranks": row.pop("ranks"), "seconds": row.pop("seconds"), **row}
+
+
 def _loop_name() -> str:
     try:
         import uvloop  # noqa: F401
@@ -231,6 +386,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--ranks", default=",".join(map(str, RANKS)), help="comma-separated worker counts")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--tcpstore", default="wait,poll", help="TCPStore patterns to run: wait, poll, or none")
+    p.add_argument("--client_procs", type=int, default=1,
+                   help="processes the simulated Redis workers are spread over (the clients are the bottleneck)")
+    p.add_argument("--tcpstore_impl", choices=("auto", "torch", "twin"), default="auto",
+                   help="auto: torch.distributed.TCPStore if torch is installed, else the twin")
     p.add_argument("--limit_s", type=float, default=120.0, help="give up on a TCPStore row after this long")
     p.add_argument("--poll_max_ranks", type=int, default=2048,
                    help="run the polling pattern only up to this many ranks (it keeps every simulated worker "
@@ -252,7 +411,7 @@ def main(argv: list[str]) -> int:
     print(f"# {os.cpu_count()} CPUs, load average {load:.1f} at start (timings are wall clock under that load; "
           "*_cpu_s are CPU seconds)")
     rows = []
-    if patterns:  # warm-up, not recorded: the first TCPStore clients of a process paid a one-off ~10 s here
+    if patterns and args.tcpstore_impl != "twin":  # warm-up, not recorded
         bench_tcpstore(16, "wait", limit_s=60)
     header = f"{'system':<9} {'ranks':>6} {'seconds':>8}  details"
     print(header)
@@ -261,13 +420,18 @@ def main(argv: list[str]) -> int:
         todo = [("redis", None)] + [("tcpstore", pt) for pt in patterns
                                     if pt != "poll" or n <= args.poll_max_ranks]
         for system, pt in todo:
-            row = bench_redis(n) if system == "redis" else bench_tcpstore(n, pt, args.limit_s)
-            if row is None:
-                print(f"{'tcpstore':<9} {n:>6} {'-':>8}  torch not installed: no TCPStore baseline")
-                continue
+            if system == "redis":
+                row = bench_redis(n, client_procs=args.client_procs)
+            else:
+                row = None if args.tcpstore_impl == "twin" else bench_tcpstore(n, pt, args.limit_s)
+                if row is None and args.tcpstore_impl == "torch":
+                    print("error: --tcpstore_impl=torch but torch is not installed", file=sys.stderr)
+                    return 2
+                if row is None:
+                    row = bench_tcpstore_twin(n, pt, args.limit_s)
             rows.append(row)
             secs = "-" if row["seconds"] is None else f"{row['seconds']:.3f}"
-            details = row.get("pattern") or f"client {row['client_cpu_s']:.2f} s + server {row['server_cpu_s']:.2f} s CPU"
+            details = (row["pattern"] + (" (twin)" if "twin" in row["client"] else "")) if "pattern" in row else f"client {row['client_cpu_s']:.2f} s + server {row['server_cpu_s']:.2f} s CPU"
             print(f"{row['system']:<9} {n:>6} {secs:>8}  {details}{'; ' + row['note'] if 'note' in row else ''}",
                   flush=True)
     print(f"# redis rows: {rows[0]['client'] if rows else ''}, {rows[0]['server'] if rows else ''}; "

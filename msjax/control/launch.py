@@ -14,6 +14,7 @@ worker processes of `scripts/train.py <train flags>` with MSJAX_* variables (msj
     same step and saves: see msjax.control.hook), SIGTERM is forwarded to the workers after --term_grace_s if they
     are still running (a second Ctrl-C forwards it at once), SIGKILL after --kill_grace_s more; exit status
     128 + signal number.
+  - a private Redis that dies mid-run is started again on the same port and password (workers reconnect);
   - Redis is stopped last, always; workers and Redis die with the launcher even if it is SIGKILLed
     (PR_SET_PDEATHSIG), and each runs in its own process group so that nothing of theirs is left behind.
 Exit status 0 only if every worker exited 0. Bad flags are `error: ...` and exit status 2, before anything starts.
@@ -248,6 +249,13 @@ class LocalLauncher:
             if all(c is not None for c in codes):
                 break
             now = time.monotonic()
+            if self.server is not None and self.server.proc is not None and self.server.proc.poll() is not None:
+                # Our Redis died (OOM killer, a crash): bring it back on the same port and password; the workers
+                # reconnect on their own and re-register (msjax.control.hook).
+                self._out(f"[launch] Redis exited with status {self.server.proc.returncode}: restarting it\n")
+                self.server.proc = None
+                self.server.start()
+                self._out(f"[launch] Redis {self.server.bind}:{self.server.port} (pid {self.server.pid})\n")
             bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if bad and failed is None:
                 failed = bad[0]

@@ -19,8 +19,8 @@ class RespError(Exception):
     """An error reply from the server (`-ERR ...`, `-WRONGPASS ...`)."""
 
 
-class _Incomplete(Exception):
-    pass
+class Incomplete(Exception):
+    """`parse` reached the end of the buffer in the middle of a reply: wait for more bytes."""
 
 
 def encode(*args: Any) -> bytes:
@@ -34,10 +34,10 @@ def encode(*args: Any) -> bytes:
 
 def parse(buf: bytes, pos: int = 0) -> tuple[Any, int]:
     """One RESP2 reply from buf[pos:]: (value, position after it). Strings come back as str, nil as None, an
-    error reply as a RespError instance (returned, not raised). Raises _Incomplete when buf ends mid-reply."""
+    error reply as a RespError instance (returned, not raised). Raises Incomplete when buf ends mid-reply."""
     end = buf.find(b"\r\n", pos)
     if end < 0:
-        raise _Incomplete
+        raise Incomplete
     kind, body = buf[pos:pos + 1], buf[pos + 1:end]
     pos = end + 2
     if kind == b"+":
@@ -51,7 +51,7 @@ def parse(buf: bytes, pos: int = 0) -> tuple[Any, int]:
         if n < 0:
             return None, pos
         if len(buf) < pos + n + 2:
-            raise _Incomplete
+            raise Incomplete
         return buf[pos:pos + n].decode(), pos + n + 2
     if kind == b"*":
         n = int(body)
@@ -81,7 +81,7 @@ class _Protocol(asyncio.Protocol):
         while self.waiting:
             try:
                 value, pos = parse(self.buf, pos)
-            except _Incomplete:
+            except Incomplete:
                 break
             fut = self.waiting.popleft()
             if not fut.done():

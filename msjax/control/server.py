@@ -68,14 +68,24 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     return False
 
 
+def _load_prctl():
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux/glibc: atexit and the owner's stop() remain
+        return None
+
+
+# Loaded in the parent at import: the child between fork and exec must not dlopen (another thread of the parent
+# may have held the loader's lock at fork time); it only calls this already-resolved function and setrlimit.
+_PRCTL = _load_prctl()
+
+
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
     """Runs in a child between fork and exec: the kernel sends `sig` to it when its parent thread dies (Linux).
 
     Also raises the open-files soft limit to the hard limit, so a server can accept thousands of clients."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    except OSError:  # not Linux: atexit and the owner's stop() remain
-        pass
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

@@ -17,6 +17,7 @@ The launcher (local, Kubernetes or SLURM; `msjax.control.launch`) sets, per work
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -90,7 +91,7 @@ def join_from_env() -> WorkerContext:
     if world == 1:
         assignment = Assignment(rank=0, world_size=1, coordinator=f"{host}:{port}",
                                 generation=store.restart_count())
-        store.client.hset(store.key("members"), 0, __import__("json").dumps({"worker_id": worker_id, **member}))
+        store.client.hset(store.key("members"), 0, json.dumps({"worker_id": worker_id, **member}))
     else:
         assignment = rendezvous(store.client, run_id, worker_id, world, f"{host}:{port}", member, timeout_s)
     print(f"msjax.control: rank {assignment.rank} of {assignment.world_size} (worker {worker_id}, pid {os.getpid()}, "

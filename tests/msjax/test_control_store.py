@@ -3,7 +3,9 @@ asyncio client, running the same protocol), run-state keys, the command channel 
 after a Redis restart, and one clear error for each bad URL, password or port, with nothing left running."""
 
 import asyncio
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -278,3 +280,36 @@ def test_server_dies_with_its_owner():
             owner.send_signal(signal.SIGKILL)
         owner.wait(30)
         assert _wait_dead(pid), f"redis-server {pid} outlived its owner (kill={kill})"
+
+
+def test_bench_init_writes_rows(tmp_path):
+    """scripts/bench_init.py runs the real protocol against a real Redis and writes the documented rows (no timing
+    is asserted: a benchmark reports, it does not pass or fail on speed)."""
+    out = tmp_path / "init.json"
+    proc = subprocess.run([sys.executable, "scripts/bench_init.py", "--ranks=64,128", "--tcpstore=wait",
+                           "--tcpstore_impl=twin", f"--json={out}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())
+    assert [(r["system"], r["ranks"]) for r in rows] == [("redis", 64), ("tcpstore", 64), ("redis", 128),
+                                                         ("tcpstore", 128)]
+    assert all(r["seconds"] > 0 for r in rows)
+    assert all("msjax.control.resp" in r["client"] for r in rows if r["system"] == "redis")
+    assert all("twin" in r["client"] for r in rows if r["system"] == "tcpstore")
+    assert re.search(r"^redis +64 +[0-9.]+ ", proc.stdout, re.M) and re.search(r"^redis +128 ", proc.stdout, re.M)
+    bad = subprocess.run([sys.executable, "scripts/bench_init.py", "--ranks=0"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --ranks='0'")
+
+
+def test_tls_options_reach_redis_py():
+    import redis
+
+    c = connect("rediss://:pw@redis.example:6380/0", ssl_ca_certs="/etc/ca.pem", ssl_certfile="/etc/c.pem",
+                ssl_keyfile="/etc/k.pem", check=False)
+    kw = c.connection_pool.connection_kwargs
+    assert c.connection_pool.connection_class is redis.SSLConnection
+    assert (kw["ssl_ca_certs"], kw["ssl_certfile"], kw["ssl_keyfile"]) == ("/etc/ca.pem", "/etc/c.pem", "/etc/k.pem")
+    assert (kw["host"], kw["port"], kw["password"]) == ("redis.example", 6380, "pw")
+    with pytest.raises(ControlError, match="TLS files were given for 'redis://:\\*\\*\\*@h:1/0', a plain redis:// URL"):
+        connect("redis://:pw@h:1/0", ssl_ca_certs="/etc/ca.pem", check=False)

@@ -76,7 +76,8 @@ def _supervise(tmp: Path, corpus: Path, cache: Path, *faults: str, **cfg) -> tup
 
 
 def _final_params(run_dir: Path, step: int = STEPS) -> list[np.ndarray]:
-    """The parameters of checkpoint `step` of a run, restored onto its own (2 x 2) layout on 4 of our devices."""
+    """The parameters of a run's newest checkpoint (which must be `step`), restored onto its own (2 x 2) layout on
+    4 of our devices."""
     saved = json.loads((run_dir / "config.json").read_text())
     flags = [(k, str(v)) for k, v in (("model.vocab_size", saved["model"]["vocab_size"]),
                                       ("mesh.data", 2), ("mesh.fsdp", 2), ("mesh.tensor", 1),
@@ -86,8 +87,8 @@ def _final_params(run_dir: Path, step: int = STEPS) -> list[np.ndarray]:
                              ("train.steps", str(STEPS)), ("optimizer.warmup_steps", "2"),
                              ("optimizer.decay_steps", str(STEPS)), *flags])
     program = build_train_program(cfg, make_mesh(cfg.mesh, jax.devices()[:4]))
-    got, state, _ = Checkpointer(cfg.checkpoint, run_dir / "checkpoints").restore(program.abstract_state, step)
-    assert got == step
+    got, state, _ = Checkpointer(cfg.checkpoint, run_dir / "checkpoints").restore(program.abstract_state)
+    assert got == step  # the newest verified checkpoint is the final step
     return jax.tree.leaves(jax.device_get(state["params"]))
 
 

@@ -44,9 +44,12 @@ def test_replanned_restart_continues_the_loss_curve(make_tiny_config, small_corp
     over = {"mesh.data": 4, "mesh.fsdp": 2, "mesh.tensor": 1, "train.steps": 6, "checkpoint.every": 3,
             "train.log_every": 1, "train.eval_every": 0, "train.sample_tokens": 0, "optimizer.decay_steps": 6}
     cfg = make_tiny_config(tmp_path, small_corpus, **over)
-    straight = run(cfg)  # uninterrupted, original layout, 8 devices; checkpoints at 3 and 6
+    straight = run(cfg)  # uninterrupted, original layout, 8 devices
     losses = {r["step"]: r["loss"] for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text()
                                                   .splitlines()) if "loss" in r}
+    # the interrupted run: the same schedule (decay_steps fixed), stopped at its checkpoint of step 3
+    first = run(make_tiny_config(tmp_path / "cut", small_corpus, **{**over, "train.steps": 3}))
+    assert first["checkpoints"][-1] == 3
 
     vocab = straight["state"]["params"]["wte"].shape[0]
     data = prepare_data(cfg.data)
@@ -55,8 +58,8 @@ def test_replanned_restart_continues_the_loss_curve(make_tiny_config, small_corp
     assert new_cfg.train.microbatches == 2
     mesh = make_mesh(new_cfg.mesh, jax.devices()[:4])
     program = build_train_program(new_cfg, mesh, vocab_size=data.tokenizer.vocab_size)
-    step, state, loader_state = Checkpointer(cfg.checkpoint, tmp_path / "run" / "checkpoints").restore(
-        program.abstract_state, step=3)
+    step, state, loader_state = Checkpointer(cfg.checkpoint, tmp_path / "cut" / "run" / "checkpoints").restore(
+        program.abstract_state)
     assert step == 3 and state["params"]["wte"].shape[0] == vocab
     loader = BatchLoader(data.train, seq_len=cfg.train.seq_len, global_batch=cfg.train.global_batch,
                          seed=cfg.data.seed, sharding=program.batch_sharding, prefetch=0)

@@ -1,0 +1,456 @@
+"""The Checkpointer: verified two-stage checkpoints in two tiers, through Orbax.
+
+Stages (MegaScale sec. 4.3; Orbax's asynchronous save is the library that does stage 1 and 2):
+  1. `save` returns after Orbax has copied the device state to host memory: the only part the loop waits for.
+     The integrity checksums (msjax.checkpoint.integrity) are dispatched on the devices in the same call and
+     read only when the write has finished.
+  2. Orbax's background thread writes the host copy to TensorStore (zarr/OCDBT) under a temporary name and
+     renames it when every process is done (its commit).
+  3. When `poll` (called by the loop each step, without touching the device) sees the write finished, the
+     integrity record is written into the step directory; only then is the checkpoint complete. A one-thread
+     worker then copies it from the local tier to the persistent tier (temporary name, then rename) and rotates
+     both tiers. A failed write or copy raises `CheckpointWriteError` at the next `poll`: promptly, with the
+     path and the OS error.
+
+Tiers: with `checkpoint.local_dir` set, Orbax writes there (host RAM such as /dev/shm, or a local disk), the
+local tier keeps `local_keep` checkpoints and the persistent tier (`checkpoint.dir`) the last `keep`. Without
+it, Orbax writes to the persistent tier directly. `restore` takes the newest checkpoint that passes verification
+in either tier (local first at equal steps: faster); a checkpoint that fails (no record, checksum mismatch,
+missing or unreadable file) is reported in one warning line and the next older one is tried. Rotation only
+deletes checkpoints older than the newest `keep` complete ones, so it never deletes the newest verified one.
+
+When to save is Orbax's decision (`save_interval_steps` = `checkpoint.every`, and its preemption check through
+jax's preemption sync point); `force` is only for saves the loop was asked for (the last step, a stop, a
+control-plane request).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as ocp_policies
+
+from msjax.checkpoint.integrity import checksum_state, mismatches, read_record, write_record
+from msjax.config import CheckpointConfig, ConfigError
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written, or none could be restored; the message names the path and reason."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint write or copy failed (e.g. a read-only or full disk). The previous checkpoints are kept."""
+
+
+class NonFiniteStateError(CheckpointError):
+    """The state to be saved holds NaN or Inf; it was not made a checkpoint."""
+
+
+REJECTED_DIR = "rejected"
+_TMP_COPY = ".msjax-copy-tmp-"
+
+
+def checkpoint_dir(cfg: CheckpointConfig, run_dir: str) -> Path:
+    """The absolute persistent checkpoint directory: `checkpoint.dir`, or `<run_dir>/checkpoints`."""
+    return Path(cfg.dir or os.path.join(run_dir, "checkpoints")).expanduser().absolute()
+
+
+def local_checkpoint_dir(cfg: CheckpointConfig) -> Path | None:
+    """The absolute local-tier directory, or None when there is no local tier."""
+    return Path(cfg.local_dir).expanduser().absolute() if cfg.local_dir else None
+
+
+def ensure_writable(path: Path, key: str = "checkpoint.dir") -> None:
+    """Creates `path` and proves a file can be written there, before any training step runs.
+
+    Raises:
+      ConfigError: naming the config key, the directory and the OS error.
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-probe-{uuid.uuid4().hex}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{key}={str(path)!r} is not writable: {e}") from e
+
+
+def _warn(msg: str) -> None:
+    if jax.process_index() == 0:
+        print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
+def _os_error(e: BaseException) -> BaseException:
+    """The OSError at the root of an exception chain (Orbax wraps them), else `e`."""
+    seen = e
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return e
+
+
+class _OrbaxTracebacks(logging.Filter):
+    """Orbax logs every failed background write with its whole traceback (hundreds of lines) before it re-raises
+    it to us (and again on every later wait); we report it once, as CheckpointWriteError. This drops the records
+    with a traceback that Orbax's own files log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+_FILTER = _OrbaxTracebacks()
+logging.getLogger("absl").addFilter(_FILTER)
+# After a failed write Orbax leaves the coroutines of the abandoned save unawaited; Python reports each one at
+# exit. The failure itself was reported once, as CheckpointWriteError.
+warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
+
+
+def _steps(directory: Path) -> list[int]:
+    """Committed step directories (Orbax names them by the step number), newest first."""
+    if not directory.is_dir():
+        return []
+    return sorted((int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir()), reverse=True)
+
+
+def _complete(directory: Path, step: int) -> bool:
+    try:
+        return read_record(directory / str(step)) is not None
+    except ValueError:
+        return False
+
+
+def _wait(what: str, fn: Callable[[], Any], timeout_s: float) -> None:
+    """Runs `fn` (a blocking wait on Orbax's threads, which has no timeout of its own) in a daemon thread and
+    waits at most `timeout_s` for it; re-raises its exception.
+
+    Raises:
+      CheckpointWriteError: it took longer than `timeout_s` (names `what`).
+    """
+    box: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box.append(e)
+
+    t = threading.Thread(target=target, name="msjax-checkpoint-wait", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise CheckpointWriteError(f"gave up after {timeout_s:.0f} s waiting for {what} "
+                                   "(checkpoint.timeout_s)")
+    if box:
+        raise box[0]
+
+
+class Checkpointer:
+    """Saves, verifies, rotates and restores checkpoints of (train state, data loader position).
+
+    Args:
+      cfg: checkpoint config (`every`, `keep`, `local_dir`, `local_keep`, `async_save`, `timeout_s`).
+      directory: the persistent tier (see `checkpoint_dir`).
+      local_directory: the local tier, or None (default: from `cfg.local_dir`).
+    Raises:
+      ConfigError: a tier directory is not writable.
+    """
+
+    def __init__(self, cfg: CheckpointConfig, directory: Path, local_directory: Path | None = None):
+        local_directory = local_directory or local_checkpoint_dir(cfg)
+        ensure_writable(directory)
+        if local_directory is not None:
+            ensure_writable(local_directory, "checkpoint.local_dir")
+        self.cfg = cfg
+        self.directory = directory
+        self.local_directory = local_directory
+        self.write_directory = local_directory or directory
+        # Orbax decides when to save: every `every` steps, and when jax's preemption sync point is reached.
+        # Its InitialSavePolicy (save the first step of a run) is left out: the first step is not worth a write.
+        policies = [ocp_policies.PreemptionCheckpointingPolicy()]
+        if cfg.every > 0:
+            policies.insert(0, ocp_policies.FixedIntervalPolicy(cfg.every))
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=None,  # rotation is ours: it must count only complete (recorded) checkpoints
+            enable_async_checkpointing=cfg.async_save, create=True, cleanup_tmp_directories=True,
+            save_decision_policy=ocp_policies.AnySavePolicy(policies))
+        self._manager = ocp.CheckpointManager(self.write_directory, options=options)
+        if jax.process_index() == 0:  # copies to the persistent tier cut short by a crash
+            for leftover in directory.glob(f"*{_TMP_COPY}*"):
+                shutil.rmtree(leftover, ignore_errors=True)
+        self._reader = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+        # The step whose write is in flight, the fetch of its checksums, and the rest of its record.
+        self._pending: tuple[int, Callable[[], tuple[dict, bool]], dict] | None = None
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="msjax-checkpoint")
+        self._worker_jobs: list[tuple[int, concurrent.futures.Future]] = []
+        self.verified_step: int | None = None  # the newest step known complete (written, or restored + verified)
+        self._closed = False
+
+    # ---- listing ----------------------------------------------------------------------------------------------
+
+    def _tiers(self) -> list[tuple[str, Path]]:
+        tiers = [("local", self.local_directory)] if self.local_directory is not None else []
+        return tiers + [("persistent", self.directory)]
+
+    def candidates(self) -> list[tuple[int, str, Path]]:
+        """Every committed step directory of both tiers as (step, tier, path), newest first, local first at
+        equal steps (it restores faster). Includes directories without an integrity record."""
+        out = [(s, tier, d / str(s)) for tier, d in self._tiers() for s in _steps(d)]
+        order = {"local": 0, "persistent": 1}
+        return sorted(out, key=lambda c: (-c[0], order[c[1]]))
+
+    def latest_step(self) -> int | None:
+        """The newest step with a complete checkpoint (integrity record present) in either tier, or None.
+        Its content is verified by `restore`, which may fall back to an older one."""
+        for step, tier, path in self.candidates():
+            if _complete(path.parent, step):
+                return step
+        return None
+
+    def all_steps(self) -> list[int]:
+        """Steps with a complete checkpoint in either tier, oldest first."""
+        return sorted({s for s, _, p in self.candidates() if _complete(p.parent, s)})
+
+    def newest_record(self) -> dict | None:
+        """The integrity record of the newest complete checkpoint (holds the saved config), or None."""
+        for step, _, path in self.candidates():
+            try:
+                record = read_record(path)
+            except ValueError:
+                continue
+            if record is not None:
+                return record
+        return None
+
+    # ---- saving -----------------------------------------------------------------------------------------------
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether jax's preemption sync point is reached at `step` (multi-process runs with the preemption
+        service: every process sees it at the same step); Orbax then saves this step."""
+        return self._manager.reached_preemption(step)
+
+    def save(self, step: int, state: Any, loader_state: dict, force: bool = False,
+             config: dict | None = None) -> bool:
+        """Starts a checkpoint of `step` if Orbax decides one is due (or `force`); returns whether it started.
+
+        Blocks only for stage 1 (device -> host copy) and for a previous write still in flight (Orbax allows one
+        at a time). `config` (the run's config as a dict) is stored in the record for `--resume` checks.
+
+        Raises:
+          CheckpointWriteError: the previous write failed (path and OS error in the message).
+          NonFiniteStateError: the previous checkpoint's state held NaN or Inf (deleted before completion).
+        """
+        if not force and not self._manager.should_save(step):
+            return False
+        self._finish_pending(block=True)
+        # Dispatched now (one single-device reduction per shard), read when the write has finished: not on the
+        # loop's critical path. The next step may donate these buffers; PjRt orders a donating execution after
+        # the pending reads of its inputs.
+        fetch = checksum_state(state)
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), loader=ocp.args.JsonSave(loader_state))
+        try:
+            started = self._manager.save(step, args=args, force=force)  # Orbax re-checks its policy unless forced
+        except Exception as e:  # a synchronous failure (e.g. the directory could not be created)
+            raise self._write_error(step, e) from None
+        if started:
+            self._pending = (step, fetch, {"loader": loader_state, "config": config})
+        return bool(started)
+
+    def _write_error(self, step: int, e: BaseException) -> CheckpointWriteError:
+        root = _os_error(e)
+        return CheckpointWriteError(f"the checkpoint of step {step} could not be written to "
+                                    f"{self.write_directory / str(step)}: {type(root).__name__}: {root}")
+
+    def poll(self) -> None:
+        """Called by the loop each step: finishes a write that Orbax completed (record, copy, rotation) and
+        raises the error of one that failed. Never blocks on the device or on I/O.
+
+        Raises:
+          CheckpointWriteError: a write or copy failed (path and OS error in the message).
+          NonFiniteStateError: the state just written held NaN or Inf; it was deleted, never made complete.
+        """
+        if self._pending is not None and not self._manager.is_saving_in_progress():
+            self._finish_pending(block=False)
+        self._reap_worker(block=False)
+
+    def _finish_pending(self, block: bool) -> None:
+        if self._pending is None:
+            return
+        step, fetch, extra = self._pending
+        self._pending = None
+        try:
+            _wait(f"the checkpoint write of step {step} to {self.write_directory}",
+                  self._manager.wait_until_finished, self.cfg.timeout_s)
+        except CheckpointWriteError:
+            raise
+        except Exception as e:
+            raise self._write_error(step, e) from None
+        checksums, finite = fetch()
+        if not finite:  # never made complete: deleted before its record exists
+            if jax.process_index() == 0:
+                shutil.rmtree(self.write_directory / str(step), ignore_errors=True)
+            self._manager.reload()
+            raise NonFiniteStateError(f"the state of step {step} holds NaN or Inf; its checkpoint was deleted "
+                                      f"before completion (the newest complete checkpoint is step "
+                                      f"{self.verified_step})")
+        record = {"step": step, "checksums": checksums, **extra}
+        self._worker_jobs.append((step, self._worker.submit(self._complete_step, step, record)))
+        if block:
+            self._reap_worker(block=True)
+
+    def _complete_step(self, step: int, record: dict) -> None:
+        """Worker thread: writes the record (the checkpoint is complete from here), copies it to the persistent
+        tier when there is a local one, and rotates. Runs on process 0 only; other processes return."""
+        if jax.process_index() != 0:
+            return
+        src = self.write_directory / str(step)
+        try:
+            write_record(src, record)
+        except OSError as e:
+            raise CheckpointWriteError(f"the checkpoint of step {step} could not be completed in {src}: "
+                                       f"{type(e).__name__}: {e}") from None
+        self.verified_step = step
+        if self.local_directory is not None:
+            dst = self.directory / str(step)
+            tmp = self.directory / f"{step}{_TMP_COPY}{uuid.uuid4().hex[:8]}"
+            try:
+                shutil.copytree(src, tmp)
+                os.replace(tmp, dst)
+            except OSError as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise CheckpointWriteError(f"the checkpoint of step {step} could not be copied to the persistent "
+                                           f"tier {dst}: {type(e).__name__}: {e}") from None
+            self._rotate(self.local_directory, self.cfg.local_keep)
+        self._rotate(self.directory, self.cfg.keep)
+
+    def _rotate(self, directory: Path, keep: int) -> None:
+        """Deletes checkpoints older than the newest `keep` complete ones. Directories without a record that are
+        newer than those may be a write in flight and are left alone."""
+        steps = _steps(directory)
+        complete = [s for s in steps if _complete(directory, s)]
+        if len(complete) <= keep:
+            return
+        oldest_kept = complete[keep - 1]
+        for s in steps:
+            if s < oldest_kept:
+                shutil.rmtree(directory / str(s), ignore_errors=True)
+
+    def _reap_worker(self, block: bool) -> None:
+        while self._worker_jobs and (block or self._worker_jobs[0][1].done()):
+            step, job = self._worker_jobs.pop(0)
+            try:
+                job.result(timeout=self.cfg.timeout_s)
+            except concurrent.futures.TimeoutError:
+                raise CheckpointWriteError(f"gave up after {self.cfg.timeout_s:.0f} s waiting for the checkpoint "
+                                           f"of step {step} to be completed (checkpoint.timeout_s)") from None
+            self._manager.reload()  # rotation deleted directories under Orbax (here, not in the worker: races)
+
+    def wait(self) -> None:
+        """Blocks until every started checkpoint is complete (written, recorded, copied), at most
+        `checkpoint.timeout_s` per wait.
+
+        Raises:
+          CheckpointWriteError: as `poll`.
+        """
+        self._finish_pending(block=True)
+        self._reap_worker(block=True)
+
+    def close(self) -> None:
+        """Waits for the checkpoints in flight (as `wait`) and stops Orbax's and our threads. On an error the
+        threads are still stopped (never left to hang the interpreter's exit), then the error is raised."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            self._worker.shutdown(wait=False, cancel_futures=True)
+            try:
+                _wait(f"Orbax to close the checkpoint manager of {self.write_directory}", self._close_manager,
+                      self.cfg.timeout_s)
+            except Exception:  # noqa: BLE001 - the write error (raised above, or already raised) is the report
+                pass
+
+    def _close_manager(self) -> None:
+        try:
+            self._manager.close()
+        except Exception:  # noqa: BLE001 - a failed write re-raises here again; it was reported once already
+            self._manager._checkpointer.close()
+
+    # ---- restoring --------------------------------------------------------------------------------------------
+
+    def restore(self, abstract_state: Any) -> tuple[int, Any, dict]:
+        """Restores (step, state, loader_state) from the newest checkpoint that passes verification, in either
+        tier, onto the shardings in `abstract_state` (jax.ShapeDtypeStruct leaves with `.sharding`, possibly
+        another mesh). Every checkpoint that fails is reported in one warning line and moved aside to
+        `<tier>/rejected/` (so no later save or restore mistakes it for a good one); directories without a
+        record (interrupted writes) are deleted.
+
+        Raises:
+          CheckpointError: no checkpoint in either tier passes verification (lists what was tried).
+        """
+        tried = []
+        for step, tier, path in self.candidates():
+            reason = None
+            try:
+                record = read_record(path)
+            except ValueError as e:
+                record, reason = None, str(e)
+            if record is None and reason is None:
+                _warn(f"checkpoint {path} has no integrity record (its write was interrupted); skipped")
+                self._discard(path, None)
+                tried.append(f"{path}: interrupted write")
+                continue
+            if reason is None:
+                try:
+                    restored = self._reader.restore(path, args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(abstract_state), loader=ocp.args.JsonRestore()))
+                    state, loader = restored["state"], dict(restored["loader"])
+                except Exception as e:  # noqa: BLE001 - any unreadable file: report one line, try the next
+                    root = _os_error(e)
+                    text = str(root).strip().splitlines()[0] if str(root).strip() else ""
+                    reason = f"unreadable: {type(root).__name__}: {text[:300]}"
+            if reason is None:  # outside the try: a fault of ours must not pass for a damaged checkpoint
+                bad = mismatches(record["checksums"], checksum_state(state)()[0])
+                if bad:
+                    reason = (f"checksum mismatch in {len(bad)} array(s): {', '.join(bad[:3])}"
+                              + (" ..." if len(bad) > 3 else ""))
+                elif loader != record.get("loader"):
+                    reason = f"loader position {loader} differs from the recorded {record.get('loader')}"
+            if reason is None:
+                self.verified_step = step
+                self._manager.reload()
+                return step, state, loader
+            _warn(f"checkpoint {path} failed verification ({reason}); trying the next older one")
+            self._discard(path, reason)
+            tried.append(f"{path}: {reason}")
+        raise CheckpointError("no checkpoint passes verification"
+                              + (": " + "; ".join(tried) if tried else f" (none in {self.directory})"))
+
+    def _discard(self, path: Path, reason: str | None) -> None:
+        """Moves a failed checkpoint to `<tier>/rejected/<step>-<time>` (kept for inspection), or deletes an
+        interrupted write (`reason` None). Process 0 acts; the others wait for it."""
+        if jax.process_index() == 0:
+            if reason is None:
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                dest = path.parent / REJECTED_DIR / f"{path.name}-{time.strftime('%Y%m%dT%H%M%S')}"
+                dest.parent.mkdir(exist_ok=True)
+                os.replace(path, dest)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"msjax-checkpoint-discard-{path.name}")
+        self._manager.reload()

@@ -1,0 +1,137 @@
+"""Checkpoint benchmark: how long the loop is blocked per checkpoint, restore speed per tier, integrity cost.
+
+python scripts/bench_checkpoint.py [--gib=1.0] [--saves=3] [--devices=8] [--dir=/tmp/...] [--local-dir=/dev/shm/...]
+                                   [--json PATH]
+
+For a train-state-like pytree of `--gib` GiB of float32 arrays sharded over `--devices` CPU devices:
+  blocked_s       the time `Checkpointer.save` blocks the loop (stage 1: device -> host copy, checksum dispatch),
+                  two tiers (local `--local-dir` then persistent `--dir`), mean over saves after the first;
+  sync_save_s     a synchronous Orbax save of the same state to the persistent tier (what the loop would wait
+                  for without the two stages); the target is blocked_s <= 10% of it;
+  background_s    how long the write, record and copy go on after `save` returned;
+  restore_*_s     a verified restore from the local tier and from the persistent tier (the persistent files were
+                  just written, so they may come from the page cache: an upper bound on its speed);
+  verify_s        the checksum pass alone on the restored state; the target is verify_s < 20% of a restore.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gib", type=float, default=1.0, help="state size in GiB (float32)")
+    p.add_argument("--saves", type=int, default=3, help="checkpoints to time (the first is reported apart)")
+    p.add_argument("--devices", type=int, default=8, help="fake CPU devices the state is sharded over")
+    p.add_argument("--dir", default="", help="persistent tier (default: a fresh directory under /tmp)")
+    p.add_argument("--local-dir", default="", help="local tier (default: a fresh directory under /dev/shm)")
+    p.add_argument("--json", default="", help="also write the results as JSON to this path")
+    args = p.parse_args(argv)
+    if args.gib <= 0 or args.saves < 2 or args.devices < 1:
+        print("error: --gib must be > 0, --saves >= 2, --devices >= 1", file=sys.stderr)
+        return 2
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={args.devices}").strip()
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from msjax.checkpoint import Checkpointer
+    from msjax.checkpoint.integrity import checksum_state
+    from msjax.config import CheckpointConfig
+
+    persistent = Path(args.dir or tempfile.mkdtemp(prefix="msjax-bench-ckpt-", dir="/tmp"))
+    local = Path(args.local_dir or tempfile.mkdtemp(prefix="msjax-bench-ckpt-", dir="/dev/shm"))
+    sync_dir = Path(tempfile.mkdtemp(prefix="msjax-bench-sync-", dir=str(persistent.parent)))
+    mesh = jax.make_mesh((len(jax.devices()),), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharding = NamedSharding(mesh, P("d"))
+    n_arrays, cols = 8, 8192
+    rows = max(len(jax.devices()), int(args.gib * 2**30 / 4 / n_arrays / cols) // len(jax.devices())
+               * len(jax.devices()))
+    make = jax.jit(lambda k: {f"w{i}": jax.random.normal(jax.random.fold_in(k, i), (rows, cols), jnp.float32)
+                              for i in range(n_arrays)}, out_shardings=sharding)
+    step_fn = jax.jit(lambda s: {"params": jax.tree.map(lambda x: x * 1.0001 + 1e-4, s["params"]),
+                                 "step": s["step"] + 1}, donate_argnums=0)
+    state = {"params": make(jax.random.key(0)),
+             "step": jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))}
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    results: dict = {"state_bytes": nbytes, "devices": len(jax.devices()), "persistent_dir": str(persistent),
+                     "local_dir": str(local)}
+    try:
+        # Two tiers, asynchronous: what the loop pays per checkpoint.
+        ckpt = Checkpointer(CheckpointConfig(every=1, keep=2, local_keep=1), persistent, local)
+        blocked, background = [], []
+        for i in range(1, args.saves + 1):
+            state = step_fn(state)
+            jax.block_until_ready(state)  # the step's own compute is not the checkpoint's cost
+            t0 = time.perf_counter()
+            ckpt.save(i, state, {"step": i}, force=True)
+            t1 = time.perf_counter()
+            ckpt.wait()
+            blocked.append(t1 - t0)
+            background.append(time.perf_counter() - t1)
+        ckpt.close()
+        results.update(blocked_first_s=blocked[0], blocked_s=float(np.mean(blocked[1:])),
+                       background_s=float(np.mean(background[1:])))
+
+        # The same state saved synchronously (Orbax, no async), persistent tier only.
+        sync = Checkpointer(CheckpointConfig(every=1, keep=1, async_save=False), sync_dir)
+        times = []
+        for i in range(1, 3):
+            t0 = time.perf_counter()
+            sync.save(i, state, {"step": i}, force=True)
+            sync.wait()
+            times.append(time.perf_counter() - t0)
+        sync.close()
+        results["sync_save_s"] = times[-1]
+        results["blocked_fraction_of_sync"] = results["blocked_s"] / results["sync_save_s"]
+
+        # Restores: local tier (newest there), then persistent only.
+        def timed_restore(c: Checkpointer) -> tuple[float, object]:
+            t0 = time.perf_counter()
+            _, restored, _ = c.restore(abstract)
+            jax.block_until_ready(restored)
+            dt = time.perf_counter() - t0
+            c.close()
+            return dt, restored
+
+        results["restore_local_s"], restored = timed_restore(
+            Checkpointer(CheckpointConfig(keep=2, local_keep=1), persistent, local))
+        del restored
+        results["restore_persistent_s"], restored = timed_restore(Checkpointer(CheckpointConfig(keep=2), persistent))
+        checksum_state(restored)()  # compiled already by the restores; time the pass itself
+        t0 = time.perf_counter()
+        checksum_state(restored)()
+        results["verify_s"] = time.perf_counter() - t0
+        results["verify_fraction_of_restore_local"] = results["verify_s"] / results["restore_local_s"]
+        results["verify_fraction_of_restore_persistent"] = results["verify_s"] / results["restore_persistent_s"]
+    finally:
+        for d in (local, sync_dir) + (() if args.dir else (persistent,)):
+            shutil.rmtree(d, ignore_errors=True)
+
+    print(f"checkpoint benchmark: {nbytes / 2**30:.2f} GiB state over {len(jax.devices())} CPU devices, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print(f"{'quantity':<40} {'value':>10}")
+    for key in ("blocked_first_s", "blocked_s", "background_s", "sync_save_s", "blocked_fraction_of_sync",
+                "restore_local_s", "restore_persistent_s", "verify_s", "verify_fraction_of_restore_local",
+                "verify_fraction_of_restore_persistent"):
+        print(f"{key:<40} {results[key]:>10.3f}")
+    results["load_average_1min"] = os.getloadavg()[0]
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,80 @@
+"""A training run in its own process, for the fault tests (signals, kill -9, a directory made read-only).
+
+python tests/msjax/fault_driver.py TMP CORPUS OVERRIDES_JSON OUT_JSON [--lock-after-checkpoint=N]
+
+Runs `msjax.train.run` on the tiny config of conftest.py with the given overrides, printing "step S" after every
+step (flushed, so the parent can time its signal), and writes {"digest": sha256 of every state leaf's bytes,
+"summary": ...} to OUT_JSON when the run returns. `--lock-after-checkpoint=N`: once checkpoint N is complete,
+makes the checkpoint directory immutable (`chattr +i`; root ignores chmod), so the next write fails, and from
+then on each step takes 0.5 s longer (a real model's step), so how many steps the failure takes to surface is
+measurable.
+"""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))
+sys.path.insert(0, str(HERE))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from conftest import tiny_run_config  # noqa: E402
+
+from msjax.checkpoint import CheckpointError  # noqa: E402
+from msjax.hooks import Hook  # noqa: E402
+from msjax.train import run, summary_json  # noqa: E402
+
+
+def digest(state) -> str:
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(jax.device_get(state)):
+        h.update(np.ascontiguousarray(leaf).tobytes())
+    return h.hexdigest()
+
+
+class Progress(Hook):
+    def __init__(self, lock_after: int | None):
+        self.lock_after = lock_after
+        self.locked = False
+
+    def on_checkpoint(self, ctx, step):
+        print(f"checkpoint {step} started", flush=True)  # stage 1 done, stage 2 (the write) in flight
+
+    def on_step_end(self, ctx, step, metrics):
+        print(f"step {step}", flush=True)
+        if self.locked:
+            time.sleep(0.5)  # steps of a real model's length, so "within a step or two" is measurable
+        if self.lock_after is not None and step > self.lock_after:
+            ckpt_dir = ctx.run_dir / "checkpoints"
+            deadline = time.time() + 120
+            while not (ckpt_dir / str(self.lock_after)).is_dir() and time.time() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)  # the integrity record follows the commit within a poll
+            subprocess.run(["chattr", "+i", str(ckpt_dir)], check=True)
+            print(f"locked {ckpt_dir}", flush=True)
+            self.lock_after, self.locked = None, True
+
+
+def main() -> int:
+    tmp, corpus, overrides, out = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3]), Path(sys.argv[4])
+    lock = [int(a.split("=")[1]) for a in sys.argv[5:] if a.startswith("--lock-after-checkpoint=")]
+    cfg = tiny_run_config(tmp, corpus, **overrides)
+    try:
+        summary = run(cfg, hooks=[Progress(lock[0] if lock else None)])
+    except CheckpointError as e:  # as scripts/train.py reports it
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    out.write_text(json.dumps({"digest": digest(summary["state"]),
+                               "summary": {k: v for k, v in summary_json(summary).items() if k != "sample"}}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
