@@ -37,7 +37,11 @@ def main(argv: list[str]) -> int:
         return 2
     except (CheckpointError, NonFiniteLossError) as e:  # the run stopped; the newest verified checkpoint is kept
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # After a failed write a thread of Orbax's abandoned save stays blocked and the interpreter would wait
+        # for it forever at exit (measured here); every complete checkpoint is already on disk, so exit now.
+        os._exit(1)
     out = summary_json(summary)
     out.pop("sample", None)
     if jax.process_index() == 0:

@@ -68,9 +68,11 @@ def main() -> int:
     cfg = tiny_run_config(tmp, corpus, **overrides)
     try:
         summary = run(cfg, hooks=[Progress(lock[0] if lock else None)])
-    except CheckpointError as e:  # as scripts/train.py reports it
+    except CheckpointError as e:  # as scripts/train.py reports it (and exits: see there)
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     out.write_text(json.dumps({"digest": digest(summary["state"]),
                                "summary": {k: v for k, v in summary_json(summary).items() if k != "sample"}}))
     return 0

@@ -47,23 +47,28 @@ def _tree_digest(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def _live_data_file(step_dir: Path, state) -> tuple[Path, int]:
-    """A data file of the checkpoint and an offset in it that hold saved parameter values.
+def _live_data(step_dir: Path, state) -> list[tuple[Path, int]]:
+    """Every (data file, offset) of the checkpoint where the first 16 values of one saved parameter shard lie.
 
-    Orbax's OCDBT files also hold bytes no restore reads (superseded b-tree nodes, per-process manifests), and
-    damage there is harmless, so the damage must land on live data: randomly initialised float32 chunks do not
-    compress, zstd stores them raw, so the first 64 bytes of a saved shard appear verbatim in its file."""
+    Randomly initialised float32 chunks do not compress, so zstd stores them raw and their bytes appear
+    verbatim. Orbax's OCDBT files can hold a chunk more than once (only one copy is read back), so damage meant
+    to hit "the parameter on disk" is applied to every copy; norm scales and biases (constant) are skipped."""
     files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
     contents = {f: f.read_bytes() for f in files}
     for leaf in jax.tree.leaves(state["params"]):
         for shard in leaf.addressable_shards:
             values = np.asarray(shard.data).reshape(-1)[:16]
-            if values.size < 16 or len(np.unique(values)) < 16:  # norm scales (ones) and biases repeat everywhere
+            if values.size < 16 or len(np.unique(values)) < 16:
                 continue
             needle = values.tobytes()
-            hits = [(f, data.find(needle)) for f, data in contents.items() if data.count(needle) == 1]
-            if len(hits) == 1 and sum(data.count(needle) for data in contents.values()) == 1:
-                return hits[0]
+            hits = []
+            for f, data in contents.items():
+                at = data.find(needle)
+                while at >= 0:
+                    hits.append((f, at))
+                    at = data.find(needle, at + 1)
+            if hits:
+                return hits
     raise AssertionError(f"no saved parameter bytes found verbatim under {step_dir}")
 
 
@@ -141,18 +146,19 @@ def test_resume_with_another_model_is_one_clear_error_and_touches_nothing(cache,
 # ---- 2, 3: corrupted or unreadable newest checkpoint: fall back, end bit-identical -----------------------------
 
 def _corrupt(step_dir: Path, how: str, state) -> None:
-    f, offset = _live_data_file(step_dir, state)
-    data = bytearray(f.read_bytes())
-    if how == "bitflip":
-        data[offset + 17] ^= 0x10  # one bit of one float32 of a parameter
-    elif how == "garbage4k":
-        data[offset:offset + 4096] = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes()
-    elif how == "truncate":
-        data = data[: offset + 32]
-    elif how == "missing":
-        f.unlink()
-        return
-    f.write_bytes(bytes(data))
+    hits = _live_data(step_dir, state)
+    for f, offset in sorted(hits, key=lambda h: -h[1]):  # from the end, so offsets stay valid when truncating
+        if how == "missing":
+            f.unlink(missing_ok=True)
+            continue
+        data = bytearray(f.read_bytes())
+        if how == "bitflip":
+            data[offset + 17] ^= 0x10  # one bit of one float32 of a parameter
+        elif how == "garbage4k":
+            data[offset:offset + 4096] = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes()
+        elif how == "truncate":
+            data = data[: offset + 32]
+        f.write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize("how", ["bitflip", "garbage4k", "truncate", "missing"])
