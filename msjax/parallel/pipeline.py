@@ -17,7 +17,8 @@ each stage:
      virtual stage includes the final norm, output projection and loss, seeded with 1 / M; stage 0's chunk 0
      follows with the embedding's vjp), and adds the parameter gradients to float32 accumulators in the carry;
   4. sends the input gradient to the previous stage (`ppermute`), which overlaps the next tick's forward.
-Idle slots skip their work (`lax.cond`), so the warm-up and cool-down cost what the bubble says. Activation
+Ticks in which every stage's forward (or backward) slot is idle skip that work (`lax.cond` on a predicate that
+is the same on every device), so the warm-up and cool-down cost what the bubble says. Activation
 memory per stage is the stash (the microbatches in flight, bounded by P and V, not M) plus one chunk's
 activations while it is recomputed: at M = 4P the compiled step's temp memory stays within 1.25x of M = P
 (tests/msjax/test_pipeline.py). The price is one extra forward of every chunk (as full rematerialisation).
@@ -203,63 +204,62 @@ class PipelinedGrads:
         def tick(carry, tk):
             fwd_in, bwd_in, stash, g_staged, g_ends, loss = carry
 
-            # 1. forward slot
+            # 1. forward slot. Skipped (lax.cond) only in ticks where every stage's slot is idle: the predicate
+            # is the same on all devices, because a branch that some devices of a collective take and others do
+            # not deadlocks (XLA:CPU's rendezvous expects every device). Within a busy tick an idle stage
+            # computes on stale data and its result is masked; the tick lasts as long as its busiest stage.
             f_on, f_mb, f_v, f_slot = sched.forward(tk, stage)
 
             def forward(stash):
                 tokens = jax.lax.dynamic_index_in_dim(inputs_mbt, f_mb, 0, keepdims=False)
-                x = jax.lax.cond((stage == 0) & (f_v == 0), lambda: self._embed(ends, tokens).astype(dt),
-                                 lambda: fwd_in)
+                x = jnp.where((stage == 0) & (f_v == 0), self._embed(ends, tokens).astype(dt), fwd_in)
                 y = self._chunk(chunk_params(f_v), x)
-                return constrain(y.astype(dt), act_names), jax.lax.dynamic_update_index_in_dim(stash, x, f_slot, 0)
+                old = jax.lax.dynamic_index_in_dim(stash, f_slot, 0, keepdims=False)
+                stash = jax.lax.dynamic_update_index_in_dim(stash, jnp.where(f_on, x, old), f_slot, 0)
+                return constrain(y.astype(dt), act_names), stash
 
-            y, stash = jax.lax.cond(f_on, forward, lambda s: (zeros_act, s), stash)
+            y, stash = jax.lax.cond(tk < sched.forward_ticks, forward, lambda s: (zeros_act, s), stash)
             # 2. send it on now: nothing below depends on it, so the transfer overlaps the backward.
             fwd_out = jax.lax.ppermute(y, AXIS, fwd_ring)
 
-            # 3. backward slot
+            # 3. backward slot (same rule for skipping). Every stage runs chunk + head + loss under one vjp and
+            # the cotangents select what counts: the last virtual stage seeds the loss with 1 / M, the others
+            # take the gradient received from the next stage (a per-stage branch would deadlock, see above;
+            # the head costs the other stages nothing, since the last stage's tick is the longest anyway).
             b_on, b_mb, b_v, b_slot = sched.backward(tk, stage)
-            last = (stage == p_count - 1) & (b_v == self.v - 1)
-            x = jax.lax.dynamic_index_in_dim(stash, b_slot, 0, keepdims=False)
-            targets = jax.lax.dynamic_index_in_dim(targets_mbt, b_mb, 0, keepdims=False)
-            cp = chunk_params(b_v)
 
-            def idle():
-                return (jax.tree.map(jnp.zeros_like, cp), jax.tree.map(jnp.zeros_like, ends), zeros_act,
-                        jnp.float32(0.0))
+            def backward(g_staged, g_ends, loss):
+                last = b_on & (stage == p_count - 1) & (b_v == self.v - 1)
+                x = jax.lax.dynamic_index_in_dim(stash, b_slot, 0, keepdims=False)
+                inputs = jax.lax.dynamic_index_in_dim(inputs_mbt, b_mb, 0, keepdims=False)
+                targets = jax.lax.dynamic_index_in_dim(targets_mbt, b_mb, 0, keepdims=False)
 
-            def middle():
-                _, vjp = jax.vjp(self._chunk, cp, x)
-                d_cp, dx = vjp(bwd_in)
-                return d_cp, jax.tree.map(jnp.zeros_like, ends), dx, jnp.float32(0.0)
-
-            def output_end():
                 def f(cp, ends, x):
-                    return self._head_loss(ends, self._chunk(cp, x), targets)
+                    y = self._chunk(cp, x)
+                    return y, self._head_loss(ends, y, targets)
 
-                mb_loss, vjp = jax.vjp(f, cp, ends, x)
-                d_cp, d_ends, dx = vjp(seed)
-                return d_cp, d_ends, dx, mb_loss.astype(jnp.float32)
+                (_, mb_loss), vjp = jax.vjp(f, chunk_params(b_v), ends, x)
+                dy = jnp.where(b_on & ~last, bwd_in, jnp.zeros_like(bwd_in))
+                d_cp, d_ends, dx = vjp((dy, jnp.where(last, seed, 0.0).astype(mb_loss.dtype)))
+                dx = constrain(dx.astype(dt), act_names)
+                # stage 0, chunk 0: the embedding's vjp with the input gradient (zero cotangent elsewhere)
+                _, embed_vjp = jax.vjp(lambda e: self._embed(e, inputs).astype(dt), ends)
+                (d_embed,) = embed_vjp(jnp.where(b_on & (stage == 0) & (b_v == 0), dx, jnp.zeros_like(dx)))
+                g_ends = jax.tree.map(lambda a, d1, d2: a + jnp.where(b_on, d1.astype(jnp.float32)
+                                                                      + d2.astype(jnp.float32), 0.0),
+                                      g_ends, d_ends, d_embed)
+                g_chunk = jax.tree.map(
+                    lambda a, d: jax.lax.dynamic_index_in_dim(a, b_v, 0, keepdims=False)
+                    + jnp.where(b_on, d.astype(jnp.float32), 0.0), g_staged, d_cp)
+                g_staged = jax.tree.map(lambda a, g: jax.lax.dynamic_update_index_in_dim(a, g, b_v, 0), g_staged,
+                                        g_chunk)
+                loss = loss + jnp.where(last, mb_loss.astype(jnp.float32), 0.0) * seed
+                return dx, g_staged, g_ends, loss
 
-            branch = jnp.where(b_on, jnp.where(last, 2, 1), 0)
-            d_cp, d_ends, dx, mb_loss = jax.lax.switch(branch, (idle, middle, output_end))
-            dx = constrain(dx.astype(dt), act_names)
+            dx, g_staged, g_ends, loss = jax.lax.cond(
+                tk >= sched.backward_start, backward, lambda *c: (zeros_act, *c), g_staged, g_ends, loss)
             # 4. send the input gradient back; it overlaps the next tick's forward.
             bwd_out = jax.lax.ppermute(dx, AXIS, bwd_ring)
-
-            def embed_backward():
-                tokens = jax.lax.dynamic_index_in_dim(inputs_mbt, b_mb, 0, keepdims=False)
-                _, vjp = jax.vjp(lambda e: self._embed(e, tokens).astype(dt), ends)
-                return vjp(dx)[0]
-
-            d_embed = jax.lax.cond(b_on & (stage == 0) & (b_v == 0), embed_backward,
-                                   lambda: jax.tree.map(jnp.zeros_like, ends))
-            g_ends = f32_add(f32_add(g_ends, d_ends), d_embed)
-            g_chunk = f32_add(jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, b_v, 0, keepdims=False),
-                                           g_staged), d_cp)
-            g_staged = jax.tree.map(lambda a, g: jax.lax.dynamic_update_index_in_dim(a, g, b_v, 0), g_staged,
-                                    g_chunk)
-            loss = loss + mb_loss * seed
             return (fwd_out, bwd_out, stash, g_staged, g_ends, loss), None
 
         carry = (zeros_act, zeros_act, stash, g_staged, g_ends, jnp.float32(0.0))

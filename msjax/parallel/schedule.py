@@ -17,7 +17,7 @@ On stage p the forward index k = t - p = (i // P) V P + v P + i % P is a mixed-r
 member), so each stage runs at most one forward per tick; the backward likewise. F(i, s + 1) = F(i, s) + 1 and
 B(i, s - 1) = B(i, s) + 1, so every input a stage needs arrived (by `ppermute`) at the end of the tick before.
 Ticks: V M + S + P - 1. Forward slots are busy in V M + P - 1 ticks and backward slots in V M + P - 1 ticks;
-a stage whose slot is idle skips that work (`lax.cond`), so the step lasts about (V M + P - 1)(t_f + t_b) for
+ticks in which no stage uses a slot skip that work (`lax.cond`), so the step lasts about (V M + P - 1)(t_f + t_b) for
 V M (t_f + t_b) of work per stage: the bubble fraction (P - 1) / (V M + P - 1) of the paper's sec. 2.2.
 
 Stage p keeps each chunk input from its forward to its backward (the backward recomputes the chunk from it).
@@ -87,6 +87,16 @@ class Schedule:
     def ticks(self) -> int:
         """Ticks of one flush: V M + S + P - 1."""
         return self.virtual_stages * self.microbatches + self.virtual + self.stages - 1
+
+    @property
+    def forward_ticks(self) -> int:
+        """Ticks [0, V M + P - 1) in which some stage runs a forward."""
+        return self.virtual_stages * self.microbatches + self.stages - 1
+
+    @property
+    def backward_start(self) -> int:
+        """First tick in which some stage runs a backward (S); from there to the end one always does."""
+        return self.virtual
 
     @property
     def slots(self) -> int:
