@@ -24,6 +24,8 @@ from msjax.hardware import mesh_peak_flops
 from msjax.hooks import Hook, Hooks, LoopControl, RunContext
 from msjax.mesh import make_mesh
 from msjax.metrics import MetricsWriter
+from msjax.parallel.schedule import pipeline_summary
+from msjax.planner.preflight import check_layout
 from msjax.sample import generate
 from msjax.train_step import TrainProgram, build_train_program
 
@@ -48,12 +50,14 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
       control: requests to the loop (stop, checkpoint now, profile); a fresh LoopControl by default.
 
     Raises:
-      ConfigError: a config that does not fit the devices or data (mesh size, vocabulary, batch split), an
+      ConfigError: a config that does not fit the devices or data (mesh size, memory estimate, vocabulary, batch
+        split; the first three checked before anything is read or allocated), an
         unwritable checkpoint directory, or checkpoints already present without `checkpoint.resume`.
       msjax.data.DataError: missing, empty or undecodable data.
     """
     t_start = time.perf_counter()
     cfg = cfg.validate()
+    check_layout(cfg)  # mesh, divisibility and memory, before any data, directory or compilation
     t = cfg.train
     run_dir = Path(t.run_dir)
     ckpt = Checkpointer(cfg.checkpoint, checkpoint_dir(cfg.checkpoint, t.run_dir))
@@ -93,6 +97,8 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
     _log(f"msjax: {cfg.name} | {program.param_count / 1e6:.2f}M params | mesh "
          f"{dict(mesh.shape)} | {n_dev} x {jax.devices()[0].device_kind} | MFU against {peak / 1e12:.3g} "
          f"TFLOP/s ({peak_label}) | train {len(data.train):,} / val {len(data.val):,} tokens")
+    if mesh.shape["pipeline"] > 1:
+        _log(pipeline_summary(mesh.shape["pipeline"], cfg.pipeline.virtual_stages, cfg.pipeline.microbatches))
 
     writer = MetricsWriter(run_dir)
     control = control or LoopControl()

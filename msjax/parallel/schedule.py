@@ -59,6 +59,15 @@ def in_flight(stages: int, virtual_stages: int, microbatches: int, stage: int = 
     return min(v * m, v * p + p - 2 * stage)
 
 
+def pipeline_summary(stages: int, virtual_stages: int, microbatches: int) -> str:
+    """The start-up line of a pipelined run: schedule, bubble fraction and microbatches in flight (the same
+    functions the planner prices). `microbatches` 0 means `stages` (pipeline.microbatches' default)."""
+    m = microbatches or stages
+    return (f"pipeline: interleaved 1F1B, P={stages} stages x V={virtual_stages} chunks, M={m} microbatches | "
+            f"bubble (P-1)/(VM+P-1) = {bubble_fraction(stages, virtual_stages, m):.1%} | "
+            f"{in_flight(stages, virtual_stages, m)} chunk inputs in flight on stage 0")
+
+
 @dataclass(frozen=True)
 class Schedule:
     """The tick table of one interleaved 1F1B flush (module docstring).
