@@ -17,8 +17,9 @@ On stage p the forward index k = t - p = (i // P) V P + v P + i % P is a mixed-r
 member), so each stage runs at most one forward per tick; the backward likewise. F(i, s + 1) = F(i, s) + 1 and
 B(i, s - 1) = B(i, s) + 1, so every input a stage needs arrived (by `ppermute`) at the end of the tick before.
 Ticks: V M + S + P - 1. Forward slots are busy in V M + P - 1 ticks and backward slots in V M + P - 1 ticks;
-ticks in which no stage uses a slot skip that work (`lax.cond`), so the step lasts about (V M + P - 1)(t_f + t_b) for
-V M (t_f + t_b) of work per stage: the bubble fraction (P - 1) / (V M + P - 1) of the paper's sec. 2.2.
+ticks in which no stage uses a slot skip that work (`lax.cond`), so the step lasts about
+(V M + P - 1)(t_f + t_b) for V M (t_f + t_b) of work per stage: the bubble fraction (P - 1) / (V M + P - 1)
+of the paper's sec. 2.2.
 
 Stage p keeps each chunk input from its forward to its backward (the backward recomputes the chunk from it).
 Those live entries are the microbatches in flight: at most min(V M, V P + P - 2p) chunk inputs (counting the

@@ -96,7 +96,9 @@ def run(argv: Sequence[str], out=sys.stdout) -> dict:
         if actions["compile"] and plan is not None:
             from msjax.planner.compile_check import compile_check
 
-            check = compile_check(cfg, plan.layout.axis_sizes(), plan.layout.zero_stage)
+            lay = plan.layout
+            check = compile_check(cfg, lay.axis_sizes(), lay.zero_stage, pipeline_microbatches=lay.microbatches,
+                                  virtual_stages=lay.virtual_stages)
             m = plan.memory
             check["estimate"] = {"params": m.params, "grads": m.grads, "optimizer": m.optimizer,
                                  "activations": m.activations + m.working, "total": m.total}

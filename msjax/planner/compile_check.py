@@ -9,8 +9,8 @@ current process when it already has enough devices):
   so one replica's worth of devices is enough. The global batch is divided by the data size to keep the
   per-device batch the same.
   With pipeline > 1 the mesh keeps its pipeline axis and the compiled step is the real pipelined one
-  (msjax.parallel.pipeline, interleaved 1F1B). ZeRO-1/2 over `data` are not in the train step either: the comparison is always with the
-  state as the step lays it out (ZeRO over data = 0).
+  (msjax.parallel.pipeline, interleaved 1F1B). ZeRO-1/2 over `data` are not in the train step: the
+  comparison is always with the state as the step lays it out (ZeRO over data = 0).
 What is compared:
   analytic: params + optimizer moments + scalars (step, rng, optimizer counters), per device, from the
     planner's own leaf inventory and the rule set (msjax.planner.memory.analytic_state_bytes), plus the int32
@@ -37,8 +37,14 @@ from msjax.planner.options import PlanError
 MAX_FAKE_DEVICES = 512
 
 
-def compile_config(cfg: Config, sizes: dict[str, int]) -> tuple[Config, dict[str, int], str]:
-    """(config to compile, its mesh sizes, a sentence saying what is compiled) for a layout's `sizes`."""
+def compile_config(cfg: Config, sizes: dict[str, int], pipeline_microbatches: int = 0,
+                   virtual_stages: int = 0) -> tuple[Config, dict[str, int], str]:
+    """(config to compile, its mesh sizes, a sentence saying what is compiled) for a layout's `sizes`; with
+    pipeline stages, `pipeline_microbatches` / `virtual_stages` (0: the config's) set the plan's M and V."""
+    if sizes["pipeline"] > 1 and (pipeline_microbatches or virtual_stages):
+        cfg = apply_overrides(cfg, {"pipeline.microbatches": pipeline_microbatches or cfg.pipeline.microbatches,
+                                    "pipeline.virtual_stages": virtual_stages or cfg.pipeline.virtual_stages,
+                                    "train.microbatches": 1})
     p, d = sizes["pipeline"], sizes["data"]
     g = cfg.train.global_batch // d
     pm = (cfg.pipeline.microbatches or p) if p > 1 else 1
@@ -102,13 +108,15 @@ def compile_here(cfg: Config, sizes: dict[str, int]) -> dict[str, Any]:
 
 
 def compile_check(cfg: Config, sizes: dict[str, int], zero_stage: int = 0,
-                  timeout: float = 600.0) -> dict[str, Any]:
+                  timeout: float = 600.0, pipeline_microbatches: int = 0,
+                  virtual_stages: int = 0) -> dict[str, Any]:
     """Compiles the train step for a layout (see module docstring) and compares argument bytes.
 
     Args:
       cfg: the planned config.
       sizes: the layout's mesh axis sizes (pipeline, data, fsdp, sequence, tensor).
       zero_stage: the plan's ZeRO stage over data (only mentioned: the step keeps the state whole over data).
+      pipeline_microbatches, virtual_stages: the plan's M and V for a pipelined layout (0: the config's).
     Returns:
       dict with "what" (the sentence above), "xla_argument_bytes", "analytic" (by part), "sharding_bytes",
       "relative_difference", "agree" (within 1%), "compile_seconds", "devices", "mesh".
@@ -116,7 +124,7 @@ def compile_check(cfg: Config, sizes: dict[str, int], zero_stage: int = 0,
       PlanError: more than MAX_FAKE_DEVICES devices would be needed, or the subprocess failed (its stderr
         tail is in the message).
     """
-    ccfg, csizes, what = compile_config(cfg, sizes)
+    ccfg, csizes, what = compile_config(cfg, sizes, pipeline_microbatches, virtual_stages)
     n = math.prod(csizes.values())
     if n > MAX_FAKE_DEVICES:
         raise PlanError(f"compile check would need {n} fake CPU devices (fsdp x sequence x tensor); at most "

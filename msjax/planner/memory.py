@@ -356,7 +356,8 @@ def _msjax_pipeline_report(cfg: Config, layout: Layout, stage: StageParams, devi
                            memory_fraction: float, per_layer: float) -> MemoryReport:
     """Memory of a stage of msjax's pipelined step (`msjax.parallel.pipeline`), which differs from Megatron's:
     every stage holds the embedding / output end (replicated over `pipeline`, one copy of a tied embedding);
-    gradients are float32 accumulators; activations are the stash of 2 P V chunk inputs (b, T, D), split like
+    gradients are float32, twice (the loop's accumulators and the optimizer's input), and the working memory
+    holds the optimizer's float32 update and, for V > 1, the regrouped copy of the stage's layers; activations are the stash of 2 P V chunk inputs (b, T, D), split like
     the residual stream (sequence and tensor), the send/receive buffers, and the activations of the one chunk
     being recomputed under `jax.vjp` (its L / (P V) layers under the remat policy); every stage computes the
     logits in its backward (their gradient masked where unused), so the logits and their gradient are working
@@ -383,9 +384,14 @@ def _msjax_pipeline_report(cfg: Config, layout: Layout, stage: StageParams, devi
     wte_copy = _tied_copy(cfg, layout) if cfg.model.tie_embeddings else 0
     elements = layers * stage.layer_elements + stage.first_elements + stage.last_elements - wte_copy
     params = pe * elements
-    grads = 4.0 * elements / (d if layout.zero_stage >= 2 else 1)
+    # float32 gradients twice: the accumulators the tick loop carries ((P, V, Lc, ...) and the ends) and the
+    # gradients handed to the optimizer in the parameters' own layout (measured in the compiled 175B step's temp)
+    grads = 2 * 4.0 * elements / (d if layout.zero_stage >= 2 else 1)
     opt = oe * elements / (d if layout.zero_stage >= 1 else 1)
-    work = remat_working + fsdp_buffers + logits
+    # the optimizer's float32 update before it is applied; with V > 1, the regrouped copy of the stage's layers
+    update = 4.0 * elements / (d if layout.zero_stage >= 1 else 1)
+    regroup = pe * layers * stage.layer_elements if v > 1 else 0.0
+    work = remat_working + fsdp_buffers + logits + update + regroup
     return MemoryReport(params, grads, opt, acts, work, memory_fraction * device_memory, device_memory, per_layer,
                         in_flight(p, v, m) * chunk_layers)
 

@@ -187,7 +187,7 @@ def _env(devices: int, **extra) -> dict:
     return env
 
 
-def _train_cli(tmp: Path, devices: int, *flags: str) -> tuple[dict, list[dict]]:
+def _train_cli(tmp: Path, devices: int, *flags: str) -> tuple[dict, list[dict], str]:
     proc = subprocess.run([sys.executable, "scripts/train.py", "--config=shakespeare_char", "--train.steps=6",
                            "--train.log_every=1", "--train.eval_every=6", "--train.eval_batches=2",
                            "--train.sample_tokens=0", "--train.progress=false", f"--train.run_dir={tmp / 'run'}",
