@@ -99,6 +99,10 @@ def build_train_program(cfg: Config, mesh: Mesh, vocab_size: int | None = None) 
     if model_cfg.vocab_size < 1:
         raise ConfigError("model.vocab_size is 0 and no tokenizer vocabulary was given")
     cfg = dataclasses.replace(cfg, model=model_cfg)
+    if model_cfg.padded_vocab() % mesh.shape["tensor"]:
+        raise ConfigError(f"model.vocab_multiple={model_cfg.vocab_multiple} pads the {model_cfg.vocab_size}-token "
+                          f"vocabulary to {model_cfg.padded_vocab()} rows, which mesh.tensor={mesh.shape['tensor']} "
+                          "does not divide; set model.vocab_multiple to a multiple of mesh.tensor")
     t = cfg.train
     batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
     stages = mesh.shape["pipeline"]

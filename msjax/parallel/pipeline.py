@@ -110,10 +110,7 @@ class PipelinedGrads:
         self.chunk_layers = m.num_layers // (self.stages * self.v)
         self.param_shardings = param_shardings
         self.block_gd = _block_graphdef(m)
-        self.ends_gd, keys = _ends_graphdef(m)
-        self.end_keys = [k for k in keys if k != "layers"]
-        # the layer-less model still has an (empty) layer list: merge needs it present
-        self._no_layers = {"layers": {}} if "layers" in keys else {}
+        self.ends_gd, self.end_keys = _ends_graphdef(m)  # its empty layer list holds no state
         # (P, V, Lc, ...) regrouped layer parameters: stage on `pipeline`, then the layer's own layout.
         self.staged_shardings = jax.tree.map(
             lambda spec: NamedSharding(mesh, P(AXIS, None, None, *logical_to_mesh_spec(tuple(spec), rules))),
@@ -149,10 +146,10 @@ class PipelinedGrads:
     # -- the model's pieces, as pure functions ----------------------------------------------------------------
 
     def _embed(self, ends: dict, tokens_bt: jax.Array) -> jax.Array:
-        return nnx.merge(self.ends_gd, {**ends, **self._no_layers}).embed(tokens_bt)
+        return nnx.merge(self.ends_gd, ends).embed(tokens_bt)
 
     def _head_loss(self, ends: dict, x_btd: jax.Array, targets_bt: jax.Array) -> jax.Array:
-        logits = nnx.merge(self.ends_gd, {**ends, **self._no_layers}).head(x_btd)
+        logits = nnx.merge(self.ends_gd, ends).head(x_btd)
         return self.loss_fn(logits, targets_bt)
 
     def _chunk(self, chunk: Any, x_btd: jax.Array) -> jax.Array:
