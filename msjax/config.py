@@ -1,6 +1,7 @@
 """Typed configuration: the one place defaults live.
 
-A run is described by one frozen `Config` made of sections (model, mesh, optimizer, data, train, checkpoint).
+A run is described by one frozen `Config` made of sections (model, mesh, pipeline, optimizer, data, train,
+checkpoint).
 Named presets in `configs/<name>.py` hold an `OVERRIDES` dict of dotted keys that differ from these defaults;
 the command line adds more dotted overrides (`--train.steps=200 --mesh.tensor=2`). Every key and value is
 checked: an unknown key, a value of the wrong type or a value outside its allowed set raises `ConfigError`
@@ -111,6 +112,23 @@ class MeshConfig:
             "sequence": self.sequence,
             "tensor": self.tensor,
         }
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline parallelism over the `pipeline` mesh axis (interleaved 1F1B; see msjax/parallel/pipeline.py and
+    docs/pipeline.md). Only read when mesh.pipeline > 1.
+
+    microbatches: M, microbatches per pipeline flush; 0 takes mesh.pipeline (the fewest that fill the pipeline;
+      raise it to shrink the bubble (P - 1) / (V M + P - 1)). Each of the `train.microbatches`
+      gradient-accumulation rounds of a step is one pipeline flush of M microbatches, so a microbatch holds
+      train.global_batch / (train.microbatches x M) sequences.
+    virtual_stages: V, model chunks per stage (Narayanan et al. 2021 sec. 2.2); a chunk holds
+      model.num_layers / (mesh.pipeline x V) layers. V > 1 needs M to be a multiple of mesh.pipeline.
+    """
+
+    microbatches: int = 0
+    virtual_stages: int = 1
 
 
 @dataclass(frozen=True)
@@ -281,6 +299,7 @@ class ObserveConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -346,6 +365,7 @@ class Config:
             if not (first.isdigit() and count.isdigit() and int(first) >= 1 and int(count) >= 1):
                 raise ConfigError(f"observe.profile_steps={o.profile_steps!r}: allowed is 'K:N' with first step "
                                   "K >= 1 and N >= 1 steps (e.g. '10:3'), or '' for none")
+        _check_pipeline(self)
         from sharding_rules import RULE_SETS  # local import: sharding_rules must not import msjax
 
         if self.mesh.rules not in RULE_SETS:
@@ -370,6 +390,30 @@ def _check_optimizer(o: OptimizerConfig) -> None:
             raise ConfigError(f"optimizer.{key}={value}: allowed is 0 <= value < 1")
     if not (math.isfinite(o.eps) and o.eps > 0):
         raise ConfigError(f"optimizer.eps={o.eps}: allowed is a finite number > 0")
+
+
+def _check_pipeline(cfg: Config) -> None:
+    """Divisibility of layers and batch for pipeline parallelism; raises ConfigError naming the key."""
+    p, pc, t = cfg.mesh.pipeline, cfg.pipeline, cfg.train
+    if pc.microbatches < 0:
+        raise ConfigError(f"pipeline.microbatches={pc.microbatches}: allowed is an integer >= 1, or 0 (= "
+                          "mesh.pipeline)")
+    if pc.virtual_stages < 1:
+        raise ConfigError(f"pipeline.virtual_stages={pc.virtual_stages}: allowed is an integer >= 1")
+    if p == 1:
+        if pc.virtual_stages > 1:
+            raise ConfigError(f"pipeline.virtual_stages={pc.virtual_stages} needs mesh.pipeline > 1")
+        return
+    m, v, L = pc.microbatches or p, pc.virtual_stages, cfg.model.num_layers
+    if L % (p * v):
+        raise ConfigError(f"model.num_layers={L} is not divisible by mesh.pipeline x pipeline.virtual_stages = "
+                          f"{p} x {v} (every stage chunk holds the same number of layers)")
+    if t.global_batch % (t.microbatches * m):
+        raise ConfigError(f"train.global_batch={t.global_batch} is not divisible by train.microbatches x "
+                          f"pipeline.microbatches = {t.microbatches} x {m}")
+    if v > 1 and m % p:
+        raise ConfigError(f"pipeline.microbatches={m} must be a multiple of mesh.pipeline={p} for the interleaved "
+                          f"schedule (pipeline.virtual_stages={v} > 1; Narayanan et al. 2021 sec. 2.2)")
 
 
 def _positive(cfg: Config, *keys: str) -> None:

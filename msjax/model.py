@@ -184,16 +184,8 @@ class GPT(nnx.Module):
     def __call__(self, tokens_bt: jax.Array) -> jax.Array:
         """Logits (B, T, V) in float32 for int32 tokens (B, T); V is the padded vocabulary, and logits of the
         padding entries are -1e9 so they take no probability."""
-        cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-        t = tokens_bt.shape[1]
-        if t > cfg.max_seq_len:
-            raise ValueError(f"sequence length {t} is longer than the model's positions "
-                             f"(model.max_seq_len={cfg.max_seq_len})")
-        # The lookup reads whole rows: gather the table over the vocab (and FSDP) shards first, or GSPMD falls
-        # back to replicating it inside the gather ("involuntary full rematerialization").
-        wte_vd = constrain(self.wte[...], (None, ax.ACT_EMBED))
-        x_btd = jnp.take(wte_vd, tokens_bt, axis=0) + self.wpe[...][:t]
-        x_btd = constrain(x_btd.astype(dt), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED))
+        cfg = self.cfg
+        x_btd = self.embed(tokens_bt)
 
         def remat(f):
             if cfg.remat == "none":
@@ -208,6 +200,26 @@ class GPT(nnx.Module):
             for block in self.layers:
                 graphdef, state = nnx.split(block)
                 x_btd = remat(lambda state, x, gd=graphdef: nnx.merge(gd, state)(x))(state, x_btd)
+        return self.head(x_btd)
+
+    def embed(self, tokens_bt: jax.Array) -> jax.Array:
+        """Token + position embeddings (B, T, D) in the compute dtype for int32 tokens (B, T): the model's input
+        end (a pipeline's first stage runs only this before its layers)."""
+        cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        t = tokens_bt.shape[1]
+        if t > cfg.max_seq_len:
+            raise ValueError(f"sequence length {t} is longer than the model's positions "
+                             f"(model.max_seq_len={cfg.max_seq_len})")
+        # The lookup reads whole rows: gather the table over the vocab (and FSDP) shards first, or GSPMD falls
+        # back to replicating it inside the gather ("involuntary full rematerialization").
+        wte_vd = constrain(self.wte[...], (None, ax.ACT_EMBED))
+        x_btd = jnp.take(wte_vd, tokens_bt, axis=0) + self.wpe[...][:t]
+        return constrain(x_btd.astype(dt), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED))
+
+    def head(self, x_btd: jax.Array) -> jax.Array:
+        """Final norm and vocabulary projection: logits (B, T, V) float32 for the last layer's output (B, T, D),
+        padding entries -1e9 (the model's output end; a pipeline's last stage runs it after its layers)."""
+        cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         x_btd = self.ln_f(x_btd)
         if self.lm_head is not None:
             logits_btv = jnp.einsum("btd,dv->btv", x_btd, self.lm_head[...].astype(dt))

@@ -42,6 +42,11 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     mesh, rules = active
     if len(names) != x.ndim:
         raise ValueError(f"constrain: {len(names)} names {tuple(names)} for an array of rank {x.ndim}")
+    # Inside a partial-manual shard_map (the pipeline's stages) the context mesh marks the manual axes; a
+    # sharding must be built on that mesh, or jax rejects it as belonging to another mesh.
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context.manual_axes:
+        mesh = context
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_mesh_spec(names, rules)))
 
 

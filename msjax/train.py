@@ -26,6 +26,8 @@ from msjax.hooks import Hook, Hooks, LoopControl, RunContext
 from msjax.mesh import make_mesh
 from msjax.metrics import MetricsWriter
 from msjax.observe import loop_hooks
+from msjax.parallel.schedule import pipeline_summary
+from msjax.planner.preflight import check_layout
 from msjax.sample import generate
 from msjax.train_step import TrainProgram, build_train_program
 
@@ -52,9 +54,10 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
       control: requests to the loop (stop, checkpoint now, profile); a fresh LoopControl by default.
 
     Raises:
-      ConfigError: a config that does not fit the devices or data (mesh size, vocabulary, batch split), an
-        unwritable checkpoint directory, checkpoints already present without `checkpoint.resume`, or a resume
-        whose config differs from the checkpoint's in a key that must match (checked before anything is written).
+      ConfigError: a config that does not fit the devices or data (mesh size, memory estimate, vocabulary, batch
+        split; the first three checked before anything is read or allocated), an unwritable checkpoint directory,
+        checkpoints already present without `checkpoint.resume`, or a resume whose config differs from the
+        checkpoint's in a key that must match (checked before anything is written).
       msjax.data.DataError: missing, empty or undecodable data.
       msjax.checkpoint.CheckpointError: a checkpoint write failed (raised within a step of the failure), or no
         checkpoint passes verification on resume.
@@ -62,6 +65,7 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
     """
     t_start = time.perf_counter()
     cfg = cfg.validate()
+    check_layout(cfg)  # mesh, divisibility and memory, before any data, directory or compilation
     t = cfg.train
     run_dir = Path(t.run_dir)
     ckpt = Checkpointer(cfg.checkpoint, checkpoint_dir(cfg.checkpoint, t.run_dir))
@@ -107,6 +111,8 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
     _log(f"msjax: {cfg.name} | {program.param_count / 1e6:.2f}M params | mesh "
          f"{dict(mesh.shape)} | {n_dev} x {jax.devices()[0].device_kind} | MFU against {peak / 1e12:.3g} "
          f"TFLOP/s ({peak_label}) | train {len(data.train):,} / val {len(data.val):,} tokens")
+    if mesh.shape["pipeline"] > 1:
+        _log(pipeline_summary(mesh.shape["pipeline"], cfg.pipeline.virtual_stages, cfg.pipeline.microbatches))
 
     writer = MetricsWriter(run_dir, start_step=start_step)
     control = control or LoopControl()

@@ -2,6 +2,8 @@
 
 Data flow: config -> mesh + rules -> abstract model -> shardings -> jitted init (state created sharded, never
 materialised whole on one device) -> jitted step with explicit in/out shardings and the state donated.
+With mesh.pipeline > 1 the gradients come from the interleaved-1F1B schedule of `msjax.parallel.pipeline`
+(evaluation and sampling run the plain model under GSPMD); the optimizer update is the same either way.
 
 Train state (a plain pytree, what Orbax saves):
   step     int32 scalar, optimizer steps taken.
@@ -24,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from msjax.config import Config, ConfigError
 from msjax.model import abstract_model, apply, init_params
 from msjax.optim import make_optimizer, skipped_steps
+from msjax.parallel.pipeline import PipelinedGrads, microbatches, pipeline_rules
 from msjax.sharding import tree_shardings, use_rules
 from sharding_rules import RULE_SETS, logical_to_mesh_spec
 from sharding_rules import axes as ax
@@ -85,12 +88,9 @@ def build_train_program(cfg: Config, mesh: Mesh, vocab_size: int | None = None) 
       mesh: from `msjax.mesh.make_mesh(cfg.mesh)`.
       vocab_size: the tokenizer's vocabulary (overrides model.vocab_size when given).
     Raises:
-      ConfigError: pipeline parallelism requested (not in the step yet), a vocabulary that is missing or larger
-        than model.vocab_size, or a batch that does not split over the data-parallel devices.
+      ConfigError: a vocabulary that is missing or larger than model.vocab_size, or a (pipeline) microbatch
+        that does not split over the data-parallel devices.
     """
-    if mesh.shape["pipeline"] != 1:
-        raise ConfigError(f"mesh.pipeline={mesh.shape['pipeline']}: pipeline parallelism is not implemented in the "
-                          "training step yet; allowed is 1 (scripts/plan.py models pipelined layouts)")
     model_cfg = cfg.model
     if vocab_size:
         if model_cfg.vocab_size and vocab_size > model_cfg.vocab_size:
@@ -99,15 +99,22 @@ def build_train_program(cfg: Config, mesh: Mesh, vocab_size: int | None = None) 
     if model_cfg.vocab_size < 1:
         raise ConfigError("model.vocab_size is 0 and no tokenizer vocabulary was given")
     cfg = dataclasses.replace(cfg, model=model_cfg)
+    if model_cfg.padded_vocab() % mesh.shape["tensor"]:
+        raise ConfigError(f"model.vocab_multiple={model_cfg.vocab_multiple} pads the {model_cfg.vocab_size}-token "
+                          f"vocabulary to {model_cfg.padded_vocab()} rows, which mesh.tensor={mesh.shape['tensor']} "
+                          "does not divide; set model.vocab_multiple to a multiple of mesh.tensor")
     t = cfg.train
     batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
+    stages = mesh.shape["pipeline"]
+    pipe_m = microbatches(cfg) if stages > 1 else 1
     micro = t.global_batch // t.microbatches
-    if micro % batch_devices:
-        raise ConfigError(f"microbatch of {micro} sequences (train.global_batch={t.global_batch} / "
-                          f"train.microbatches={t.microbatches}) does not split over data x fsdp = {batch_devices} "
-                          "devices")
+    if (micro // pipe_m) % batch_devices:
+        pipe = f" / pipeline.microbatches={pipe_m}" if stages > 1 else ""
+        raise ConfigError(f"microbatch of {micro // pipe_m} sequences (train.global_batch={t.global_batch} / "
+                          f"train.microbatches={t.microbatches}{pipe}) does not split over data x fsdp = "
+                          f"{batch_devices} devices")
 
-    rules = RULE_SETS[cfg.mesh.rules]
+    rules = pipeline_rules(RULE_SETS[cfg.mesh.rules], stages)
     graphdef, abs_params, logical_specs = abstract_model(model_cfg)
     param_shardings = tree_shardings(logical_specs, mesh, rules)
     tx = make_optimizer(cfg.optimizer, t.steps)
@@ -131,12 +138,19 @@ def build_train_program(cfg: Config, mesh: Mesh, vocab_size: int | None = None) 
         return cross_entropy(apply(graphdef, params, inputs_bt), targets_bt)
 
     grad_fn = jax.value_and_grad(loss_fn)
+    if stages > 1:  # interleaved 1F1B over the pipeline axis (msjax/parallel/pipeline.py)
+        layer_specs = logical_specs["blocks"] if model_cfg.scan_layers else logical_specs["layers"][0]
+        if model_cfg.scan_layers:  # drop the leading `layers` axis
+            layer_specs = jax.tree.map(lambda s: P(*tuple(s)[1:]), layer_specs, is_leaf=lambda x: isinstance(x, P))
+        pipelined = PipelinedGrads(cfg, mesh, rules, param_shardings, layer_specs, cross_entropy, t.microbatches)
     micro_spec = NamedSharding(mesh, P(None, *batch_spec))
 
     def train_step(state: dict, batch: dict) -> tuple[dict, dict]:
         params = state["params"]
         with use_rules(mesh, rules):
-            if t.microbatches == 1:
+            if stages > 1:
+                loss, grads = pipelined(params, batch["inputs"], batch["targets"])
+            elif t.microbatches == 1:
                 loss, grads = grad_fn(params, batch["inputs"], batch["targets"])
             else:
                 # Gradient accumulation: microbatch m takes rows m, m + M, m + 2M, ... so every microbatch still
@@ -167,6 +181,8 @@ def build_train_program(cfg: Config, mesh: Mesh, vocab_size: int | None = None) 
             return loss_fn(params, batch["inputs"], batch["targets"])
 
     def batch_grads(params: dict, batch: dict) -> tuple[jax.Array, dict]:
+        if stages > 1:
+            return pipelined(params, batch["inputs"], batch["targets"])
         with use_rules(mesh, rules):
             return grad_fn(params, batch["inputs"], batch["targets"])
 

@@ -96,7 +96,12 @@ def run(argv: Sequence[str], out=sys.stdout) -> dict:
         if actions["compile"] and plan is not None:
             from msjax.planner.compile_check import compile_check
 
-            check = compile_check(cfg, plan.layout.axis_sizes(), plan.layout.zero_stage)
+            lay = plan.layout
+            check = compile_check(cfg, lay.axis_sizes(), lay.zero_stage, pipeline_microbatches=lay.microbatches,
+                                  virtual_stages=lay.virtual_stages)
+            m = plan.memory
+            check["estimate"] = {"params": m.params, "grads": m.grads, "optimizer": m.optimizer,
+                                 "activations": m.activations + m.working, "total": m.total}
             print("\n" + compile_text(check), file=out)
             result["compile"] = check
     if actions["json"]:
@@ -121,6 +126,17 @@ def compile_text(check: dict) -> str:
              f"  from the step's own shardings  {check['sharding_bytes']:>16,d}",
              f"  difference {check['relative_difference']:+.4%}: "
              f"{'agree within 1%' if check['agree'] else 'DISAGREE (more than 1%)'}"]
+    if "xla_temp_bytes" in check:
+        lines += [f"  XLA temp bytes (activations, gradients, workspace) {check['xla_temp_bytes']:>16,d}",
+                  f"  XLA output bytes (new state; aliased with the donated argument: "
+                  f"{check['xla_alias_bytes']:,d})"]
+        if "estimate" in check:
+            e = check["estimate"]
+            compiled = check["xla_argument_bytes"] + check["xla_temp_bytes"]
+            lines += [f"  compiled per device (argument + temp)      {compiled:>16,d}",
+                      f"  planner estimate per device (all parts)    {int(e['total']):>16,d}  "
+                      f"(params {int(e['params']):,d}, grads {int(e['grads']):,d}, optimizer "
+                      f"{int(e['optimizer']):,d}, activations {int(e['activations']):,d})"]
     return "\n".join(lines)
 
 

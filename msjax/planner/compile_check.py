@@ -8,10 +8,9 @@ current process when it already has enough devices):
   The mesh is the layout's (fsdp, sequence, tensor) with data = 1: data-parallel replicas hold identical bytes,
   so one replica's worth of devices is enough. The global batch is divided by the data size to keep the
   per-device batch the same.
-  Pipeline parallelism is not in the train step: for pipeline > 1 the compiled model is one stage's L/p layers
-  together with both ends' embedding and final norm (a p = 1 model of L/p layers), and the analytic side is
-  that same model. ZeRO-1/2 over `data` are not in the train step either: the comparison is always with the
-  state as the step lays it out (ZeRO over data = 0).
+  With pipeline > 1 the mesh keeps its pipeline axis and the compiled step is the real pipelined one
+  (msjax.parallel.pipeline, interleaved 1F1B). ZeRO-1/2 over `data` are not in the train step: the
+  comparison is always with the state as the step lays it out (ZeRO over data = 0).
 What is compared:
   analytic: params + optimizer moments + scalars (step, rng, optimizer counters), per device, from the
     planner's own leaf inventory and the rule set (msjax.planner.memory.analytic_state_bytes), plus the int32
@@ -38,13 +37,19 @@ from msjax.planner.options import PlanError
 MAX_FAKE_DEVICES = 512
 
 
-def compile_config(cfg: Config, sizes: dict[str, int]) -> tuple[Config, dict[str, int], str]:
-    """(config to compile, its mesh sizes, a sentence saying what is compiled) for a layout's `sizes`."""
+def compile_config(cfg: Config, sizes: dict[str, int], pipeline_microbatches: int = 0,
+                   virtual_stages: int = 0) -> tuple[Config, dict[str, int], str]:
+    """(config to compile, its mesh sizes, a sentence saying what is compiled) for a layout's `sizes`; with
+    pipeline stages, `pipeline_microbatches` / `virtual_stages` (0: the config's) set the plan's M and V."""
+    if sizes["pipeline"] > 1 and (pipeline_microbatches or virtual_stages):
+        cfg = apply_overrides(cfg, {"pipeline.microbatches": pipeline_microbatches or cfg.pipeline.microbatches,
+                                    "pipeline.virtual_stages": virtual_stages or cfg.pipeline.virtual_stages,
+                                    "train.microbatches": 1})
     p, d = sizes["pipeline"], sizes["data"]
-    L = cfg.model.num_layers
     g = cfg.train.global_batch // d
-    micro = cfg.train.microbatches if g % cfg.train.microbatches == 0 and \
-        (g // cfg.train.microbatches) % sizes["fsdp"] == 0 else 1
+    pm = (cfg.pipeline.microbatches or p) if p > 1 else 1
+    micro = cfg.train.microbatches if g % (cfg.train.microbatches * pm) == 0 and \
+        (g // (cfg.train.microbatches * pm)) % sizes["fsdp"] == 0 else 1
     over = {"mesh.pipeline": 1, "mesh.data": 1, "mesh.fsdp": sizes["fsdp"], "mesh.sequence": sizes["sequence"],
             "mesh.tensor": sizes["tensor"], "train.global_batch": g, "train.microbatches": micro,
             "model.vocab_size": resolve_vocab(cfg) if not cfg.model.vocab_size else cfg.model.vocab_size}
@@ -52,10 +57,14 @@ def compile_config(cfg: Config, sizes: dict[str, int]) -> tuple[Config, dict[str
             f"tensor={sizes['tensor']}) mesh of {sizes['fsdp'] * sizes['sequence'] * sizes['tensor']} fake CPU "
             f"devices (one of the {d} data-parallel replicas; batch {g})")
     if p > 1:
-        over["model.num_layers"] = L // p
-        what += (f"; pipeline={p} is not in the train step, so the model compiled is one stage's {L // p} layers "
-                 "plus both ends' embeddings and final norm")
-    csizes = {"pipeline": 1, "data": 1, "fsdp": sizes["fsdp"], "sequence": sizes["sequence"],
+        over["mesh.pipeline"] = p
+        m = cfg.pipeline.microbatches or p
+        what = what.replace("(data=1,", f"(pipeline={p}, data=1,").replace(
+            f"of {sizes['fsdp'] * sizes['sequence'] * sizes['tensor']} fake",
+            f"of {p * sizes['fsdp'] * sizes['sequence'] * sizes['tensor']} fake")
+        what += (f"; the pipelined step: interleaved 1F1B, V={cfg.pipeline.virtual_stages}, M={m} microbatches of "
+                 f"{g // (micro * m)} sequences")
+    csizes = {"pipeline": p, "data": 1, "fsdp": sizes["fsdp"], "sequence": sizes["sequence"],
               "tensor": sizes["tensor"]}
     return apply_overrides(cfg, over).validate(), csizes, what
 
@@ -84,25 +93,30 @@ def compile_here(cfg: Config, sizes: dict[str, int]) -> dict[str, Any]:
     prog = build_train_program(cfg, mesh)
     compiled = prog.step_fn.lower(prog.abstract_state, prog.abstract_batch).compile()
     seconds = time.perf_counter() - t0
-    xla = int(compiled.memory_analysis().argument_size_in_bytes)
+    mem = compiled.memory_analysis()
+    xla = int(mem.argument_size_in_bytes)
     sharded = 0  # bytes per device implied by the step's own shardings (an independent middle check)
     for leaf in jax.tree.leaves(prog.abstract_state) + jax.tree.leaves(prog.abstract_batch):
         sharded += math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
     analytic = analytic_bytes(cfg, sizes)
     return {"devices": n, "mesh": sizes, "compile_seconds": seconds, "xla_argument_bytes": xla,
+            "xla_temp_bytes": int(mem.temp_size_in_bytes), "xla_output_bytes": int(mem.output_size_in_bytes),
+            "xla_alias_bytes": int(mem.alias_size_in_bytes),
             "sharding_bytes": sharded, "analytic": analytic,
             "param_bytes_global": prog.param_bytes, "opt_state_bytes_global": prog.opt_state_bytes,
             "relative_difference": (xla - analytic["total"]) / analytic["total"]}
 
 
 def compile_check(cfg: Config, sizes: dict[str, int], zero_stage: int = 0,
-                  timeout: float = 600.0) -> dict[str, Any]:
+                  timeout: float = 600.0, pipeline_microbatches: int = 0,
+                  virtual_stages: int = 0) -> dict[str, Any]:
     """Compiles the train step for a layout (see module docstring) and compares argument bytes.
 
     Args:
       cfg: the planned config.
       sizes: the layout's mesh axis sizes (pipeline, data, fsdp, sequence, tensor).
       zero_stage: the plan's ZeRO stage over data (only mentioned: the step keeps the state whole over data).
+      pipeline_microbatches, virtual_stages: the plan's M and V for a pipelined layout (0: the config's).
     Returns:
       dict with "what" (the sentence above), "xla_argument_bytes", "analytic" (by part), "sharding_bytes",
       "relative_difference", "agree" (within 1%), "compile_seconds", "devices", "mesh".
@@ -110,7 +124,7 @@ def compile_check(cfg: Config, sizes: dict[str, int], zero_stage: int = 0,
       PlanError: more than MAX_FAKE_DEVICES devices would be needed, or the subprocess failed (its stderr
         tail is in the message).
     """
-    ccfg, csizes, what = compile_config(cfg, sizes)
+    ccfg, csizes, what = compile_config(cfg, sizes, pipeline_microbatches, virtual_stages)
     n = math.prod(csizes.values())
     if n > MAX_FAKE_DEVICES:
         raise PlanError(f"compile check would need {n} fake CPU devices (fsdp x sequence x tensor); at most "

@@ -127,12 +127,16 @@ def total_params(cfg: Config, vocab: int) -> int:
 
 
 def analytic_state_bytes(cfg: Config, vocab: int, sizes: dict[str, int]) -> dict[str, int]:
-    """Per-device bytes of the msjax train state as `msjax.train_step` lays it out (pipeline must be 1):
-    params, optimizer moments (2 per parameter, in the parameter dtype, sharded like it), and the replicated
-    scalars (step int32, rng uint32[2], two int32 optimizer counters: Adam's and the schedule's).
+    """Per-device bytes of the msjax train state as `msjax.train_step` lays it out: params, optimizer moments
+    (2 per parameter, in the parameter dtype, sharded like it), and the replicated scalars (step int32, rng
+    uint32[2], two int32 optimizer counters: Adam's and the schedule's). With pipeline stages, stacked layers are
+    split over `pipeline` (L / p per device, `msjax.parallel.pipeline.pipeline_rules`); per-layer parameters and
+    the embedding / output end are replicated over it.
     """
     pb = _DTYPE_BYTES[cfg.model.param_dtype]
     L = cfg.model.num_layers
+    if sizes.get("pipeline", 1) > 1 and cfg.model.scan_layers:
+        L = L // sizes["pipeline"]
     params = sum(shard_elements(l, cfg.mesh.rules, sizes) * (L if l.per_layer else 1)
                  for l in param_leaves(cfg.model, vocab)) * pb
     opt_state = 2 * params + 2 * 4
@@ -315,6 +319,8 @@ def memory_report(cfg: Config, layout: Layout, stage: StageParams, device_memory
     pe, ge, oe = state_bytes_per_element(cfg, layout)
     d = layout.data
     per_layer = layer_activation_bytes(cfg, layout)
+    if p > 1 and layout.baseline == "msjax":
+        return _msjax_pipeline_report(cfg, layout, stage, device_memory, memory_fraction, per_layer)
     chunks = in_flight_chunks(p, v, layout.microbatches)
     in_flight_layers = chunks * layers / v
     e = _DTYPE_BYTES[cfg.model.dtype]
@@ -344,3 +350,54 @@ def activation_table(cfg: Config, layout: Layout) -> dict[str, float]:
     """Per-layer activation bytes under every remat policy (for the report)."""
     return {p: layer_activation_bytes(cfg, layout, p) for p in ("none", "dots_no_batch", "dots", "full")}
 
+
+
+def _msjax_pipeline_report(cfg: Config, layout: Layout, stage: StageParams, device_memory: float,
+                           memory_fraction: float, per_layer: float) -> MemoryReport:
+    """Memory of a stage of msjax's pipelined step (`msjax.parallel.pipeline`), which differs from Megatron's:
+    every stage holds the embedding / output end (replicated over `pipeline`, one copy of a tied embedding);
+    gradients are float32, twice (the loop's accumulators and the optimizer's input), and the working memory
+    holds the optimizer's float32 update and, for V > 1, the regrouped copy of the stage's layers; activations are the stash of 2 P V chunk inputs (b, T, D), split like
+    the residual stream (sequence and tensor), the send/receive buffers, and the activations of the one chunk
+    being recomputed under `jax.vjp` (its L / (P V) layers under the remat policy); every stage computes the
+    logits in its backward (their gradient masked where unused), so the logits and their gradient are working
+    memory on every stage. The microbatches in flight (`msjax.parallel.schedule.in_flight`) are live entries
+    of the stash, which is allocated whole.
+    """
+    from msjax.parallel.schedule import Schedule, in_flight
+
+    p, v, m = layout.pipeline, layout.virtual_stages, layout.microbatches
+    layers = cfg.model.num_layers // p
+    pe, _, oe = state_bytes_per_element(cfg, layout)
+    d = layout.data
+    e = _DTYPE_BYTES[cfg.model.dtype]
+    s, b, t = cfg.train.seq_len, layout.microbatch_size, layout.tensor
+    split = (t if layout.sequence_parallel else 1) * layout.sequence
+    x_bytes = e * b * s * cfg.model.d_model / split
+    slots = Schedule(p, v, m if v == 1 or m % p == 0 else p).slots
+    chunk_layers = layers / v
+    acts = (slots + 4) * x_bytes + chunk_layers * per_layer
+    logits = 2 * 4 * b * s * layout.vocab / t / layout.sequence
+    remat_working = layer_activation_bytes(cfg, layout, "none") if layout.remat != "none" else 0.0
+    fsdp_buffers = 2 * e * stage.layer_total / t if layout.fsdp > 1 else 0.0
+    # stage_params adds a Megatron-style copy of a tied embedding on the last stage; msjax has none
+    wte_copy = _tied_copy(cfg, layout) if cfg.model.tie_embeddings else 0
+    elements = layers * stage.layer_elements + stage.first_elements + stage.last_elements - wte_copy
+    params = pe * elements
+    # float32 gradients twice: the accumulators the tick loop carries ((P, V, Lc, ...) and the ends) and the
+    # gradients handed to the optimizer in the parameters' own layout (measured in the compiled 175B step's temp)
+    grads = 2 * 4.0 * elements / (d if layout.zero_stage >= 2 else 1)
+    opt = oe * elements / (d if layout.zero_stage >= 1 else 1)
+    # the optimizer's float32 update before it is applied; with V > 1, the regrouped copy of the stage's layers
+    update = 4.0 * elements / (d if layout.zero_stage >= 1 else 1)
+    regroup = pe * layers * stage.layer_elements if v > 1 else 0.0
+    work = remat_working + fsdp_buffers + logits + update + regroup
+    return MemoryReport(params, grads, opt, acts, work, memory_fraction * device_memory, device_memory, per_layer,
+                        in_flight(p, v, m) * chunk_layers)
+
+
+def _tied_copy(cfg: Config, layout: Layout) -> int:
+    """Elements per device of the tied-embedding copy `stage_params` puts on the last stage."""
+    leaves = param_leaves(cfg.model, layout.vocab)
+    wte = next(l for l in leaves if l.name == "wte")
+    return shard_elements(wte, cfg.mesh.rules, layout.axis_sizes())

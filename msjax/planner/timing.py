@@ -61,6 +61,7 @@ from msjax.config import Config
 from msjax.hardware import Hardware
 from msjax.planner import comm as comm_mod
 from msjax.planner.layout import Layout
+from msjax.parallel.schedule import bubble_fraction, in_flight
 from msjax.planner.memory import _DTYPE_BYTES, StageParams, in_flight_chunks
 from msjax.planner.options import (
     ATTENTION_EFFICIENCY, ATTENTION_EFFICIENCY_FA1, FLASH_BACKWARD_FACTOR, HBM_EFFICIENCY, OPTIMIZER_BYTES_PER_PARAM,
@@ -284,8 +285,9 @@ def step_time(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions, stag
         stages = [(stages[1][0], stages[0][1] + tp_out, stages[0][2], stages[0][3])]
     compute_mb, tp_mb, fsdp_mb, seq_mb = max(stages, key=sum)
     t_mb = compute_mb + tp_mb + fsdp_mb + seq_mb
-    pipeline_time = (mb + (p - 1) / v) * t_mb
-    bubble = (p - 1) / v * t_mb
+    # (P - 1) / (V M + P - 1) of the step is bubble: the same function the train step prints at start-up.
+    pipeline_time = mb * t_mb / (1.0 - bubble_fraction(p, v, mb))
+    bubble = pipeline_time - mb * t_mb
     exposed["TP"] = mb * tp_mb
     exposed["FSDP"] = mb * fsdp_mb
     if layout.sequence > 1:
@@ -298,7 +300,8 @@ def step_time(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions, stag
     # DP (+ tied-embedding sync).
     if opts.overlap_dp:
         units = v if p > 1 else layers
-        chunks_in_flight = in_flight_chunks(p, v, mb)
+        chunks_in_flight = in_flight(p, v, mb) if layout.baseline == "msjax" and p > 1 else \
+            in_flight_chunks(p, v, mb)
         bwd_window = chunks_in_flight / v * layers * (lt.bwd + lt.recompute)
         fwd_window = chunks_in_flight / v * layers * lt.fwd
         red = dp_rs + emb

@@ -95,10 +95,7 @@ def test_fsdp_shards_parameters_and_optimizer_state(tokens):
     assert adam.nu["blocks"]["attn"]["wq"].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
 
 
-def test_pipeline_and_batch_split_errors():
-    cfg = tiny_config(**{"mesh.data": 1, "mesh.pipeline": 2})
-    with pytest.raises(ConfigError, match="mesh.pipeline=2: pipeline parallelism is not implemented"):
-        build_train_program(cfg, make_mesh(cfg.mesh, jax.devices()[:2]), VOCAB)
+def test_batch_split_errors():
     cfg = tiny_config(**{"mesh.data": 8, "train.global_batch": 12})
     with pytest.raises(ConfigError, match="microbatch of 12 sequences .* does not split over data x fsdp = 8"):
         build_train_program(cfg, make_mesh(cfg.mesh), VOCAB)
