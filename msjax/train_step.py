@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from msjax.config import Config, ConfigError
 from msjax.model import abstract_model, apply, init_params
 from msjax.optim import make_optimizer
+from msjax.parallel.options import use_overlap
 from msjax.sharding import tree_shardings, use_rules
 from sharding_rules import RULE_SETS, logical_to_mesh_spec
 from sharding_rules import axes as ax
@@ -135,7 +136,7 @@ def build_train_program(cfg: Config, mesh: Mesh, vocab_size: int | None = None) 
 
     def train_step(state: dict, batch: dict) -> tuple[dict, dict]:
         params = state["params"]
-        with use_rules(mesh, rules):
+        with use_rules(mesh, rules), use_overlap(cfg.mesh):
             if t.microbatches == 1:
                 loss, grads = grad_fn(params, batch["inputs"], batch["targets"])
             else:
@@ -163,11 +164,11 @@ def build_train_program(cfg: Config, mesh: Mesh, vocab_size: int | None = None) 
         return new_state, metrics
 
     def eval_step(params: dict, batch: dict) -> jax.Array:
-        with use_rules(mesh, rules):
+        with use_rules(mesh, rules), use_overlap(cfg.mesh):
             return loss_fn(params, batch["inputs"], batch["targets"])
 
     def batch_grads(params: dict, batch: dict) -> tuple[jax.Array, dict]:
-        with use_rules(mesh, rules):
+        with use_rules(mesh, rules), use_overlap(cfg.mesh):
             return grad_fn(params, batch["inputs"], batch["targets"])
 
     init_fn = jax.jit(init, out_shardings=state_shardings)
