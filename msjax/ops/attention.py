@@ -60,6 +60,17 @@ def attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array, *, window
     if window is not None and window < 1:
         raise ValueError(f"attention window={window}: allowed is an integer >= 1, or None")
     impl = resolve_impl(impl, q_bthk.dtype)
+    active = active_rules()
+    if impl == "xla" and active is not None and active[0].shape[ax.SEQUENCE] > 1:
+        # Context parallelism: keys/values gathered by hand so the backward reduce-scatters dK/dV.
+        from msjax.parallel.context_parallel import sequence_sharded_attention  # msjax.parallel imports this module
+
+        mesh, rules = active
+        q_spec = logical_to_mesh_spec((ax.ACT_BATCH, ax.ACT_SEQ_INNER, ax.ACT_HEADS, None), rules)
+        kv_spec = logical_to_mesh_spec((ax.ACT_BATCH, ax.ACT_SEQ_INNER, ax.ACT_KV_HEADS, None), rules)
+        return sequence_sharded_attention(
+            lambda q, k, v, offset: xla_attention(q, k, v, window=window, q_offset=offset), mesh,
+            q_bthk, k_bshk, v_bshk, q_spec=q_spec, kv_spec=kv_spec)
     if impl == "pallas":
         from pallas_kernels.sliding_window_attention import sliding_window_attention
 

@@ -47,7 +47,7 @@ from msjax.sharding import active_rules
 from sharding_rules import axes as ax
 from sharding_rules import logical_to_mesh_spec
 
-MANUAL_AXES = (ax.SEQUENCE, ax.TENSOR)
+MANUAL_AXES = (ax.DATA, ax.FSDP, ax.SEQUENCE, ax.TENSOR)
 
 
 def _ring(n: int, direction: int) -> list[tuple[int, int]]:
@@ -81,18 +81,23 @@ def ag_matmul(x_bcd: jax.Array, w_dn: jax.Array, axis: str = ax.TENSOR) -> jax.A
     me = jax.lax.axis_index(axis)
     if n == 1:
         return x_bcd @ w_dn
+    parts = _parts(x_bcd, axis=1)
+    held = [part for part, _ in parts]
+    products = [[] for _ in parts]  # products[j][i]: part j's rows from device me - direction * i
+    for i in range(n):
+        # Both directions' sends first, then the matmuls on what is here: transfers and matmuls are independent,
+        # so the scheduler can run them at the same time.
+        sent = [jax.lax.ppermute(p, axis, _ring(n, d)) for p, (_, d) in zip(held, parts)] if i < n - 1 else held
+        for j, p in enumerate(held):
+            products[j].append(p @ w_dn)
+        held = sent
     outs = []
-    for part, direction in _parts(x_bcd, axis=1):
-        out = jnp.zeros((part.shape[0], n, part.shape[1], w_dn.shape[1]), jnp.result_type(part, w_dn))
-        # The buffer is filled with per-device values: mark it varying over the manual axes (check_vma).
-        out = jax.lax.pcast(out, MANUAL_AXES, to="varying")
-        for i in range(n):
-            # Send first, then multiply what is here: the transfer and the matmul are independent, so the
-            # scheduler can run them at the same time.
-            nxt = jax.lax.ppermute(part, axis, _ring(n, direction)) if i < n - 1 else None
-            out = jax.lax.dynamic_update_index_in_dim(out, part @ w_dn, (me - direction * i) % n, axis=1)
-            part = nxt
-        outs.append(out)
+    for (_, direction), prods in zip(parts, products):
+        # Put device s's rows at s: step i held device me - direction * i, so order the steps by source
+        # (direction -1: steps 0, 1, .., n-1 are sources me, me+1, ..; direction +1: me, me-1, ..) and rotate by me.
+        # A rotation (not a scatter into a zeros buffer) keeps GSPMD's batch sharding of the products.
+        by_offset = prods if direction == -1 else [prods[0]] + prods[:0:-1]
+        outs.append(jnp.roll(jnp.stack(by_offset, axis=1), me, axis=1))
     # (B, n, parts, Tc / parts, N) -> (B, n * Tc, N): device s's rows are its parts in order.
     out = jnp.stack(outs, axis=2)
     return out.reshape(out.shape[0], n * x_bcd.shape[1], w_dn.shape[1])
@@ -116,22 +121,23 @@ def matmul_rs(h_btf: jax.Array, w_fd: jax.Array, axis: str = ax.TENSOR) -> jax.A
         return h_btf @ w_fd
     b, t, f = h_btf.shape
     h_bntf = h_btf.reshape(b, n, t // n, f)  # (B, destination device, Tc, F)
-    outs = []
-    for part, direction in _parts(h_bntf, axis=2):
-        # part: (B, n, Tc / parts, F), the destination device on axis 1.
-        acc = None
-        for i in range(n):
-            # The accumulator held at step i is bound for device me + direction * (n - 1 - i); it then moves one
-            # hop on, so the last step leaves each device its own rows.
+    parts = _parts(h_bntf, axis=2)  # each (B, n, Tc / parts, F), the destination device on axis 1
+    outs = [None] * len(parts)
+    for i in range(n):
+        # The accumulator held at step i is bound for device me + direction * (n - 1 - i); it then moves one hop
+        # on, so the last step leaves each device its own rows. The partial product for this step does not wait
+        # for the accumulator in flight.
+        sent = [None if acc is None else jax.lax.ppermute(acc, axis, _ring(n, d))
+                for acc, (_, d) in zip(outs, parts)]
+        for j, (part, direction) in enumerate(parts):
             dest = (me + direction * (n - 1 - i)) % n
             partial = jax.lax.dynamic_index_in_dim(part, dest, axis=1, keepdims=False) @ w_fd
-            acc = partial if acc is None else jax.lax.ppermute(acc, axis, _ring(n, direction)) + partial
-        outs.append(acc)
+            outs[j] = partial if sent[j] is None else sent[j] + partial
     return jnp.concatenate(outs, axis=1)
 
 
 def _manual_spec(names, rules) -> P:
-    """The PartitionSpec of logical `names` under `rules`, keeping only the manual axes (sequence, tensor)."""
+    """The PartitionSpec of logical `names` under `rules`, keeping only the manual axes (all but pipeline)."""
     out = []
     for entry in logical_to_mesh_spec(tuple(names), rules):
         axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
@@ -157,9 +163,9 @@ def block(blk, x_btd: jax.Array) -> jax.Array:
         raise ValueError("collective_matmul.block needs the active mesh and rules (msjax.sharding.use_rules)")
     mesh, rules = active
     x_spec = _manual_spec((ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED), rules)
-    if x_spec != P(None, MANUAL_AXES, None):
+    if x_spec[1:] != ((ax.SEQUENCE, ax.TENSOR), None):
         raise ValueError(f"mesh.tp_overlap=collective_matmul needs a rule set that splits act_seq over "
-                         f"{MANUAL_AXES} (Megatron-SP, e.g. fsdp_tp); this one gives {x_spec}")
+                         f"(sequence, tensor) (Megatron-SP, e.g. fsdp_tp); this one gives {x_spec}")
     graphdef, state = nnx.split(blk)
     params = nnx.to_pure_dict(state)
     # Inside the layer scan the names still start with `layers`, which the scanned slice no longer has.
@@ -168,11 +174,25 @@ def block(blk, x_btd: jax.Array) -> jax.Array:
                          is_leaf=lambda s: isinstance(s, P))
 
     def body(params, x_bcd):
+        # FSDP by hand: all-gather each weight over `fsdp` where it is split (its transpose reduce-scatters the
+        # gradient); weights replicated over `data` get their gradient summed over it by shard_map's transpose.
+        params = jax.tree.map(_gather_fsdp, params, specs, is_leaf=lambda s: isinstance(s, P))
         local = nnx.merge(graphdef, params)
         return _parallel_block(local, x_bcd) if local.parallel else _serial_block(local, x_bcd)
 
     return jax.shard_map(body, mesh=mesh, in_specs=(specs, x_spec), out_specs=x_spec,
                          axis_names=set(MANUAL_AXES), check_vma=True)(params, x_btd)
+
+
+def _gather_fsdp(w: jax.Array, spec: P) -> jax.Array:
+    """This device's shard of a weight, all-gathered over `fsdp` on the dimension split over it."""
+    for dim, entry in enumerate(spec):
+        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        if ax.FSDP in axes and jax.lax.axis_size(ax.FSDP) > 1:
+            if axes != (ax.FSDP,):
+                raise ValueError(f"a weight split over {axes} on one dimension; collective_matmul gathers fsdp alone")
+            w = jax.lax.all_gather(w, ax.FSDP, axis=dim, tiled=True)
+    return w
 
 
 def _column_weights(attn, mlp, dt) -> tuple[jax.Array, list[int]]:
