@@ -24,6 +24,7 @@ from msjax.hardware import mesh_peak_flops
 from msjax.hooks import Hook, Hooks, LoopControl, RunContext
 from msjax.mesh import make_mesh
 from msjax.metrics import MetricsWriter
+from msjax.parallel import xla_flags
 from msjax.sample import generate
 from msjax.train_step import TrainProgram, build_train_program
 
@@ -93,6 +94,7 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
     _log(f"msjax: {cfg.name} | {program.param_count / 1e6:.2f}M params | mesh "
          f"{dict(mesh.shape)} | {n_dev} x {jax.devices()[0].device_kind} | MFU against {peak / 1e12:.3g} "
          f"TFLOP/s ({peak_label}) | train {len(data.train):,} / val {len(data.val):,} tokens")
+    _log(xla_flags.describe())
 
     writer = MetricsWriter(run_dir)
     control = control or LoopControl()

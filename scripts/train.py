@@ -21,8 +21,10 @@ def main(argv: list[str]) -> int:
         if rest:
             raise ConfigError(f"unexpected arguments {rest}; flags look like --train.steps=100")
         from msjax import distributed
+        from msjax.parallel import xla_flags
         from msjax.train import run, summary_json
 
+        xla_flags.apply(cfg.mesh.tp_overlap)  # before the backend starts: XLA reads XLA_FLAGS once
         distributed.initialize()
         summary = run(cfg)
     except (ConfigError, DataError) as e:
