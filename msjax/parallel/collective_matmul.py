@@ -29,10 +29,13 @@ input and their outputs are summed (MegaScale Fig. 3), so their four column-para
 are concatenated into one matmul fed by ONE all-gather ring, and their two row-parallel weights (wo, w_out) into
 one matmul drained by ONE reduce-scatter ring. Serial blocks take one of each per branch (Megatron-SP).
 
-The shard_map is manual over `sequence` and `tensor` only; `data`, `fsdp` and `pipeline` stay automatic, so
-GSPMD still splits the batch and all-gathers FSDP-sharded weights inside the body. Under context parallelism
-keys and values are all-gathered over `sequence` with `jax.lax.all_gather` (its transpose reduce-scatters
-dK/dV) and queries are masked at their offset.
+The shard_map is manual over `data`, `fsdp`, `sequence` and `tensor` (`pipeline` stays automatic). FSDP-sharded
+weights are all-gathered over `fsdp` by hand inside (the transpose reduce-scatters their gradients), and
+gradients of weights replicated over `data` are summed by shard_map's own transpose. The batch axes are manual
+on purpose: left automatic, GSPMD replicated the batch around attention inside the body (seen in the compiled
+HLO; a nested shard_map for attention did not lower in jax 0.10). Under context parallelism keys and values are
+all-gathered over `sequence` with `jax.lax.all_gather` (its transpose reduce-scatters dK/dV) and queries are
+masked at their offset.
 """
 
 from __future__ import annotations
