@@ -95,6 +95,10 @@ class MeshConfig:
 
     Axis order (outer to inner): pipeline, data, fsdp, sequence, tensor; the innermost axes get the fastest
     links (NVLink/ICI), as in MaxText and Megatron-LM. `data=-1` takes whatever devices remain.
+
+    Communication overlap (`msjax.parallel`, docs/overlap.md): `tp_overlap` hides Megatron-SP's all-gather and
+    reduce-scatter behind the matmuls (`xla`: XLA's windowed einsum flags; `collective_matmul`: our decomposed
+    shard_map rings); `fsdp_prefetch` all-gathers layer i+1's FSDP-sharded weights while layer i computes.
     """
 
     pipeline: int = 1
@@ -103,6 +107,8 @@ class MeshConfig:
     sequence: int = 1
     tensor: int = 1
     rules: str = "fsdp_tp"
+    tp_overlap: Literal["none", "xla", "collective_matmul"] = "none"
+    fsdp_prefetch: bool = False
 
     def axis_sizes(self) -> dict[str, int]:
         return {
@@ -370,6 +376,15 @@ class Config:
 
         if self.mesh.rules not in RULE_SETS:
             raise ConfigError(f"mesh.rules={self.mesh.rules!r} is unknown; allowed: {sorted(RULE_SETS)}")
+        if self.mesh.tp_overlap == "collective_matmul":
+            sp_rules = sorted(k for k, r in RULE_SETS.items() if r["act_seq"] == ("sequence", "tensor"))
+            if self.mesh.rules not in sp_rules:
+                raise ConfigError(f"mesh.tp_overlap=collective_matmul decomposes Megatron-SP, which mesh.rules="
+                                  f"{self.mesh.rules!r} does not use; allowed rule sets: {', '.join(sp_rules)}")
+            if self.mesh.sequence > 1 and a.impl not in ("auto", "xla"):
+                raise ConfigError(f"model.attention.impl={a.impl!r} takes no query offset, which context "
+                                  "parallelism (mesh.sequence > 1) with mesh.tp_overlap=collective_matmul needs; "
+                                  "allowed: auto, xla")
         return self
 
 

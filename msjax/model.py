@@ -24,6 +24,7 @@ from flax import nnx
 
 from msjax.config import ModelConfig
 from msjax.ops.attention import attention
+from msjax.parallel import collective_matmul, fsdp_prefetch, options as overlap
 from msjax.sharding import constrain
 from sharding_rules import axes as ax
 
@@ -145,6 +146,8 @@ class Block(nnx.Module):
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         x_btd = constrain(x_btd, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED))
+        if overlap.active().tp == "collective_matmul":  # the same math, tensor-parallel rings by hand
+            return collective_matmul.block(self, x_btd)
         if self.parallel:
             h_btd = self.ln1(x_btd)
             return x_btd + self.attn(h_btd) + self.mlp(h_btd)
@@ -195,7 +198,10 @@ class GPT(nnx.Module):
         if cfg.scan_layers:
             graphdef, stacked = nnx.split(self.blocks)
             layer = remat(lambda x, state: (nnx.merge(graphdef, state)(x), None))
-            x_btd, _ = jax.lax.scan(layer, x_btd, stacked)
+            if overlap.active().fsdp_prefetch:  # layer i+1's all-gather carried ahead of layer i
+                x_btd = fsdp_prefetch.scan_layers(layer, x_btd, stacked)
+            else:
+                x_btd, _ = jax.lax.scan(layer, x_btd, stacked)
         else:
             for block in self.layers:
                 graphdef, state = nnx.split(block)

@@ -28,6 +28,7 @@ from msjax.metrics import MetricsWriter
 from msjax.observe import loop_hooks
 from msjax.parallel.schedule import pipeline_summary
 from msjax.planner.preflight import check_layout
+from msjax.parallel import xla_flags
 from msjax.sample import generate
 from msjax.train_step import TrainProgram, build_train_program
 
@@ -113,6 +114,7 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
          f"TFLOP/s ({peak_label}) | train {len(data.train):,} / val {len(data.val):,} tokens")
     if mesh.shape["pipeline"] > 1:
         _log(pipeline_summary(mesh.shape["pipeline"], cfg.pipeline.virtual_stages, cfg.pipeline.microbatches))
+    _log(xla_flags.describe())
 
     writer = MetricsWriter(run_dir, start_step=start_step)
     control = control or LoopControl()

@@ -26,9 +26,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from msjax.config import Config, ConfigError
 from msjax.model import abstract_model, apply, init_params
 from msjax.optim import make_optimizer, skipped_steps
+from msjax.parallel.options import use_overlap
 from msjax.parallel.pipeline import PipelinedGrads, microbatches, pipeline_rules
 from msjax.sharding import tree_shardings, use_rules
-from sharding_rules import RULE_SETS, logical_to_mesh_spec
+from sharding_rules import RULE_SETS, logical_to_mesh_spec, optimizer_state_rules
 from sharding_rules import axes as ax
 
 
@@ -121,7 +122,10 @@ def build_train_program(cfg: Config, mesh: Mesh, vocab_size: int | None = None) 
     abs_opt = jax.eval_shape(tx.init, abs_params)
     replicated = NamedSharding(mesh, P())
     # Optimizer moments follow their parameter's sharding (so FSDP shards them too); counters are replicated.
-    opt_shardings = optax.tree_map_params(tx, lambda _, s: s, abs_opt, param_shardings,
+    # Gradients follow the optimizer state's rules: the parameters' own, except ZeRO-2 (sharded over fsdp where
+    # the parameters are replicated).
+    grad_shardings = tree_shardings(logical_specs, mesh, optimizer_state_rules(cfg.mesh.rules))
+    opt_shardings = optax.tree_map_params(tx, lambda _, s: s, abs_opt, grad_shardings,
                                           transform_non_params=lambda _: replicated)
     state_shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings,
                        "rng": replicated}
@@ -147,7 +151,7 @@ def build_train_program(cfg: Config, mesh: Mesh, vocab_size: int | None = None) 
 
     def train_step(state: dict, batch: dict) -> tuple[dict, dict]:
         params = state["params"]
-        with use_rules(mesh, rules):
+        with use_rules(mesh, rules), use_overlap(cfg.mesh):
             if stages > 1:
                 loss, grads = pipelined(params, batch["inputs"], batch["targets"])
             elif t.microbatches == 1:
@@ -168,7 +172,7 @@ def build_train_program(cfg: Config, mesh: Mesh, vocab_size: int | None = None) 
                 (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros),
                                                 (split(batch["inputs"]), split(batch["targets"])))
                 loss, grads = loss / t.microbatches, jax.tree.map(lambda g: g / t.microbatches, grads)
-        grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+        grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
         rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state["rng"]))[0])
@@ -177,13 +181,13 @@ def build_train_program(cfg: Config, mesh: Mesh, vocab_size: int | None = None) 
         return new_state, metrics
 
     def eval_step(params: dict, batch: dict) -> jax.Array:
-        with use_rules(mesh, rules):
+        with use_rules(mesh, rules), use_overlap(cfg.mesh):
             return loss_fn(params, batch["inputs"], batch["targets"])
 
     def batch_grads(params: dict, batch: dict) -> tuple[jax.Array, dict]:
         if stages > 1:
             return pipelined(params, batch["inputs"], batch["targets"])
-        with use_rules(mesh, rules):
+        with use_rules(mesh, rules), use_overlap(cfg.mesh):
             return grad_fn(params, batch["inputs"], batch["targets"])
 
     init_fn = jax.jit(init, out_shardings=state_shardings)

@@ -28,8 +28,10 @@ def main(argv: list[str]) -> int:
         from msjax.control import ControlError
         from msjax.control.worker import worker_hooks
         from msjax.supervise.heartbeat import supervisor_hooks
+        from msjax.parallel import xla_flags
         from msjax.train import run, summary_json
 
+        xla_flags.apply(cfg.mesh.tp_overlap)  # before the backend starts: XLA reads XLA_FLAGS once
         distributed.initialize()
         summary = run(cfg, hooks=worker_hooks() + supervisor_hooks(cfg))
     except (ConfigError, DataError, ControlError) as e:

@@ -11,6 +11,10 @@
   `sequence` (context parallelism: queries and the MLP stay split over `sequence`; attention all-gathers keys and
   values over it).
 - `tp`: tensor, sequence and context parallelism with data parallelism, no FSDP.
+- `zero2`: ZeRO stage 2 (Rajbhandari et al. 2020, sec. 5.2; MegaScale trains with it) with `tp`'s tensor,
+  sequence and context parallelism: parameters replicated over `fsdp` (no per-layer gathers in the forward and
+  backward), gradients and optimizer state sharded over it on `embed` (`OPTIMIZER_STATE_RULES`): each step
+  reduce-scatters the gradients once and all-gathers the updated parameters once.
 
 A mesh axis of size 1 is a no-op, so `fsdp_tp` (the default) serves every layout this step supports.
 """
@@ -48,7 +52,16 @@ RULE_SETS: dict[str, Rules] = {
     "fsdp": {**_REPLICATED_PARAMS, EMBED: FSDP, **_DP_ACTIVATIONS},
     "tp": {**_REPLICATED_PARAMS, **_TP_PARAMS, **_DP_ACTIVATIONS, **_TP_ACTIVATIONS},
     "fsdp_tp": {**_REPLICATED_PARAMS, EMBED: FSDP, **_TP_PARAMS, **_DP_ACTIVATIONS, **_TP_ACTIVATIONS},
+    "zero2": {**_REPLICATED_PARAMS, **_TP_PARAMS, **_DP_ACTIVATIONS, **_TP_ACTIVATIONS},
 }
+
+# Rule sets whose gradients and optimizer state are laid out differently from their parameters (ZeRO-1/2).
+OPTIMIZER_STATE_RULES: dict[str, str] = {"zero2": "fsdp_tp"}
+
+
+def optimizer_state_rules(name: str) -> Rules:
+    """The rules for the gradients and optimizer state of rule set `name` (its own unless it is ZeRO-2)."""
+    return RULE_SETS[OPTIMIZER_STATE_RULES.get(name, name)]
 
 
 def logical_to_mesh_spec(names: Sequence[str | None], rules: Rules) -> PartitionSpec:

@@ -60,6 +60,17 @@ def attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array, *, window
     if window is not None and window < 1:
         raise ValueError(f"attention window={window}: allowed is an integer >= 1, or None")
     impl = resolve_impl(impl, q_bthk.dtype)
+    active = active_rules()
+    if impl == "xla" and active is not None and active[0].shape[ax.SEQUENCE] > 1:
+        # Context parallelism: keys/values gathered by hand so the backward reduce-scatters dK/dV.
+        from msjax.parallel.context_parallel import sequence_sharded_attention  # msjax.parallel imports this module
+
+        mesh, rules = active
+        q_spec = logical_to_mesh_spec((ax.ACT_BATCH, ax.ACT_SEQ_INNER, ax.ACT_HEADS, None), rules)
+        kv_spec = logical_to_mesh_spec((ax.ACT_BATCH, ax.ACT_SEQ_INNER, ax.ACT_KV_HEADS, None), rules)
+        return sequence_sharded_attention(
+            lambda q, k, v, offset: xla_attention(q, k, v, window=window, q_offset=offset), mesh,
+            q_bthk, k_bshk, v_bshk, q_spec=q_spec, kv_spec=kv_spec)
     if impl == "pallas":
         from pallas_kernels.sliding_window_attention import sliding_window_attention
 
@@ -88,15 +99,47 @@ def _per_shard(fn, q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array) -> j
                          check_vma=False)(q_bthk, k_bshk, v_bshk)
 
 
-def xla_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array, *, window: int | None) -> jax.Array:
+def local_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array, *, window: int | None,
+                    impl: str = "auto", q_offset: jax.Array | int = 0) -> jax.Array:
+    """`attention` for code that already holds one device's shard (inside `jax.shard_map`): no layout of its own.
+
+    Args:
+      q_bthk: this shard's queries (B, T, H, K); query t sits at position `q_offset + t` among the keys.
+      k_bshk, v_bshk: keys and values (B, S, Hkv, K), S >= q_offset + T (context parallelism: all keys).
+      window, impl: as `attention`.
+      q_offset: int32 scalar (may be traced), the first query's position; nonzero only under context parallelism.
+    Returns:
+      (B, T, H, K) in the dtype of q.
+    Raises:
+      ValueError: a query offset with an implementation that takes none (only `xla` does).
+    """
+    impl = resolve_impl(impl, q_bthk.dtype)
+    offset = not (isinstance(q_offset, int) and q_offset == 0)
+    if offset and impl != "xla":
+        raise ValueError(f"attention impl={impl!r} takes no query offset (context parallelism inside shard_map); "
+                         "allowed: xla")
+    if impl == "pallas":
+        from pallas_kernels.sliding_window_attention import sliding_window_attention
+
+        return sliding_window_attention(q_bthk, k_bshk, v_bshk, window=window)
+    if impl == "cudnn":
+        local = None if window is None else (window - 1, 0)
+        return jax.nn.dot_product_attention(q_bthk, k_bshk, v_bshk, is_causal=True, local_window_size=local,
+                                            implementation="cudnn")
+    return xla_attention(q_bthk, k_bshk, v_bshk, window=window, q_offset=q_offset)
+
+
+def xla_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array, *, window: int | None,
+                  q_offset: jax.Array | int = 0) -> jax.Array:
     """Masked-softmax attention in plain JAX: matmuls in the input dtype accumulating in float32, softmax in
-    float32. Shapes as `attention`; materialises (B, G, H/G, T, S) logits."""
+    float32. Shapes as `attention` (S may exceed T: query t sits at key position `q_offset + t`); materialises
+    (B, G, H/G, T, S) logits."""
     b, t, h, k = q_bthk.shape
-    g = k_bshk.shape[2]
+    s, g = k_bshk.shape[1], k_bshk.shape[2]
     q_btgrk = q_bthk.reshape(b, t, g, h // g, k)  # query heads grouped by the key/value head they share
     logits = jnp.einsum("btgrk,bsgk->bgrts", q_btgrk, k_bshk, preferred_element_type=jnp.float32)
     logits = logits * (1.0 / k**0.5)
-    i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+    i, j = q_offset + jnp.arange(t)[:, None], jnp.arange(s)[None, :]
     visible = (j <= i) if window is None else (j <= i) & (j > i - window)  # (T, S); the diagonal always is
     weights = jax.nn.softmax(jnp.where(visible, logits, -jnp.inf), axis=-1).astype(v_bshk.dtype)
     out = jnp.einsum("bgrts,bsgk->btgrk", weights, v_bshk, preferred_element_type=jnp.float32)

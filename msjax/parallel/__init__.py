@@ -1,9 +1,24 @@
 """Parallelism that the compiler's sharding propagation does not write for us.
 
-This package owns the pipeline schedule (`schedule`: the interleaved-1F1B tick table, its bubble and
-microbatches in flight, pure Python so the planner prices the same numbers; `pipeline`: the pipelined gradient
-computation inside the one jitted train step, `shard_map` over the `pipeline` mesh axis). The layout and memory
-check run before anything is allocated lives with the planner (`msjax.planner.preflight`). Collective matmul
-and XLA flag presets join it as their own modules. Nothing is imported here, so importing one module does not
-pull in the others.
+This package owns two subsystems. Nothing is imported here, so importing one module does not pull in the others.
+
+Pipeline parallelism (issue 9):
+  schedule          the interleaved-1F1B tick table, its bubble and microbatches in flight (pure Python, so the
+                    planner prices the same numbers).
+  pipeline          the pipelined gradient computation inside the one jitted train step, `shard_map` over the
+                    `pipeline` mesh axis. The layout and memory check run before anything is allocated lives with
+                    the planner (`msjax.planner.preflight`).
+
+Communication hidden behind compute (issue 10):
+  options           the active overlap switches (`mesh.tp_overlap`, `mesh.fsdp_prefetch`) for traced code, set
+                    by the train step next to the sharding rules.
+  collective_matmul Megatron-SP's all-gather -> matmul and matmul -> reduce-scatter decomposed into bidirectional
+                    `ppermute` steps under `jax.shard_map`, one all-gather and one reduce-scatter per parallel
+                    block (MegaScale Fig. 3).
+  context_parallel  the key/value all-gather over `sequence` whose transpose is a reduce-scatter of dK/dV.
+  fsdp_prefetch     layer i+1's FSDP parameter all-gather carried through the layer scan ahead of layer i.
+  xla_flags         XLA flag presets per backend, applied before the backend starts.
+
+The model stays single-device code that names its axes: it calls into this package at a few dispatch points, and
+nothing here changes the math (tests/msjax/test_pipeline.py, tests/msjax/test_overlap.py).
 """

@@ -61,7 +61,7 @@ def test_dotted_overrides_parse_types():
     (["--mesh.tensor=4"], "model.num_heads=6 is not divisible by the tensor-parallel size mesh.tensor=4"),
     (["--model.d_model=204", "--model.num_heads=8", "--model.head_dim=16", "--mesh.tensor=8"],
      "model.d_model=204 is not divisible by the tensor-parallel size mesh.tensor=8"),
-    (["--mesh.rules=zero4"], "mesh.rules='zero4' is unknown; allowed: ['dp', 'fsdp', 'fsdp_tp', 'tp']"),
+    (["--mesh.rules=zero4"], "mesh.rules='zero4' is unknown; allowed: ['dp', 'fsdp', 'fsdp_tp', 'tp', 'zero2']"),
     (["--train"], "flag --train needs a value"),
     (["--train=3"], "'train' is a section"),
     (["--model.num_kv_heads=4"], "model.num_heads=6 must be a multiple of model.num_kv_heads=4"),

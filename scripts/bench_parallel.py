@@ -1,0 +1,123 @@
+"""Step time and tokens/s per parallel layout and overlap mode: `python scripts/bench_parallel.py
+[--config=gpt_tiny] [--layouts=tp,tp_sp,fsdp,zero2] [--steps=10] [--json=out.json] [--model.d_model=...]`.
+
+Each (layout, mode) row runs in a fresh process, so that its XLA flag preset (`msjax.parallel.xla_flags`, e.g. the
+windowed einsum of `tp_overlap=xla`) is in force from backend start, exactly as `scripts/train.py` would run it.
+The same command runs on GPUs and TPUs (the devices present) and on CPU, where it asks for 8 fake devices unless
+XLA_FLAGS already sets a count. Prints a table, then the rows as JSON.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from msjax.config import ConfigError, config_from_flags, split_flags  # noqa: E402
+
+TP = {"mesh.data": -1, "mesh.tensor": 2}
+ALL = "all"  # every device on this axis: filled in with the device count
+# layout -> (mesh overrides, [(mode label, overrides)])
+LAYOUTS = {
+    "tp": (TP, [(m, {"mesh.tp_overlap": m}) for m in ("none", "xla", "collective_matmul")]),
+    "tp_parallel": ({**TP, "model.block": "parallel"},
+                    [(m, {"mesh.tp_overlap": m}) for m in ("none", "xla", "collective_matmul")]),
+    "tp_sp": ({"mesh.data": -1, "mesh.sequence": 2, "mesh.tensor": 2},
+              [(m, {"mesh.tp_overlap": m}) for m in ("none", "collective_matmul")]),
+    "fsdp": ({"mesh.data": 1, "mesh.fsdp": ALL}, [("none", {}), ("prefetch", {"mesh.fsdp_prefetch": True})]),
+    "zero2": ({"mesh.data": 1, "mesh.fsdp": ALL, "mesh.rules": "zero2"}, [("none", {})]),
+}
+OPTS = {"steps": "10", "json": "", "layouts": ",".join(LAYOUTS), "repeats": "3"}
+
+
+def _row(argv: list[str]) -> int:
+    """Child process: one benchmark row from dotted flags, printed as JSON on the last line."""
+    pairs, _ = split_flags(argv)
+    opts = dict(OPTS)
+    opts.update((k, v) for k, v in pairs if k in opts)
+    cfg = config_from_flags([(k, v) for k, v in pairs if k not in opts and k != "row"])
+    from msjax.parallel import xla_flags
+
+    flags = xla_flags.apply(cfg.mesh.tp_overlap)
+    from msjax.bench import benchmark
+
+    row = benchmark(cfg, steps=int(opts["steps"]), repeats=int(opts["repeats"]))
+    row["xla_flags"] = flags
+    print(json.dumps(row))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if "--row=1" in argv:
+        return _row([a for a in argv if a != "--row=1"])
+    try:
+        pairs, positional = split_flags(argv)
+        opts = dict(OPTS)
+        opts.update((k, v) for k, v in pairs if k in opts)
+        rest = [(k, v) for k, v in pairs if k not in opts]
+        config_from_flags(rest)  # validate the base config and overrides here, before any child starts
+        layouts = [name for name in opts["layouts"].split(",") if name]
+        unknown = [name for name in layouts if name not in LAYOUTS]
+        if positional or unknown or not opts["steps"].isdigit() or not opts["repeats"].isdigit():
+            raise ConfigError(f"unexpected arguments {positional}, unknown layouts {unknown} (allowed: "
+                              f"{', '.join(LAYOUTS)}), or --steps/--repeats not an integer")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    env = dict(os.environ)
+    from msjax.parallel.xla_flags import detect_backend
+
+    if detect_backend() == "cpu" and "device_count" not in env.get("XLA_FLAGS", ""):
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    n_devices = _device_count(env)
+    rows = []
+    for name in layouts:
+        mesh, modes = LAYOUTS[name]
+        for mode, overrides in modes:
+            layout = {k: n_devices if v == ALL else v for k, v in {**mesh, **overrides}.items()}
+            flags = [f"--{k}={v}" for k, v in rest] + [f"--{k}={v}" for k, v in layout.items()]
+            flags += [f"--steps={opts['steps']}", f"--repeats={opts['repeats']}"]
+            # A row's budget: compilation plus the timed steps of a small model; a hung child must not hang us.
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--row=1", *flags], env=env,
+                                  capture_output=True, text=True, timeout=1800)
+            if proc.returncode != 0:
+                print(f"error: layout {name} mode {mode} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+                return 1
+            row = json.loads(proc.stdout.strip().splitlines()[-1])
+            row.update(layout=name, mode=mode)
+            rows.append(row)
+            print(f"{name:12s} {mode:18s} step {row['step_s'] * 1e3:9.2f} ms  {row['tokens_per_s']:12,.0f} tok/s",
+                  file=sys.stderr, flush=True)
+    print(format_table(rows))
+    print(json.dumps(rows))
+    if opts["json"]:
+        with open(opts["json"], "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+def _device_count(env: dict) -> int:
+    """The number of devices a child will see (asked of a child process, so this one never starts a backend)."""
+    proc = subprocess.run([sys.executable, "-c", "import jax; print(jax.device_count())"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise RuntimeError(f"could not count devices: {proc.stderr[-1000:]}")
+    return int(proc.stdout.strip().splitlines()[-1])
+
+
+def format_table(rows: list[dict]) -> str:
+    base = {}
+    for r in rows:
+        base.setdefault(r["layout"], r["step_s"])
+    cols = ["layout", "mode", "mesh", "step_ms", "tokens_per_s", "vs_first", "mfu", "compile_s"]
+    cells = [cols] + [[r["layout"], r["mode"], "x".join(f"{k[0]}{v}" for k, v in r["mesh"].items() if v > 1),
+                       f"{r['step_s'] * 1e3:.2f}", f"{r['tokens_per_s']:,.0f}",
+                       f"{base[r['layout']] / r['step_s']:.2f}x", f"{r['mfu']:.1%}", f"{r['compile_s']:.1f}"]
+                      for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+    return "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,305 @@
+"""Overlap switches change the schedule, never the math: 8 fake CPU devices against one device, and the
+compiled programs show the communication pattern each switch promises (docs/overlap.md).
+
+Equivalence as tests/msjax/test_parallel.py: the loss and global gradient norm of each of STEPS optimizer
+steps and the full gradient pytree at initialisation, float32, within 1e-5. The single-device references
+(serial and parallel blocks) are computed once per module.
+"""
+
+import math
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from msjax.config import Config, ConfigError, apply_overrides
+from msjax.mesh import make_mesh
+from msjax.train_step import build_train_program
+from tests.msjax.hlo_utils import collectives, dependents, is_matmul, parse
+
+TOL = 1e-5
+STEPS = 3
+VOCAB = 100
+
+
+def tiny_config(**overrides) -> Config:
+    base = {
+        "model.num_layers": 2, "model.d_model": 64, "model.num_heads": 8, "model.d_ff": 128,
+        "model.max_seq_len": 32, "model.attention.window": 12, "train.seq_len": 32, "train.global_batch": 8,
+        "train.steps": 10, "optimizer.warmup_steps": 2, "mesh.data": 1,
+    }
+    return apply_overrides(Config(), {**base, **overrides}).validate()
+
+
+def run_layout(cfg: Config, n_devices: int, tokens: np.ndarray):
+    mesh = make_mesh(cfg.mesh, jax.devices()[:n_devices])
+    program = build_train_program(cfg, mesh, vocab_size=VOCAB)
+    state = program.init_fn(jax.random.key(0))
+    batch = {"inputs": jax.device_put(tokens[:, :-1], program.batch_sharding),
+             "targets": jax.device_put(tokens[:, 1:], program.batch_sharding)}
+    _, grads = program.grad_fn(state["params"], batch)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        state, metrics = program.step_fn(state, batch)
+        losses.append(float(metrics["loss"]))
+        norms.append(float(metrics["grad_norm"]))
+    return np.array(losses), np.array(norms), jax.device_get(grads)
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return np.random.default_rng(0).integers(0, VOCAB, (8, 33)).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def reference(tokens):
+    """Single-device runs, one per block kind."""
+    return {block: run_layout(tiny_config(**{"model.block": block}), 1, tokens) for block in ("serial", "parallel")}
+
+
+def _assert_same(a, b):
+    (la, na, ga), (lb, nb, gb) = a, b
+    np.testing.assert_allclose(lb, la, atol=TOL, rtol=0)
+    np.testing.assert_allclose(nb, na, atol=TOL, rtol=0)
+    for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+        np.testing.assert_allclose(y, x, atol=TOL, rtol=0)
+    assert la[-1] < la[0]  # the run really trains
+
+
+TP = dict(data=2, fsdp=2, tensor=2)
+TP_SP = dict(data=2, sequence=2, tensor=2)
+
+
+def cfg_for(block: str, mesh: dict, **overrides) -> Config:
+    return tiny_config(**{"model.block": block, **{f"mesh.{k}": v for k, v in mesh.items()}, **overrides})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Equivalence with one device.
+
+
+@pytest.mark.parametrize("block", ["serial", "parallel"])
+@pytest.mark.parametrize("mesh", [TP, TP_SP], ids=["tp", "tp_sp"])
+def test_collective_matmul_matches_single_device(reference, tokens, block, mesh):
+    cfg = cfg_for(block, mesh, **{"mesh.tp_overlap": "collective_matmul"})
+    _assert_same(reference[block], run_layout(cfg, 8, tokens))
+
+
+def test_context_parallel_reduce_scatter_matches_single_device(reference, tokens):
+    """The GSPMD path with the hand-written K/V all-gather (tp_overlap=none), parallel blocks (the serial
+    block with this mesh is tests/msjax/test_parallel.py's data x sequence x tensor layout)."""
+    _assert_same(reference["parallel"], run_layout(cfg_for("parallel", TP_SP), 8, tokens))
+
+
+def test_zero2_matches_single_device(reference, tokens):
+    cfg = cfg_for("serial", dict(data=2, fsdp=4), **{"mesh.rules": "zero2"})
+    _assert_same(reference["serial"], run_layout(cfg, 8, tokens))
+
+
+def test_fsdp_prefetch_matches_single_device(reference, tokens):
+    cfg = cfg_for("parallel", dict(fsdp=4, tensor=2), **{"mesh.fsdp_prefetch": True})
+    _assert_same(reference["parallel"], run_layout(cfg, 8, tokens))
+
+
+@pytest.mark.parametrize("mesh", [TP, TP_SP], ids=["tp", "tp_sp"])
+def test_xla_mode_is_the_same_program_as_none_here(mesh):
+    """`xla` differs from `none` only in XLA flags set before the backend starts; in this process (flags fixed)
+    it must lower to exactly the program `none` lowers to, whose equivalence test_parallel.py proves."""
+    texts = []
+    for mode in ("none", "xla"):
+        program = _program(cfg_for("parallel", mesh, **{"mesh.tp_overlap": mode}))
+        texts.append(program.step_fn.lower(program.abstract_state, program.abstract_batch).as_text())
+    assert texts[0] == texts[1]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What the compiled (or lowered) programs show.
+
+
+def _program(cfg: Config, devices: int = 8):
+    return build_train_program(cfg, make_mesh(cfg.mesh, jax.devices()[:devices]), vocab_size=VOCAB)
+
+
+def _lowered_ops(program, fn: str = "eval_fn") -> list[str]:
+    """StableHLO ops in program order: 'P' collective_permute, 'D' dot_general, 'G' all_gather, 'S'
+    reduce_scatter, 'R' all_reduce."""
+    params = program.abstract_state["params"]
+    text = getattr(program, fn).lower(params, program.abstract_batch).as_text()
+    codes = {"collective_permute": "P", "dot_general": "D", "all_gather": "G", "reduce_scatter": "S",
+             "all_reduce": "R"}
+    return [codes[m] for m in re.findall(r"stablehlo\.(" + "|".join(codes) + r")\b", text)]
+
+
+@pytest.mark.parametrize("block,rings", [("parallel", 2), ("serial", 4)])
+def test_collective_matmul_rings_per_layer(block, rings):
+    """tensor=4, scanned layers (the layer body is lowered once): the forward has, per layer, `rings` rings of
+    tp - 1 bidirectional steps (2 collective-permutes each) and no whole all-gather or reduce-scatter. Parallel
+    blocks: ONE all-gather ring and ONE reduce-scatter ring for attention and MLP together (MegaScale Fig. 3);
+    serial: one of each per branch. The backward is decomposed as well: as many permutes again."""
+    tp = 4
+    program = _program(cfg_for(block, dict(data=2, tensor=tp), **{"mesh.tp_overlap": "collective_matmul"}))
+    fwd = "".join(_lowered_ops(program))
+    assert fwd.count("P") == rings * (tp - 1) * 2
+    assert "G" not in fwd and "S" not in fwd
+    # Interleaved in program order: each step's two permutes are followed by partial matmuls before the next
+    # step's permutes (not all the permutes before or after the dots).
+    runs = re.findall(r"P+", fwd[fwd.index("P"):fwd.rindex("P") + 1])
+    assert runs == ["PP"] * (rings * (tp - 1))
+    assert all(re.fullmatch(r"D+", gap) for gap in re.split(r"P+", fwd[fwd.index("P"):fwd.rindex("P") + 1])[1:-1])
+    grad = "".join(_lowered_ops(program, "grad_fn"))
+    assert grad.count("P") == 2 * fwd.count("P")
+    assert "G" not in grad and "S" not in grad
+
+
+def _kv_grad_collective_bytes(program, b: int, t: int, g: int, k: int, sp: int) -> tuple[float, int]:
+    """Bytes per device that the compiled gradient program moves in collectives carrying dK/dV-shaped arrays
+    ({B, S, G, K} whole or split over `sequence`), by the ring cost model (all-reduce 2 (n-1)/n of the buffer,
+    reduce-scatter (n-1)/n of its input, Patarasuk & Yuan 2009), and how many such collectives there were."""
+    comps = parse(program.grad_fn.lower(program.abstract_state["params"], program.abstract_batch).compile()
+                  .as_text())
+    whole, split = sorted((b, t, g, k)), sorted((b, t // sp, g, k))
+    moved, found = 0.0, 0
+    for c in collectives(comps):
+        if c.op not in ("all-reduce", "reduce-scatter"):
+            continue
+        for dt, dims in c.shapes:
+            n = c.group_size()
+            size = 4 * math.prod(dims)
+            if c.op == "all-reduce" and sorted(dims) == whole:
+                moved, found = moved + 2 * size * (n - 1) / n, found + 1
+            elif c.op == "reduce-scatter" and sorted(dims) == split:
+                moved, found = moved + size * (n - 1), found + 1  # result is 1/n of the input
+    return moved, found
+
+
+@pytest.mark.parametrize("mode", ["none", "collective_matmul"])
+def test_context_parallel_moves_no_more_dkdv_bytes_than_a_reduce_scatter(mode):
+    """mesh data 2 x sequence 2 x tensor 2, one layer: dK and dV (each B/2 x T x G/2 x K float32 per device before
+    the reduction) cost at most two reduce-scatters over `sequence`, not two all-reduces."""
+    sp, b, t, g, k = 2, 4, 32, 4, 8
+    program = _program(cfg_for("serial", TP_SP, **{"mesh.tp_overlap": mode, "model.num_layers": 1}))
+    moved, found = _kv_grad_collective_bytes(program, b, t, g, k, sp)
+    reduce_scatter = 4 * b * t * g * k * (sp - 1) / sp
+    assert found >= 2
+    assert moved <= 2 * reduce_scatter
+
+
+def test_zero2_gathers_each_parameter_once_per_step():
+    """fsdp=8, zero2: parameters replicated, optimizer state split over fsdp; the compiled step all-gathers each
+    parameter that has an `embed` axis exactly once (after the update) and never inside the layer loops."""
+    program = _program(cfg_for("serial", dict(fsdp=8), **{"mesh.rules": "zero2"}))
+    state = program.abstract_state
+    w_in = state["params"]["blocks"]["mlp"]["w_in"]
+    assert "fsdp" not in str(w_in.sharding.spec)
+    adam = state["opt_state"][1][0]
+    assert adam.mu["blocks"]["mlp"]["w_in"].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+    comps = parse(program.step_fn.lower(state, program.abstract_batch).compile().as_text())
+    gathers = collectives(comps, "all-gather")
+    sharded = [m.shape for m in jax.tree.leaves(adam.mu) if "fsdp" in str(m.sharding.spec)]
+    assert len(sharded) == 8  # wte, wpe, wq, wk, wv, wo, w_in, w_out
+    assert all(i in comps["ENTRY"].instrs for i in gathers)  # none in a while body (forward/backward scan)
+    assert sorted(sorted(i.shapes[0][1]) for i in gathers) == sorted(sorted(s) for s in sharded)
+
+
+def _loop_bodies(comps):
+    return [comps[c] for i in comps["ENTRY"].instrs if i.op == "while" for c in i.calls if "body" in c
+            or comps[c].instrs and comps[c].instrs[-1].op == "tuple"]
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_fsdp_prefetch_gathers_the_next_layer_before_this_layers_matmuls(prefetch):
+    """fsdp=8, 3 scanned layers, forward program. With prefetch the layer loop's body issues its parameter
+    all-gathers before its first matmul and none of its matmuls reads them (they are the next layer's, carried
+    to the next iteration); without it the body's matmuls consume the all-gathers of the same iteration."""
+    program = _program(cfg_for("serial", dict(fsdp=8), **{"mesh.fsdp_prefetch": prefetch, "model.num_layers": 3}))
+    comps = parse(program.eval_fn.lower(program.abstract_state["params"], program.abstract_batch).compile()
+                  .as_text())
+    bodies = [c for c in comps.values() if any(i.op == "all-gather" for i in c.instrs)
+              and any(is_matmul(i, comps) for i in c.instrs) and c is not comps["ENTRY"]]
+    assert len(bodies) == 1
+    body = bodies[0]
+    order = {i.name: n for n, i in enumerate(body.instrs)}
+    gathers = [i.name for i in body.instrs if i.op == "all-gather"]
+    matmuls = [i.name for i in body.instrs if is_matmul(i, comps)]
+    assert len(gathers) == 6  # wq, wk, wv, wo, w_in, w_out
+    uses_gathered = dependents(body, set(gathers))
+    if prefetch:
+        assert max(order[g] for g in gathers) < min(order[m] for m in matmuls)
+        assert not uses_gathered & set(matmuls)
+    else:
+        assert uses_gathered & set(matmuls)
+
+
+def test_overlap_config_errors():
+    with pytest.raises(ConfigError, match="mesh.tp_overlap=collective_matmul decomposes Megatron-SP, which "
+                                          "mesh.rules='fsdp' does not use"):
+        tiny_config(**{"mesh.tp_overlap": "collective_matmul", "mesh.rules": "fsdp"})
+    with pytest.raises(ConfigError, match="mesh.tp_overlap='ring': allowed is one of 'none', 'xla'"):
+        tiny_config(**{"mesh.tp_overlap": "ring"})
+    with pytest.raises(ConfigError, match="model.attention.impl='pallas' takes no query offset"):
+        tiny_config(**{"mesh.tp_overlap": "collective_matmul", "mesh.sequence": 2, "model.attention.impl": "pallas"})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# XLA flag presets.
+
+
+def test_xla_flag_presets_parse_and_merge():
+    """Every preset flag is known to the installed jaxlib (an unknown one aborts XLA at start-up: checked in a
+    fresh process), the windowed einsum comes only with tp_overlap=xla, and flags already set win."""
+    from msjax.parallel import xla_flags
+
+    gpu = xla_flags.preset("gpu", "xla")
+    assert gpu["xla_gpu_threshold_for_windowed_einsum_mib"] == "0"
+    assert "xla_gpu_threshold_for_windowed_einsum_mib" not in xla_flags.preset("gpu", "collective_matmul")
+    assert xla_flags.preset("cpu", "xla") == {}
+    merged = xla_flags.merged("--xla_gpu_enable_latency_hiding_scheduler=false", gpu)
+    assert "--xla_gpu_enable_latency_hiding_scheduler=false" in merged
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" not in merged
+    env = {**os.environ, "XLA_FLAGS": xla_flags.merged("", gpu), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp; print(float(jnp.ones(3).sum()))"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "3.0", proc.stderr[-2000:]
+    with pytest.raises(RuntimeError, match="backend is already initialised"):
+        xla_flags.apply("xla", backend="gpu")
+    with pytest.raises(ValueError, match="backend='npu'"):
+        xla_flags.preset("npu")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hybrid mesh.
+
+
+def test_hybrid_mesh_keeps_tensor_and_sequence_inside_a_host():
+    """4 hosts x 4 devices (stand-in device objects: only `id` and `process_index` are read when the grid is
+    built), mesh data 4 x sequence 2 x tensor 2: every (sequence, tensor) block lies on one host and `data`
+    runs across hosts."""
+    from dataclasses import dataclass
+
+    from jax.experimental import mesh_utils
+
+    from msjax.mesh import hybrid_shapes
+
+    @dataclass(frozen=True)
+    class FakeDevice:
+        id: int
+        process_index: int
+        platform: str = "cpu"
+        device_kind: str = "fake"
+        slice_index: int = 0
+
+    devices = [FakeDevice(i, i // 4) for i in range(16)]
+    sizes = dict(pipeline=1, data=4, fsdp=1, sequence=2, tensor=2)
+    per_host, across = hybrid_shapes(sizes, hosts=4)
+    assert (per_host, across) == ([1, 1, 1, 2, 2], [1, 4, 1, 1, 1])
+    grid = mesh_utils.create_hybrid_device_mesh(per_host, across, devices, process_is_granule=True)
+    hosts = np.vectorize(lambda d: d.process_index)(grid).reshape(4, 4)  # (data, sequence x tensor)
+    assert all(len(set(row)) == 1 for row in hosts) and sorted(hosts[:, 0]) == [0, 1, 2, 3]
+    assert hybrid_shapes(dict(pipeline=8, data=4, fsdp=1, sequence=1, tensor=8), 32) == \
+        ([1, 1, 1, 1, 8], [8, 4, 1, 1, 1])
+    with pytest.raises(ConfigError, match="cannot span 2 hosts with tensor and sequence inside each host"):
+        hybrid_shapes(dict(pipeline=1, data=1, fsdp=1, sequence=2, tensor=4), 2)
