@@ -138,6 +138,8 @@ class DataConfig:
 
     paths empty: the running interpreter's standard-library sources (real text on every machine with Python).
     Otherwise `.txt`, `.jsonl` (field `text_field`) or `.parquet` (column `text_field`) files or directories.
+    cache_dir empty: the token cache lives in the user's cache directory (`$XDG_CACHE_HOME/msjax/tokens`, see
+    `msjax.runtime.cache_home`), not in the working directory.
     """
 
     paths: tuple[str, ...] = ()
@@ -147,7 +149,7 @@ class DataConfig:
     bpe_vocab_size: int = 4096
     val_fraction: float = 0.05
     on_decode_error: Literal["error", "skip"] = "error"
-    cache_dir: str = ".msjax_cache"
+    cache_dir: str = ""
     prefetch: int = 2
     seed: int = 0
 

@@ -116,7 +116,7 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
                 jax.block_until_ready(metrics)
                 last_log_time, last_log_step = time.perf_counter(), step
                 first_step_time = last_log_time - t_start
-            elif step % t.log_every == 0 or step == t.steps:
+            elif (t.log_every and step % t.log_every == 0) or step == t.steps:
                 loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
                 now = time.perf_counter()
                 tok_s = (step - last_log_step) * tokens_per_step / (now - last_log_time)

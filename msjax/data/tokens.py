@@ -29,6 +29,7 @@ import numpy as np
 
 from msjax.data.corpus import (DataError, SourceFile, corpus_sources, read_documents, split_by_file)
 from msjax.data.tokenizer import TOKENIZER_FILE, Tokenizer, build_tokenizer, load_tokenizer
+from msjax.runtime import cache_home
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ def prepare_data(data_cfg) -> Datasets:
     """
     sources = corpus_sources(data_cfg.paths)
     fp = fingerprint(data_cfg, sources)
-    cache_root = Path(data_cfg.cache_dir).expanduser()
+    cache_root = Path(data_cfg.cache_dir).expanduser() if data_cfg.cache_dir else cache_home() / "tokens"
     final = cache_root / fp
     opened = _open_cache(final, cache_hit=True)
     if opened is not None:
