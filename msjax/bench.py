@@ -9,6 +9,7 @@ is created sharded and the jitted step is timed after compilation, with a device
 from __future__ import annotations
 
 import json
+import logging
 import re
 import statistics
 import time
@@ -22,6 +23,8 @@ from msjax.flops import flops_per_token
 from msjax.hardware import mesh_peak_flops
 from msjax.mesh import make_mesh
 from msjax.train_step import build_train_program
+
+log = logging.getLogger(__name__)
 
 
 def benchmark(cfg: Config, steps: int = 20, warmup: int = 3, repeats: int = 3, vocab_size: int | None = None
@@ -170,13 +173,13 @@ def format_recipe_table(rows: list[dict[str, Any]]) -> str:
 
 
 def recipe_benchmark(train_args: Sequence[str], repeats: int = 1, reference_cmd: Sequence[str] = (),
-                     reference_cwd: str | None = None, timeout_s: float = 3600.0, log=print) -> list[dict]:
+                     reference_cwd: str | None = None, timeout_s: float = 3600.0) -> list[dict]:
     """Times `python scripts/train.py *train_args` (and `reference_cmd`, when given) `repeats` times each,
     interleaved (msjax, reference, msjax, ...) so both see the same machine load.
 
     Each msjax run gets a fresh temporary `train.run_dir` (no checkpoint to resume) unless `train_args` sets
     one, and prints no sample. Returns one row per run (see `msjax_recipe_row`), each with `name`, `repeat`
-    and `load` (the 1-minute load average when it started); `log` is called with a line per finished run.
+    and `load` (the 1-minute load average when it started); each finished run is logged (INFO).
     """
     import os
     import shlex
@@ -193,13 +196,13 @@ def recipe_benchmark(train_args: Sequence[str], repeats: int = 1, reference_cmd:
             load = f"{os.getloadavg()[0]:.1f}"
             row = msjax_recipe_row(time_command([sys.executable, script, *args], timeout_s=timeout_s))
         rows.append({"name": "msjax", "repeat": i, "load": load, **row})
-        log(f"msjax run {i}: {json.dumps(rows[-1])}")
+        log.info("msjax run %d: %s", i, json.dumps(rows[-1]))
         if reference_cmd:
             load = f"{os.getloadavg()[0]:.1f}"
             row = reference_recipe_row(time_command(list(reference_cmd), cwd=reference_cwd, timeout_s=timeout_s))
             rows.append({"name": "reference", "repeat": i, "load": load, "command": shlex.join(reference_cmd),
                          **row})
-            log(f"reference run {i}: {json.dumps(rows[-1])}")
+            log.info("reference run %d: %s", i, json.dumps(rows[-1]))
     return rows
 
 

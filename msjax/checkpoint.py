@@ -26,11 +26,11 @@ def checkpoint_dir(cfg: CheckpointConfig, run_dir: str) -> Path:
     return Path(cfg.dir or os.path.join(run_dir, "checkpoints")).expanduser().absolute()
 
 
-def ensure_writable(path: Path) -> None:
+def ensure_writable(path: Path, key: str = "checkpoint.dir") -> None:
     """Creates `path` and proves a file can be written there, before any training step runs.
 
     Raises:
-      ConfigError: naming the directory and the OS error.
+      ConfigError: naming the config `key`, the directory and the OS error.
     """
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -38,7 +38,7 @@ def ensure_writable(path: Path) -> None:
         probe.write_bytes(b"ok")
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"checkpoint.dir={str(path)!r} is not writable: {e}") from e
+        raise ConfigError(f"{key}={str(path)!r} is not writable ({e.strerror})") from None
 
 
 class Checkpointer:

@@ -9,6 +9,7 @@ Recipe mode: `python scripts/bench.py --recipe --config=shakespeare_char [--repe
 and a reference recipe's command interleaved with it, so both see the same machine load.
 """
 
+import dataclasses
 import json
 import shlex
 import sys
@@ -16,40 +17,56 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from msjax.config import ConfigError, config_from_flags, split_flags  # noqa: E402
+from msjax import cli  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchOptions:
+    """bench.py's own flags.
+
+    Attributes:
+      steps: step mode: train steps per timed window (median of 3 windows after 3 warm-up steps).
+      json: also write the result as JSON to this path.
+      recipe: time the whole scripts/train.py job as a child process instead of the step.
+      repeats: recipe mode: runs of each command, interleaved.
+      reference_cmd: recipe mode: a reference recipe's command line (e.g. nanoGPT's train.py), timed beside msjax.
+      reference_cwd: recipe mode: the reference command's working directory.
+    """
+
+    steps: int = 20
+    json: str = ""
+    recipe: bool = False
+    repeats: int = 1
+    reference_cmd: str = ""
+    reference_cwd: str = ""
 
 
 def main(argv: list[str]) -> int:
-    try:
-        pairs, positional = split_flags(argv, valueless={"recipe"})
-        opts = {"steps": "20", "json": "", "recipe": "false", "repeats": "1", "reference_cmd": "",
-                "reference_cwd": ""}
-        opts.update((k, v) for k, v in pairs if k in opts)
-        config_pairs = [(k, v) for k, v in pairs if k not in opts]
-        cfg = config_from_flags(config_pairs)
-        if positional or not opts["steps"].isdigit() or not opts["repeats"].isdigit():
-            raise ConfigError(f"unexpected arguments {positional}, or --steps={opts['steps']!r} / "
-                              f"--repeats={opts['repeats']!r} not an integer")
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    from msjax import bench
+    def body() -> int:
+        cfg, (common, opts) = cli.parse(argv, BenchOptions(), prog="bench.py", description=__doc__)
+        cli.setup_logging(common)
+        from msjax import bench
 
-    if opts["recipe"].lower() in ("true", "1", "yes"):
-        rows = bench.recipe_benchmark([f"--{k}={v}" for k, v in config_pairs], repeats=int(opts["repeats"]),
-                                      reference_cmd=shlex.split(opts["reference_cmd"]),
-                                      reference_cwd=opts["reference_cwd"] or None,
-                                      log=lambda m: print(m, file=sys.stderr))
-        result = {"config": cfg.name, "rows": rows, "summary": bench.recipe_ratios(rows)}
-        print(bench.format_recipe_table(rows))
-    else:
-        result = bench.benchmark(cfg, steps=int(opts["steps"]))
-        print(bench.format_table([result]))
-    print(json.dumps(result))
-    if opts["json"]:
-        with open(opts["json"], "w") as f:
-            json.dump(result, f, indent=2)
-    return 0
+        if opts.json:
+            cli.check_writable(opts.json, "--json")
+        if opts.recipe:
+            config_args = [a for a in argv if a.split("=", 1)[0].lstrip("-") not in
+                           {f.name for f in dataclasses.fields(BenchOptions)}]
+            rows = bench.recipe_benchmark(config_args, repeats=opts.repeats,
+                                          reference_cmd=shlex.split(opts.reference_cmd),
+                                          reference_cwd=opts.reference_cwd or None)
+            result = {"config": cfg.name, "rows": rows, "summary": bench.recipe_ratios(rows)}
+            print(bench.format_recipe_table(rows))
+        else:
+            result = bench.benchmark(cfg, steps=opts.steps)
+            print(bench.format_table([result]))
+        print(json.dumps(result))
+        if opts.json:
+            with open(opts.json, "w") as f:
+                json.dump(result, f, indent=2)
+        return 0
+
+    return cli.main_guard(body)
 
 
 if __name__ == "__main__":

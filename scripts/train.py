@@ -1,38 +1,37 @@
 """Train a GPT: `python scripts/train.py --config=gpt_tiny [--train.steps=200 --mesh.tensor=2 ... --resume]`.
 
-Flags -> config -> msjax.train.run. Every field of msjax/config.py is a dotted flag; presets live in configs/.
+Flags -> config -> msjax.train.run. Every field of msjax/config.py is a dotted flag (`--help` lists them);
+presets live in configs/.
 """
 
 import json
-import os
 import sys
+from pathlib import Path
 
-import jax
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from msjax.config import ConfigError, parse_args  # noqa: E402
-from msjax.data import DataError  # noqa: E402
+from msjax import cli  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
-    try:
-        cfg, rest = parse_args(argv)
-        if rest:
-            raise ConfigError(f"unexpected arguments {rest}; flags look like --train.steps=100")
+    def body() -> int:
+        cfg, (common,) = cli.parse(argv, prog="train.py", description=__doc__)
+        cli.setup_logging(common)
+        import jax
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
         from msjax import distributed
         from msjax.train import run, summary_json
 
         distributed.initialize()
-        summary = run(cfg)
-    except (ConfigError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    out = summary_json(summary)
-    out.pop("sample", None)
-    if jax.process_index() == 0:
-        print(json.dumps(out))
-    return 0
+        with logging_redirect_tqdm():  # log records go around the progress bar, not through it
+            out = summary_json(run(cfg))
+        out.pop("sample", None)
+        if jax.process_index() == 0:
+            print(json.dumps(out))
+        return 0
+
+    return cli.main_guard(body)
 
 
 if __name__ == "__main__":
