@@ -1,4 +1,6 @@
-"""Step-time benchmark of a config on whatever devices exist: tokens/s, step time and MFU, as a table and JSON.
+"""Step-time benchmark of a config on whatever devices exist: tokens/s, step time and MFU, as a table and JSON;
+and whole-recipe timing (`time_command`): a training command's process wall, user and system time, page faults,
+ms/step and final validation loss, for msjax's `scripts/train.py` or a reference recipe run beside it.
 
 Synthetic random tokens (the data pipeline is benchmarked separately and runs off the critical path); the state
 is created sharded and the jitted step is timed after compilation, with a device sync around each timed window.
@@ -6,9 +8,12 @@ is created sharded and the jitted step is timed after compilation, with a device
 
 from __future__ import annotations
 
+import json
+import logging
+import re
 import statistics
 import time
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -18,6 +23,8 @@ from msjax.flops import flops_per_token
 from msjax.hardware import mesh_peak_flops
 from msjax.mesh import make_mesh
 from msjax.train_step import build_train_program
+
+log = logging.getLogger(__name__)
 
 
 def benchmark(cfg: Config, steps: int = 20, warmup: int = 3, repeats: int = 3, vocab_size: int | None = None
@@ -71,3 +78,141 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     cells = [[c for c, _ in cols]] + [[f.format(r[c]) for c, f in cols] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Whole-recipe timing: a training command run as a child process, measured as `/usr/bin/time -v` would.
+
+_VAL_LOSS = re.compile(r"val loss[ =:]+([0-9]+\.[0-9]+)")
+_ITER_MS = re.compile(r"time ([0-9]+\.[0-9]+)ms")
+
+
+def time_command(cmd: Sequence[str], cwd: str | None = None, env: Mapping[str, str] | None = None,
+                 timeout_s: float = 3600.0) -> dict[str, Any]:
+    """Runs `cmd` to completion and measures it with the child's own rusage (os.wait4).
+
+    Args:
+      cmd: the command (argv list).
+      cwd, env: its working directory and environment (None: ours).
+      timeout_s: the child is killed after this many seconds and TimeoutError names the command.
+    Returns:
+      dict with wall_s (process wall time, s), user_s and system_s (CPU seconds), minor_faults, max_rss_mb
+      (peak resident set, MiB), returncode, and stdout/stderr (text).
+    Raises:
+      TimeoutError: the command ran longer than `timeout_s`.
+    """
+    import os
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(list(cmd), cwd=cwd, env=None if env is None else dict(env), stdout=out,
+                                stderr=err)
+        deadline = t0 + timeout_s
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.perf_counter() > deadline:
+                proc.kill()
+                proc.wait()
+                raise TimeoutError(f"{' '.join(cmd)} ran past {timeout_s:.0f} s")
+            time.sleep(0.05)
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        return {"wall_s": wall, "user_s": usage.ru_utime, "system_s": usage.ru_stime,
+                "minor_faults": usage.ru_minflt, "max_rss_mb": usage.ru_maxrss / 1024,
+                "returncode": proc.returncode, "stdout": out.read().decode("utf-8", "replace"),
+                "stderr": err.read().decode("utf-8", "replace")}
+
+
+def msjax_recipe_row(timed: dict[str, Any]) -> dict[str, Any]:
+    """A recipe row from a timed `scripts/train.py` run: adds steps, ms_per_step (after the first, compiling,
+    step; evaluation included) and the final val_loss, read from the summary JSON train.py prints last."""
+    row = {k: v for k, v in timed.items() if k not in ("stdout", "stderr")}
+    lines = [ln for ln in timed["stdout"].splitlines() if ln.startswith("{")]
+    if timed["returncode"] != 0 or not lines:
+        row["error"] = (timed["stderr"].strip().splitlines() or ["no output"])[-1][:300]
+        return row
+    summary = json.loads(lines[-1])
+    steps = summary["final_step"] - summary["start_step"]
+    row.update(steps=steps, first_step_s=summary["first_step_s"],
+               val_loss=summary["val_loss"][-1][1] if summary["val_loss"] else None,
+               ms_per_step=1e3 * (summary["wall_s"] - summary["first_step_s"]) / max(steps - 1, 1))
+    return row
+
+
+def reference_recipe_row(timed: dict[str, Any]) -> dict[str, Any]:
+    """A recipe row from a timed reference command that prints nanoGPT-style lines (`... val loss X` and
+    `iter N: loss X, time Yms`): val_loss is the last one printed, ms_per_step the median iteration time."""
+    row = {k: v for k, v in timed.items() if k not in ("stdout", "stderr")}
+    text = timed["stdout"] + timed["stderr"]
+    losses = _VAL_LOSS.findall(text)
+    iters = [float(x) for x in _ITER_MS.findall(text)[1:]]  # the first iteration includes set-up
+    row.update(val_loss=float(losses[-1]) if losses else None,
+               ms_per_step=statistics.median(iters) if iters else None, steps=len(iters) + 1 if iters else None)
+    if timed["returncode"] != 0:
+        row["error"] = (timed["stderr"].strip().splitlines() or ["no output"])[-1][:300]
+    return row
+
+
+def format_recipe_table(rows: list[dict[str, Any]]) -> str:
+    """Rows of `msjax_recipe_row` / `reference_recipe_row` (plus `name`, `repeat`) as an aligned text table."""
+    cols = [("name", "{}"), ("repeat", "{}"), ("wall_s", "{:.1f}"), ("user_s", "{:.1f}"), ("system_s", "{:.1f}"),
+            ("minor_faults", "{:,}"), ("max_rss_mb", "{:.0f}"), ("ms_per_step", "{:.1f}"), ("val_loss", "{:.4f}"),
+            ("load", "{}")]
+    def cell(r, c, f):
+        v = r.get(c)
+        return "-" if v is None else f.format(v)
+    cells = [[c for c, _ in cols]] + [[cell(r, c, f) for c, f in cols] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+    return "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells)
+
+
+def recipe_benchmark(train_args: Sequence[str], repeats: int = 1, reference_cmd: Sequence[str] = (),
+                     reference_cwd: str | None = None, timeout_s: float = 3600.0) -> list[dict]:
+    """Times `python scripts/train.py *train_args` (and `reference_cmd`, when given) `repeats` times each,
+    interleaved (msjax, reference, msjax, ...) so both see the same machine load.
+
+    Each msjax run gets a fresh temporary `train.run_dir` (no checkpoint to resume) unless `train_args` sets
+    one, and prints no sample. Returns one row per run (see `msjax_recipe_row`), each with `name`, `repeat`
+    and `load` (the 1-minute load average when it started); each finished run is logged (INFO).
+    """
+    import os
+    import shlex
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    script = str(Path(__file__).resolve().parents[1] / "scripts" / "train.py")
+    rows = []
+    for i in range(repeats):
+        with tempfile.TemporaryDirectory(prefix="msjax-recipe-") as tmp:
+            args = [f"--train.run_dir={tmp}/run", "--train.sample_tokens=0", "--train.progress=false",
+                    *train_args]
+            load = f"{os.getloadavg()[0]:.1f}"
+            row = msjax_recipe_row(time_command([sys.executable, script, *args], timeout_s=timeout_s))
+        rows.append({"name": "msjax", "repeat": i, "load": load, **row})
+        log.info("msjax run %d: %s", i, json.dumps(rows[-1]))
+        if reference_cmd:
+            load = f"{os.getloadavg()[0]:.1f}"
+            row = reference_recipe_row(time_command(list(reference_cmd), cwd=reference_cwd, timeout_s=timeout_s))
+            rows.append({"name": "reference", "repeat": i, "load": load, "command": shlex.join(reference_cmd),
+                         **row})
+            log.info("reference run %d: %s", i, json.dumps(rows[-1]))
+    return rows
+
+
+def recipe_ratios(rows: list[dict]) -> dict[str, float]:
+    """Medians over repeats: msjax wall / reference wall, and each side's median wall and val loss."""
+    def med(name, key):
+        vals = [r[key] for r in rows if r["name"] == name and r.get(key) is not None]
+        return statistics.median(vals) if vals else None
+    out = {"msjax_wall_s": med("msjax", "wall_s"), "msjax_val_loss": med("msjax", "val_loss"),
+           "reference_wall_s": med("reference", "wall_s"), "reference_val_loss": med("reference", "val_loss")}
+    if out["msjax_wall_s"] and out["reference_wall_s"]:
+        out["wall_ratio"] = out["msjax_wall_s"] / out["reference_wall_s"]
+    return out

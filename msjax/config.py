@@ -31,10 +31,11 @@ class ConfigError(ValueError):
 class AttentionConfig:
     """Causal self-attention.
 
-    window: sliding-window size W (each query sees itself and the W-1 keys before it, MegaScale sec. 3.1);
-      None means full causal attention.
-    impl: which implementation the dispatch point `msjax.ops.attention` uses: `xla` (plain JAX reference),
-      `pallas` (our sliding-window flash kernel), `cudnn` (`jax.nn.dot_product_attention`), `auto`.
+    Attributes:
+      window: sliding-window size W (each query sees itself and the W-1 keys before it, MegaScale sec. 3.1);
+        None means full causal attention.
+      impl: which implementation the dispatch point `msjax.ops.attention` uses: `xla` (plain JAX reference),
+        `pallas` (our sliding-window flash kernel), `cudnn` (`jax.nn.dot_product_attention`), `auto`.
     """
 
     window: int | None = None
@@ -48,6 +49,27 @@ class ModelConfig:
     vocab_size 0 takes the tokenizer's vocabulary; the embedding is padded up to a multiple of `vocab_multiple`
     so the vocab axis shards evenly and matmuls stay aligned. `num_kv_heads`, `head_dim` and `d_ff` of 0 take
     `num_heads`, `d_model // num_heads` and `4 * d_model`.
+
+    Attributes:
+      vocab_size: vocabulary size V; 0 takes the tokenizer's.
+      vocab_multiple: embedding rows are padded up to a multiple of this.
+      num_layers: transformer blocks L.
+      d_model: model width D.
+      num_heads: query heads H.
+      num_kv_heads: key/value heads (grouped-query attention); 0 means num_heads.
+      head_dim: head dimension K; 0 means d_model // num_heads.
+      d_ff: MLP width F; 0 means 4 * d_model.
+      max_seq_len: learned positions (the longest train.seq_len allowed).
+      block: serial (GPT-2) or parallel (GPT-J/PaLM: attention and MLP from the same norm, summed).
+      tie_embeddings: the output projection reuses the token embedding.
+      use_bias: biases in linear layers and norms.
+      norm_eps: LayerNorm epsilon.
+      init_std: standard deviation of the normal weight initialisation.
+      remat: activation recomputation policy of each block (jax.checkpoint).
+      scan_layers: one jax.lax.scan over stacked layers (fast compile) instead of a Python loop.
+      param_dtype: dtype the parameters are stored in.
+      dtype: dtype of the activations and matmuls.
+      attention: attention settings (model.attention.*).
     """
 
     vocab_size: int = 0
@@ -99,6 +121,16 @@ class MeshConfig:
     Communication overlap (`msjax.parallel`, docs/overlap.md): `tp_overlap` hides Megatron-SP's all-gather and
     reduce-scatter behind the matmuls (`xla`: XLA's windowed einsum flags; `collective_matmul`: our decomposed
     shard_map rings); `fsdp_prefetch` all-gathers layer i+1's FSDP-sharded weights while layer i computes.
+
+    Attributes:
+      pipeline: pipeline-parallel stages (PP).
+      data: data-parallel replicas (DP); -1 takes the devices that remain.
+      fsdp: fully sharded data parallelism (ZeRO-3) ways.
+      sequence: sequence/context-parallel ways (SP).
+      tensor: tensor-parallel ways (TP, Megatron-style).
+      rules: the sharding rule set (sharding_rules.RULE_SETS) mapping logical axes to mesh axes.
+      tp_overlap: none | xla | collective_matmul (see above).
+      fsdp_prefetch: all-gather layer i+1's FSDP-sharded weights during layer i.
     """
 
     pipeline: int = 1
@@ -143,6 +175,18 @@ class OptimizerConfig:
 
     LAMB (You et al. 2020) is MegaScale's large-batch optimizer; AdamW (Loshchilov & Hutter 2019) the default.
     decay_steps 0 decays over the whole run (`train.steps`). Weight decay skips norms, biases and embeddings.
+
+    Attributes:
+      name: adamw or lamb.
+      lr: peak learning rate (after warmup).
+      min_lr: learning rate at the end of the cosine decay.
+      warmup_steps: steps of linear warmup from 0.
+      decay_steps: steps of cosine decay; 0 decays over train.steps.
+      b1: first-moment decay (Adam beta1).
+      b2: second-moment decay (Adam beta2).
+      eps: Adam epsilon.
+      weight_decay: decoupled weight decay (not on norms, biases, embeddings).
+      grad_clip: global gradient-norm clipping threshold; 0 disables.
     """
 
     name: Literal["adamw", "lamb"] = "adamw"
@@ -163,6 +207,20 @@ class DataConfig:
 
     paths empty: the running interpreter's standard-library sources (real text on every machine with Python).
     Otherwise `.txt`, `.jsonl` (field `text_field`) or `.parquet` (column `text_field`) files or directories.
+    cache_dir empty: the token cache lives in the user's cache directory (`$XDG_CACHE_HOME/msjax/tokens`, see
+    `msjax.runtime.cache_home`), not in the working directory.
+
+    Attributes:
+      paths: corpus files or directories, comma-separated; empty: the standard-library sources.
+      text_field: JSON field / parquet column holding the text.
+      tokenizer: bpe (byte-level BPE trained on the corpus), byte (UTF-8 bytes) or char (nanoGPT's).
+      tokenizer_path: a HF tokenizer.json to use instead of training one (with tokenizer=bpe).
+      bpe_vocab_size: vocabulary size of the trained BPE.
+      val_fraction: share of the corpus held out for validation (by file, else the stream's tail).
+      on_decode_error: error (stop, naming file and byte offset) or skip (leave the file out) on invalid UTF-8.
+      cache_dir: token cache directory; empty: $XDG_CACHE_HOME/msjax/tokens.
+      prefetch: batches prepared ahead by the loader thread.
+      seed: seed of the batch sampler.
     """
 
     paths: tuple[str, ...] = ()
@@ -172,7 +230,7 @@ class DataConfig:
     bpe_vocab_size: int = 4096
     val_fraction: float = 0.05
     on_decode_error: Literal["error", "skip"] = "error"
-    cache_dir: str = ".msjax_cache"
+    cache_dir: str = ""
     prefetch: int = 2
     seed: int = 0
 
@@ -180,7 +238,22 @@ class DataConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     """Training loop. `global_batch` sequences of `seq_len` tokens per step, split into `microbatches`
-    gradient-accumulation steps. Intervals are in steps; 0 disables."""
+    gradient-accumulation steps. Intervals are in steps; 0 disables.
+
+    Attributes:
+      steps: optimizer steps of the run.
+      seq_len: tokens per sequence T.
+      global_batch: sequences per step B, over all devices.
+      microbatches: gradient-accumulation steps per optimizer step.
+      seed: seed of the parameter initialisation.
+      eval_every: steps between validation losses; 0 evaluates only at the end.
+      eval_batches: validation batches per evaluation.
+      log_every: steps between logged metrics (loss, tokens/s, MFU); 0 logs only the last step.
+      sample_tokens: tokens sampled at the end; 0 skips sampling.
+      sample_temperature: softmax temperature of that sample.
+      run_dir: directory for config, metrics, TensorBoard events and checkpoints.
+      progress: show a progress bar.
+    """
 
     steps: int = 1000
     seq_len: int = 256
@@ -207,7 +280,18 @@ class CheckpointConfig:
     `keep`; the optional local tier `local_dir` (host RAM such as /dev/shm, or a local disk; "" = none) takes
     each write first and keeps the newest `local_keep` for fast restore, and a background copy moves each
     checkpoint on to `dir`. `resume` restores the newest verified checkpoint of either tier. `timeout_s` bounds
-    every wait on a checkpoint write (seconds)."""
+    every wait on a checkpoint write (seconds).
+
+    Attributes:
+      dir: persistent-tier checkpoint directory; empty: <train.run_dir>/checkpoints.
+      every: steps between checkpoints (one is always written at the end and on a stop).
+      keep: checkpoints kept in the persistent tier.
+      async_save: write in the background while training goes on.
+      resume: continue from the newest verified checkpoint (also --resume).
+      local_dir: local tier (host RAM such as /dev/shm, or a local disk); empty: none.
+      local_keep: checkpoints kept in the local tier.
+      timeout_s: bound on every wait for a checkpoint write, seconds.
+    """
 
     dir: str = ""
     every: int = 500
@@ -464,12 +548,13 @@ def _field_type(cls: type, name: str) -> Any:
     return typing.get_type_hints(cls)[name]
 
 
-def _describe(tp: Any) -> str:
+def describe_type(tp: Any) -> str:
+    """What a field of type `tp` accepts, in words ("int", "one of 'serial', 'parallel'", "int or None")."""
     origin = typing.get_origin(tp)
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in typing.get_args(tp))
+        return " or ".join(describe_type(a) for a in typing.get_args(tp))
     if origin is tuple:
         return "a comma-separated list"
     if tp is type(None):
@@ -477,10 +562,14 @@ def _describe(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _coerce(key: str, tp: Any, value: Any) -> Any:
-    """Converts `value` (a string from the command line, or a Python value from a preset) to type `tp`."""
+def coerce(key: str, tp: Any, value: Any) -> Any:
+    """Converts `value` (a string from the command line, or a Python value from a preset) to type `tp`.
+
+    Strings: bools accept true/false/1/0/yes/no, `X | None` accepts none/null, tuples a comma-separated list,
+    ints may hold underscores. Raises ConfigError "`key`=`value`: allowed is ..." on anything else.
+    """
     origin = typing.get_origin(tp)
-    bad = ConfigError(f"{key}={value!r}: allowed is {_describe(tp)}")
+    bad = ConfigError(f"{key}={value!r}: allowed is {describe_type(tp)}")
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:
@@ -494,7 +583,7 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
             if arg is type(None):
                 continue
             try:
-                return _coerce(key, arg, value)
+                return coerce(key, arg, value)
             except ConfigError:
                 pass
         raise bad
@@ -530,7 +619,7 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
         if not isinstance(value, str):
             raise bad
         return value
-    raise ConfigError(f"{key}: cannot set a value of type {_describe(tp)}")
+    raise ConfigError(f"{key}: cannot set a value of type {describe_type(tp)}")
 
 
 def apply_overrides(cfg: Config, overrides: Mapping[str, Any]) -> Config:
@@ -552,7 +641,7 @@ def _replace_one(node: Any, full_key: str, value: Any, parts: list[str]) -> Any:
         if dataclasses.is_dataclass(current):
             raise ConfigError(f"{full_key!r} is a section; set one of its keys, e.g. {full_key}."
                               f"{dataclasses.fields(current)[0].name}=...")
-        new = _coerce(full_key, _field_type(type(node), head), value)
+        new = coerce(full_key, _field_type(type(node), head), value)
     else:
         if not dataclasses.is_dataclass(current):
             raise ConfigError(f"unknown config key {full_key!r}: {'.'.join(full_key.split('.')[:-len(parts) + 1])} "
@@ -618,13 +707,17 @@ def config_from_flags(pairs: Sequence[tuple[str, str]], default_preset: str = "g
 
 
 def parse_args(argv: Sequence[str], default_preset: str = "gpt_tiny") -> tuple[Config, list[str]]:
-    """Builds a validated Config from `--config=NAME` and dotted `--key=value` flags.
+    """Builds a validated Config from `--config=NAME` and dotted `--key=value` flags (`msjax.cli.parse`, which
+    every script uses; see there).
 
     `--resume` is shorthand for `--checkpoint.resume=true`. Flags in the form `--key value` are accepted too.
-    Returns the config and any positional arguments. Raises ConfigError on a bad flag.
+    Returns the config and an empty list (kept for callers that expected positional arguments). Raises
+    ConfigError on a bad flag.
     """
-    pairs, positional = split_flags(argv, valueless={"resume"})
-    return config_from_flags(pairs, default_preset), positional
+    from msjax.cli import parse  # local import: msjax.cli builds on this module
+
+    cfg, _ = parse(argv, default_preset=default_preset)
+    return cfg, []
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

@@ -8,6 +8,7 @@ program, restore or initialise the state, then step with a progress bar (loss, t
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any, Sequence
 import jax
 from tqdm import tqdm
 
-from msjax.checkpoint import Checkpointer, check_resume_config, checkpoint_dir
+from msjax.checkpoint import Checkpointer, check_resume_config, checkpoint_dir, ensure_writable
 from msjax.config import Config, ConfigError, to_dict
 from msjax.data import BatchLoader, eval_batches, prepare_data
 from msjax.flops import flops_per_token
@@ -33,9 +34,17 @@ from msjax.sample import generate
 from msjax.train_step import TrainProgram, build_train_program
 
 
+log = logging.getLogger(__name__)
+
+
 def _log(msg: str) -> None:
+    # One channel: logging (scripts configure it, msjax.cli.setup_logging). A program that configured no logging
+    # at all (a notebook) still sees the loop's messages, written around the progress bar.
     if jax.process_index() == 0:
-        tqdm.write(msg)
+        if log.hasHandlers():
+            log.info(msg)
+        else:
+            tqdm.write(msg)
 
 
 def evaluate(program: TrainProgram, params: Any, batches: list[dict]) -> float:
@@ -69,6 +78,8 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
     check_layout(cfg)  # mesh, divisibility and memory, before any data, directory or compilation
     t = cfg.train
     run_dir = Path(t.run_dir)
+    if jax.process_index() == 0:
+        ensure_writable(run_dir, "train.run_dir")
     ckpt = Checkpointer(cfg.checkpoint, checkpoint_dir(cfg.checkpoint, t.run_dir))
     latest = ckpt.latest_step()
     if latest is not None and not cfg.checkpoint.resume:
@@ -144,7 +155,7 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
                 jax.block_until_ready(metrics)
                 last_log_time, last_log_step = time.perf_counter(), step
                 first_step_time = last_log_time - t_start
-            elif step % t.log_every == 0 or step == t.steps:
+            elif (t.log_every and step % t.log_every == 0) or step == t.steps:
                 loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
                 now = time.perf_counter()
                 tok_s = (step - last_log_step) * tokens_per_step / (now - last_log_time)

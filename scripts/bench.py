@@ -1,35 +1,72 @@
-"""Benchmark a preset's train step on the devices present: `python scripts/bench.py --config=gpt_tiny
-[--steps=20] [--json=out.json] [--train.global_batch=32 ...]`. Prints a table and JSON."""
+"""Benchmark a preset on the devices present, printing a table and JSON.
 
+Step mode (default): `python scripts/bench.py --config=gpt_tiny [--steps=20] [--json=out.json] [--train.x=...]`
+times the jitted train step on synthetic tokens (tokens/s, step time, MFU).
+
+Recipe mode: `python scripts/bench.py --recipe --config=shakespeare_char [--repeats=3]
+[--reference_cmd="python train.py ..." --reference_cwd=DIR] [--json=out.json]` runs the whole
+`scripts/train.py` job as a child process (process wall, user, system, minor faults, peak RSS, ms/step, val loss),
+and a reference recipe's command interleaved with it, so both see the same machine load.
+"""
+
+import dataclasses
 import json
-import os
+import shlex
 import sys
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from msjax.config import ConfigError, config_from_flags, split_flags  # noqa: E402
+from msjax import cli  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchOptions:
+    """bench.py's own flags.
+
+    Attributes:
+      steps: step mode: train steps per timed window (median of 3 windows after 3 warm-up steps).
+      json: also write the result as JSON to this path.
+      recipe: time the whole scripts/train.py job as a child process instead of the step.
+      repeats: recipe mode: runs of each command, interleaved.
+      reference_cmd: recipe mode: a reference recipe's command line (e.g. nanoGPT's train.py), timed beside msjax.
+      reference_cwd: recipe mode: the reference command's working directory.
+    """
+
+    steps: int = 20
+    json: str = ""
+    recipe: bool = False
+    repeats: int = 1
+    reference_cmd: str = ""
+    reference_cwd: str = ""
 
 
 def main(argv: list[str]) -> int:
-    try:
-        pairs, positional = split_flags(argv)
-        opts = {"steps": "20", "json": ""}
-        opts.update((k, v) for k, v in pairs if k in opts)
-        cfg = config_from_flags([(k, v) for k, v in pairs if k not in opts])
-        if positional or not opts["steps"].isdigit():
-            raise ConfigError(f"unexpected arguments {positional} or --steps={opts['steps']!r} (an integer)")
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    from msjax.bench import benchmark, format_table
+    def body() -> int:
+        cfg, (common, opts) = cli.parse(argv, BenchOptions(), prog="bench.py", description=__doc__)
+        cli.setup_logging(common)
+        from msjax import bench
 
-    row = benchmark(cfg, steps=int(opts["steps"]))
-    print(format_table([row]))
-    print(json.dumps(row))
-    if opts["json"]:
-        with open(opts["json"], "w") as f:
-            json.dump(row, f, indent=2)
-    return 0
+        if opts.json:
+            cli.check_writable(opts.json, "--json")
+        if opts.recipe:
+            config_args = [a for a in argv if a.split("=", 1)[0].lstrip("-") not in
+                           {f.name for f in dataclasses.fields(BenchOptions)}]
+            rows = bench.recipe_benchmark(config_args, repeats=opts.repeats,
+                                          reference_cmd=shlex.split(opts.reference_cmd),
+                                          reference_cwd=opts.reference_cwd or None)
+            result = {"config": cfg.name, "rows": rows, "summary": bench.recipe_ratios(rows)}
+            print(bench.format_recipe_table(rows))
+        else:
+            result = bench.benchmark(cfg, steps=opts.steps)
+            print(bench.format_table([result]))
+        print(json.dumps(result))
+        if opts.json:
+            with open(opts.json, "w") as f:
+                json.dump(result, f, indent=2)
+        return 0
+
+    return cli.main_guard(body)
 
 
 if __name__ == "__main__":

@@ -23,11 +23,12 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 import jax
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
 
+from msjax import cli  # noqa: E402
 from pallas_kernels.sliding_window_attention import sliding_window_attention  # noqa: E402
 from pallas_kernels.sliding_window_attention.kernel import visible_pairs  # noqa: E402
 
@@ -100,21 +102,50 @@ def bench_one(name, batch, seq_len, window, heads, kv_heads, head_dim, dtype, wa
     return row
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionBenchOptions:
+    """bench_attention.py's flags.
+
+    Attributes:
+      smoke: tiny CPU run: interpret mode, xla instead of cudnn.
+      json: write the rows here.
+      seq_lens: comma-separated sequence lengths T.
+      windows: comma-separated window sizes W.
+      heads: query heads H.
+      kv_heads: key/value heads (0: --heads, no GQA).
+      head_dim: head dimension K.
+      tokens: tokens per call; batch = max(1, tokens // T).
+      dtype: input dtype (bfloat16, float16, float32).
+      impls: comma-separated implementations (pallas, cudnn, pallas_causal, cudnn_causal).
+      warmup: untimed calls before timing.
+      iters: timed calls (the median is reported).
+    """
+
+    smoke: bool = False
+    json: str = ""
+    seq_lens: str = "4096,8192,32768"
+    windows: str = "512,4096"
+    heads: int = 32
+    kv_heads: int = 0
+    head_dim: int = 128
+    tokens: int = 131072
+    dtype: str = "bfloat16"
+    impls: str = "pallas,cudnn,pallas_causal,cudnn_causal"
+    warmup: int = 3
+    iters: int = 10
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny CPU run: interpret mode, xla instead of cudnn")
-    parser.add_argument("--json", type=Path, help="write the rows here")
-    parser.add_argument("--seq-lens", type=str, default="4096,8192,32768")
-    parser.add_argument("--windows", type=str, default="512,4096")
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads (no GQA)")
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--tokens", type=int, default=131072, help="batch = max(1, tokens // T)")
-    parser.add_argument("--dtype", type=str, default="bfloat16")
-    parser.add_argument("--impls", type=str, default="pallas,cudnn,pallas_causal,cudnn_causal")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10)
-    args = parser.parse_args(argv)
+    return cli.main_guard(lambda: _main(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: list[str]) -> int:
+    common, opts = cli.parse_options(argv, AttentionBenchOptions(), prog="bench_attention.py",
+                                     description=__doc__)
+    cli.setup_logging(common)
+    if opts.json:
+        cli.check_writable(opts.json, "--json")
+    args = types.SimpleNamespace(**dataclasses.asdict(opts))
     if args.smoke:
         args.seq_lens, args.windows, args.heads, args.head_dim, args.tokens = "256", "64", 2, 32, 256
         args.warmup, args.iters = 1, 2
@@ -151,7 +182,7 @@ def main(argv=None) -> int:
         meta = {"device_kind": device.device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
                 "smoke": args.smoke, "warmup": args.warmup, "iters": args.iters,
                 "flops": "fwd = 4*B*H*K*sum_i min(i, W); fwd+bwd = 3.5*fwd"}
-        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
         print(f"wrote {args.json}")
     return 0
 

@@ -4,7 +4,7 @@
         --mesh.tensor=8 --mesh.pipeline=8 --virtual_stages=6 [--search] [--compile] [--json out.json]
     python scripts/plan.py --published        # the planner beside MegaScale / Megatron-LM's published rows
 
-Flags: see `msjax.planner.cli.USAGE` and docs/planner.md.
+Flags: `python scripts/plan.py --help` and docs/planner.md.
 """
 
 import os

@@ -1,54 +1,59 @@
 """Train a GPT: `python scripts/train.py --config=gpt_tiny [--train.steps=200 --mesh.tensor=2 ... --resume]`.
 
-Flags -> config -> msjax.train.run. Every field of msjax/config.py is a dotted flag; presets live in configs/.
+Flags -> config -> msjax.train.run. Every field of msjax/config.py is a dotted flag (`--help` lists them);
+presets live in configs/.
 """
 
 import json
 import os
 import sys
+from pathlib import Path
 
-import jax
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from msjax.checkpoint import CheckpointError  # noqa: E402
-from msjax.config import ConfigError, parse_args  # noqa: E402
-from msjax.faults import NonFiniteLossError  # noqa: E402
-from msjax.data import DataError  # noqa: E402
+from msjax import cli  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
     # `--profile_steps=K:N` is short for `--observe.profile_steps=K:N` (trace steps K..K+N-1).
     argv = ["--observe." + a[2:] if a.startswith("--profile_steps=") else a for a in argv]
-    try:
-        cfg, rest = parse_args(argv)
-        if rest:
-            raise ConfigError(f"unexpected arguments {rest}; flags look like --train.steps=100")
+
+    def body() -> int:
+        cfg, (common,) = cli.parse(argv, prog="train.py", description=__doc__)
+        cli.setup_logging(common)
+        import jax
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
         from msjax import distributed
+        from msjax.checkpoint import CheckpointError
         from msjax.control import ControlError
         from msjax.control.worker import worker_hooks
-        from msjax.supervise.heartbeat import supervisor_hooks
+        from msjax.faults import NonFiniteLossError
         from msjax.parallel import xla_flags
+        from msjax.supervise.heartbeat import supervisor_hooks
         from msjax.train import run, summary_json
 
         xla_flags.apply(cfg.mesh.tp_overlap)  # before the backend starts: XLA reads XLA_FLAGS once
-        distributed.initialize()
-        summary = run(cfg, hooks=worker_hooks() + supervisor_hooks(cfg))
-    except (ConfigError, DataError, ControlError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (CheckpointError, NonFiniteLossError) as e:  # the run stopped; the newest verified checkpoint is kept
-        print(f"error: {e}", file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # After a failed write a thread of Orbax's abandoned save stays blocked and the interpreter would wait
-        # for it forever at exit (measured here); every complete checkpoint is already on disk, so exit now.
-        os._exit(1)
-    out = summary_json(summary)
-    out.pop("sample", None)
-    if jax.process_index() == 0:
-        print(json.dumps(out))
-    return 0
+        try:
+            distributed.initialize()
+            with logging_redirect_tqdm():  # log records go around the progress bar, not through it
+                out = summary_json(run(cfg, hooks=worker_hooks() + supervisor_hooks(cfg)))
+        except ControlError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except (CheckpointError, NonFiniteLossError) as e:  # the run stopped; the newest verified checkpoint is kept
+            print(f"error: {e}", file=sys.stderr)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            # After a failed write a thread of Orbax's abandoned save stays blocked and the interpreter would wait
+            # for it forever at exit (measured here); every complete checkpoint is already on disk, so exit now.
+            os._exit(1)
+        out.pop("sample", None)
+        if jax.process_index() == 0:
+            print(json.dumps(out))
+        return 0
+
+    return cli.main_guard(body)
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ def ensure_writable(path: Path, key: str = "checkpoint.dir") -> None:
         probe.write_bytes(b"ok")
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"{key}={str(path)!r} is not writable: {e}") from e
+        raise ConfigError(f"{key}={str(path)!r} is not writable ({e.strerror})") from None
 
 
 def _warn(msg: str) -> None:

@@ -13,14 +13,16 @@ as nanoGPT's `data/shakespeare_char/prepare.py` does.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
+import re
 import sysconfig
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Literal, Sequence
+from typing import Iterator, Literal, NamedTuple, Sequence
 
 # Extensions a data path (or a directory under one) may hold. `.py` is read too, but only the standard-library
 # corpus uses it: a user's directory of code is more likely a mistake than a corpus.
@@ -133,74 +135,184 @@ def corpus_sources(paths: Sequence[str]) -> list[SourceFile]:
     return resolve_sources(paths) if paths else _stdlib_sources()
 
 
+class Piece(NamedTuple):
+    """A slice of a document as read from a corpus file.
+
+    text: the characters (at most about `PIECE_BYTES` of input, except a JSON/parquet field read whole).
+    end: True on the last piece of a document (the tokenizer's eot goes after it).
+    offset: bytes of the file consumed so far (for progress; parquet reports its row group's end).
+    """
+
+    text: str
+    end: bool
+    offset: int
+
+
+# Bytes of a text file decoded at a time: large documents (a 200 MB corpus on one line) stream through in pieces
+# of about this size, so tokenizing needs memory proportional to it, not to the file.
+PIECE_BYTES = 1 << 20
+# Where a long text is cut into pieces: after a newline that the next character does not continue as whitespace,
+# else before a space between two non-space characters. GPT-2's byte-level pre-tokenizer (Radford et al. 2019)
+# splits its input at both places anyway, so a BPE tokenizer encodes the pieces exactly as the whole text. A
+# piece with neither (a single >1 MB word) is cut where it ends; char and byte tokenizers are exact at any cut.
+_NEWLINE_CUT = re.compile(r"\n(?=\S)")
+_SPACE_CUT = re.compile(r"(?<=\S) (?=\S)")
+
+
+def _cut_point(text: str) -> int:
+    """Index at which to end a piece of `text` (see `_NEWLINE_CUT`): the last safe place in its second half."""
+    half = len(text) // 2
+    for pattern, shift in ((_NEWLINE_CUT, 1), (_SPACE_CUT, 0)):
+        last = None
+        for last in pattern.finditer(text, half):
+            pass
+        if last is not None:
+            return last.start() + shift
+    return len(text)
+
+
+def split_text(text: str, piece_chars: int = PIECE_BYTES) -> Iterator[str]:
+    """`text` in consecutive pieces of at most ~`piece_chars` characters, cut where a BPE pre-tokenizer would cut
+    anyway (see `_cut_point`). Concatenating the pieces gives `text` back."""
+    while len(text) > piece_chars:
+        cut = _cut_point(text[:piece_chars])
+        yield text[:cut]
+        text = text[cut:]
+    if text:
+        yield text
+
+
+def read_pieces(path: str | os.PathLike, text_field: str = "text",
+                on_decode_error: Literal["error", "skip"] = "error", piece_bytes: int = PIECE_BYTES
+                ) -> Iterator[Piece]:
+    """Streams the documents of one corpus file as pieces (see `Piece`), in bounded memory for any line length.
+
+    Same documents, errors and skipping as `read_documents` (which joins these pieces). With
+    on_decode_error='skip' an undecodable file is first checked in a streaming pass, so it is skipped whole and
+    never half-read. NUL bytes are valid UTF-8 and are kept as the character U+0000: they are text to every
+    tokenizer (char gives them an id, byte and bpe encode the byte 0), never dropped or replaced.
+    """
+    path = Path(path)
+    suffix = path.suffix
+    if suffix in (".txt", ".py", ".jsonl") and on_decode_error == "skip":
+        if not _utf8_ok(path):
+            return
+    if suffix in (".txt", ".py"):
+        yield from _text_pieces(path, piece_bytes)
+    elif suffix == ".jsonl":
+        yield from _read_jsonl(path, text_field, piece_bytes)
+    elif suffix == ".parquet":
+        yield from _read_parquet(path, text_field, piece_bytes)
+    else:
+        raise DataError(f"{path}: unsupported extension {suffix!r}; allowed: {', '.join(READABLE_SUFFIXES)}")
+
+
 def read_documents(path: str | os.PathLike, text_field: str = "text",
                    on_decode_error: Literal["error", "skip"] = "error") -> Iterator[str]:
-    """Yields the documents of one corpus file, in file order, reading the file once.
+    """Yields the documents of one corpus file, in file order, each whole (use `read_pieces` to stream).
 
     `.txt`/`.py`: the whole file is one document. `.jsonl`: field `text_field` of each non-blank line.
-    `.parquet`: column `text_field` of each row (null rows are skipped).
+    `.parquet`: column `text_field` of each row (null and empty rows are skipped).
 
     Args:
       path: the file.
       text_field: JSON field / parquet column holding the text.
       on_decode_error: 'error' raises on bytes that are not UTF-8; 'skip' skips the whole file with a DataWarning
-        naming it (yielding nothing).
+        naming it (yielding nothing). NUL bytes are valid UTF-8 and kept (see `read_pieces`).
     Raises:
       DataError: undecodable bytes (names the file and byte offset); a jsonl line that is not JSON, lacks the
         field or holds a non-string (names file, line number and field); a parquet file without the column
         (lists its columns) or with a non-string column; an unsupported extension.
     """
-    path = Path(path)
-    suffix = path.suffix
-    if suffix in (".txt", ".py"):
-        text = _decode(path, path.read_bytes(), on_decode_error)
-        if text:
-            yield text
-    elif suffix == ".jsonl":
-        yield from _read_jsonl(path, text_field, on_decode_error)
-    elif suffix == ".parquet":
-        yield from _read_parquet(path, text_field)
-    else:
-        raise DataError(f"{path}: unsupported extension {suffix!r}; allowed: {', '.join(READABLE_SUFFIXES)}")
+    parts: list[str] = []
+    for piece in read_pieces(path, text_field, on_decode_error):
+        parts.append(piece.text)
+        if piece.end:
+            yield "".join(parts)
+            parts = []
 
 
-def _decode(path: Path, data: bytes, on_decode_error: str, line_start: int = 0) -> str | None:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        where = f"byte offset {line_start + e.start}"
-        if on_decode_error == "skip":
-            warnings.warn(f"skipping {path}: not valid UTF-8 at {where} ({e.reason}; data.on_decode_error='skip')",
-                          DataWarning, stacklevel=3)
-            return None
-        raise DataError(f"{path}: not valid UTF-8 at {where} ({e.reason}); fix the file or set "
-                        "data.on_decode_error=skip to leave such files out") from None
+def _decode_error(path: Path, offset: int, reason: str) -> DataError:
+    return DataError(f"{path}: not valid UTF-8 at byte offset {offset} ({reason}); fix the file or set "
+                     "data.on_decode_error=skip to leave such files out")
 
 
-def _read_jsonl(path: Path, field: str, on_decode_error: str) -> Iterator[str]:
-    data = path.read_bytes()
-    # Decode the whole file first: a file with a bad byte is skipped whole, never half-read.
-    text = _decode(path, data, on_decode_error)
-    if text is None:
-        return
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-        if not isinstance(record, dict) or field not in record:
-            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-            raise DataError(f"{path}:{lineno}: no field {field!r} (data.text_field); the line has {keys}")
-        value = record[field]
-        if not isinstance(value, str):
-            raise DataError(f"{path}:{lineno}: field {field!r} is a {type(value).__name__}, not a string")
-        if value:
-            yield value
+def _utf8_ok(path: Path) -> bool:
+    """Streams `path` through a UTF-8 decoder; False (with a DataWarning naming the offset) if it fails."""
+    dec = codecs.getincrementaldecoder("utf-8")("strict")
+    offset = 0
+    with open(path, "rb") as f:
+        while True:
+            data = f.read(PIECE_BYTES)
+            pending = len(dec.getstate()[0])
+            try:
+                dec.decode(data, final=not data)
+            except UnicodeDecodeError as e:
+                warnings.warn(f"skipping {path}: not valid UTF-8 at byte offset {offset - pending + e.start} "
+                              f"({e.reason}; data.on_decode_error='skip')", DataWarning, stacklevel=4)
+                return False
+            if not data:
+                return True
+            offset += len(data)
 
 
-def _read_parquet(path: Path, column: str) -> Iterator[str]:
+def _text_pieces(path: Path, piece_bytes: int) -> Iterator[Piece]:
+    """A .txt/.py file as one document, decoded incrementally (a multi-byte character split between two reads
+    is held back by the decoder) and cut by `_cut_point`."""
+    dec = codecs.getincrementaldecoder("utf-8")("strict")
+    offset, carry, any_text = 0, "", False
+    with open(path, "rb") as f:
+        while True:
+            data = f.read(piece_bytes)
+            pending = len(dec.getstate()[0])
+            try:
+                text = dec.decode(data, final=not data)
+            except UnicodeDecodeError as e:
+                raise _decode_error(path, offset - pending + e.start, e.reason) from None
+            offset += len(data)
+            buf = carry + text
+            if not data:
+                if buf or any_text:
+                    yield Piece(buf, True, offset)
+                return
+            cut = _cut_point(buf) if len(buf) >= piece_bytes else 0
+            if cut:
+                any_text = True
+                yield Piece(buf[:cut], False, offset)
+            carry = buf[cut:]
+
+
+def _read_jsonl(path: Path, field: str, piece_bytes: int) -> Iterator[Piece]:
+    offset = 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            start, offset = offset, offset + len(raw)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise _decode_error(path, start + e.start, e.reason) from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(record, dict) or field not in record:
+                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                raise DataError(f"{path}:{lineno}: no field {field!r} (data.text_field); the line has {keys}")
+            value = record[field]
+            if not isinstance(value, str):
+                raise DataError(f"{path}:{lineno}: field {field!r} is a {type(value).__name__}, not a string")
+            yield from _document_pieces(value, offset, piece_bytes)
+
+
+def _document_pieces(text: str, offset: int, piece_chars: int) -> Iterator[Piece]:
+    pieces = list(split_text(text, piece_chars)) if len(text) > piece_chars else ([text] if text else [])
+    for i, p in enumerate(pieces):
+        yield Piece(p, i == len(pieces) - 1, offset)
+
+
+def _read_parquet(path: Path, column: str, piece_bytes: int) -> Iterator[Piece]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -211,10 +323,13 @@ def _read_parquet(path: Path, column: str) -> Iterator[str]:
     kind = pf.schema_arrow.field(column).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise DataError(f"{path}: column {column!r} has type {kind}, not string")
+    rows, total = 0, max(pf.metadata.num_rows, 1)
+    size = path.stat().st_size
     for batch in pf.iter_batches(columns=[column], batch_size=8192):
+        rows += batch.num_rows
         for value in batch.column(0).to_pylist():
             if value:
-                yield value
+                yield from _document_pieces(value, size * rows // total, piece_bytes)
 
 
 def is_validation(rel: str, val_fraction: float) -> bool:

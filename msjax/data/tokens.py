@@ -14,11 +14,14 @@ which is never read (and is removed after `_STALE_TMP_S`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
+import signal
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -27,17 +30,26 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from msjax.data.corpus import (DataError, SourceFile, corpus_sources, read_documents, split_by_file)
+from msjax.data.corpus import (DataError, Piece, SourceFile, corpus_sources, read_pieces, split_by_file,
+                                split_text)
 from msjax.data.tokenizer import TOKENIZER_FILE, Tokenizer, build_tokenizer, load_tokenizer
+from msjax.runtime import cache_home
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
 _STALE_TMP_S = 24 * 3600
-# Characters of text handed to one encode_batch call: large enough to keep every core busy, small enough that
-# the int32 id lists of one chunk stay a few hundred MB at most.
-_ENCODE_CHUNK_CHARS = 8 << 20
+# Characters of text handed to one encode_batch call, in sub-pieces of `_ENCODE_PIECE_CHARS` (enough to keep every
+# core busy). Measured: HF `tokenizers` holds ~230 bytes per token of Encoding objects until a call returns (6.7M
+# chars of Shakespeare: 444 MB), so a call's text is kept to 1M characters (~70 MB).
+_ENCODE_CHUNK_CHARS = 1 << 20
+_ENCODE_PIECE_CHARS = 1 << 17
+# Strings handed to the BPE trainer: its iterator buffers hundreds of items, so they must be small (measured:
+# 4 MiB strings cost 270 MB on 6.7 MB of text, 64 KiB strings 39 MB).
+_FIT_PIECE_CHARS = 1 << 16
+# Corpora at least this large show a progress bar while they are read (when stderr is a terminal).
+_PROGRESS_MIN_BYTES = 64 << 20
 
 
 @dataclass
@@ -100,21 +112,26 @@ def prepare_data(data_cfg) -> Datasets:
     """
     sources = corpus_sources(data_cfg.paths)
     fp = fingerprint(data_cfg, sources)
-    cache_root = Path(data_cfg.cache_dir).expanduser()
+    cache_root = Path(data_cfg.cache_dir).expanduser() if data_cfg.cache_dir else cache_home() / "tokens"
     final = cache_root / fp
     opened = _open_cache(final, cache_hit=True)
     if opened is not None:
         return opened
-    cache_root.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmp(cache_root)
-    tmp = cache_root / f"{fp}.tmp-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir()
     try:
-        t0 = time.perf_counter()
-        meta = _build(data_cfg, sources, tmp)
-        meta.update(fingerprint=fp, build_seconds=round(time.perf_counter() - t0, 3))
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
-        _publish(tmp, final)
+        cache_root.mkdir(parents=True, exist_ok=True)
+        tmp = cache_root / f"{fp}.tmp-{uuid.uuid4().hex[:12]}"
+        tmp.mkdir()
+    except OSError as e:
+        raise DataError(f"data.cache_dir={str(cache_root)!r} is not writable ({e.strerror}); set data.cache_dir "
+                        "to a writable directory") from None
+    _remove_stale_tmp(cache_root)
+    try:
+        with _sigterm_as_interrupt():
+            t0 = time.perf_counter()
+            meta = _build(data_cfg, sources, tmp)
+            meta.update(fingerprint=fp, build_seconds=round(time.perf_counter() - t0, 3))
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
+            _publish(tmp, final)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -126,6 +143,24 @@ def prepare_data(data_cfg) -> Datasets:
     log.info("tokenized %d files in %.1f s: %d train + %d val tokens (%s, %s split) -> %s", m["num_files"],
              m["build_seconds"], m["train_tokens"], m["val_tokens"], m["tokenizer"], m["split"], final)
     return opened
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """While building, SIGTERM (what `kill` and job schedulers send) raises KeyboardInterrupt like Ctrl-C does, so
+    the build's `finally` removes its temporary directory. Main thread only (Python delivers signals there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum} while tokenizing")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _publish(tmp: Path, final: Path) -> None:
@@ -182,20 +217,45 @@ def _memmap(path: Path, dtype: np.dtype) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r")
 
 
-def _documents(sources: Iterable[SourceFile], data_cfg) -> Iterator[str]:
+def _pieces(sources: Iterable[SourceFile], data_cfg, progress: "_Progress | None" = None) -> Iterator[Piece]:
     for s in sources:
-        yield from read_documents(s.path, data_cfg.text_field, data_cfg.on_decode_error)
+        last = 0
+        for piece in read_pieces(s.path, data_cfg.text_field, data_cfg.on_decode_error):
+            if progress is not None:
+                progress.update(piece.offset - last)
+                last = piece.offset
+            yield piece
+        if progress is not None:
+            progress.update(s.size - last)
+
+
+class _Progress:
+    """Bytes of corpus read, on a tqdm bar (stderr) once a corpus is large enough for it to matter, and in the
+    log when the pass ends."""
+
+    def __init__(self, what: str, total: int):
+        from tqdm import tqdm
+
+        self.what = what
+        self.bar = tqdm(total=total, unit="B", unit_scale=True, desc=what, leave=False,
+                        disable=True if total < _PROGRESS_MIN_BYTES else None)
+
+    def update(self, n: int) -> None:
+        self.bar.update(n)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _needs_fitting(data_cfg) -> bool:
     return not data_cfg.tokenizer_path and data_cfg.tokenizer in ("bpe", "char")
 
 
-def _chunks(docs: Iterable[str]) -> Iterator[list[str]]:
+def _chunks(pieces: Iterable[Piece]) -> Iterator[list[Piece]]:
     chunk, chars = [], 0
-    for doc in docs:
-        chunk.append(doc)
-        chars += len(doc)
+    for piece in _subpieces(pieces):
+        chunk.append(piece)
+        chars += len(piece.text)
         if chars >= _ENCODE_CHUNK_CHARS:
             yield chunk
             chunk, chars = [], 0
@@ -203,47 +263,83 @@ def _chunks(docs: Iterable[str]) -> Iterator[list[str]]:
         yield chunk
 
 
-def _write_tokens(tokenizer: Tokenizer, docs: Iterable[str], path: Path, dtype: np.dtype) -> tuple[int, int]:
-    """Encodes `docs` (eot after each) into the flat file `path`. Returns (tokens, documents)."""
+def _subpieces(pieces: Iterable[Piece]) -> Iterator[Piece]:
+    for piece in pieces:
+        if len(piece.text) <= _ENCODE_PIECE_CHARS:
+            yield piece
+            continue
+        parts = list(split_text(piece.text, _ENCODE_PIECE_CHARS))
+        for i, part in enumerate(parts):
+            yield Piece(part, piece.end and i == len(parts) - 1, piece.offset)
+
+
+def _write_tokens(tokenizer: Tokenizer, pieces: Iterable[Piece], path: Path, dtype: np.dtype) -> tuple[int, int]:
+    """Encodes `pieces` (eot after each document's last piece) into the flat file `path`. Returns (tokens,
+    documents)."""
     eot = None if tokenizer.eot_id is None else np.array([tokenizer.eot_id], dtype)
     n_tokens = n_docs = 0
     with open(path, "wb") as f:
-        for chunk in _chunks(docs):
-            for ids in tokenizer.encode_batch(chunk):
-                parts = [ids.astype(dtype)] if eot is None else [ids.astype(dtype), eot]
+        for chunk in _chunks(pieces):
+            for piece, ids in zip(chunk, tokenizer.encode_batch([p.text for p in chunk])):
+                parts = [ids.astype(dtype)] if eot is None or not piece.end else [ids.astype(dtype), eot]
                 for p in parts:
                     f.write(p.tobytes())
                     n_tokens += p.size
-            n_docs += len(chunk)
+                n_docs += piece.end
     return n_tokens, n_docs
 
 
+def _fit_texts(sources: Iterable[SourceFile], data_cfg, progress: _Progress, byte_budget: int | None
+               ) -> Iterator[str]:
+    """The text of `sources` for fitting a tokenizer; with `byte_budget`, only about the first that many bytes of
+    input (the last piece cut in proportion: exact for one-piece ASCII files, as tinyshakespeare)."""
+    used = 0
+    for s in sources:
+        last = 0
+        for piece in read_pieces(s.path, data_cfg.text_field, data_cfg.on_decode_error):
+            n, last = piece.offset - last, piece.offset
+            progress.update(n)
+            if byte_budget is not None and used + n >= byte_budget:
+                yield from split_text(piece.text[:int(len(piece.text) * (byte_budget - used) / max(n, 1))],
+                                      _FIT_PIECE_CHARS)
+                return
+            used += n
+            yield from split_text(piece.text, _FIT_PIECE_CHARS)
+
+
 def _build(data_cfg, sources: list[SourceFile], out: Path) -> dict[str, Any]:
+    """Tokenizes `sources` into `out`. Streams: every pass reads the files piece by piece (`corpus.read_pieces`),
+    so memory stays bounded by the piece size whatever the corpus' size or line length; a tokenizer that needs
+    fitting costs one more read of the text."""
     split = split_by_file(sources, data_cfg.val_fraction)
     mode = "file" if split is not None else "position"
+    total = sum(s.size for s in sources)
+    train_src, val_src = (split[0], split[1]) if split else (sources, [])
     if _needs_fitting(data_cfg):
-        # Fitting a tokenizer and then encoding needs the text twice; keep it in memory rather than read each
-        # file twice (the corpora this runs on are MBs to a few GB; a sharded pre-tokenized corpus is the answer
-        # beyond that).
-        if split is not None:
-            train_docs = list(_documents(split[0], data_cfg))
-            val_docs = list(_documents(split[1], data_cfg))
-            fit_texts: Iterable[str] = train_docs
-        else:
-            train_docs, val_docs = list(_documents(sources, data_cfg)), []
-            fit_texts = _head_chars(train_docs, 1.0 - data_cfg.val_fraction)
         if data_cfg.tokenizer == "char":
             # The char vocabulary must cover every character we encode (nanoGPT builds it from all the text).
-            fit_texts = train_docs + val_docs
-        tokenizer = build_tokenizer(data_cfg, fit_texts, out)
+            fit_src, budget = sources, None
+        elif split is not None:
+            fit_src, budget = train_src, None
+        else:
+            # A position split: fit on about the first (1 - val_fraction) of the text, so that validation text
+            # never shapes the vocabulary (measured in bytes of the file, cut at a piece boundary).
+            fit_src, budget = sources, int(sum(s.size for s in sources) * (1.0 - data_cfg.val_fraction))
+        bar = _Progress("fitting tokenizer", sum(s.size for s in fit_src))
+        try:
+            tokenizer = build_tokenizer(data_cfg, _fit_texts(fit_src, data_cfg, bar, budget), out)
+        finally:
+            bar.close()
     else:
         tokenizer = build_tokenizer(data_cfg, (), out)
-        train_docs = _documents(split[0] if split else sources, data_cfg)
-        val_docs = _documents(split[1], data_cfg) if split else iter(())
     tokenizer.save(out / TOKENIZER_FILE)
     dtype = token_dtype(tokenizer.vocab_size)
-    n_train, d_train = _write_tokens(tokenizer, train_docs, out / "train.bin", dtype)
-    n_val, d_val = _write_tokens(tokenizer, val_docs, out / "val.bin", dtype)
+    bar = _Progress("tokenizing", total)
+    try:
+        n_train, d_train = _write_tokens(tokenizer, _pieces(train_src, data_cfg, bar), out / "train.bin", dtype)
+        n_val, d_val = _write_tokens(tokenizer, _pieces(val_src, data_cfg, bar), out / "val.bin", dtype)
+    finally:
+        bar.close()
     if mode == "position":
         n_train, n_val = _split_tail(out / "train.bin", out / "val.bin", n_train, data_cfg.val_fraction, dtype)
     if n_train + n_val == 0:
@@ -264,22 +360,9 @@ def _build(data_cfg, sources: list[SourceFile], out: Path) -> dict[str, Any]:
         "val_documents": d_val,
         "train_tokens": n_train,
         "val_tokens": n_val,
-        "corpus_bytes": sum(s.size for s in sources),
+        "corpus_bytes": total,
         "paths": list(data_cfg.paths) or ["<stdlib>"],
     }
-
-
-def _head_chars(docs: list[str], fraction: float) -> list[str]:
-    """The first `fraction` of the characters of `docs` (the text of a position split's train part, used to fit
-    the tokenizer so that validation text never shapes the vocabulary)."""
-    budget = int(sum(len(d) for d in docs) * fraction)
-    out = []
-    for d in docs:
-        if budget <= 0:
-            break
-        out.append(d[:budget])
-        budget -= len(d)
-    return out
 
 
 def _split_tail(train: Path, val: Path, n: int, val_fraction: float, dtype: np.dtype) -> tuple[int, int]:

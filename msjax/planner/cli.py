@@ -5,61 +5,66 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
-import typing
 from typing import Sequence
 
-from msjax.config import Config, ConfigError, _coerce, config_from_flags, split_flags
-
+from msjax import cli
+from msjax.config import Config, ConfigError, apply_overrides
 from msjax.planner.options import PlanError, PlanOptions
 
-# Flags that are actions, not options (no value, or a path).
-ACTIONS = {"search": bool, "compile": bool, "published": bool, "json": str, "top": int, "workers": int}
-_OPTION_TYPES = typing.get_type_hints(PlanOptions)
-USAGE = """usage: python scripts/plan.py --config=NAME --devices=N --hardware=NAME [--global_batch=B]
-       [--mesh.tensor=T --mesh.pipeline=P ...] [--virtual_stages=V] [--microbatch_size=B] [--zero_stage=Z]
-       [--baseline=megatron] [--search [--top=20]] [--compile] [--published] [--json=out.json]
-  Planner options: """ + ", ".join(f"--{f.name}" for f in dataclasses.fields(PlanOptions)) + """
-  Any config key as --section.key=value (see msjax/config.py); --global_batch is train.global_batch."""
+
+@dataclasses.dataclass(frozen=True)
+class PlanActions:
+    """What plan.py does beyond planning one layout.
+
+    Attributes:
+      search: enumerate every legal layout and rank them (MFU, memory).
+      compile: compile the train step for the plan's layout on fake CPU devices and compare XLA's bytes.
+      published: print the planner beside MegaScale's and Megatron-LM's published rows.
+      json: also write the result as JSON to this path.
+      top: layouts listed by --search.
+      workers: processes for --search (0: one per core).
+      global_batch: sequences per step (train.global_batch); 0 keeps the preset's.
+    """
+
+    search: bool = False
+    compile: bool = False
+    published: bool = False
+    json: str = ""
+    top: int = 20
+    workers: int = 0
+    global_batch: int = 0
 
 
 def parse_plan_args(argv: Sequence[str]) -> tuple[Config, PlanOptions, dict]:
-    """Splits planner flags from config flags and builds (config, options, actions).
-
-    `--key=value` and `--key value` both work; --search, --compile and --published take no value. Without
-    --devices, the mesh's own product is used when mesh.data is set (not -1).
+    """plan.py's command line (`msjax.cli.parse` with `PlanOptions` and `PlanActions`): (config, options,
+    actions as a dict). Without --devices, the mesh's own product is used when mesh.data is set (not -1).
 
     Raises:
-      ConfigError / PlanError: unknown config keys, bad values (the message names the key and what is allowed).
+      ConfigError / PlanError: unknown flags (listing the config keys and the planner's own flags), bad values
+        (the message names the key and what is allowed), a missing --hardware_file or an unwritable --json.
     """
-    option_values: dict = {}
-    actions: dict = {"search": False, "compile": False, "published": False, "json": "", "top": 20, "workers": 0}
-    types = {**_OPTION_TYPES, **ACTIONS}
-    pairs, positional = split_flags(argv, valueless={k for k, t in types.items() if t is bool} | {"help", "h"})
-    if positional:
-        raise PlanError(f"unexpected arguments {positional}; flags are --key=value\n{USAGE}")
-    config_flags: list[tuple[str, str]] = []
-    for key, value in pairs:
-        if key in ("help", "h"):
-            raise PlanError(USAGE)
-        if key == "global_batch":
-            config_flags.append(("train.global_batch", value))
-        elif key in ACTIONS:
-            actions[key] = _coerce(f"--{key}", ACTIONS[key], value)
-        elif key in _OPTION_TYPES:
-            option_values[key] = _coerce(f"--{key}", _OPTION_TYPES[key], value)
-        else:
-            config_flags.append((key, value))
-    cfg = config_from_flags(config_flags, default_preset="gpt_tiny")
-    actions["plan"] = "devices" in option_values or not actions["published"]
-    if "devices" not in option_values:
+    cfg, (common, opts, acts) = cli.parse(argv, PlanOptions(devices=0), PlanActions(), prog="plan.py",
+                                          description=__doc__)
+    cli.setup_logging(common)
+    actions = dataclasses.asdict(acts)
+    if acts.global_batch:
+        cfg = apply_overrides(cfg, {"train.global_batch": acts.global_batch}).validate()
+    if opts.hardware_file and not os.path.isfile(os.path.expanduser(opts.hardware_file)):
+        raise PlanError(f"--hardware_file={opts.hardware_file!r} does not exist (or is not a file)")
+    if acts.json:
+        cli.check_writable(acts.json, "--json")
+    actions["plan"] = bool(opts.devices) or not acts.published
+    if not opts.devices:
         sizes = cfg.mesh.axis_sizes()
         if sizes["data"] == -1:
-            if not actions["published"]:
+            if not acts.published:
                 raise PlanError("--devices=N is required (or set every mesh size, including --mesh.data)")
+            opts = dataclasses.replace(opts, devices=8)
         else:
-            option_values["devices"] = math.prod(sizes.values())
-    return cfg, PlanOptions(**option_values).validate(), actions
+            opts = dataclasses.replace(opts, devices=math.prod(sizes.values()))
+    return cfg, opts.validate(), actions
 
 
 def run(argv: Sequence[str], out=sys.stdout) -> dict:
@@ -171,9 +176,5 @@ def published_report() -> tuple[str, list[dict]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        run(sys.argv[1:] if argv is None else argv)
-    except (ConfigError, PlanError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    """plan.py: a bad flag or path is one `error: ...` line and exit status 2."""
+    return cli.main_guard(lambda: (run(sys.argv[1:] if argv is None else argv), 0)[1])

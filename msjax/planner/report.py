@@ -6,7 +6,7 @@ import dataclasses
 
 from msjax.planner import memory as mem
 from msjax.planner.plan import Plan
-from msjax.planner.search import SearchResult, _reason_kind
+from msjax.planner.search import SearchResult, reason_kind
 
 GiB = 2**30
 GB = 1e9
@@ -146,7 +146,7 @@ def search_text(result: SearchResult, top: int = 20, title: str = "") -> str:
     lines += ["", "  rejected, by reason:"]
     examples: dict[str, str] = {}
     for c in result.rejected:
-        examples.setdefault(_reason_kind(c.reason), f"{c.describe()}: {c.reason}")
+        examples.setdefault(reason_kind(c.reason), f"{c.describe()}: {c.reason}")
     for kind, count in result.reason_counts().items():
         lines.append(f"    {count:8,d}  {kind}")
         lines.append(f"              e.g. {examples[kind]}")

@@ -92,12 +92,14 @@ class SearchResult:
         """Rejections grouped by kind (the reason up to its first digit-bearing detail)."""
         counts: dict[str, int] = {}
         for c in self.rejected:
-            key = _reason_kind(c.reason)
+            key = reason_kind(c.reason)
             counts[key] = counts.get(key, 0) + 1
         return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-def _reason_kind(reason: str) -> str:
+def reason_kind(reason: str) -> str:
+    """The class of a rejection reason ("out of memory", "... is not divisible by ...", ...), used to count and
+    exemplify rejected layouts by kind."""
     if reason.startswith("out of memory"):
         return "out of memory"
     for marker in (" is not divisible by ", " is more than ", " does not split over ", " is not a multiple of ",

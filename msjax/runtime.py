@@ -1,0 +1,100 @@
+"""Process set-up applied once on `import msjax`: the C allocator and jax's persistent compilation cache.
+
+Both exist because of measurements on a 2-core CPU machine (shared/FIELD_NOTES.md, "CPU speed: the allocator"):
+
+- glibc malloc hands XLA:CPU's large per-step buffers (above its dynamic mmap threshold) back to the OS with
+  munmap/trim and page-faults them in again on the next step: on shakespeare_char ~25% of the wall time was system
+  time and ~12,000 minor faults per step. `mallopt` (through ctypes, so nothing has to be set before Python
+  starts, unlike GLIBC_TUNABLES or LD_PRELOAD) raises the mmap threshold to 1 GiB and turns trimming off,
+  so freed buffers stay in the heap and are reused. The price is that the process keeps its peak heap.
+- Compiling the train step takes seconds of every run; jax's persistent compilation cache keeps the compiled
+  executables in the user's cache directory (XDG), so a repeated run skips most of that.
+
+Opt-outs, for a user who wants the plain defaults: `MSJAX_MALLOPT=0` leaves malloc alone; an explicit
+`JAX_COMPILATION_CACHE_DIR` (or `jax.config.update("jax_compilation_cache_dir", ...)` before import) wins, and
+`MSJAX_COMPILATION_CACHE=0` turns our default off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+from pathlib import Path
+
+# glibc <malloc.h>: mallopt parameter numbers.
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+# 1 GiB, the value measured with GLIBC_TUNABLES (glibc 2.36 accepts it from mallopt too): blocks above it are still
+# mmapped, but XLA:CPU's per-step buffers for any model that fits a CPU are far smaller.
+MMAP_THRESHOLD_MAX = 1 << 30
+# Trimming off: LONG_MAX-ish (mallopt takes an int; 2**31-1 bytes is beyond any free top chunk we produce).
+TRIM_THRESHOLD_OFF = (1 << 31) - 1
+
+_state: dict[str, object] = {}
+
+
+def cache_home() -> Path:
+    """msjax's cache directory: `$MSJAX_CACHE_HOME`, else `$XDG_CACHE_HOME/msjax`, else `~/.cache/msjax`
+    (XDG Base Directory Specification). Not created here."""
+    if os.environ.get("MSJAX_CACHE_HOME"):
+        return Path(os.environ["MSJAX_CACHE_HOME"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "msjax"
+
+
+def tune_malloc() -> bool:
+    """Raises glibc's mmap threshold to 1 GiB and disables heap trimming (see module docstring).
+
+    Returns True when glibc accepted both settings; False on another C library, with `MSJAX_MALLOPT=0`, or when
+    glibc refused. Idempotent.
+    """
+    if "malloc" in _state:
+        return bool(_state["malloc"])
+    ok = False
+    if os.environ.get("MSJAX_MALLOPT", "1") != "0" and sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            mallopt = libc.mallopt
+        except (OSError, AttributeError):  # musl and others have no mallopt
+            mallopt = None
+        if mallopt is not None:
+            mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+            ok = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(
+                mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_OFF))
+    _state["malloc"] = ok
+    return ok
+
+
+def enable_compilation_cache() -> str | None:
+    """Points jax's persistent compilation cache at `cache_home()/jax` unless the user chose a directory (or set
+    `MSJAX_COMPILATION_CACHE=0`). Returns the directory in use, or None. Idempotent.
+
+    Only executables that took more than `jax_persistent_cache_min_compile_time_secs` (jax's default 1 s) to
+    compile are written, so small jitted helpers do not fill the cache.
+    """
+    if "cache" in _state:
+        return _state["cache"]  # type: ignore[return-value]
+    import jax
+
+    current = jax.config.jax_compilation_cache_dir
+    if current or os.environ.get("MSJAX_COMPILATION_CACHE", "1") == "0":
+        _state["cache"] = current or None
+        return _state["cache"]  # type: ignore[return-value]
+    path = cache_home() / "jax"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:  # a read-only home: run without the cache rather than fail
+        _state["cache"] = None
+        return None
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    _state["cache"] = str(path)
+    return str(path)
+
+
+def setup() -> None:
+    """Both of the above; called from `msjax/__init__.py` so every entry point (scripts, notebooks, tests) gets
+    them. malloc is tuned first, before jax is imported and allocates."""
+    tune_malloc()
+    enable_compilation_cache()
