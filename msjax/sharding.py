@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -42,12 +42,32 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     mesh, rules = active
     if len(names) != x.ndim:
         raise ValueError(f"constrain: {len(names)} names {tuple(names)} for an array of rank {x.ndim}")
-    # Inside a partial-manual shard_map (the pipeline's stages) the context mesh marks the manual axes; a
-    # sharding must be built on that mesh, or jax rejects it as belonging to another mesh.
+    return jax.lax.with_sharding_constraint(x, NamedSharding(region_mesh(mesh), logical_to_mesh_spec(names, rules)))
+
+
+def region_mesh(mesh: Mesh) -> Any:
+    """The mesh that shardings and nested `shard_map`s must name at this point of a trace.
+
+    Inside a partial-manual shard_map (the pipeline's stages) the context's abstract mesh marks the axes already
+    manual; a sharding or a nested shard_map built on the concrete `mesh` is rejected there as belonging to
+    another mesh. Outside one, `mesh` itself.
+    """
     context = jax.sharding.get_abstract_mesh()
     if not context.empty and context.manual_axes:
-        mesh = context
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_mesh_spec(names, rules)))
+        return context
+    return mesh
+
+
+def nested_shard_map(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any,
+                     axis_names: Iterable[str] | None = None, **kwargs: Any) -> Callable:
+    """`jax.shard_map` over `axis_names` (default: every axis of `mesh`) that also works inside another
+    partial-manual shard_map: there it uses the context mesh (`region_mesh`) and leaves out the axes the
+    enclosing region already made manual (e.g. `pipeline` inside a pipeline stage). Extra keyword arguments go to
+    `jax.shard_map` (check_vma, ...)."""
+    region = region_mesh(mesh)
+    names = set(mesh.axis_names if axis_names is None else axis_names)
+    names -= set(getattr(region, "manual_axes", ()))
+    return jax.shard_map(f, mesh=region, in_specs=in_specs, out_specs=out_specs, axis_names=names, **kwargs)
 
 
 def tree_shardings(logical_specs: Any, mesh: Mesh, rules: Rules) -> Any:

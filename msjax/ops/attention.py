@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from msjax.sharding import active_rules
+from msjax.sharding import active_rules, nested_shard_map
 from sharding_rules import axes as ax
 from sharding_rules import logical_to_mesh_spec
 
@@ -95,8 +95,8 @@ def _per_shard(fn, q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array) -> j
     mesh, rules = active
     q_spec = logical_to_mesh_spec((ax.ACT_BATCH, None, ax.ACT_HEADS, None), rules)
     kv_spec = logical_to_mesh_spec((ax.ACT_BATCH, None, ax.ACT_KV_HEADS, None), rules)
-    return jax.shard_map(fn, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
-                         check_vma=False)(q_bthk, k_bshk, v_bshk)
+    return nested_shard_map(fn, mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+                            check_vma=False)(q_bthk, k_bshk, v_bshk)
 
 
 def local_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array, *, window: int | None,

@@ -46,7 +46,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from msjax.ops.attention import local_attention
-from msjax.sharding import active_rules
+from msjax.sharding import active_rules, nested_shard_map
 from sharding_rules import axes as ax
 from sharding_rules import logical_to_mesh_spec
 
@@ -183,8 +183,8 @@ def block(blk, x_btd: jax.Array) -> jax.Array:
         local = nnx.merge(graphdef, params)
         return _parallel_block(local, x_bcd) if local.parallel else _serial_block(local, x_bcd)
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(specs, x_spec), out_specs=x_spec,
-                         axis_names=set(MANUAL_AXES), check_vma=True)(params, x_btd)
+    return nested_shard_map(body, mesh, in_specs=(specs, x_spec), out_specs=x_spec, axis_names=MANUAL_AXES,
+                            check_vma=True)(params, x_btd)
 
 
 def _gather_fsdp(w: jax.Array, spec: P) -> jax.Array:

@@ -20,6 +20,7 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from msjax.sharding import nested_shard_map
 from sharding_rules import axes as ax
 
 
@@ -48,5 +49,5 @@ def sequence_sharded_attention(attend: Callable[..., jax.Array], mesh: Mesh, q_b
         v = jax.lax.all_gather(v, ax.SEQUENCE, axis=1, tiled=True)
         return attend(q, k, v, jax.lax.axis_index(ax.SEQUENCE) * q.shape[1])
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
-                         check_vma=True)(q_bthk, k_bshk, v_bshk)
+    return nested_shard_map(body, mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+                            check_vma=True)(q_bthk, k_bshk, v_bshk)

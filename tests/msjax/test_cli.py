@@ -83,7 +83,8 @@ def test_train_unwritable_run_dir_and_cache_dir_are_one_error_line(tmp_path):
     blocker.write_text("x")
     corpus = tmp_path / "c.txt"
     corpus.write_text("some text for a corpus " * 200)
-    base = ["--config=shakespeare_char", f"--data.paths={corpus}", "--train.steps=2"]
+    # a batch that splits over the 8 fake devices, so the layout check (which runs first) passes
+    base = ["--config=shakespeare_char", f"--data.paths={corpus}", "--train.steps=2", "--train.global_batch=16"]
     proc = _script("train.py", *base, f"--train.run_dir={blocker}/run")
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
     assert proc.stderr.startswith(f"error: train.run_dir='{blocker}/run' is not writable (Not a directory)")

@@ -105,6 +105,16 @@ def test_fsdp_prefetch_matches_single_device(reference, tokens):
     _assert_same(reference["parallel"], run_layout(cfg, 8, tokens))
 
 
+@pytest.mark.parametrize("overlap", [{"mesh.tp_overlap": "collective_matmul", "mesh.data": 2},
+                                     {"mesh.fsdp_prefetch": True, "mesh.fsdp": 2}],
+                         ids=["collective_matmul", "prefetch"])
+def test_overlap_inside_pipeline_stages_matches_single_device(reference, tokens, overlap):
+    """pp2 x (dp2 or fsdp2) x tp2: the overlap code runs nested in the pipeline's shard_map (msjax.sharding
+    .nested_shard_map leaves `pipeline` to the enclosing region) and still computes what one device computes."""
+    cfg = tiny_config(**{"model.block": "parallel", "mesh.pipeline": 2, "mesh.tensor": 2, **overlap})
+    _assert_same(reference["parallel"], run_layout(cfg, 8, tokens))
+
+
 @pytest.mark.parametrize("mesh", [TP, TP_SP], ids=["tp", "tp_sp"])
 def test_xla_mode_is_the_same_program_as_none_here(mesh):
     """`xla` differs from `none` only in XLA flags set before the backend starts; in this process (flags fixed)
