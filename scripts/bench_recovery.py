@@ -77,7 +77,8 @@ def main(argv: list[str]) -> int:
                       "supervisor.restart_budget": len(kinds) + 2, "optimizer.decay_steps": own["steps"]})
     if own["compile_cache"]:
         # jax reads its config from JAX_* variables; the workers inherit them.
-        os.environ.update(JAX_COMPILATION_CACHE_DIR=own["compile_cache"], JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        os.environ.update(JAX_COMPILATION_CACHE_DIR=own["compile_cache"],
+                          JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                           JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
     argv_sup = [f"--hosts={hosts}", f"--devices_per_host={own['devices_per_host']}", *faults,
                 *[f"--{key}={value}" for key, value in cfg_flags.items()]]

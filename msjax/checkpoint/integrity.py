@@ -11,8 +11,8 @@ probability about 2^-64. It is not a cryptographic hash: it detects corruption, 
 Why a weighted sum rather than CRC32 over the file bytes: a sum composes over shards. Each shard is reduced on
 its own device (the host copy's source; on CPU the same memory); every process reduces the shards it holds
 with replica id 0, which are exactly the ones Orbax has that process write, and the partial sums are added, so
-each process checksums what it writes and no process gathers the whole state. And the value does not depend on the layout:
-a checkpoint written on one mesh verifies after a restore onto another.
+each process checksums what it writes and no process gathers the whole state. And the value does not depend on
+the layout: a checkpoint written on one mesh verifies after a restore onto another.
 
 The record (`msjax_integrity.json` in the step directory) is written only after Orbax has committed the step
 (its temporary directory renamed), from the checksums of the very arrays that were saved; a step directory

@@ -431,7 +431,10 @@ def main(argv: list[str]) -> int:
                     row = bench_tcpstore_twin(n, pt, args.limit_s)
             rows.append(row)
             secs = "-" if row["seconds"] is None else f"{row['seconds']:.3f}"
-            details = (row["pattern"] + (" (twin)" if "twin" in row["client"] else "")) if "pattern" in row else f"client {row['client_cpu_s']:.2f} s + server {row['server_cpu_s']:.2f} s CPU"
+            if "pattern" in row:
+                details = row["pattern"] + (" (twin)" if "twin" in row["client"] else "")
+            else:
+                details = f"client {row['client_cpu_s']:.2f} s + server {row['server_cpu_s']:.2f} s CPU"
             print(f"{row['system']:<9} {n:>6} {secs:>8}  {details}{'; ' + row['note'] if 'note' in row else ''}",
                   flush=True)
     print(f"# redis rows: {rows[0]['client'] if rows else ''}, {rows[0]['server'] if rows else ''}; "

@@ -357,7 +357,8 @@ def _msjax_pipeline_report(cfg: Config, layout: Layout, stage: StageParams, devi
     """Memory of a stage of msjax's pipelined step (`msjax.parallel.pipeline`), which differs from Megatron's:
     every stage holds the embedding / output end (replicated over `pipeline`, one copy of a tied embedding);
     gradients are float32, twice (the loop's accumulators and the optimizer's input), and the working memory
-    holds the optimizer's float32 update and, for V > 1, the regrouped copy of the stage's layers; activations are the stash of 2 P V chunk inputs (b, T, D), split like
+    holds the optimizer's float32 update and, for V > 1, the regrouped copy of the stage's layers; activations
+    are the stash of 2 P V chunk inputs (b, T, D), split like
     the residual stream (sequence and tensor), the send/receive buffers, and the activations of the one chunk
     being recomputed under `jax.vjp` (its L / (P V) layers under the remat policy); every stage computes the
     logits in its backward (their gradient masked where unused), so the logits and their gradient are working
