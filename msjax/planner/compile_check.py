@@ -96,7 +96,12 @@ def compile_here(cfg: Config, sizes: dict[str, int]) -> dict[str, Any]:
     mem = compiled.memory_analysis()
     xla = int(mem.argument_size_in_bytes)
     sharded = 0  # bytes per device implied by the step's own shardings (an independent middle check)
-    for leaf in jax.tree.leaves(prog.abstract_state) + jax.tree.leaves(prog.abstract_batch):
+    leaves = jax.tree_util.tree_flatten_with_path((prog.abstract_state, prog.abstract_batch))[0]
+    for path, leaf in leaves:
+        # optax.apply_if_finite's `last_finite` (a bool) is overwritten by every update and never read: XLA
+        # drops that dead argument, so it is not among the bytes XLA allocates (measured: exactly 1 byte less).
+        if jax.tree_util.keystr(path).endswith(".last_finite"):
+            continue
         sharded += math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
     analytic = analytic_bytes(cfg, sizes)
     return {"devices": n, "mesh": sizes, "compile_seconds": seconds, "xla_argument_bytes": xla,

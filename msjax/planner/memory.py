@@ -129,7 +129,8 @@ def total_params(cfg: Config, vocab: int) -> int:
 def analytic_state_bytes(cfg: Config, vocab: int, sizes: dict[str, int]) -> dict[str, int]:
     """Per-device bytes of the msjax train state as `msjax.train_step` lays it out: params, optimizer moments
     (2 per parameter, in the parameter dtype, sharded like it), and the replicated scalars (step int32, rng
-    uint32[2], two int32 optimizer counters: Adam's and the schedule's). With pipeline stages, stacked layers are
+    uint32[2], four int32 optimizer counters: Adam's, the schedule's and `optax.apply_if_finite`'s two, and its
+    `last_finite` bool, which is state though the compiled step never reads it). With pipeline stages, stacked layers are
     split over `pipeline` (L / p per device, `msjax.parallel.pipeline.pipeline_rules`); per-layer parameters and
     the embedding / output end are replicated over it.
     """
@@ -139,7 +140,7 @@ def analytic_state_bytes(cfg: Config, vocab: int, sizes: dict[str, int]) -> dict
         L = L // sizes["pipeline"]
     params = sum(shard_elements(l, cfg.mesh.rules, sizes) * (L if l.per_layer else 1)
                  for l in param_leaves(cfg.model, vocab)) * pb
-    opt_state = 2 * params + 2 * 4
+    opt_state = 2 * params + 4 * 4 + 1
     scalars = 4 + 8
     return {"params": params, "opt_state": opt_state, "scalars": scalars, "total": params + opt_state + scalars}
 
