@@ -5,7 +5,6 @@ import json
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import jax
@@ -13,33 +12,17 @@ import numpy as np
 import pytest
 
 from msjax.checkpoint import Checkpointer
-from msjax.config import Config, ConfigError, apply_overrides
+from msjax.config import ConfigError, apply_overrides
 from msjax.data import DataError
 from msjax.train import run
+from tests.msjax.tiny_runs import tiny_run_config as tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """A few real standard-library sources copied as .txt files (real text, present on every machine)."""
-    d = tmp_path_factory.mktemp("corpus")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for name in ("textwrap.py", "fnmatch.py", "glob.py", "shlex.py", "bisect.py", "colorsys.py"):
-        shutil.copy(stdlib / name, d / f"{name}.txt")
-    return d
-
-
-def tiny(tmp: Path, corpus: Path, **overrides) -> Config:
-    base = {
-        "model.num_layers": 2, "model.d_model": 32, "model.num_heads": 2, "model.max_seq_len": 32,
-        "data.paths": (str(corpus),), "data.tokenizer": "char", "data.val_fraction": 0.2,
-        "data.cache_dir": str(tmp / "cache"), "train.seq_len": 32, "train.global_batch": 8, "train.steps": 8,
-        "train.eval_every": 4, "train.eval_batches": 2, "train.log_every": 2, "train.sample_tokens": 20,
-        "train.run_dir": str(tmp / "run"), "train.progress": False, "optimizer.warmup_steps": 2,
-        "optimizer.decay_steps": 8, "checkpoint.every": 4, "mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2,
-    }
-    return apply_overrides(Config(name="test"), {**base, **overrides}).validate()
+@pytest.fixture
+def corpus(small_corpus) -> Path:
+    return small_corpus  # tests/msjax/conftest.py: real standard-library text, built once per session
 
 
 def test_trains_and_writes_metrics_checkpoints_and_sample(tmp_path, corpus):
