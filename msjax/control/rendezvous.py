@@ -6,7 +6,8 @@ the very same generator with `msjax.control.resp`'s minimal asyncio client for t
 
 Per worker, after connecting (and AUTH):
   1. One EVAL of `JOIN_SCRIPT` (atomic in Redis): read the generation (restart count), INCR the arrival count of
-     that generation, so rank = count - 1; record the member; rank 0's proposed address becomes the coordinator;
+     that generation, so rank = count - 1 (or the rank the launcher fixed, below); record the member; rank 0's
+     proposed address becomes the coordinator;
      the last arriver (count == world size) XADDs one entry {coordinator, world_size, generation} to the
      generation's `done` stream.
   2. One XREAD BLOCK on that stream from id 0: it returns at once if the entry is there, else when the last worker
@@ -14,6 +15,12 @@ Per worker, after connecting (and AUTH):
 Then `jax.distributed.initialize(coordinator, world_size, rank)`. No all-pairs key exchange and no barrier beyond
 JAX's own: Redis serves O(n) commands in all, against the O(n) polls per round (O(n^2) in all) of a counter
 barrier (MegaScale sec. 4.1; PyTorch issue 124982).
+
+Ranks by arrival or fixed by the launcher. A launcher that numbers its tasks (SLURM's SLURM_PROCID, in node order
+of the allocation; a Kubernetes Indexed Job's completion index) may pass that number as the rank
+(`requested_rank`, env MSJAX_RANK): rank 0, and so JAX's coordinator, is then the first node of the allocation (or
+pod 0, which the headless Service names), as `jax.distributed`'s own SLURM detection does, and a worker's rank is
+the same in every generation. A generation is either all fixed or all by arrival (the first arriver decides).
 
 Outcomes for a worker that does not fit (each a RendezvousError naming run, generation and worker):
   - late: the generation already has `world_size` members and this worker id is not one of them. A job that is
@@ -24,6 +31,8 @@ Outcomes for a worker that does not fit (each a RendezvousError naming run, gene
     before the others arrived): it gets its old rank again and the count is not incremented.
   - world size mismatch: a worker expects a different world size than the first arriver recorded.
   - timeout: the blocking wait ended before the last member arrived; the message says how many had arrived.
+  - fixed ranks: a requested rank outside [0, world size), one another worker already holds, or a generation
+    mixing requested and arrival-order ranks.
 """
 
 from __future__ import annotations
@@ -35,19 +44,24 @@ from typing import Any, Callable, Generator
 
 from msjax.control.errors import RendezvousError
 
-# KEYS[1] = run prefix ("msjax:RUN"); ARGV = worker_id, world_size, proposed coordinator address, member JSON.
-# Sub-keys are built from the prefix inside the script: fine on one Redis (not on Redis Cluster, which needs
-# every key in KEYS).
+# KEYS[1] = run prefix ("msjax:RUN"); ARGV = worker_id, world_size, proposed coordinator address, member JSON,
+# requested rank (-1: by arrival). Sub-keys are built from the prefix inside the script: fine on one Redis (not on
+# Redis Cluster, which needs every key in KEYS).
 JOIN_SCRIPT = """
 local p = KEYS[1]
 local gen = tonumber(redis.call('GET', p .. ':restarts') or '0')
 local g = p .. ':g' .. gen
 local world = tonumber(ARGV[2])
+local want = tonumber(ARGV[5])
+local mode = (want >= 0) and 'fixed' or 'arrival'
 local recorded = tonumber(redis.call('GET', g .. ':world') or '0')
 if recorded == 0 then
   redis.call('SET', g .. ':world', world)
+  redis.call('SET', g .. ':mode', mode)
 elseif recorded ~= world then
   return {'mismatch', gen, -1, recorded}
+elseif redis.call('GET', g .. ':mode') ~= mode then
+  return {'mixed', gen, want, 0}
 end
 local count = tonumber(redis.call('GET', g .. ':count') or '0')
 local known = redis.call('HGET', g .. ':ids', ARGV[1])
@@ -55,11 +69,19 @@ local rank
 if known then
   if count >= world then return {'duplicate', gen, tonumber(known), count} end
   rank = tonumber(known)
+  if want >= 0 and want ~= rank then return {'taken', gen, want, rank} end
 else
   if count >= world then return {'late', gen, -1, count} end
+  if want >= world then return {'out_of_range', gen, want, world} end
+  if want >= 0 then
+    local holder = redis.call('HGET', g .. ':ranks', want)
+    if holder then return {'taken', gen, want, -1, holder} end
+    rank = want
+  end
   count = redis.call('INCR', g .. ':count')
-  rank = count - 1
+  if want < 0 then rank = count - 1 end
   redis.call('HSET', g .. ':ids', ARGV[1], rank)
+  redis.call('HSET', g .. ':ranks', rank, ARGV[1])
 end
 if rank == 0 then redis.call('SET', g .. ':coord', ARGV[3]) end
 redis.call('HSET', p .. ':members', rank, ARGV[4])
@@ -108,7 +130,8 @@ def _entry_fields(reply: Any) -> dict[str, str]:
 
 
 def join_protocol(run_id: str, worker_id: str, world_size: int, address: str, member: dict | None = None,
-                  timeout_s: float = 300.0) -> Generator[Command, Any, Assignment]:
+                  timeout_s: float = 300.0, requested_rank: int | None = None
+                  ) -> Generator[Command, Any, Assignment]:
     """The rendezvous of one worker, as a generator of Redis commands: send it each command's reply.
 
     Args:
@@ -118,17 +141,33 @@ def join_protocol(run_id: str, worker_id: str, world_size: int, address: str, me
       address: "host:port" this worker would serve the JAX coordinator on if it becomes rank 0.
       member: extra JSON fields recorded in the members hash (host, pid, ...).
       timeout_s: how long the one blocking wait lasts.
+      requested_rank: the rank the launcher fixed for this worker (its task index), or None for arrival order.
 
     Returns (as the generator's value): an Assignment.
-    Raises: RendezvousError for a late or duplicate worker, a world-size mismatch, or a timeout.
+    Raises: RendezvousError for a late or duplicate worker, a world-size mismatch, a timeout, or a requested rank
+      that is out of range, held by another worker, or mixed with arrival-order workers in one generation.
     """
     if world_size < 1:
         raise RendezvousError(f"world size {world_size}: must be >= 1")
+    if requested_rank is not None and requested_rank < 0:
+        raise RendezvousError(f"worker {worker_id!r}: requested rank {requested_rank} must be >= 0")
     prefix = f"msjax:{run_id}"
     record = json.dumps({"worker_id": worker_id, "address": address, "joined_at": time.time(), **(member or {})})
-    status, gen, rank, count = (yield ("EVAL", JOIN_SCRIPT, 1, prefix, worker_id, world_size, address, record))
+    want = -1 if requested_rank is None else requested_rank
+    status, gen, rank, count, *holder = (yield ("EVAL", JOIN_SCRIPT, 1, prefix, worker_id, world_size, address,
+                                                record, want))
     status, gen, rank, count = _text(status), int(gen), int(rank), int(count)
     where = f"run {run_id!r} generation {gen}"
+    if status == "out_of_range":
+        raise RendezvousError(f"worker {worker_id!r} requested rank {rank}, outside [0, {count}) for {where}")
+    if status == "taken":
+        other = f"worker {_text(holder[0])!r}" if holder else f"this worker's rank {count}"
+        raise RendezvousError(f"worker {worker_id!r} requested rank {rank} in {where}, already held by {other}: "
+                              "each launcher task index (MSJAX_RANK) must be unique and stable")
+    if status == "mixed":
+        how = f"requested rank {want}" if want >= 0 else "joined by arrival order"
+        raise RendezvousError(f"worker {worker_id!r} {how}, but {where} was started the other way: either every "
+                              "worker sets MSJAX_RANK or none does")
     if status == "mismatch":
         raise RendezvousError(f"worker {worker_id!r} expects {world_size} processes but {where} was started with "
                               f"{count}: every worker must be given the same world size")
@@ -172,7 +211,7 @@ async def run_protocol_async(gen: Generator[Command, Any, Any], execute) -> Any:
 
 
 def rendezvous(client, run_id: str, worker_id: str, world_size: int, address: str, member: dict | None = None,
-               timeout_s: float = 300.0) -> Assignment:
+               timeout_s: float = 300.0, requested_rank: int | None = None) -> Assignment:
     """Joins the run through a redis-py client (see `join_protocol` for arguments, result and errors).
 
     The blocking XREAD needs a socket timeout longer than the wait, so the command runs on a connection whose
@@ -185,7 +224,7 @@ def rendezvous(client, run_id: str, worker_id: str, world_size: int, address: st
                                                               max_connections=1, **kwargs))
     try:
         # execute_command applies redis-py's reply parsing (XREAD -> dicts); _entry_fields accepts both forms.
-        return run_protocol(join_protocol(run_id, worker_id, world_size, address, member, timeout_s),
-                            waiter.execute_command)
+        return run_protocol(join_protocol(run_id, worker_id, world_size, address, member, timeout_s,
+                                          requested_rank), waiter.execute_command)
     finally:
         waiter.close()

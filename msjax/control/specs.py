@@ -6,16 +6,16 @@ Both start one worker process per node (MegaScale's one pod per node) with the M
 Kubernetes (`k8s_jobset`, multi-document YAML):
   Secret NAME-redis (the password; skipped when --redis_secret names an existing one), Deployment + Service
   NAME-redis (redis-server --requirepass from the Secret), a headless Service NAME (clusterIP None) giving every
-  worker pod a stable DNS name NAME-workers-0-I.NAME (the coordinator's address, published by rank 0 through
-  Redis, is one of them), and a JobSet NAME: one ReplicatedJob `workers`, an Indexed Job of N pods
-  (parallelism = completions = N, backoffLimit 0, restartPolicy Never), GPU (`nvidia.com/gpu`) or TPU
-  (`google.com/tpu` + GKE node selectors) requests, and failurePolicy.maxRestarts: the JobSet controller
-  restarts the whole job, every worker joins the next rendezvous generation.
+  worker pod a stable DNS name NAME-workers-0-I.NAME (the coordinator is pod 0's: its rank is its completion
+  index, MSJAX_RANK; rank 0 publishes the address through Redis), and a JobSet NAME: one ReplicatedJob
+  `workers`, an Indexed Job of N pods (parallelism = completions = N, backoffLimit 0, restartPolicy Never), GPU
+  (`nvidia.com/gpu`) or TPU (`google.com/tpu` + GKE node selectors) requests, and failurePolicy.maxRestarts:
+  the JobSet controller restarts the whole job, every worker joins the next rendezvous generation.
 
 SLURM (`slurm_sbatch`): #SBATCH --nodes=N --ntasks-per-node=1; Redis on the first node of the allocation
 (`scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1`), its password generated at job start and passed in
-the environment; then `srun` runs one train.py per node. Worker ids come from SLURM_PROCID, the advertised
-host is each node's host name.
+the environment; then `srun` runs one train.py per node. Worker ids and ranks come from SLURM_PROCID (rank 0,
+and so JAX's coordinator, is the first node of the allocation), the advertised host is each node's host name.
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ def k8s_jobset(args: argparse.Namespace, run_id: str, train_flags: list[str]) ->
         {"name": "MSJAX_RUN_ID", "value": run_id},
         {"name": "MSJAX_NUM_PROCESSES", "value": str(n)},
         {"name": "MSJAX_WORKER_ID", "value": "node-$(JOB_INDEX)"},
+        {"name": "MSJAX_RANK", "value": "$(JOB_INDEX)"},  # pod 0 is rank 0: the coordinator the Service names
         {"name": "MSJAX_ADVERTISE_HOST", "value": f"{name}-workers-0-$(JOB_INDEX).{name}"},
         {"name": "MSJAX_COORDINATOR_PORT", "value": str(COORDINATOR_PORT)},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
@@ -161,7 +162,10 @@ def slurm_sbatch(args: argparse.Namespace, run_id: str, train_flags: list[str]) 
         "  python -c 'from msjax.control.store import env_connect; env_connect()' 2>/dev/null && break",
         "  sleep 1",
         "done",
-        "# One task per node: worker ids from SLURM_PROCID, each advertises its own host name.",
-        f'srun --nodes="$SLURM_NNODES" --ntasks="$SLURM_NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 {worker}',
+        "# One task per node: worker ids from SLURM_PROCID, each advertises its own host name. The rank is the",
+        "# task's SLURM_PROCID (srun numbers tasks in node order), so rank 0 and JAX's coordinator run on the",
+        "# first node of the allocation, beside Redis.",
+        f'srun --nodes="$SLURM_NNODES" --ntasks="$SLURM_NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 '
+        f"bash -c 'MSJAX_RANK=$SLURM_PROCID exec \"$@\"' msjax-worker {worker}",
     ]
     return "\n".join(lines) + "\n"

@@ -10,6 +10,8 @@ The launcher (local, Kubernetes or SLURM; `msjax.control.launch`) sets, per work
   MSJAX_WORKER_ID          stable identity across restarts (default: host name + a launcher's task index)
   MSJAX_ADVERTISE_HOST     the host name or address other workers reach this one on (default: host name)
   MSJAX_COORDINATOR_PORT   port for JAX's coordinator if this worker becomes rank 0 (default: a free port)
+  MSJAX_RANK               this worker's rank, fixed by the launcher (SLURM_PROCID, a Job's completion index);
+                           unset: ranks by arrival order. Rank 0 hosts JAX's coordinator.
   MSJAX_RDZV_TIMEOUT_S     how long the rendezvous waits for every worker (default 300)
 
 `join_from_env()` is called by `msjax.distributed.initialize()`; `worker_hooks()` by scripts/train.py.
@@ -93,7 +95,9 @@ def join_from_env() -> WorkerContext:
                                 generation=store.restart_count())
         store.client.hset(store.key("members"), 0, json.dumps({"worker_id": worker_id, **member}))
     else:
-        assignment = rendezvous(store.client, run_id, worker_id, world, f"{host}:{port}", member, timeout_s)
+        requested = _env_int("MSJAX_RANK", 0) if os.environ.get("MSJAX_RANK") else None
+        assignment = rendezvous(store.client, run_id, worker_id, world, f"{host}:{port}", member, timeout_s,
+                                requested_rank=requested)
     print(f"msjax.control: rank {assignment.rank} of {assignment.world_size} (worker {worker_id}, pid {os.getpid()}, "
           f"run {run_id}, generation {assignment.generation}, coordinator {assignment.coordinator}"
           f"{', re-admitted' if assignment.rejoined else ''})", file=sys.stderr, flush=True)

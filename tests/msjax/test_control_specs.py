@@ -62,8 +62,10 @@ def test_k8s_jobset_manifest(tmp_path, accelerator, resource):
     assert env["MSJAX_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "gpt-redis", "key": "password"}
     assert env["MSJAX_NUM_PROCESSES"]["value"] == "16" and env["MSJAX_RUN_ID"]["value"] == "run-7"
     assert env["MSJAX_ADVERTISE_HOST"]["value"] == "gpt-workers-0-$(JOB_INDEX).gpt"
+    assert env["MSJAX_RANK"]["value"] == "$(JOB_INDEX)"  # pod 0 is rank 0, the coordinator
     names = [e["name"] for e in worker["env"]]
     assert names.index("JOB_INDEX") < names.index("MSJAX_ADVERTISE_HOST")  # $(VAR) needs VAR defined first
+    assert names.index("JOB_INDEX") < names.index("MSJAX_RANK")
     assert worker["resources"]["limits"][resource] == 4
     if accelerator == "tpu":
         assert "cloud.google.com/gke-tpu-accelerator" in pod["nodeSelector"]
@@ -95,3 +97,9 @@ def test_slurm_sbatch_script(tmp_path):
     assert words[0] == "srun" and "--ntasks-per-node=1" in words
     i = words.index("python")
     assert words[i:] == ["python", "scripts/train.py", *FLAGS]
+    # Between srun's options and the command, the wrapper that fixes each task's rank to its SLURM_PROCID (so
+    # rank 0, JAX's coordinator, is the allocation's first node): run it as srun would, with `env` as command.
+    wrapper = words[words.index("bash"):i]
+    ran = subprocess.run([*wrapper, "env"], capture_output=True, text=True,
+                         env={"SLURM_PROCID": "3", "PATH": "/bin:/usr/bin"})
+    assert ran.returncode == 0 and "MSJAX_RANK=3" in ran.stdout.splitlines(), ran

@@ -157,6 +157,43 @@ def test_late_duplicate_rejoin_mismatch_and_timeout(server, client):
     assert got3["y"].rank == 1 and got3["y"].coordinator == "host-x:1234" and not got3["y"].rejoined
 
 
+def test_fixed_ranks_put_the_coordinator_on_rank_0_whatever_the_arrival_order(server, client):
+    """MSJAX_RANK (SLURM_PROCID, a Job's completion index): each worker gets the rank it asked for and the
+    coordinator is rank 0's address, here with rank 0 arriving last; bad requests are one clear error each."""
+    got, errors = {}, {}
+
+    def join(wid, rank):
+        try:
+            got[wid] = rendezvous(connect(server.url), "rdzv-fixed", wid, 3, f"host-{wid}:1234", timeout_s=10,
+                                  requested_rank=rank)
+        except Exception as e:  # collected and asserted on below
+            errors[wid] = e
+
+    threads = {}
+    for wid, rank in (("node-c", 2), ("node-b", 1), ("node-a", 0)):
+        threads[wid] = threading.Thread(target=join, args=(wid, rank))
+        threads[wid].start()
+        deadline = time.monotonic() + 10  # strictly in this order: wait until this one is recorded
+        while client.hget("msjax:rdzv-fixed:g0:ranks", rank) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+    for th in threads.values():
+        th.join(15)
+    assert not errors, errors
+    assert {w: a.rank for w, a in got.items()} == {"node-a": 0, "node-b": 1, "node-c": 2}
+    assert {a.coordinator for a in got.values()} == {"host-node-a:1234"}
+
+    with pytest.raises(RendezvousError, match=r"worker 'x' requested rank 3, outside \[0, 2\)"):
+        rendezvous(client, "rdzv-fixed-bad", "x", 2, "x:1", timeout_s=1, requested_rank=3)
+    with pytest.raises(RendezvousError, match=r"worker 'y' \(rank 1\) timed out after 0.2 s"):
+        rendezvous(client, "rdzv-fixed-bad", "y", 2, "y:1", timeout_s=0.2, requested_rank=1)
+    with pytest.raises(RendezvousError, match=r"worker 'z' requested rank 1 in run 'rdzv-fixed-bad' generation 0, "
+                                              r"already held by worker 'y'"):
+        rendezvous(client, "rdzv-fixed-bad", "z", 2, "z:1", timeout_s=1, requested_rank=1)
+    with pytest.raises(RendezvousError, match="worker 'w' joined by arrival order, but run 'rdzv-fixed-bad' "
+                                              "generation 0 was started the other way"):
+        rendezvous(client, "rdzv-fixed-bad", "w", 2, "w:1", timeout_s=1)
+
+
 def test_store_run_state(server, client):
     store = Store(client, "state")
     assert store.restart_count() == 0
