@@ -42,7 +42,9 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     mesh, rules = active
     if len(names) != x.ndim:
         raise ValueError(f"constrain: {len(names)} names {tuple(names)} for an array of rank {x.ndim}")
-    return jax.lax.with_sharding_constraint(x, NamedSharding(region_mesh(mesh), logical_to_mesh_spec(names, rules)))
+    region = region_mesh(mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(region, region_spec(logical_to_mesh_spec(names, rules),
+                                                                                  region)))
 
 
 def region_mesh(mesh: Mesh) -> Any:
@@ -58,15 +60,36 @@ def region_mesh(mesh: Mesh) -> Any:
     return mesh
 
 
+def region_spec(spec: PartitionSpec, region: Any) -> PartitionSpec:
+    """`spec` as seen inside a manual region: the mesh axes `region` (from `region_mesh`) has already made manual
+    are dropped (inside FSDP prefetch's region over `fsdp`, a batch split over ("data", "fsdp") is, per device,
+    split over "data" alone)."""
+    manual = set(getattr(region, "manual_axes", ()))
+    return drop_axes(spec, manual) if manual else spec
+
+
+def drop_axes(spec: PartitionSpec, axes: Iterable[str]) -> PartitionSpec:
+    """`spec` with the mesh `axes` removed from every dimension (a dimension left with none is replicated)."""
+    dropped = set(axes)
+    out = []
+    for entry in spec:
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        kept = tuple(a for a in names if a not in dropped)
+        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return PartitionSpec(*out)
+
+
 def nested_shard_map(f: Callable, mesh: Mesh, in_specs: Any, out_specs: Any,
                      axis_names: Iterable[str] | None = None, **kwargs: Any) -> Callable:
     """`jax.shard_map` over `axis_names` (default: every axis of `mesh`) that also works inside another
     partial-manual shard_map: there it uses the context mesh (`region_mesh`) and leaves out the axes the
-    enclosing region already made manual (e.g. `pipeline` inside a pipeline stage). Extra keyword arguments go to
-    `jax.shard_map` (check_vma, ...)."""
+    enclosing region already made manual (e.g. `pipeline` inside a pipeline stage), in `axis_names` and in the
+    specs (`region_spec`). Extra keyword arguments go to `jax.shard_map` (check_vma, ...)."""
     region = region_mesh(mesh)
     names = set(mesh.axis_names if axis_names is None else axis_names)
     names -= set(getattr(region, "manual_axes", ()))
+    in_specs, out_specs = jax.tree.map(lambda s: region_spec(s, region), (in_specs, out_specs),
+                                       is_leaf=lambda s: isinstance(s, PartitionSpec))
     return jax.shard_map(f, mesh=region, in_specs=in_specs, out_specs=out_specs, axis_names=names, **kwargs)
 
 

@@ -101,8 +101,14 @@ def test_zero2_matches_single_device(reference, tokens):
     _assert_same(reference["serial"], run_layout(cfg, 8, tokens))
 
 
-def test_fsdp_prefetch_matches_single_device(reference, tokens):
-    cfg = cfg_for("parallel", dict(fsdp=4, tensor=2), **{"mesh.fsdp_prefetch": True})
+@pytest.mark.parametrize("mesh,tp_overlap", [(dict(fsdp=4, tensor=2), "none"),
+                                             (dict(fsdp=2, sequence=2, tensor=2), "collective_matmul")],
+                         ids=["fsdp4xtp2", "fsdp2xsp2xtp2-collective_matmul"])
+def test_fsdp_prefetch_matches_single_device(reference, tokens, mesh, tp_overlap):
+    """fsdp x tp: the layer loop runs manual over `fsdp` with our own all-gather, and the layer's sharding
+    constraints inside it drop `fsdp` (msjax.sharding.region_spec). With context parallelism and collective
+    matmul (shard_maps of their own in the layer) the gather ahead is GSPMD's (fsdp_prefetch's docstring)."""
+    cfg = cfg_for("parallel", mesh, **{"mesh.fsdp_prefetch": True, "mesh.tp_overlap": tp_overlap})
     _assert_same(reference["parallel"], run_layout(cfg, 8, tokens))
 
 
@@ -243,6 +249,35 @@ def test_fsdp_prefetch_gathers_the_next_layer_before_this_layers_matmuls(prefetc
         assert not uses_gathered & set(matmuls)
     else:
         assert uses_gathered & set(matmuls)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_fsdp_prefetch_reduce_scatters_each_layers_gradients_in_the_backward_loop(prefetch):
+    """fsdp=8, 3 scanned layers, gradient program. With prefetch the backward layer loop reduce-scatters (over
+    all 8 devices) the six weight gradients that the previous iteration produced (the transpose of the forward's
+    carried all-gather), ahead of this iteration's matmuls and feeding none of them: the reduction of one layer's
+    gradients overlaps the next layer's backward. Without it GSPMD leaves XLA:CPU an all-reduce of the whole
+    gradients in the loop (and no reduce-scatter anywhere in it)."""
+    program = _program(cfg_for("serial", dict(fsdp=8), **{"mesh.fsdp_prefetch": prefetch, "model.num_layers": 3}))
+    comps = parse(program.grad_fn.lower(program.abstract_state["params"], program.abstract_batch).compile()
+                  .as_text())
+    loops = [c for c in comps.values() if c is not comps["ENTRY"]
+             and sum(is_matmul(i, comps) for i in c.instrs) >= 12  # the backward body: 2 x the forward's dots
+             and any(i.op in ("reduce-scatter", "all-reduce") for i in c.instrs)]
+    assert len(loops) == 1
+    body = loops[0]
+    order = {i.name: n for n, i in enumerate(body.instrs)}
+    scatters = [i for i in body.instrs if i.op == "reduce-scatter"]
+    matmuls = [i.name for i in body.instrs if is_matmul(i, comps)]
+    if prefetch:
+        assert len(scatters) == 6  # wq, wk, wv, wo, w_in, w_out
+        assert all(i.group_size() == 8 for i in scatters)
+        assert max(order[i.name] for i in scatters) < min(order[m] for m in matmuls)
+        assert not dependents(body, {i.name for i in scatters}) & set(matmuls)
+    else:
+        assert not scatters
+        reduced = [dims for i in body.instrs if i.op == "all-reduce" for _, dims in i.shapes]
+        assert (64, 128) in reduced and (128, 64) in reduced  # w_in, w_out gradients whole, not 1/8 of them
 
 
 def test_overlap_config_errors():
