@@ -26,3 +26,28 @@ def small_corpus(tmp_path_factory) -> Path:
 def make_tiny_config():
     """The `tiny_run_config` factory, as a fixture (conftest functions are not importable by test modules)."""
     return tiny_run_config
+
+
+@pytest.fixture(scope="session")
+def layout_tokens():
+    """The one batch every parallel-equivalence run trains on (tests/msjax/layouts.py)."""
+    from tests.msjax.layouts import random_tokens
+
+    return random_tokens()
+
+
+@pytest.fixture(scope="session")
+def layout_reference(layout_tokens):
+    """`reference(**overrides)`: the single-device LayoutRun of `layouts.tiny_config(**overrides)`, computed once
+    per session for each distinct config (test_parallel, test_overlap and test_pipeline share them)."""
+    from tests.msjax.layouts import run_layout, tiny_config
+
+    cache = {}
+
+    def reference(**overrides):
+        cfg = tiny_config(**overrides)
+        if cfg not in cache:
+            cache[cfg] = run_layout(cfg, layout_tokens, 1)
+        return cache[cfg]
+
+    return reference

@@ -1,9 +1,9 @@
 """Overlap switches change the schedule, never the math: 8 fake CPU devices against one device, and the
 compiled programs show the communication pattern each switch promises (docs/overlap.md).
 
-Equivalence as tests/msjax/test_parallel.py: the loss and global gradient norm of each of STEPS optimizer
-steps and the full gradient pytree at initialisation, float32, within 1e-5. The single-device references
-(serial and parallel blocks) are computed once per module.
+Equivalence as tests/msjax/layouts.py says: the loss and global gradient norm of each of STEPS optimizer steps
+and the full gradient pytree at initialisation, float32, within 1e-5, against single-device references (serial
+and parallel blocks) shared by the session.
 """
 
 import math
@@ -17,58 +17,21 @@ import numpy as np
 import optax
 import pytest
 
-from msjax.config import Config, ConfigError, apply_overrides
+from msjax.config import Config, ConfigError
 from msjax.mesh import make_mesh
 from msjax.train_step import build_train_program
 from tests.msjax.hlo_utils import collectives, dependents, is_matmul, parse
+from tests.msjax.layouts import VOCAB, assert_same, run_layout, tiny_config
 
-TOL = 1e-5
-STEPS = 3
-VOCAB = 100
-
-
-def tiny_config(**overrides) -> Config:
-    base = {
-        "model.num_layers": 2, "model.d_model": 64, "model.num_heads": 8, "model.d_ff": 128,
-        "model.max_seq_len": 32, "model.attention.window": 12, "train.seq_len": 32, "train.global_batch": 8,
-        "train.steps": 10, "optimizer.warmup_steps": 2, "mesh.data": 1,
-    }
-    return apply_overrides(Config(), {**base, **overrides}).validate()
-
-
-def run_layout(cfg: Config, n_devices: int, tokens: np.ndarray):
-    mesh = make_mesh(cfg.mesh, jax.devices()[:n_devices])
-    program = build_train_program(cfg, mesh, vocab_size=VOCAB)
-    state = program.init_fn(jax.random.key(0))
-    batch = {"inputs": jax.device_put(tokens[:, :-1], program.batch_sharding),
-             "targets": jax.device_put(tokens[:, 1:], program.batch_sharding)}
-    _, grads = program.grad_fn(state["params"], batch)
-    losses, norms = [], []
-    for _ in range(STEPS):
-        state, metrics = program.step_fn(state, batch)
-        losses.append(float(metrics["loss"]))
-        norms.append(float(metrics["grad_norm"]))
-    return np.array(losses), np.array(norms), jax.device_get(grads)
+@pytest.fixture(scope="module")
+def tokens(layout_tokens):
+    return layout_tokens
 
 
 @pytest.fixture(scope="module")
-def tokens():
-    return np.random.default_rng(0).integers(0, VOCAB, (8, 33)).astype(np.int32)
-
-
-@pytest.fixture(scope="module")
-def reference(tokens):
-    """Single-device runs, one per block kind."""
-    return {block: run_layout(tiny_config(**{"model.block": block}), 1, tokens) for block in ("serial", "parallel")}
-
-
-def _assert_same(a, b):
-    (la, na, ga), (lb, nb, gb) = a, b
-    np.testing.assert_allclose(lb, la, atol=TOL, rtol=0)
-    np.testing.assert_allclose(nb, na, atol=TOL, rtol=0)
-    for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
-        np.testing.assert_allclose(y, x, atol=TOL, rtol=0)
-    assert la[-1] < la[0]  # the run really trains
+def reference(layout_reference):
+    """Single-device runs, one per block kind (shared with test_parallel and test_pipeline)."""
+    return {block: layout_reference(**{"model.block": block}) for block in ("serial", "parallel")}
 
 
 TP = dict(data=2, fsdp=2, tensor=2)
@@ -87,18 +50,18 @@ def cfg_for(block: str, mesh: dict, **overrides) -> Config:
 @pytest.mark.parametrize("mesh", [TP, TP_SP], ids=["tp", "tp_sp"])
 def test_collective_matmul_matches_single_device(reference, tokens, block, mesh):
     cfg = cfg_for(block, mesh, **{"mesh.tp_overlap": "collective_matmul"})
-    _assert_same(reference[block], run_layout(cfg, 8, tokens))
+    assert_same(reference[block], run_layout(cfg, tokens, 8))
 
 
 def test_context_parallel_reduce_scatter_matches_single_device(reference, tokens):
     """The GSPMD path with the hand-written K/V all-gather (tp_overlap=none), parallel blocks (the serial
     block with this mesh is tests/msjax/test_parallel.py's data x sequence x tensor layout)."""
-    _assert_same(reference["parallel"], run_layout(cfg_for("parallel", TP_SP), 8, tokens))
+    assert_same(reference["parallel"], run_layout(cfg_for("parallel", TP_SP), tokens, 8))
 
 
 def test_zero2_matches_single_device(reference, tokens):
     cfg = cfg_for("serial", dict(data=2, fsdp=4), **{"mesh.rules": "zero2"})
-    _assert_same(reference["serial"], run_layout(cfg, 8, tokens))
+    assert_same(reference["serial"], run_layout(cfg, tokens, 8))
 
 
 @pytest.mark.parametrize("mesh,tp_overlap", [(dict(fsdp=4, tensor=2), "none"),
@@ -109,7 +72,7 @@ def test_fsdp_prefetch_matches_single_device(reference, tokens, mesh, tp_overlap
     constraints inside it drop `fsdp` (msjax.sharding.region_spec). With context parallelism and collective
     matmul (shard_maps of their own in the layer) the gather ahead is GSPMD's (fsdp_prefetch's docstring)."""
     cfg = cfg_for("parallel", mesh, **{"mesh.fsdp_prefetch": True, "mesh.tp_overlap": tp_overlap})
-    _assert_same(reference["parallel"], run_layout(cfg, 8, tokens))
+    assert_same(reference["parallel"], run_layout(cfg, tokens, 8))
 
 
 @pytest.mark.parametrize("overlap", [{"mesh.tp_overlap": "collective_matmul", "mesh.data": 2},
@@ -119,7 +82,7 @@ def test_overlap_inside_pipeline_stages_matches_single_device(reference, tokens,
     """pp2 x (dp2 or fsdp2) x tp2: the overlap code runs nested in the pipeline's shard_map (msjax.sharding
     .nested_shard_map leaves `pipeline` to the enclosing region) and still computes what one device computes."""
     cfg = tiny_config(**{"model.block": "parallel", "mesh.pipeline": 2, "mesh.tensor": 2, **overlap})
-    _assert_same(reference["parallel"], run_layout(cfg, 8, tokens))
+    assert_same(reference["parallel"], run_layout(cfg, tokens, 8))
 
 
 @pytest.mark.parametrize("mesh", [TP, TP_SP], ids=["tp", "tp_sp"])

@@ -2,9 +2,9 @@
 activation memory does not grow with the microbatch count, its schedule is what the docs say, and bad layouts
 are refused with errors naming the key.
 
-Equivalence follows tests/msjax/test_parallel.py: STEPS optimizer steps on 8 fake CPU devices against one device,
+Equivalence as tests/msjax/layouts.py says: STEPS optimizer steps on 8 fake CPU devices against one device,
 losses, global gradient norms (computed outside the shard_map, as clipping and LAMB see them) and the gradient
-pytree at initialisation within 1e-5 (float32). Two single-device references, shared at module scope, cover
+pytree at initialisation within 1e-5 (float32). Two single-device references, shared by the session, cover
 serial/parallel blocks, window/no window, AdamW/LAMB and stacked/per-layer parameters.
 """
 
@@ -23,10 +23,7 @@ from msjax.config import Config, ConfigError, apply_overrides
 from msjax.mesh import make_mesh
 from msjax.parallel.schedule import Schedule, bubble_fraction, in_flight
 from msjax.train_step import build_train_program
-
-TOL = 1e-5
-STEPS = 3
-VOCAB = 100
+from tests.msjax.layouts import TOL, VOCAB, assert_same, run_layout, tiny_config
 
 # Reference A: stacked layers, serial blocks, sliding window, AdamW. Reference B: per-layer parameters (as the CPU
 # presets), parallel blocks, full causal attention, LAMB.
@@ -38,44 +35,8 @@ REFS = {
 }
 
 
-def tiny_config(ref: str, **overrides) -> Config:
-    base = {"model.d_model": 64, "model.num_heads": 8, "model.d_ff": 128, "model.max_seq_len": 32,
-            "train.seq_len": 32, "train.global_batch": 8, "train.steps": 10, "optimizer.warmup_steps": 2,
-            "mesh.data": 1}
-    return apply_overrides(Config(), {**base, **REFS[ref], **overrides}).validate()
-
-
-def run_layout(cfg: Config, tokens: np.ndarray):
-    sizes = cfg.mesh.axis_sizes()
-    mesh = make_mesh(cfg.mesh, jax.devices()[:int(np.prod(list(sizes.values())))])
-    program = build_train_program(cfg, mesh, vocab_size=VOCAB)
-    state = program.init_fn(jax.random.key(0))
-    batch = {"inputs": jax.device_put(tokens[:, :-1], program.batch_sharding),
-             "targets": jax.device_put(tokens[:, 1:], program.batch_sharding)}
-    _, grads = program.grad_fn(state["params"], batch)
-    losses, norms = [], []
-    for _ in range(STEPS):
-        state, metrics = program.step_fn(state, batch)
-        losses.append(float(metrics["loss"]))
-        norms.append(float(metrics["grad_norm"]))
-    return np.array(losses), np.array(norms), jax.device_get(grads)
-
-
-@pytest.fixture(scope="module")
-def tokens():
-    return np.random.default_rng(0).integers(0, VOCAB, (8, 33)).astype(np.int32)
-
-
-@pytest.fixture(scope="module")
-def single(tokens):
-    cache = {}
-
-    def get(ref):
-        if ref not in cache:
-            cache[ref] = run_layout(tiny_config(ref), tokens)
-        return cache[ref]
-
-    return get
+def ref_config(ref: str, **overrides) -> Config:
+    return tiny_config(**REFS[ref], **overrides)
 
 
 @pytest.mark.parametrize("ref, layout", [
@@ -87,15 +48,8 @@ def single(tokens):
     ("B", {"mesh.pipeline": 2, "mesh.fsdp": 2, "mesh.tensor": 2}),  # Megatron-SP: act_seq split over tensor
     ("B", {"mesh.pipeline": 2, "mesh.data": 2, "train.microbatches": 2, "pipeline.microbatches": 2}),
 ], ids=["pp2", "pp2xdp2xtp2", "pp2xsp2xtp2", "pp4", "pp2xvpp2", "pp2xfsdp2xtp2", "pp2xdp2-accum2"])
-def test_pipelined_layouts_match_single_device(single, tokens, ref, layout):
-    want = single(ref)
-    got = run_layout(tiny_config(ref, **layout), tokens)
-    np.testing.assert_allclose(got[0], want[0], atol=TOL, rtol=0)  # losses of each step
-    np.testing.assert_allclose(got[1], want[1], atol=TOL, rtol=0)  # whole-model gradient norms
-    assert jax.tree.structure(got[2]) == jax.tree.structure(want[2])
-    for x, y in zip(jax.tree.leaves(want[2]), jax.tree.leaves(got[2])):
-        np.testing.assert_allclose(y, x, atol=TOL, rtol=0)
-    assert want[0][-1] < want[0][0]  # the reference really trains
+def test_pipelined_layouts_match_single_device(layout_reference, layout_tokens, ref, layout):
+    assert_same(layout_reference(**REFS[ref]), run_layout(ref_config(ref, **layout), layout_tokens))
 
 
 def _temp_bytes(cfg: Config) -> int:
@@ -109,8 +63,8 @@ def test_activation_memory_is_bounded_by_stages_not_microbatches():
     """1F1B's property: at M = 4P the compiled step's temp memory is within 1.25x of M = P, same microbatch."""
     p, b = 2, 4
     over = {"mesh.pipeline": p, "model.d_model": 128, "model.d_ff": 512, "model.num_heads": 4}
-    small = _temp_bytes(tiny_config("A", **over, **{"pipeline.microbatches": p, "train.global_batch": p * b}))
-    large = _temp_bytes(tiny_config("A", **over, **{"pipeline.microbatches": 4 * p,
+    small = _temp_bytes(ref_config("A", **over, **{"pipeline.microbatches": p, "train.global_batch": p * b}))
+    large = _temp_bytes(ref_config("A", **over, **{"pipeline.microbatches": 4 * p,
                                                     "train.global_batch": 4 * p * b}))
     assert large <= 1.25 * small, (small, large)
 
@@ -165,11 +119,11 @@ def test_schedule_table_is_a_valid_interleaved_1f1b(p, v, m):
 ])
 def test_layouts_that_do_not_divide_name_the_key(overrides, match):
     with pytest.raises(ConfigError, match=match):
-        tiny_config("A", **overrides)
+        ref_config("A", **overrides)
 
 
 def test_pipeline_microbatch_that_does_not_split_over_data_is_refused():
-    cfg = tiny_config("A", **{"mesh.pipeline": 2, "mesh.data": 4, "pipeline.microbatches": 4})
+    cfg = ref_config("A", **{"mesh.pipeline": 2, "mesh.data": 4, "pipeline.microbatches": 4})
     with pytest.raises(ConfigError, match=r"microbatch of 2 sequences .* pipeline.microbatches=4\) does not split "
                                           r"over data x fsdp = 4"):
         build_train_program(cfg, make_mesh(cfg.mesh), VOCAB)
