@@ -9,8 +9,15 @@ restart from the newest complete checkpoint, within a restart budget (MegaScale 
            -> backoff, restart with --resume (Orbax restores onto the new mesh); a spent budget ends the run.
 Every step of that is an event in `<run_dir>/events.jsonl` and in Redis (msjax.supervise.events).
 
-`LocalBackend` runs each host as a local process group (`devices_per_host` CPU devices or the machine's
-accelerators). Fault injection (`Fault`) is for tests and benchmarks: it kills (SIGKILL), stops (SIGSTOP) or
+Where and how workers run is a backend's only concern, behind a small interface (`WorkerBackend`: launch the
+workers on given hosts, stop them, run the self-checks on given hosts, deliver an injected fault); every policy
+above is this module's and is the same for all of them:
+  `LocalBackend` runs each host as a local process group (`devices_per_host` CPU devices or the machine's
+    accelerators);
+  `msjax.supervise.slurm.SlurmBackend` runs the workers as one `srun` job step inside an allocation (one task per
+    node, `--nodelist` the hosts kept, `--exclude` the excluded), the self-checks as another;
+  `msjax.supervise.k8s.JobSetBackend` leaves starting the pods to a JobSet and restarts them through it.
+Fault injection (`Fault`) is for tests and benchmarks: it kills (SIGKILL), stops (SIGSTOP) or
 fails the diagnostics of a worker when its reported step reaches a given step.
 """
 
@@ -27,7 +34,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 from msjax.config import Config, apply_overrides
 from msjax.planner import PlanError
@@ -80,13 +87,59 @@ class Fault:
 
 @dataclass
 class Worker:
-    """A launched worker process (one per host)."""
+    """A launched worker (one per host).
+
+    Attributes:
+      rank: its slot in the attempt's host list.
+      host: the host it runs on (a backend that cannot tell in advance may correct it from the worker's heartbeat).
+      proc: anything with `poll()` (None while running, else the exit code; negative: killed by that signal) and
+        `pid`: the worker's process for the local backend, a per-task view of the job step for SLURM.
+      started_at: when it was launched (time.time()).
+      log_path: where its output goes.
+    """
 
     rank: int
     host: str
-    proc: subprocess.Popen
+    proc: Any
     started_at: float
     log_path: Path
+
+
+class WorkerBackend(Protocol):
+    """How to start and stop workers on which hosts: the only part of supervision that differs between a local
+    run, a SLURM allocation and a Kubernetes JobSet (see the module docstring)."""
+
+    def launch(self, attempt: int, hosts: Sequence[str], overrides: dict, resume: bool, redis_url: str,
+               run_id: str) -> list[Worker]:
+        """Starts one worker per host (slot = position in `hosts`) running the job's train command with
+        `--KEY=VALUE` for each override (and `--resume`), joined to the run `run_id` on `redis_url`."""
+
+    def stop(self, workers: Sequence[Worker], grace_s: float) -> dict:
+        """Asks every live worker to end (SIGTERM or the backend's equivalent), forces it after `grace_s`.
+        Returns {"terminated": n, "killed": n}; nothing of the workers runs after it returns."""
+
+    def diagnose(self, hosts: Sequence[str], timeout_s: float, min_flops: float,
+                 failing: Sequence[str] = ()) -> list[HostDiagnosis] | None:
+        """The self-checks (msjax.supervise.diagnostics) on `hosts`, one HostDiagnosis each in order; None when
+        the backend cannot run them (they then run elsewhere, e.g. a Kubernetes initContainer). `failing`: hosts
+        given the test-only failure setting."""
+
+    def inject(self, worker: Worker, sig: int, pid: int | None) -> None:
+        """Delivers `sig` to a worker (fault injection, tests and benchmarks); `pid` is the process id from its
+        heartbeat."""
+
+
+def worker_base_env(env: dict[str, str], devices_per_host: int) -> dict[str, str]:
+    """A worker's environment before its MSJAX_* variables: `env` without inherited jax.distributed settings,
+    with `devices_per_host` CPU devices forced through XLA_FLAGS (0: left alone), unbuffered output and this
+    checkout on PYTHONPATH."""
+    env = {k: v for k, v in env.items() if k not in _JAX_LAUNCH_VARS}
+    if devices_per_host:
+        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
+        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices_per_host}".strip()
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
 
 
 class LocalBackend:
@@ -109,13 +162,7 @@ class LocalBackend:
         self.env = dict(os.environ if env is None else env)
 
     def host_env(self) -> dict[str, str]:
-        env = {k: v for k, v in self.env.items() if k not in _JAX_LAUNCH_VARS}
-        if self.devices_per_host:
-            flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
-            env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={self.devices_per_host}".strip()
-        env["PYTHONUNBUFFERED"] = "1"
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        return env
+        return worker_base_env(self.env, self.devices_per_host)
 
     def launch(self, attempt: int, hosts: Sequence[str], overrides: dict, resume: bool, redis_url: str,
                run_id: str) -> list[Worker]:
@@ -171,6 +218,11 @@ class LocalBackend:
             env[TEST_FAIL_ENV] = ",".join([x for x in env.get(TEST_FAIL_ENV, "").split(",") if x] + list(failing))
         return diagnose_local(hosts, env, timeout_s, min_flops, log_dir=self.log_dir)
 
+    @staticmethod
+    def inject(worker: Worker, sig: int, pid: int | None) -> None:
+        """Sends `sig` to the worker's process (its own child: the heartbeat's pid is the same process)."""
+        os.kill(worker.proc.pid, sig)
+
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     try:
@@ -190,6 +242,9 @@ class _Seen:
     start_step: int | None = None
     nonfinite: tuple[int, float] | None = None
     loop_done: bool = False
+    pid: int | None = None
+    boot: str | None = None
+    replaced: bool = False
 
 
 @dataclass
@@ -209,17 +264,20 @@ class Supervisor:
 
     Args:
       cfg: the run's validated config (its `supervisor`, `train` and `checkpoint` sections are read).
-      backend: starts/stops workers and runs diagnostics (LocalBackend).
+      backend: starts/stops workers and runs diagnostics (a WorkerBackend: LocalBackend, SlurmBackend, ...).
       store_url: the Redis the workers send heartbeats to.
       num_hosts: hosts the job uses; `cfg.supervisor.spares` more are held back.
       devices_per_host: devices on each host (for re-planning).
       faults: faults to inject (tests and benchmarks).
       run_id: the run's namespace in Redis (default: a fresh id).
       out: where progress lines are printed.
+      hosts: the host names, `num_hosts` + spares of them (default: host0, host1, ...; SLURM: the allocation's
+        nodes). The password of `store_url` may also come from MSJAX_REDIS_PASSWORD.
     """
 
-    def __init__(self, cfg: Config, backend: LocalBackend, store_url: str, num_hosts: int, devices_per_host: int,
-                 faults: Sequence[Fault] = (), run_id: str | None = None, out=sys.stdout):
+    def __init__(self, cfg: Config, backend: WorkerBackend, store_url: str, num_hosts: int, devices_per_host: int,
+                 faults: Sequence[Fault] = (), run_id: str | None = None, out=sys.stdout,
+                 hosts: Sequence[str] | None = None):
         self.cfg, self.backend, self.store_url = cfg, backend, store_url
         self.s = cfg.supervisor
         self.num_hosts, self.devices_per_host = num_hosts, devices_per_host
@@ -229,10 +287,12 @@ class Supervisor:
         self.run_dir = Path(cfg.train.run_dir)
         from msjax.control.store import Store, connect
 
-        self.control = Store(connect(store_url), self.run_id)
+        self.control = Store(connect(store_url, password=os.environ.get("MSJAX_REDIS_PASSWORD") or None), self.run_id)
         self.store = HeartbeatStore(self.control.client, self.run_id)
         self.events = EventLog(self.run_dir / "events.jsonl", sink=self._post_event)
-        self.hosts = [f"host{i}" for i in range(num_hosts + self.s.spares)]
+        self.hosts = list(hosts) if hosts is not None else [f"host{i}" for i in range(num_hosts + self.s.spares)]
+        if len(self.hosts) < num_hosts:
+            raise ValueError(f"{len(self.hosts)} host(s) {self.hosts} for a job of {num_hosts}")
         self.excluded: dict[str, str] = {}
         self.policy = RestartPolicy(self.s.restart_budget, self.s.backoff_s, self.s.backoff_max_s)
         self._reports_read = 0
@@ -326,6 +386,12 @@ class Supervisor:
                 if hb.get("time") == o.last_time:
                     continue
                 o.last_time, o.last_beat = hb.get("time"), now
+                o.pid = hb.get("pid", o.pid)
+                if hb.get("boot") and o.boot and hb["boot"] != o.boot:  # a new process in this slot
+                    o.replaced = True
+                o.boot = hb.get("boot") or o.boot
+                if hb.get("host"):  # where the worker really runs (a SLURM task's node is SLURM's choice)
+                    workers[rank].host = hb["host"]
                 o.loop_done = hb.get("state") in ("finished", "failed")
                 if o.start_step is None and hb.get("start_step") is not None:
                     o.start_step = hb["start_step"]
@@ -358,7 +424,7 @@ class Supervisor:
                 pending.remove(f)
                 if f.kind == "diag":
                     self._diag_fail.add(w.host)
-                os.kill(w.proc.pid, signal.SIGSTOP if f.kind == "stop" else signal.SIGKILL)
+                self.backend.inject(w, signal.SIGSTOP if f.kind == "stop" else signal.SIGKILL, o.pid)
                 self.events.emit("fault_injected", fault=f.kind, rank=f.rank, host=w.host, step=o.step,
                                  attempt=attempt)
                 self._print(f"injected {f.kind} into rank {f.rank} ({w.host}) at step {o.step}")
@@ -368,6 +434,11 @@ class Supervisor:
                       for w in workers]
             failures = detect.detect_failures(states, now, heartbeat_timeout=s.heartbeat_timeout_s,
                                               startup_timeout=s.startup_timeout_s, stall_timeout=s.stall_timeout_s)
+            # A slot beating from a new process: the cluster restarted the worker behind our back (a JobSet
+            # restarts every pod once one fails); the attempt is over all the same.
+            failures += [detect.Failure(w.rank, w.host, "exit", "restarted outside the supervisor (a new process "
+                                        "in its slot)") for w in workers if seen[w.rank].replaced
+                         and not any(f.rank == w.rank for f in failures)]
             if failures:
                 self.events.emit("detected", attempt=attempt, failures=[f.to_dict() for f in failures])
                 return failures, seen
@@ -395,6 +466,14 @@ class Supervisor:
         t0 = time.time()
         results = self.backend.diagnose(hosts, self.s.diagnose_timeout_s, self.s.diag_min_matmul_flops,
                                         failing=sorted(self._diag_fail & set(hosts)))
+        if results is None:  # they ran elsewhere (a Kubernetes initContainer) and reported failing hosts to Redis
+            for host in sorted(self.control.excluded_hosts() - set(self.excluded)):
+                self.excluded[host] = "failed its self-checks"
+                note = getattr(self.backend, "exclusion_note", lambda h: "")(host)
+                self.events.emit("excluded", host=host, reason=self.excluded[host], action=note)
+                self._print(f"excluded {host}: failed its self-checks" + (f"; keep the job off it: {note}"
+                                                                          if note else ""))
+            return []  # the cluster places the restarted workers; nothing to re-plan here
         self.events.emit("diagnosed", seconds=time.time() - t0, hosts={r.host: r.to_dict() for r in results})
         self._device_kind = next((r.device_kind for r in results if r.device_kind), "")
         newly = []
