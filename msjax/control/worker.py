@@ -94,6 +94,9 @@ def join_from_env() -> WorkerContext:
         store.client.hset(store.key("members"), 0, json.dumps({"worker_id": worker_id, **member}))
     else:
         assignment = rendezvous(store.client, run_id, worker_id, world, f"{host}:{port}", member, timeout_s)
+    from msjax.supervise import phases
+
+    phases.mark("rendezvous")
     print(f"msjax.control: rank {assignment.rank} of {assignment.world_size} (worker {worker_id}, pid {os.getpid()}, "
           f"run {run_id}, generation {assignment.generation}, coordinator {assignment.coordinator}"
           f"{', re-admitted' if assignment.rejoined else ''})", file=sys.stderr, flush=True)

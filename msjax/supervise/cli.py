@@ -115,13 +115,16 @@ def supervise_local(train_flags: Sequence[str], num_hosts: int, devices_per_host
 
 
 def _devices_per_host(backend: str) -> int:
-    """Devices on each host when not forced: 1 for local CPU workers; on SLURM nodes, this node's accelerators
-    (the allocation's nodes are alike)."""
+    """Devices on each host when not forced (for re-planning): 1 for local CPU workers; on SLURM, the GPUs per
+    node of the allocation (SLURM_GPUS_ON_NODE, else SLURM_GPUS_PER_NODE as `N` or `TYPE:N`), else 1. Not asked of
+    jax: the supervisor shares the first node with a worker and must not take its accelerators."""
     if backend != "slurm":
         return 1
-    import jax
-
-    return jax.local_device_count()
+    for var in ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE"):
+        value = os.environ.get(var, "").rsplit(":", 1)[-1]
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
 
 
 class SupervisorInterrupted(Exception):

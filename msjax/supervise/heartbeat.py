@@ -30,6 +30,7 @@ import uuid
 from typing import Any
 
 from msjax.hooks import Hook, RunContext
+from msjax.supervise import phases
 from msjax.supervise.store import RESTART_EXIT_CODE, HeartbeatStore
 
 
@@ -60,7 +61,8 @@ class HeartbeatHook(Hook):
     def _beat(self) -> None:
         self._seq += 1
         payload = {"seq": self._seq, "step": self._step, "start_step": self._start_step, "time": time.time(),
-                   "pid": os.getpid(), "host": self.host, "state": self._state, "boot": self.boot}
+                   "pid": os.getpid(), "host": self.host, "state": self._state, "boot": self.boot,
+                   "phases": phases.marks()}
         try:
             self.store.beat(self.rank, payload, self.ttl_s)
             if getattr(self.store, "restart_requested", None) and self.store.restart_requested(self.boot):
@@ -104,6 +106,8 @@ class HeartbeatHook(Hook):
         self.start(ctx.start_step)
 
     def on_step_end(self, ctx: RunContext, step: int, metrics: dict[str, Any]) -> None:
+        if self._step == self._start_step:
+            phases.mark("first_step")
         self._step = step  # an int store: atomic under the GIL, read by the beat thread
 
     def on_log(self, ctx: RunContext, step: int, scalars: dict[str, float]) -> None:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Sequence
 
 from msjax.supervise.diagnostics import TEST_FAIL_ENV, HostDiagnosis, diagnoses
-from msjax.supervise.supervisor import ROOT, Worker, worker_base_env
+from msjax.supervise.supervisor import ROOT, Worker, signal_local, worker_base_env
 
 # Runs one worker task: "$@" is the worker command. The wrapper stays the task's main process so that it can print
 # the worker's exit code; it forwards SIGTERM to the worker (scancel signals every process of the step, srun the
@@ -241,7 +241,7 @@ class SlurmBackend:
         (tests with a stand-in srun); on a cluster, inject with `srun --overlap -w NODE kill -SIG PID`."""
         if pid is None:
             raise ValueError(f"rank {worker.rank} has sent no heartbeat with its pid yet")
-        os.kill(pid, sig)
+        signal_local(pid, sig)
 
 
 def _signal(proc: subprocess.Popen, sig: int) -> None:

@@ -56,8 +56,8 @@ class Fault:
     """A fault to inject (tests and benchmarks only).
 
     Attributes:
-      kind: "kill" (SIGKILL the worker), "stop" (SIGSTOP it: a hang), "diag" (SIGKILL it and make its host fail
-        the matmul self-check, as a host with a faulty device would).
+      kind: "kill" (SIGKILL the worker), "stop" (SIGSTOP it: a hang), "diag" (SIGABRT it, the way XLA's or a
+        driver's checks end a process on a faulty device, and make its host fail the matmul self-check).
       rank: which worker of the attempt.
       step: inject once the worker reports this step (0: at its first heartbeat).
       attempt: the attempt to inject in; None injects in every attempt (a fault loop).
@@ -138,6 +138,9 @@ def worker_base_env(env: dict[str, str], devices_per_host: int) -> dict[str, str
         flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", "")).strip()
         env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices_per_host}".strip()
     env["PYTHONUNBUFFERED"] = "1"
+    # jax's persistent compilation cache (on by default: msjax.runtime) keeps only executables that took over 1 s to
+    # compile; a restart wants every one of them back (init, restore, eval, step), so keep them all.
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return env
 
@@ -221,7 +224,19 @@ class LocalBackend:
     @staticmethod
     def inject(worker: Worker, sig: int, pid: int | None) -> None:
         """Sends `sig` to the worker's process (its own child: the heartbeat's pid is the same process)."""
-        os.kill(worker.proc.pid, sig)
+        signal_local(worker.proc.pid, sig)
+
+
+def signal_local(pid: int, sig: int) -> None:
+    """Sends `sig` to process `pid` on this machine (fault injection); an abort is made to leave no core file."""
+    if sig == signal.SIGABRT:
+        import resource
+
+        try:
+            resource.prlimit(pid, resource.RLIMIT_CORE, (0, 0))
+        except (OSError, ValueError):
+            pass
+    os.kill(pid, sig)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -245,6 +260,7 @@ class _Seen:
     pid: int | None = None
     boot: str | None = None
     replaced: bool = False
+    phases_sent: bool = False
 
 
 @dataclass
@@ -331,9 +347,15 @@ class Supervisor:
                     return self._finish("finished", 0, f"run finished after {attempt} restart(s)")
                 summary = "; ".join(f"rank {f.rank} ({f.host}): {f.kind}: {_stable(f.detail)}" for f in failures)
                 self._print(f"attempt {attempt} failed: {summary}")
-                stopped = self.backend.stop(self._workers, self.s.stop_grace_s)
-                self.events.emit("stopped", attempt=attempt, **stopped)
-                newly = self._diagnose(hosts) if self.s.diagnose else []
+                grace = stop_grace(failures, self.s.stop_grace_s)
+                stopped = self.backend.stop(self._workers, grace)
+                self.events.emit("stopped", attempt=attempt, grace_s=grace, **stopped)
+                codes = {w.rank: w.proc.poll() for w in self._workers}
+                diagnose = self.s.diagnose and (self.s.diagnose_after_kill or detect.needs_diagnosis(failures, codes))
+                if self.s.diagnose and not diagnose:
+                    self.events.emit("diagnosis_skipped", reason="every failed worker was killed by a signal from "
+                                                                 "outside (supervisor.diagnose_after_kill=false)")
+                newly = self._diagnose(hosts) if diagnose else []
                 if newly:
                     available = [h for h in self.hosts if h not in self.excluded]
                     if len(available) >= n:
@@ -390,6 +412,11 @@ class Supervisor:
                 if hb.get("boot") and o.boot and hb["boot"] != o.boot:  # a new process in this slot
                     o.replaced = True
                 o.boot = hb.get("boot") or o.boot
+                marks = hb.get("phases") or {}
+                if not o.phases_sent and "first_step" in marks:
+                    o.phases_sent = True
+                    self.events.emit("worker_phases", attempt=attempt, rank=rank, host=workers[rank].host,
+                                     phases=marks)
                 if hb.get("host"):  # where the worker really runs (a SLURM task's node is SLURM's choice)
                     workers[rank].host = hb["host"]
                 o.loop_done = hb.get("state") in ("finished", "failed")
@@ -424,7 +451,8 @@ class Supervisor:
                 pending.remove(f)
                 if f.kind == "diag":
                     self._diag_fail.add(w.host)
-                self.backend.inject(w, signal.SIGSTOP if f.kind == "stop" else signal.SIGKILL, o.pid)
+                self.backend.inject(w, {"stop": signal.SIGSTOP, "diag": signal.SIGABRT}.get(f.kind, signal.SIGKILL),
+                                    o.pid)
                 self.events.emit("fault_injected", fault=f.kind, rank=f.rank, host=w.host, step=o.step,
                                  attempt=attempt)
                 self._print(f"injected {f.kind} into rank {f.rank} ({w.host}) at step {o.step}")
@@ -518,6 +546,21 @@ class Supervisor:
         text = "\n".join(lines)
         self._print(text)
         return SupervisorResult(status, code, text, self.events.path, figures)
+
+
+# Seconds a wedged job's workers get between SIGTERM and SIGKILL: enough to exit and flush their output.
+WEDGED_GRACE_S = 1.0
+
+
+def stop_grace(failures: Sequence[detect.Failure], grace_s: float) -> float:
+    """The grace period for stopping a failed attempt: `grace_s` (supervisor.stop_grace_s) when every failure is
+    a reported non-finite loss (every worker is alive and stepping, and can act on SIGTERM), else WEDGED_GRACE_S
+    at most: with a worker dead, hung or stalled, the others block in the next collective and can neither finish
+    a step nor commit a checkpoint (an Orbax save ends with a barrier across processes), so waiting longer only
+    delays the restart, which resumes from the newest verified checkpoint either way."""
+    if all(f.kind == "nonfinite" for f in failures):
+        return grace_s
+    return min(grace_s, WEDGED_GRACE_S)
 
 
 def _stable(detail: str) -> str:

@@ -6,7 +6,7 @@ GPT while faults are injected.
   checkpoint interval recomputed, and the final parameters equal the uninterrupted run's bit for bit.
 - under the SLURM backend (msjax.supervise.slurm, with the stand-in srun/scancel of tests/msjax/fake_slurm.py that
   run each "node"'s task here), a kill -9 of the worker on a node whose matmul self-check fails (the test-only
-  setting): the kill is found from the task's exit line, the step ended through scancel, the self-checks run as an
+  setting; supervisor.diagnose_after_kill on): the kill is found from the task's exit line, the step ended through scancel, the self-checks run as an
   srun step on both nodes, the node is excluded (`--exclude` in the next step), the run is re-planned onto the
   other node's 2 devices (gradient accumulation 2) and finishes with the same losses within 1e-5.
 - a fault loop (the same worker killed at every start): the restart budget ends the run with a report.
@@ -60,13 +60,15 @@ def _flags(corpus: Path, run_dir: Path, cache: Path, **extra) -> list[str]:
 
 
 def _supervise(tmp: Path, corpus: Path, cache: Path, *faults: str, slurm_nodes: str = "",
-               **cfg) -> tuple[int, str, list[dict]]:
+               fail_diagnostic: str = "", **cfg) -> tuple[int, str, list[dict]]:
     """Runs a supervised 2-host job under `launch.py --backend=local --supervise` (or, with `slurm_nodes`, the
     SLURM backend over those stand-in nodes) to its end; returns (exit code, output, events) and checks that
     nothing it started survived."""
     tag = uuid.uuid4().hex
     env = {**os.environ, "SUPERVISE_TEST_TAG": tag, "PYTHONUNBUFFERED": "1", "MSJAX_TEST_INJECT": ",".join(faults)}
     flags = _flags(corpus, tmp / "run", cache, **cfg)
+    if fail_diagnostic:
+        env["MSJAX_TEST_FAIL_DIAGNOSTIC"] = fail_diagnostic
     if slurm_nodes:
         env.update(fake_slurm.install(tmp / "bin", tmp / "slurm"), SLURM_JOB_ID="4242")
         cmd = [sys.executable, "-m", "msjax.supervise", "--backend=slurm", f"--nodes={slurm_nodes}", "--hosts=2",
@@ -147,6 +149,8 @@ def test_kill_and_sigstop_recover_to_the_uninterrupted_parameters(tmp_path, smal
     for f in (kill, stop):
         assert 0 <= f["recomputed_steps"] <= EVERY, (f, note)  # at most one checkpoint interval recomputed
     assert not [e for e in events if e["kind"] == "excluded"]  # healthy hosts pass their diagnostics
+    # a worker killed by SIGKILL points at no device: no self-checks then; a hang (SIGSTOP) gets them
+    assert kinds.index("diagnosis_skipped") < kinds.index("launch", kinds.index("launch") + 1) < kinds.index("diagnosed")
     assert "effective training time" in out
     for x, y in zip(_final_params(reference), _final_params(tmp_path / "run")):
         np.testing.assert_array_equal(x, y)
@@ -156,7 +160,10 @@ def test_kill_and_sigstop_recover_to_the_uninterrupted_parameters(tmp_path, smal
 def test_slurm_backend_kill_on_a_failing_node_excludes_it_and_replans(tmp_path, small_corpus, cache, reference):
     # Node names that reach this machine: the workers advertise them to each other (jax's coordinator) and the
     # self-checks' all-reduce is coordinated on the first one.
-    code, out, events = _supervise(tmp_path, small_corpus, cache, "diag:1@4", slurm_nodes="127.0.0.1,127.0.0.2")
+    # The node's faulty matmul through the test-only setting by host name; diagnose_after_kill makes a kill -9
+    # reason enough for the self-checks.
+    code, out, events = _supervise(tmp_path, small_corpus, cache, "kill:1@4", slurm_nodes="127.0.0.1,127.0.0.2",
+                                   fail_diagnostic="127.0.0.2", **{"supervisor.diagnose_after_kill": True})
     assert code == 0, out[-4000:]
     detected = [e for e in events if e["kind"] == "detected"][0]["failures"]
     assert detected[0]["rank"] == 1 and "SIGKILL" in detected[0]["detail"]  # read off the task's exit line
