@@ -322,6 +322,8 @@ class SupervisorConfig:
     diagnose: run the self-checks on every host after a failure and exclude the hosts that fail.
     diagnose_after_kill: run them also when every failed worker was killed by SIGKILL/SIGTERM/SIGINT (the OOM
       killer, an operator; msjax.supervise.detect.needs_diagnosis), which points at no device.
+    standby: keep a warm standby worker per host (jax and the stack imported) for restarts (local backend;
+      msjax.supervise.standby).
     diagnose_timeout_s: the diagnostics' time limit (a host that does not answer in time fails).
     diag_min_matmul_flops: the per-device matmul rate below which a host fails its speed check, FLOP/s; 0 takes
       0.1 x the catalogue peak on accelerators and 1e9 on CPU.
@@ -342,6 +344,7 @@ class SupervisorConfig:
     stop_grace_s: float = 10.0
     diagnose: bool = True
     diagnose_after_kill: bool = False
+    standby: bool = True
     diagnose_timeout_s: float = 120.0
     diag_min_matmul_flops: float = 0.0
     spares: int = 0

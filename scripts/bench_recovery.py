@@ -41,6 +41,9 @@ DEFAULTS = {
     # seen on the shared 2-core machine while XLA compiles (up to 2.7 s)
     "supervisor.heartbeat_period_s": 2.5, "supervisor.heartbeat_timeout_s": 4.5, "supervisor.stop_grace_s": 3,
     "supervisor.backoff_s": 0.5, "supervisor.startup_timeout_s": 300,
+    # a job-wide hang with live heartbeats (seen once here: both workers blocked in the checkpoint's
+    # process_allgather) is found after this; above the first step's compile time under load (up to 60 s seen)
+    "supervisor.stall_timeout_s": 120,
 }
 OWN = {"faults_per_kind": 1, "kinds": "kill,stop,diag", "hosts": 2, "devices_per_host": 2, "steps": 60, "compile_cache": "", "json": "",
        "seed": -1}

@@ -103,7 +103,8 @@ def supervise_local(train_flags: Sequence[str], num_hosts: int, devices_per_host
 
             workers = JobSetBackend(HeartbeatStore.from_url(redis_url, run_id or ""))
         else:
-            workers = LocalBackend(train_flags, devices_per_host, log_dir, rdzv_timeout_s=rdzv_timeout_s)
+            workers = LocalBackend(train_flags, devices_per_host, log_dir, rdzv_timeout_s=rdzv_timeout_s,
+                                   standby=cfg.supervisor.standby)
         sup = Supervisor(cfg, workers, redis_url, num_hosts, devices_per_host or _devices_per_host(backend),
                          faults, run_id=run_id, out=out, hosts=hosts)
         try:

@@ -142,8 +142,10 @@ def recovery_phases(events: Iterable[dict]) -> list[dict]:
     (-> the next launch; includes re-planning). Worker phases of the next attempt, from its workers'
     `worker_phases` (the slowest worker's mark): process_start (launch -> the process exists), imports (jax and
     the stack), rendezvous, distributed (jax.distributed), prepare (data, mesh, program), restore, compile_first_step
-    (the first step's compilation and dispatch), heartbeat_lag (-> the supervisor's first_step event). The phases
-    sum to the fault's recovery_s.
+    (the first step's compilation and dispatch), heartbeat_lag (-> the supervisor's first_step event). A mark
+    that comes before the previous phase's end counts as 0 s (a warm standby's process started before the launch).
+    The phases sum to the fault's recovery_s, or to more when the supervisor saw a fast worker's first step (a
+    host-side dispatch) before the slowest worker had compiled its own: the job's first step runs only then.
     """
     events = list(events)
     out = []
@@ -170,8 +172,8 @@ def recovery_phases(events: Iterable[dict]) -> list[dict]:
                 ends["first_step_seen"] = first["t"]
         phases, t = {}, e["t"]
         for name, end in RECOVERY_PHASES:
-            if end in ends:
-                phases[name], t = ends[end] - t, ends[end]
+            if end in ends:  # a mark before the previous end (a standby's process_start) is a phase of 0 s
+                phases[name], t = max(0.0, ends[end] - t), max(t, ends[end])
         out.append({"kind": e["fault"], "rank": e["rank"], "attempt": e["attempt"], "phases": phases})
     return out
 

@@ -154,10 +154,15 @@ class LocalBackend:
       log_dir: where each worker's output goes (attempt<k>_<host>.log).
       env: base environment of the workers (default: this process's).
       rdzv_timeout_s: how long workers wait for each other at the Redis rendezvous.
+      standby: keep warm standby workers (msjax.supervise.standby) for restarts: `warm` starts them, `launch`
+        hands restarted workers to them.
     """
 
     def __init__(self, train_flags: Sequence[str], devices_per_host: int, log_dir: Path,
-                 env: dict[str, str] | None = None, rdzv_timeout_s: int = 300):
+                 env: dict[str, str] | None = None, rdzv_timeout_s: int = 300, standby: bool = False):
+        self.standby = standby
+        self._standbys: list[subprocess.Popen] = []
+        self.standbys_used = 0
         self.train_flags = list(train_flags)
         self.rdzv_timeout_s = rdzv_timeout_s
         self.devices_per_host = devices_per_host
@@ -178,18 +183,72 @@ class LocalBackend:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         flags = self.train_flags + [f"--{k}={v}" for k, v in overrides.items()] + (["--resume"] if resume else [])
         workers = []
+        self.standbys_used = 0
         for slot, host in enumerate(hosts):
             env = worker_env(self.host_env(), redis_url=redis_url, run_id=run_id, num_processes=len(hosts),
                              worker_index=slot, devices_per_process=self.devices_per_host or None,
                              rdzv_timeout_s=self.rdzv_timeout_s)
             env.update(MSJAX_SUPERVISED="1", MSJAX_SLOT=str(slot), MSJAX_HOST=host, MSJAX_WORKER_ID=host)
             log_path = self.log_dir / f"attempt{attempt}_{host}.log"
+            proc = self._take_standby(flags, env, log_path)
+            if proc is not None:
+                workers.append(Worker(slot, host, proc, time.time(), log_path))
+                continue
             with log_path.open("w") as log:
                 proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "train.py"), *flags], cwd=str(ROOT),
                                         env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                         start_new_session=True, preexec_fn=die_with_parent)
             workers.append(Worker(slot, host, proc, time.time(), log_path))
         return workers
+
+    def _take_standby(self, flags: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen | None:
+        """Hands a worker to a live standby (None when there is none)."""
+        while self._standbys:
+            proc = self._standbys.pop(0)
+            if proc.poll() is not None:
+                continue
+            try:
+                proc.stdin.write(json.dumps({"argv": flags, "env": env, "log": str(log_path)}) + "\n")
+                proc.stdin.close()
+            except (BrokenPipeError, OSError):
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
+                continue
+            self.standbys_used += 1
+            return proc
+        return None
+
+    def warm(self, count: int) -> None:
+        """Starts standbys until `count` are alive (with `standby` on; the supervisor calls it once an attempt has
+        taken its first step, so their imports do not slow the attempt's start-up)."""
+        from msjax.control.server import die_with_parent
+
+        if not self.standby:
+            return
+        self._standbys = [p for p in self._standbys if p.poll() is None]
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        while len(self._standbys) < count:
+            log = (self.log_dir / f"standby_{time.time_ns()}.log").open("w")
+            with log:
+                self._standbys.append(subprocess.Popen(
+                    [sys.executable, "-m", "msjax.supervise.standby"], cwd=str(ROOT), env=self.host_env(),
+                    stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                    preexec_fn=die_with_parent))
+
+    def close(self) -> None:
+        """Ends the standbys (end of input, then SIGKILL to whatever is left after 5 s)."""
+        for proc in self._standbys:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+        for proc in self._standbys:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
+        self._standbys = []
 
     @staticmethod
     def stop(workers: Sequence[Worker], grace_s: float) -> dict:
@@ -338,7 +397,8 @@ class Supervisor:
                     self.control.bump_restarts()  # a new rendezvous generation for the restarted workers
                 self._workers = self.backend.launch(attempt, hosts, overrides, resume, self.store_url, self.run_id)
                 self.events.emit("launch", attempt=attempt, hosts=hosts, pids=[w.proc.pid for w in self._workers],
-                                 overrides=overrides, resume=resume)
+                                 overrides=overrides, resume=resume,
+                                 standbys_used=getattr(self.backend, "standbys_used", 0))
                 self._print(f"attempt {attempt}: {len(hosts)} host(s) {hosts}" + (f", {overrides}" if overrides
                                                                                   else ""))
                 failures, seen = self._watch(attempt, self._workers)
@@ -389,6 +449,7 @@ class Supervisor:
         finally:
             if self._workers:  # an interrupted or failed supervisor: workers get the grace period to save
                 self.backend.stop(self._workers, self.s.stop_grace_s)
+            getattr(self.backend, "close", lambda: None)()
             self.events.close()
             self.control.client.close()
 
@@ -431,6 +492,8 @@ class Supervisor:
                         first_step_done = True
                         self._first_step_t, self._first_step = now, o.step
                         self.events.emit("first_step", attempt=attempt, rank=rank, step=o.step)
+                        # the next restart's workers import while this attempt trains (LocalBackend standby)
+                        getattr(self.backend, "warm", lambda n: None)(len(workers))
             reports = self.store.reports(self._reports_read)
             self._reports_read += len(reports)
             for r in reports:

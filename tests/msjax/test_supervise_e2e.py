@@ -121,7 +121,8 @@ def cache(tmp_path_factory) -> Path:
 def reference(tmp_path_factory, small_corpus, cache) -> Path:
     """The uninterrupted supervised run (no faults): its run directory."""
     tmp = tmp_path_factory.mktemp("reference")
-    code, out, events = _supervise(tmp, small_corpus, cache)
+    # no restart here: no warm standby workers to pay for (they import jax while the run trains)
+    code, out, events = _supervise(tmp, small_corpus, cache, **{"supervisor.standby": False})
     assert code == 0, out[-3000:]
     assert [e["kind"] for e in events].count("launch") == 1
     return tmp / "run"
@@ -139,6 +140,8 @@ def test_kill_and_sigstop_recover_to_the_uninterrupted_parameters(tmp_path, smal
     assert code == 0, note
     kinds = [e["kind"] for e in events]
     assert kinds.count("fault_injected") == 2 and kinds.count("launch") == 3, note
+    launches = [e for e in events if e["kind"] == "launch"]
+    assert [e["standbys_used"] for e in launches] == [0, 2, 2], note  # restarts start from warm standbys
     detected = [e for e in events if e["kind"] == "detected"]
     assert detected[0]["failures"][0]["kind"] == "exit" and "SIGKILL" in detected[0]["failures"][0]["detail"]
     stopped = [f for f in detected[1]["failures"] if f["rank"] == stop_rank]

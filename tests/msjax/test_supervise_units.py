@@ -179,3 +179,9 @@ def test_recovery_phases_split_the_recovery_time_in_order():
     for k, v in want.items():
         assert r["phases"][k] == pytest.approx(v), k
     assert sum(r["phases"].values()) == pytest.approx(9.0)  # the fault's recovery time
+    # a warm standby started before the launch; the supervisor saw the fast worker's first step early
+    events[5]["phases"]["process_start"] = events[6]["phases"]["process_start"] = t - 50.0
+    events[-1]["t"] = t + 8.2
+    (r,) = recovery_phases(events)
+    assert r["phases"]["process_start"] == 0.0 and r["phases"]["imports"] == pytest.approx(1.7)
+    assert r["phases"]["heartbeat_lag"] == 0.0 and sum(r["phases"].values()) == pytest.approx(8.5)
