@@ -7,7 +7,7 @@ flushed as it is written (a supervisor that dies leaves a readable log), and als
   run_start        the supervisor started (hosts, layout).
   launch           attempt k started (hosts, restore step known later, overrides).
   worker_start     a worker's first heartbeat (rank, start_step: the step it resumed from).
-  first_step       the first training step of an attempt finished (attempt, step).
+  first_step       every worker of an attempt has dispatched its first step (attempt, step: the lowest).
   worker_phases    a worker's start-up timestamps (attempt, rank, phases: msjax.supervise.phases).
   fault_injected   a test/benchmark fault was injected (fault kind, rank, step).
   detected         failures found (each: rank, host, kind, detail).

@@ -487,11 +487,15 @@ class Supervisor:
                                      start_step=o.start_step, pid=hb.get("pid"))
                 if hb.get("step") != o.step:
                     o.step, o.step_changed_at = hb.get("step"), now
-                    if (not first_step_done and o.step is not None and o.start_step is not None
-                            and o.step > o.start_step):
+                    # The job's first step: every worker has dispatched one past its restore step (a worker's step is
+                    # its host-side dispatch; a fast one runs ahead of a peer still compiling, and the step itself
+                    # waits for that peer in its collectives).
+                    if not first_step_done and all(x.step is not None and x.start_step is not None
+                                                   and x.step > x.start_step for x in seen.values()):
                         first_step_done = True
-                        self._first_step_t, self._first_step = now, o.step
-                        self.events.emit("first_step", attempt=attempt, rank=rank, step=o.step)
+                        self._first_step = min(x.step for x in seen.values())
+                        self._first_step_t = now
+                        self.events.emit("first_step", attempt=attempt, rank=rank, step=self._first_step)
                         # the next restart's workers import while this attempt trains (LocalBackend standby)
                         getattr(self.backend, "warm", lambda n: None)(len(workers))
             reports = self.store.reports(self._reports_read)
