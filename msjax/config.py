@@ -317,8 +317,13 @@ class SupervisorConfig:
       above the longest checkpoint save or evaluation).
     restart_budget: restarts allowed over the whole run; one more failure ends it with a report.
     backoff_s, backoff_max_s: delay before restart k (0-based) is min(backoff_s * 2**k, backoff_max_s).
-    stop_grace_s: after SIGTERM, how long workers get to save and exit before SIGKILL.
+    stop_grace_s: after SIGTERM, how long workers get to save and exit before SIGKILL (when a worker is dead, hung
+      or stalled the others cannot step or save: 1 s at most then, msjax.supervise.supervisor.stop_grace).
     diagnose: run the self-checks on every host after a failure and exclude the hosts that fail.
+    diagnose_after_kill: run them also when every failed worker was killed by SIGKILL/SIGTERM/SIGINT (the OOM
+      killer, an operator; msjax.supervise.detect.needs_diagnosis), which points at no device.
+    standby: keep a warm standby worker per host (jax and the stack imported) for restarts (local backend;
+      msjax.supervise.standby).
     diagnose_timeout_s: the diagnostics' time limit (a host that does not answer in time fails).
     diag_min_matmul_flops: the per-device matmul rate below which a host fails its speed check, FLOP/s; 0 takes
       0.1 x the catalogue peak on accelerators and 1e9 on CPU.
@@ -338,6 +343,8 @@ class SupervisorConfig:
     backoff_max_s: float = 60.0
     stop_grace_s: float = 10.0
     diagnose: bool = True
+    diagnose_after_kill: bool = False
+    standby: bool = True
     diagnose_timeout_s: float = 120.0
     diag_min_matmul_flops: float = 0.0
     spares: int = 0

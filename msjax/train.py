@@ -29,6 +29,7 @@ from msjax.metrics import MetricsWriter
 from msjax.observe import loop_hooks
 from msjax.parallel.schedule import pipeline_summary
 from msjax.planner.preflight import check_layout
+from msjax.supervise import phases
 from msjax.parallel import xla_flags
 from msjax.sample import generate
 from msjax.train_step import TrainProgram, build_train_program
@@ -100,6 +101,7 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
         data.tokenizer.save(str(run_dir / "tokenizer.json"))
+    phases.mark("prepared")
 
     loader_state = None
     if latest is not None:
@@ -109,6 +111,7 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
         if cfg.checkpoint.resume:
             _log(f"--resume: no checkpoint in {ckpt.directory}; starting from step 0")
         start_step, state = 0, program.init_fn(jax.random.key(t.seed))
+    phases.mark("restored")  # (the supervisor's recovery breakdown: msjax.supervise.phases)
     loader = BatchLoader(data.train, seq_len=t.seq_len, global_batch=t.global_batch, seed=cfg.data.seed,
                          sharding=program.batch_sharding, prefetch=cfg.data.prefetch)
     if loader_state is not None:

@@ -30,12 +30,16 @@ def main(argv: list[str]) -> int:
         from msjax.control.worker import worker_hooks
         from msjax.faults import NonFiniteLossError
         from msjax.parallel import xla_flags
+        from msjax.supervise import phases
         from msjax.supervise.heartbeat import supervisor_hooks
         from msjax.train import run, summary_json
+
+        phases.mark("imports")
 
         xla_flags.apply(cfg.mesh.tp_overlap)  # before the backend starts: XLA reads XLA_FLAGS once
         try:
             distributed.initialize()
+            phases.mark("distributed")
             with logging_redirect_tqdm():  # log records go around the progress bar, not through it
                 out = summary_json(run(cfg, hooks=worker_hooks() + supervisor_hooks(cfg)))
         except ControlError as e:

@@ -98,6 +98,9 @@ def join_from_env() -> WorkerContext:
         requested = _env_int("MSJAX_RANK", 0) if os.environ.get("MSJAX_RANK") else None
         assignment = rendezvous(store.client, run_id, worker_id, world, f"{host}:{port}", member, timeout_s,
                                 requested_rank=requested)
+    from msjax.supervise import phases
+
+    phases.mark("rendezvous")
     print(f"msjax.control: rank {assignment.rank} of {assignment.world_size} (worker {worker_id}, pid {os.getpid()}, "
           f"run {run_id}, generation {assignment.generation}, coordinator {assignment.coordinator}"
           f"{', re-admitted' if assignment.rejoined else ''})", file=sys.stderr, flush=True)

@@ -12,5 +12,9 @@ Owns, module by module:
   replan      the best layout of the same global batch on the devices that are left (msjax.planner).
   heartbeat   the worker side: a loop Hook that sends heartbeats (step, TTL) and reports non-finite losses.
   store       where heartbeats and reports travel (Redis).
-  supervisor  the loop that launches workers, watches them, stops, diagnoses, excludes, re-plans and restarts.
+  supervisor  the loop that launches workers, watches them, stops, diagnoses, excludes, re-plans and restarts;
+              `WorkerBackend`, the small interface of where workers run, and `LocalBackend`.
+  slurm       the SLURM backend (an srun step in an allocation); k8s: the JobSet backend (restarts through the
+              JobSet's failurePolicy); cluster: the specs that run the supervisor as the job's controller.
+  phases      start-up timestamps of a worker (imports, rendezvous, restore, first step) for recovery breakdowns.
 """

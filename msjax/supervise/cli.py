@@ -2,11 +2,17 @@
 
     python scripts/launch.py --backend=local --num_processes=2 --devices_per_process=2 --supervise -- <train flags>
     python -m msjax.supervise --hosts=2 --devices_per_host=2 <train flags> [--inject=kill:1@40 ...]
+    python -m msjax.supervise --backend=slurm [--nodes=n1,n2,n3] --hosts=2 <train flags>   (inside an allocation)
+    python -m msjax.supervise --backend=k8s --hosts=4 --run_id=RUN <train flags>   (a JobSet's controller)
 
 `launch.py` (msjax.control.launch) hands a local run to `supervise_local` when `--supervise` is given or the
 train flags say `--supervisor.enabled=true`. `python -m msjax.supervise` is the same with its own flags:
 `--hosts`, `--devices_per_host` (CPU devices each; 0 leaves devices alone), `--redis_url` (an existing Redis;
-default: a private server for this run), `--run_id`, `--inject` (repeatable).
+default: MSJAX_REDIS_URL, else a private server for this run), `--run_id`, `--inject` (repeatable),
+`--backend` (local: worker processes on this machine; slurm: an srun step on the allocation's nodes, see
+msjax.supervise.slurm; k8s: watch a JobSet's workers and restart them through it, see msjax.supervise.k8s),
+`--nodes` (slurm: the nodes to use, default the allocation's; `--hosts` of them run
+workers, the rest are spares).
 
 Fault injection is for tests and benchmarks only: `--inject=SPEC` or MSJAX_TEST_INJECT=SPEC[,SPEC...] (what
 `launch.py` runs take), SPEC as in `msjax.supervise.supervisor.Fault.parse`.
@@ -37,7 +43,8 @@ def faults_from_env() -> list:
 
 def supervise_local(train_flags: Sequence[str], num_hosts: int, devices_per_host: int = 0,
                     redis_url: str | None = None, run_id: str | None = None, faults: Sequence = (),
-                    rdzv_timeout_s: int = 300, out=sys.stdout) -> int:
+                    rdzv_timeout_s: int = 300, out=sys.stdout, backend: str = "local",
+                    nodes: Sequence[str] | None = None) -> int:
     """Runs `scripts/train.py <train_flags>` on `num_hosts` local worker processes under the supervisor.
 
     Args:
@@ -48,6 +55,8 @@ def supervise_local(train_flags: Sequence[str], num_hosts: int, devices_per_host
       run_id: the run's namespace in Redis (default: generated).
       faults: faults to inject (tests, benchmarks), plus those in MSJAX_TEST_INJECT.
       rdzv_timeout_s: the workers' rendezvous timeout.
+      backend: "local" (worker processes here) or "slurm" (an srun step over `nodes`: msjax.supervise.slurm).
+      nodes: slurm: the allocation's nodes in SLURM's order (None: `scontrol show hostnames $SLURM_JOB_NODELIST`).
     Returns:
       The exit code (see the module docstring); bad flags print `error: ...` and return 2.
     """
@@ -59,6 +68,17 @@ def supervise_local(train_flags: Sequence[str], num_hosts: int, devices_per_host
         if rest:
             raise ConfigError(f"unexpected train flags {rest}; flags look like --train.steps=100")
         faults = list(faults) + faults_from_env()
+        hosts = None
+        if backend == "slurm":
+            from msjax.supervise.slurm import allocation_nodes
+
+            hosts = list(nodes) if nodes else allocation_nodes()
+            if len(hosts) < num_hosts:
+                raise ValueError(f"--hosts={num_hosts} but the allocation has {len(hosts)} node(s) {hosts}")
+        elif backend == "k8s" and not run_id:
+            raise ValueError("--backend=k8s needs --run_id (the JobSet workers' MSJAX_RUN_ID)")
+        elif backend not in ("local", "k8s"):
+            raise ValueError(f"--backend={backend!r}: allowed are local, slurm, k8s")
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -68,17 +88,44 @@ def supervise_local(train_flags: Sequence[str], num_hosts: int, devices_per_host
     previous = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
     with contextlib.ExitStack() as stack:
         stack.callback(lambda: [signal.signal(sig, h) for sig, h in previous.items()])
+        if backend in ("slurm", "k8s"):  # the job's Redis (the batch script's, the manifest's Service)
+            redis_url = redis_url or os.environ.get("MSJAX_REDIS_URL")
         if not redis_url:
             redis_url = stack.enter_context(RedisServer()).url
-        backend = LocalBackend(train_flags, devices_per_host, Path(cfg.train.run_dir) / "supervisor",
-                               rdzv_timeout_s=rdzv_timeout_s)
-        sup = Supervisor(cfg, backend, redis_url, num_hosts, devices_per_host or 1, faults, run_id=run_id, out=out)
+        log_dir = Path(cfg.train.run_dir) / "supervisor"
+        if backend == "slurm":
+            from msjax.supervise.slurm import SlurmBackend
+
+            workers = SlurmBackend(train_flags, hosts, log_dir, devices_per_host, rdzv_timeout_s=rdzv_timeout_s)
+        elif backend == "k8s":
+            from msjax.supervise.k8s import JobSetBackend
+            from msjax.supervise.store import HeartbeatStore
+
+            workers = JobSetBackend(HeartbeatStore.from_url(redis_url, run_id or ""))
+        else:
+            workers = LocalBackend(train_flags, devices_per_host, log_dir, rdzv_timeout_s=rdzv_timeout_s,
+                                   standby=cfg.supervisor.standby)
+        sup = Supervisor(cfg, workers, redis_url, num_hosts, devices_per_host or _devices_per_host(backend),
+                         faults, run_id=run_id, out=out, hosts=hosts)
         try:
             return sup.run().exit_code
         except SupervisorInterrupted as e:
             print(f"[supervisor] interrupted by {signal.Signals(e.signum).name}: workers stopped", file=out,
                   flush=True)
             return 128 + e.signum
+
+
+def _devices_per_host(backend: str) -> int:
+    """Devices on each host when not forced (for re-planning): 1 for local CPU workers; on SLURM, the GPUs per
+    node of the allocation (SLURM_GPUS_ON_NODE, else SLURM_GPUS_PER_NODE as `N` or `TYPE:N`), else 1. Not asked of
+    jax: the supervisor shares the first node with a worker and must not take its accelerators."""
+    if backend != "slurm":
+        return 1
+    for var in ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE"):
+        value = os.environ.get(var, "").rsplit(":", 1)[-1]
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1
 
 
 class SupervisorInterrupted(Exception):
@@ -97,7 +144,7 @@ def main(argv: Sequence[str] | None = None, out=sys.stdout) -> int:
         pairs, positional = split_flags(sys.argv[1:] if argv is None else argv, valueless={"resume"})
         if positional:
             raise ConfigError(f"unexpected arguments {positional}; flags look like --train.steps=100")
-        own = {"hosts": 1, "devices_per_host": 0, "redis_url": "", "run_id": ""}
+        own = {"hosts": 1, "devices_per_host": 0, "redis_url": "", "run_id": "", "backend": "local", "nodes": ""}
         faults, train_flags = [], []
         for key, value in pairs:
             if key == "inject":
@@ -117,5 +164,6 @@ def main(argv: Sequence[str] | None = None, out=sys.stdout) -> int:
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    nodes = [x for x in own["nodes"].split(",") if x] or None
     return supervise_local(train_flags, own["hosts"], own["devices_per_host"], own["redis_url"] or None,
-                           own["run_id"] or None, faults, out=out)
+                           own["run_id"] or None, faults, out=out, backend=own["backend"], nodes=nodes)

@@ -122,6 +122,21 @@ def detect_failures(workers: Sequence[WorkerState], now: float, *, heartbeat_tim
     return out
 
 
+# Signals another process sends to end a worker (the kernel's OOM killer, an operator, a scheduler's preemption, a
+# launcher tearing the job down): a worker that died of one says nothing about its host's devices. A device fault
+# shows otherwise: an error exit or abort (XLA/CUDA errors), a hang, a stall, a non-finite loss.
+OUTSIDE_SIGNALS = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT)
+
+
+def needs_diagnosis(failures: Sequence[Failure], exit_codes: dict[int, int | None]) -> bool:
+    """Whether the failures could be a host's fault, so the self-checks should run before the restart: False only
+    when every failure is a worker that exited by one of OUTSIDE_SIGNALS (Popen returncode -SIG in `exit_codes`,
+    by rank), which the self-checks would only cost time on (a whole self-check round: a process start, jax's
+    import and a cross-host all-reduce, per restart)."""
+    return any(f.kind != "exit" or (exit_codes.get(f.rank) or 0) >= 0
+               or signal.Signals(-exit_codes[f.rank]) not in OUTSIDE_SIGNALS for f in failures)
+
+
 def finished(workers: Sequence[WorkerState]) -> bool:
     """True when every worker exited with code 0."""
     return bool(workers) and all(w.exit_code == 0 for w in workers)

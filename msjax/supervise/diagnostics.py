@@ -166,10 +166,24 @@ def _main(argv: Sequence[str] | None = None) -> int:
         result = check_allreduce()
     print("MSJAX_DIAG " + json.dumps({"phase": "allreduce", **result}), flush=True)
     if a.fail_exit and not (local["ok"] and result.get("ok")):
-        print(f"msjax diagnostics: {a.host} failed: {'; '.join(local['reasons']) or result.get('error')}",
-              file=sys.stderr, flush=True)
+        reason = "; ".join(local["reasons"]) or str(result.get("error"))
+        print(f"msjax diagnostics: {a.host} failed: {reason}", file=sys.stderr, flush=True)
+        _report_excluded(a.host, reason)
         return 1
     return 0
+
+
+def _report_excluded(host: str, reason: str) -> None:
+    """Adds a failing host to the run's excluded set in Redis when this runs in a job of the control plane
+    (MSJAX_REDIS_URL and MSJAX_RUN_ID set: a Kubernetes initContainer), for the supervisor to report."""
+    if not (os.environ.get("MSJAX_REDIS_URL") and os.environ.get("MSJAX_RUN_ID")):
+        return
+    try:
+        from msjax.control.store import Store, env_connect
+
+        Store(env_connect(), os.environ["MSJAX_RUN_ID"]).exclude_host(host, reason)
+    except Exception as e:  # noqa: BLE001 - the exit status still fails the pod
+        print(f"msjax diagnostics: could not report {host} to the control plane: {e!r}", file=sys.stderr)
 
 
 def diagnose_local(hosts: Sequence[str], env: dict[str, str], timeout_s: float, min_flops: float = 0.0,
@@ -213,7 +227,20 @@ def diagnose_local(hosts: Sequence[str], env: dict[str, str], timeout_s: float, 
         outputs.append(out or "")
     for p in procs:  # a hung peer may still hold the group open after its sibling timed out
         _kill_group(p)
-    seconds = time.monotonic() - t0
+    return diagnoses(hosts, outputs, timeout_s, time.monotonic() - t0, log_dir)
+
+
+def diagnoses(hosts: Sequence[str], outputs: Sequence[str], timeout_s: float, seconds: float,
+              log_dir: Path | None = None) -> list[HostDiagnosis]:
+    """One HostDiagnosis per host from each host's diagnostic output (its `MSJAX_DIAG {json}` lines), however
+    the diagnostics were started (local subprocesses, an srun step).
+
+    Args:
+      hosts: host names; host i ran as rank i; outputs: the output of each, in the same order.
+      timeout_s: the time limit they ran under (named in the verdict of a host that never answered).
+      seconds: the diagnostics' wall time.
+      log_dir: where each host's output is saved (diag_<host>.log); None: not saved.
+    """
     results = []
     for rank, (host, out) in enumerate(zip(hosts, outputs)):
         if log_dir is not None:

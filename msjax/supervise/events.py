@@ -7,7 +7,8 @@ flushed as it is written (a supervisor that dies leaves a readable log), and als
   run_start        the supervisor started (hosts, layout).
   launch           attempt k started (hosts, restore step known later, overrides).
   worker_start     a worker's first heartbeat (rank, start_step: the step it resumed from).
-  first_step       the first training step of an attempt finished (attempt, step).
+  first_step       every worker of an attempt has dispatched its first step (attempt, step: the lowest).
+  worker_phases    a worker's start-up timestamps (attempt, rank, phases: msjax.supervise.phases).
   fault_injected   a test/benchmark fault was injected (fault kind, rank, step).
   detected         failures found (each: rank, host, kind, detail).
   stopped          the job was stopped (how many workers took SIGTERM, SIGKILL).
@@ -120,6 +121,60 @@ def fault_figures(events: Iterable[dict]) -> list[dict]:
             "restored_step": restored, "reached_step": reached,
             "recomputed_steps": max(0, reached - restored) if restored is not None else None,
         })
+    return out
+
+
+# A restart's phases, in order: (name, the event or worker mark it ends at). Worker marks are the slowest worker's
+# (the job steps when its last worker does).
+RECOVERY_PHASES = (
+    ("detect", "detected"), ("stop", "stopped"), ("diagnose", "diagnosed"), ("backoff", "launch"),
+    ("process_start", "process_start"), ("imports", "imports"), ("rendezvous", "rendezvous"),
+    ("distributed", "distributed"), ("prepare", "prepared"), ("restore", "restored"),
+    ("compile_first_step", "first_step"), ("heartbeat_lag", "first_step_seen"),
+)
+
+
+def recovery_phases(events: Iterable[dict]) -> list[dict]:
+    """Where each fault's recovery time went: per injected fault {kind, rank, attempt, phases: {name: seconds}},
+    the phases of RECOVERY_PHASES that happened, each from the end of the one before (the first from the fault).
+
+    Supervisor phases: detect (fault -> detected), stop (-> stopped), diagnose (-> diagnosed, when run), backoff
+    (-> the next launch; includes re-planning). Worker phases of the next attempt, from its workers'
+    `worker_phases` (the slowest worker's mark): process_start (launch -> the process exists), imports (jax and
+    the stack), rendezvous, distributed (jax.distributed), prepare (data, mesh, program), restore, compile_first_step
+    (the first step's compilation and dispatch), heartbeat_lag (-> the supervisor's first_step event). A mark
+    that comes before the previous phase's end counts as 0 s (a warm standby's process started before the launch).
+    The phases sum to the fault's recovery_s, or to more when the supervisor saw a fast worker's first step (a
+    host-side dispatch) before the slowest worker had compiled its own: the job's first step runs only then.
+    """
+    events = list(events)
+    out = []
+    for i, e in enumerate(events):
+        if e["kind"] != "fault_injected":
+            continue
+        rest = events[i + 1:]
+        nxt = next((x for x in rest if x["kind"] == "launch" and x["attempt"] > e["attempt"]), None)
+        ends: dict[str, float] = {}
+        upto = rest if nxt is None else rest[:rest.index(nxt) + 1]
+        for kind in ("detected", "stopped", "diagnosed", "launch"):
+            hit = next((x for x in upto if x["kind"] == kind), None)
+            if hit is not None:
+                ends[kind] = hit["t"]
+        if nxt is not None:
+            marks = [x["phases"] for x in rest if x["kind"] == "worker_phases" and x["attempt"] == nxt["attempt"]]
+            for name in ("process_start", "imports", "rendezvous", "distributed", "prepared", "restored",
+                         "first_step"):
+                values = [m[name] for m in marks if name in m]
+                if values:
+                    ends[name] = max(values)
+            first = next((x for x in rest if x["kind"] == "first_step" and x["attempt"] == nxt["attempt"]), None)
+            if first is not None:
+                ends["first_step_seen"] = first["t"]
+        phases, t = {}, e["t"]
+        for name, end in RECOVERY_PHASES:
+            if end in ends:  # a mark before the previous end (a standby's process_start) is a phase of 0 s
+                phases[name], t = max(0.0, ends[end] - t), max(t, ends[end])
+        out.append({"kind": e["fault"], "rank": e["rank"], "attempt": e["attempt"], "phases": phases})
     return out
 
 

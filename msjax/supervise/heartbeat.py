@@ -26,10 +26,12 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from typing import Any
 
 from msjax.hooks import Hook, RunContext
-from msjax.supervise.store import HeartbeatStore
+from msjax.supervise import phases
+from msjax.supervise.store import RESTART_EXIT_CODE, HeartbeatStore
 
 
 class HeartbeatHook(Hook):
@@ -54,13 +56,22 @@ class HeartbeatHook(Hook):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._warned = False
+        self.boot = uuid.uuid4().hex  # this process's identity: a restarted container may get the same pid
 
     def _beat(self) -> None:
         self._seq += 1
         payload = {"seq": self._seq, "step": self._step, "start_step": self._start_step, "time": time.time(),
-                   "pid": os.getpid(), "host": self.host, "state": self._state}
+                   "pid": os.getpid(), "host": self.host, "state": self._state, "boot": self.boot,
+                   "phases": phases.marks()}
         try:
             self.store.beat(self.rank, payload, self.ttl_s)
+            if getattr(self.store, "restart_requested", None) and self.store.restart_requested(self.boot):
+                # The supervisor restarts the job through the cluster (a JobSet's failurePolicy): leave at once,
+                # without waiting on collectives a failed peer will never join.
+                print(f"msjax heartbeat: rank {self.rank}: the supervisor asked for a restart; exiting with "
+                      f"{RESTART_EXIT_CODE}", file=sys.stderr, flush=True)
+                self.store.clear_heartbeats([self.rank])  # gone now, not at the TTL's end
+                os._exit(RESTART_EXIT_CODE)
         except Exception as e:  # noqa: BLE001 - a lost supervisor must not stop training; say it once
             if not self._warned:
                 self._warned = True
@@ -95,6 +106,8 @@ class HeartbeatHook(Hook):
         self.start(ctx.start_step)
 
     def on_step_end(self, ctx: RunContext, step: int, metrics: dict[str, Any]) -> None:
+        if self._step == self._start_step:
+            phases.mark("first_step")
         self._step = step  # an int store: atomic under the GIL, read by the beat thread
 
     def on_log(self, ctx: RunContext, step: int, scalars: dict[str, float]) -> None:

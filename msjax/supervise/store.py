@@ -6,6 +6,9 @@ Keys, under the run's namespace next to the control plane's own (`msjax.control.
                               after the TTL; `slot` is the worker's place in the supervisor's host list, which
                               stays fixed across restarts (the rendezvous rank need not).
   msjax:{run}:sup:reports     a list of worker reports, JSON {rank, kind, step, ...} (e.g. a non-finite loss).
+  msjax:{run}:sup:restart     a set of worker boot tokens (each worker process's own random id, in its heartbeat)
+                              the supervisor wants gone: a listed worker exits with RESTART_EXIT_CODE at its next
+                              heartbeat (how a Kubernetes controller without the API restarts a JobSet).
 
 The supervisor's events go to the control plane's event stream (`Store.post_event`), excluded hosts to its
 `excluded` set, restarts to its restart count (the rendezvous generation).
@@ -19,6 +22,9 @@ from __future__ import annotations
 
 import json
 import time
+
+# A worker asked to restart exits with this (EX_TEMPFAIL): non-zero, so a JobSet's failurePolicy restarts the job.
+RESTART_EXIT_CODE = 75
 
 
 def _key(run_id: str, *parts: str | int) -> str:
@@ -41,9 +47,13 @@ class HeartbeatStore:
         """Connects through the control plane's `connect` (password handling, bounded retries).
 
         Raises msjax.control.ControlError for a malformed URL, an unreachable server or a refused password."""
+        import os
+
         from msjax.control.store import connect
 
-        return cls(connect(url, socket_timeout_s=timeout_s, retries=3), run_id)
+        # MSJAX_REDIS_PASSWORD: the cluster specs pass the password apart from the URL (a Secret, a job variable)
+        return cls(connect(url, password=os.environ.get("MSJAX_REDIS_PASSWORD") or None, socket_timeout_s=timeout_s,
+                           retries=3), run_id)
 
     # Worker side ------------------------------------------------------------------------------------------------
     def beat(self, slot: int, payload: dict, ttl_s: float) -> None:
@@ -55,7 +65,20 @@ class HeartbeatStore:
         self.client.rpush(_key(self.run_id, "reports"),
                           json.dumps({"rank": slot, "kind": kind, "time": time.time(), **fields}))
 
+    def restart_requested(self, boot: str) -> bool:
+        """Whether the supervisor asked the worker process `boot` to exit (`request_restart`)."""
+        return bool(self.client.sismember(_key(self.run_id, "restart"), boot))
+
     # Supervisor side --------------------------------------------------------------------------------------------
+    def request_restart(self, boots, ttl_s: float = 3600.0) -> None:
+        """Asks the worker processes with these boot tokens to exit with RESTART_EXIT_CODE (the set expires after
+        `ttl_s`, long after they are gone)."""
+        boots = [b for b in boots if b]
+        if boots:
+            key = _key(self.run_id, "restart")
+            self.client.sadd(key, *boots)
+            self.client.expire(key, int(ttl_s))
+
     def heartbeats(self, slots) -> dict[int, dict]:
         """{slot: newest heartbeat} for the slots whose heartbeat has not expired (one MGET)."""
         slots = list(slots)

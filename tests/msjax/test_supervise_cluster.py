@@ -1,11 +1,11 @@
-"""Supervision under Kubernetes and SLURM (msjax.supervise.cluster): the specs launch.py writes with --supervise,
-the SLURM restart loop run by bash against a fake srun and a fake worker, and the liveness probe against a real
-Redis."""
+"""Supervision under Kubernetes and SLURM (msjax.supervise.cluster): the specs launch.py writes with --supervise
+(the controller in each), and against a real Redis the liveness probe and the Kubernetes controller's restart
+request ending a worker process. The SLURM backend runs for real in test_supervise_e2e.py."""
 
 import os
 import subprocess
 import sys
-import textwrap
+import shlex
 import time
 from pathlib import Path
 
@@ -20,18 +20,22 @@ TRAIN = ["--config=gpt_tiny", "--train.steps=10", "--supervisor.restart_budget=2
 
 
 def _launch(*args: str) -> str:
-    proc = subprocess.run([sys.executable, "scripts/launch.py", *args, "--supervise", "--", *TRAIN], cwd=ROOT,
+    own, _, extra = " ".join(args).partition(" -- ")
+    proc = subprocess.run([sys.executable, "scripts/launch.py", *own.split(), "--supervise", "--", *TRAIN,
+                           *extra.split()], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
 
-def test_k8s_spec_probes_heartbeats_and_runs_diagnostics_first():
-    docs = list(yaml.safe_load_all(_launch("--backend=k8s", "--num_processes=4", "--image=msjax:test")))
+def test_k8s_spec_has_the_controller_probes_heartbeats_and_runs_diagnostics_first():
+    docs = list(yaml.safe_load_all(_launch("--backend=k8s", "--num_processes=4", "--image=msjax:test",
+                                           "--run_id=run-9")))
     (js,) = [d for d in docs if d["kind"] == "JobSet"]
     assert js["spec"]["failurePolicy"]["maxRestarts"] == 2  # the restart budget
     pod = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     worker = pod["containers"][0]
+    assert worker["command"][-1] == "--resume"  # a restarted pod resumes from the newest verified checkpoint
     env = {e["name"]: e for e in worker["env"]}
     assert env["MSJAX_SUPERVISED"]["value"] == "1" and env["MSJAX_SLOT"]["value"] == "$(JOB_INDEX)"
     probe = worker["livenessProbe"]
@@ -40,67 +44,37 @@ def test_k8s_spec_probes_heartbeats_and_runs_diagnostics_first():
     (init,) = pod["initContainers"]
     assert init["command"][:3] == ["python", "-m", "msjax.supervise.diagnostics"] and "--fail_exit" in init["command"]
     assert init["image"] == "msjax:test"
+    assert {"MSJAX_REDIS_URL", "MSJAX_REDIS_PASSWORD", "MSJAX_RUN_ID"} <= {e["name"] for e in init["env"]}
+    (term,) = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert {"key": "msjax.dev/excluded", "operator": "DoesNotExist"} in term["matchExpressions"]
+    # the controller: the supervisor as a one-pod Job beside the JobSet, on the same Redis and run id
+    (job,) = [d for d in docs if d["kind"] == "Job"]
+    spec = job["spec"]["template"]["spec"]
+    (ctl,) = spec["containers"]
+    assert job["metadata"]["name"] == "msjax-supervisor" and spec["restartPolicy"] == "Never"
+    assert ctl["command"][:6] == ["python", "-m", "msjax.supervise", "--backend=k8s", "--hosts=4", "--run_id=run-9"]
+    assert ctl["command"][6:] == TRAIN and ctl["image"] == "msjax:test"
+    ctl_env = {e["name"]: e for e in ctl["env"]}
+    assert ctl_env["MSJAX_REDIS_URL"] == env["MSJAX_REDIS_URL"] and ctl_env["MSJAX_RUN_ID"]["value"] == "run-9"
+    assert ctl_env["MSJAX_REDIS_PASSWORD"] == env["MSJAX_REDIS_PASSWORD"]
 
 
-def _fake_bin(tmp: Path, worker_failures: int, diag_ok: bool = True) -> dict:
-    """A PATH with a fake `srun` (runs its command once, here) and a `python` that fakes the worker (fails its
-    first `worker_failures` runs, and records its arguments) and the diagnostics, passing the rest through."""
-    bin_dir = tmp / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "srun").write_text(textwrap.dedent("""\
-        #!/bin/bash
-        while [[ "$1" == -* ]]; do shift; done
-        SLURM_PROCID=0 exec "$@"
-        """))
-    (bin_dir / "python").write_text(textwrap.dedent(f"""\
-        #!/bin/bash
-        if [[ "$2" == "scripts/train.py" || "$1" == "scripts/train.py" ]]; then
-          echo "$MSJAX_SUPERVISED $MSJAX_SLOT $*" >> {tmp}/runs
-          n=$(wc -l < {tmp}/runs)
-          [ "$n" -gt {worker_failures} ] && exit 0 || exit 1
-        fi
-        if [[ "$2" == "msjax.supervise.diagnostics" ]]; then echo diag >> {tmp}/diags; exit {0 if diag_ok else 1}; fi
-        exec {sys.executable} "$@"
-        """))
-    for f in bin_dir.iterdir():
-        f.chmod(0o755)
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_NNODES": "2",
-            "SLURM_JOB_NODELIST": "n1"}
-
-
-def _slurm_loop(tmp: Path) -> Path:
-    """The supervised sbatch script's worker loop alone (the Redis set-up needs a real allocation)."""
-    text = _launch("--backend=slurm", "--num_processes=2")
-    lines = text.splitlines()
-    start = lines.index("export MSJAX_SUPERVISED=1")
-    script = tmp / "loop.sh"
-    script.write_text("#!/bin/bash\nset -uo pipefail\n" + "\n".join(lines[start:]) + "\n")
-    return script
-
-
-def test_slurm_loop_restarts_with_resume_then_finishes(tmp_path):
-    script = _slurm_loop(tmp_path)
-    proc = subprocess.run(["bash", str(script)], env=_fake_bin(tmp_path, worker_failures=2), capture_output=True,
-                          text=True, timeout=60)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    runs = (tmp_path / "runs").read_text().splitlines()
-    assert len(runs) == 3 and "--resume" not in runs[0] and all("--resume" in r for r in runs[1:])
-    assert all(r.startswith("1 0 ") for r in runs)  # supervised, slot from SLURM_PROCID
-    assert len((tmp_path / "diags").read_text().splitlines()) == 2  # self-checks before each restart
-    assert "finished after 2 restart(s)" in proc.stdout
-
-
-def test_slurm_loop_budget_and_failed_diagnostics_end_with_a_report(tmp_path):
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    proc = subprocess.run(["bash", str(_slurm_loop(tmp_path / "a"))], env=_fake_bin(tmp_path / "a", 99),
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 4 and "restart budget exhausted (2 restart(s) allowed" in proc.stderr
-    assert len((tmp_path / "a" / "runs").read_text().splitlines()) == 3
-    proc = subprocess.run(["bash", str(_slurm_loop(tmp_path / "b"))],
-                          env=_fake_bin(tmp_path / "b", 99, diag_ok=False), capture_output=True, text=True,
-                          timeout=60)
-    assert proc.returncode == 3 and "failed its self-checks" in proc.stderr
+def test_slurm_spec_runs_the_supervisor_as_the_controller(tmp_path):
+    script = _launch("--backend=slurm", "--num_processes=2", "--", "--supervisor.spares=1")
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    syntax = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
+    lines = script.splitlines()
+    assert "#SBATCH --nodes=3" in lines  # 2 hosts + 1 spare
+    assert not [x for x in lines if "scripts/train.py" in x]  # the supervisor starts the worker step itself
+    (ctl,) = [x for x in lines if "msjax.supervise" in x and not x.startswith("#")]
+    words = shlex.split(ctl)
+    assert words[:5] == ["python", "-m", "msjax.supervise", "--backend=slurm", "--nodes=$NODES"]
+    assert words[5:7] == ["--hosts=2", "--run_id=$MSJAX_RUN_ID"] and words[7:] == [*TRAIN, "--supervisor.spares=1"]
+    # after Redis is up and its variables are exported
+    assert lines.index(ctl) > lines.index('export MSJAX_REDIS_URL="redis://${HEAD_NODE}:${REDIS_PORT}/0"')
+    assert 'NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd, -)' in lines
 
 
 def test_probe_follows_the_heartbeat_ttl():
@@ -122,3 +96,38 @@ def test_probe_follows_the_heartbeat_ttl():
         assert probe() == 1  # expired: a hung or stopped worker
         assert subprocess.run([sys.executable, "-m", "msjax.supervise.probe"], cwd=ROOT,
                               env={**env, "MSJAX_SLOT": "x"}, capture_output=True, timeout=60).returncode == 2
+
+
+def test_k8s_controller_restart_request_ends_exactly_the_workers_it_names():
+    """JobSetBackend.stop (the Kubernetes controller's restart, no API): the workers it saw exit with
+    RESTART_EXIT_CODE at their next heartbeat (so the JobSet's failurePolicy restarts the job); a worker process
+    that started after it looked (a new boot token in another slot) keeps running."""
+    from msjax.supervise.k8s import JobSetBackend
+    from msjax.supervise.store import RESTART_EXIT_CODE
+    from msjax.supervise.supervisor import Worker
+
+    code = ("import os, sys, time; from msjax.supervise.heartbeat import HeartbeatHook; "
+            "from msjax.supervise.store import HeartbeatStore; "
+            "h = HeartbeatHook(HeartbeatStore.from_url(os.environ['MSJAX_REDIS_URL'], 'k8s-test'), "
+            "int(sys.argv[1]), 'node-' + sys.argv[1], 0.1, 5.0); h.start(0); time.sleep(60)")
+    with RedisServer() as server:
+        from msjax.control.store import connect
+
+        store = HeartbeatStore(connect(server.url), "k8s-test")
+        env = {**os.environ, "MSJAX_REDIS_URL": server.url}
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(slot)], cwd=ROOT, env=env) for slot in (0, 1)]
+        try:
+            deadline = time.monotonic() + 60
+            while len(store.heartbeats([0, 1])) < 2:
+                assert time.monotonic() < deadline, "no heartbeats from the two workers within 60 s"
+                time.sleep(0.1)
+            assert all(hb["boot"] for hb in store.heartbeats([0, 1]).values())
+            result = JobSetBackend(store, poll_s=0.05).stop([Worker(0, "node-0", None, 0.0, Path("/dev/null"))],
+                                                            grace_s=30)
+            assert result == {"terminated": 1, "killed": 0}
+            assert procs[0].wait(timeout=30) == RESTART_EXIT_CODE
+            assert procs[1].poll() is None  # not named: still beating
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()

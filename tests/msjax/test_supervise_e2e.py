@@ -4,11 +4,14 @@ GPT while faults are injected.
 - kill -9 of a random worker at a random step, then SIGSTOP of a worker in the restarted job: both detected
   (exit code; missed heartbeats within the timeout), the job restarted from the newest checkpoint, at most one
   checkpoint interval recomputed, and the final parameters equal the uninterrupted run's bit for bit.
-- a worker whose matmul self-check fails (the test-only setting): its host is excluded, the run is re-planned onto
-  the other host's 2 devices (gradient accumulation 2) and finishes with the same losses within 1e-5.
+- under the SLURM backend (msjax.supervise.slurm, with the stand-in srun/scancel of tests/msjax/fake_slurm.py that
+  run each "node"'s task here), a kill -9 of the worker on a node whose matmul self-check fails (the test-only
+  setting; supervisor.diagnose_after_kill on): the kill is found from the task's exit line, the step ended through scancel, the self-checks run as an
+  srun step on both nodes, the node is excluded (`--exclude` in the next step), the run is re-planned onto the
+  other node's 2 devices (gradient accumulation 2) and finishes with the same losses within 1e-5.
 - a fault loop (the same worker killed at every start): the restart budget ends the run with a report.
-Every run goes through `scripts/launch.py --backend=local --supervise` (faults through the test-only
-MSJAX_TEST_INJECT). No process is left behind (every descendant carries a tag in its environment; none may
+Local runs go through `scripts/launch.py --backend=local --supervise`, the SLURM run through the supervisor's
+command line as the sbatch script runs it (faults through the test-only MSJAX_TEST_INJECT). No process is left behind (every descendant carries a tag in its environment; none may
 survive the run).
 Checkpoints are written synchronously here so "at most one interval" is exact (an asynchronous save that is
 still being written when the kill lands is not restorable, which can cost one more interval).
@@ -32,6 +35,7 @@ from msjax.config import config_from_flags
 from msjax.mesh import make_mesh
 from msjax.supervise.events import fault_figures, read_events
 from msjax.train_step import build_train_program
+from tests.msjax import fake_slurm
 
 ROOT = Path(__file__).resolve().parents[2]
 # A heartbeat timeout generous enough for a 2-core machine shared with other jobs (a worker's heartbeat thread can
@@ -55,13 +59,23 @@ def _flags(corpus: Path, run_dir: Path, cache: Path, **extra) -> list[str]:
     return [f"--{k}={v}" for k, v in flags.items()]
 
 
-def _supervise(tmp: Path, corpus: Path, cache: Path, *faults: str, **cfg) -> tuple[int, str, list[dict]]:
-    """Runs a supervised 2-host job under `launch.py --backend=local --supervise` to its end; returns (exit code,
-    output, events) and checks that nothing it started survived."""
+def _supervise(tmp: Path, corpus: Path, cache: Path, *faults: str, slurm_nodes: str = "",
+               fail_diagnostic: str = "", **cfg) -> tuple[int, str, list[dict]]:
+    """Runs a supervised 2-host job under `launch.py --backend=local --supervise` (or, with `slurm_nodes`, the
+    SLURM backend over those stand-in nodes) to its end; returns (exit code, output, events) and checks that
+    nothing it started survived."""
     tag = uuid.uuid4().hex
     env = {**os.environ, "SUPERVISE_TEST_TAG": tag, "PYTHONUNBUFFERED": "1", "MSJAX_TEST_INJECT": ",".join(faults)}
-    cmd = [sys.executable, "scripts/launch.py", "--backend=local", "--num_processes=2", "--devices_per_process=2",
-           "--supervise", "--", *_flags(corpus, tmp / "run", cache, **cfg)]
+    flags = _flags(corpus, tmp / "run", cache, **cfg)
+    if fail_diagnostic:
+        env["MSJAX_TEST_FAIL_DIAGNOSTIC"] = fail_diagnostic
+    if slurm_nodes:
+        env.update(fake_slurm.install(tmp / "bin", tmp / "slurm"), SLURM_JOB_ID="4242")
+        cmd = [sys.executable, "-m", "msjax.supervise", "--backend=slurm", f"--nodes={slurm_nodes}", "--hosts=2",
+               "--devices_per_host=2", *flags]
+    else:
+        cmd = [sys.executable, "scripts/launch.py", "--backend=local", "--num_processes=2",
+               "--devices_per_process=2", "--supervise", "--", *flags]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     left = []
     for p in psutil.process_iter():
@@ -107,7 +121,8 @@ def cache(tmp_path_factory) -> Path:
 def reference(tmp_path_factory, small_corpus, cache) -> Path:
     """The uninterrupted supervised run (no faults): its run directory."""
     tmp = tmp_path_factory.mktemp("reference")
-    code, out, events = _supervise(tmp, small_corpus, cache)
+    # no restart here: no warm standby workers to pay for (they import jax while the run trains)
+    code, out, events = _supervise(tmp, small_corpus, cache, **{"supervisor.standby": False})
     assert code == 0, out[-3000:]
     assert [e["kind"] for e in events].count("launch") == 1
     return tmp / "run"
@@ -125,6 +140,8 @@ def test_kill_and_sigstop_recover_to_the_uninterrupted_parameters(tmp_path, smal
     assert code == 0, note
     kinds = [e["kind"] for e in events]
     assert kinds.count("fault_injected") == 2 and kinds.count("launch") == 3, note
+    launches = [e for e in events if e["kind"] == "launch"]
+    assert [e["standbys_used"] for e in launches] == [0, 2, 2], note  # restarts start from warm standbys
     detected = [e for e in events if e["kind"] == "detected"]
     assert detected[0]["failures"][0]["kind"] == "exit" and "SIGKILL" in detected[0]["failures"][0]["detail"]
     stopped = [f for f in detected[1]["failures"] if f["rank"] == stop_rank]
@@ -135,22 +152,38 @@ def test_kill_and_sigstop_recover_to_the_uninterrupted_parameters(tmp_path, smal
     for f in (kill, stop):
         assert 0 <= f["recomputed_steps"] <= EVERY, (f, note)  # at most one checkpoint interval recomputed
     assert not [e for e in events if e["kind"] == "excluded"]  # healthy hosts pass their diagnostics
+    # a worker killed by SIGKILL points at no device: no self-checks then; a hang (SIGSTOP) gets them
+    assert kinds.index("diagnosis_skipped") < kinds.index("launch", kinds.index("launch") + 1) < kinds.index("diagnosed")
     assert "effective training time" in out
     for x, y in zip(_final_params(reference), _final_params(tmp_path / "run")):
         np.testing.assert_array_equal(x, y)
 
 
 @pytest.mark.slow
-def test_failed_diagnostic_excludes_the_host_and_replans(tmp_path, small_corpus, cache, reference):
-    code, out, events = _supervise(tmp_path, small_corpus, cache, "diag:1@4")
+def test_slurm_backend_kill_on_a_failing_node_excludes_it_and_replans(tmp_path, small_corpus, cache, reference):
+    # Node names that reach this machine: the workers advertise them to each other (jax's coordinator) and the
+    # self-checks' all-reduce is coordinated on the first one.
+    # The node's faulty matmul through the test-only setting by host name; diagnose_after_kill makes a kill -9
+    # reason enough for the self-checks.
+    code, out, events = _supervise(tmp_path, small_corpus, cache, "kill:1@4", slurm_nodes="127.0.0.1,127.0.0.2",
+                                   fail_diagnostic="127.0.0.2", **{"supervisor.diagnose_after_kill": True})
     assert code == 0, out[-4000:]
+    detected = [e for e in events if e["kind"] == "detected"][0]["failures"]
+    assert detected[0]["rank"] == 1 and "SIGKILL" in detected[0]["detail"]  # read off the task's exit line
+    srun = (tmp_path / "slurm" / "srun.calls").read_text().splitlines()
+    scancel = (tmp_path / "slurm" / "scancel.calls").read_text().splitlines()
+    assert len(srun) == 3, srun  # worker step, self-check step, worker step
+    assert "--nodelist=127.0.0.1,127.0.0.2" in srun[0] and "--kill-on-bad-exit=1" in srun[0]
+    assert "--nodelist=127.0.0.1,127.0.0.2" in srun[1] and "--kill-on-bad-exit=0" in srun[1]
+    assert "--nodelist=127.0.0.1 " in srun[2] + " " and "--exclude=127.0.0.2" in srun[2] and "--ntasks=1" in srun[2]
+    assert scancel and scancel[0] == "--signal=TERM 4242.0", scancel  # the first step ended through scancel
     (excluded,) = [e for e in events if e["kind"] == "excluded"]
-    assert excluded["host"] == "host1" and "matmul error" in excluded["reason"]
+    assert excluded["host"] == "127.0.0.2" and "matmul error" in excluded["reason"]
     (plan,) = [e for e in events if e["kind"] == "replanned"]
     assert plan["old"]["devices"] == 4 and plan["new"]["devices"] == 2 and plan["new"]["microbatches"] == 2
     assert "old: 4 devices" in out and "new: 2 devices" in out and "predicted MFU" in out
     launches = [e for e in events if e["kind"] == "launch"]
-    assert launches[-1]["hosts"] == ["host0"]
+    assert launches[-1]["hosts"] == ["127.0.0.1"]
     want, got = _losses(reference), _losses(tmp_path / "run")
     # every step the re-planned job logged (its first step, which compiles, is not logged) matches
     assert set(range(6, STEPS + 1)) <= set(got) <= set(want), (got, want)

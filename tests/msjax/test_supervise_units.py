@@ -2,12 +2,13 @@
 event log (detection latency, recovery time, effective training time), on made-up times."""
 
 import json
+import signal
 
 import pytest
 
 from msjax.config import Config, ConfigError, apply_overrides
-from msjax.supervise.detect import WorkerState, detect_failures, finished
-from msjax.supervise.events import EventLog, effective_time, fault_figures, read_events
+from msjax.supervise.detect import Failure, WorkerState, detect_failures, finished, needs_diagnosis
+from msjax.supervise.events import EventLog, effective_time, fault_figures, read_events, recovery_phases
 from msjax.supervise.policy import RestartBudgetExhausted, RestartPolicy
 from msjax.supervise.supervisor import Fault
 
@@ -142,3 +143,45 @@ def test_event_log_is_json_lines_and_feeds_a_sink(tmp_path):
     log.close()
     (line,) = (tmp_path / "run" / "events.jsonl").read_text().splitlines()
     assert json.loads(line)["kind"] == "detected" and got[0]["failures"] == [{"rank": 1}]
+
+
+def test_self_checks_are_skipped_only_when_every_failure_is_a_kill_from_outside():
+    kill, term, abort = -signal.SIGKILL, -signal.SIGTERM, -signal.SIGABRT
+    exit_ = [Failure(0, "h0", "exit", "killed"), Failure(1, "h1", "exit", "killed")]
+    assert not needs_diagnosis(exit_, {0: kill, 1: term})  # the OOM killer, an operator: no device implicated
+    assert needs_diagnosis(exit_, {0: kill, 1: abort})  # an abort (XLA/CUDA checks) may be a device
+    assert needs_diagnosis(exit_, {0: kill, 1: 1})  # an error exit
+    assert needs_diagnosis([Failure(0, "h0", "exit", "restarted")], {0: None})  # exit code unknown
+    assert needs_diagnosis([exit_[0], Failure(1, "h1", "heartbeat", "silent")], {0: kill, 1: None})  # a hang
+
+
+def test_recovery_phases_split_the_recovery_time_in_order():
+    t = 1000.0
+    events = [
+        {"t": t, "kind": "fault_injected", "fault": "kill", "rank": 1, "step": 7, "attempt": 0},
+        {"t": t + 0.5, "kind": "detected", "attempt": 0},
+        {"t": t + 1.5, "kind": "stopped", "attempt": 0},
+        {"t": t + 2.0, "kind": "restart", "attempt": 1},
+        {"t": t + 2.5, "kind": "launch", "attempt": 1},
+        # two workers: the slowest one's mark ends each phase
+        {"t": t + 9.0, "kind": "worker_phases", "attempt": 1, "rank": 0, "phases": {
+            "process_start": t + 2.6, "imports": t + 4.0, "rendezvous": t + 4.5, "distributed": t + 5.0,
+            "prepared": t + 6.0, "restored": t + 6.5, "first_step": t + 8.0}},
+        {"t": t + 9.1, "kind": "worker_phases", "attempt": 1, "rank": 1, "phases": {
+            "process_start": t + 2.7, "imports": t + 4.2, "rendezvous": t + 4.5, "distributed": t + 5.0,
+            "prepared": t + 6.1, "restored": t + 6.6, "first_step": t + 8.5}},
+        {"t": t + 9.0, "kind": "first_step", "attempt": 1, "step": 6},
+    ]
+    (r,) = recovery_phases(events)
+    want = {"detect": 0.5, "stop": 1.0, "backoff": 1.0, "process_start": 0.2, "imports": 1.5, "rendezvous": 0.3,
+            "distributed": 0.5, "prepare": 1.1, "restore": 0.5, "compile_first_step": 1.9, "heartbeat_lag": 0.5}
+    assert list(r["phases"]) == list(want)  # no diagnose phase: none ran
+    for k, v in want.items():
+        assert r["phases"][k] == pytest.approx(v), k
+    assert sum(r["phases"].values()) == pytest.approx(9.0)  # the fault's recovery time
+    # a warm standby started before the launch; the supervisor saw the fast worker's first step early
+    events[5]["phases"]["process_start"] = events[6]["phases"]["process_start"] = t - 50.0
+    events[-1]["t"] = t + 8.2
+    (r,) = recovery_phases(events)
+    assert r["phases"]["process_start"] == 0.0 and r["phases"]["imports"] == pytest.approx(1.7)
+    assert r["phases"]["heartbeat_lag"] == 0.0 and sum(r["phases"].values()) == pytest.approx(8.5)
