@@ -7,7 +7,8 @@ first node, beside Redis (msjax.supervise.cluster writes that script).
     self-checks:  srun ... --nodelist=HOSTS --label bash -c 'exec python -m msjax.supervise.diagnostics ...'
     stop:         scancel --signal=TERM JOB.STEP (and CONT, for a stopped task), SIGKILL after the grace period
 
-Each task runs under `TASK_WRAPPER`, which gives the worker its slot (SLURM_PROCID) and host (SLURMD_NODENAME)
+Each task runs under `TASK_WRAPPER`, which gives the worker its slot and rendezvous rank (SLURM_PROCID: rank 0,
+JAX's coordinator, is the first node of the step's node list) and host (SLURMD_NODENAME)
 and prints `MSJAX_TASK start RANK HOST JOB STEP` and `MSJAX_TASK exit RANK CODE`: srun returns one exit code
 for the whole step, so the wrapper's line is how the supervisor tells which task failed first (a task killed by
 signal S exits 128 + S, read back as -S, as Popen would give it). Tasks are numbered in node order (SLURM's block
@@ -40,7 +41,7 @@ from msjax.supervise.supervisor import ROOT, Worker, signal_local, worker_base_e
 # the worker's exit code; it forwards SIGTERM to the worker (scancel signals every process of the step, srun the
 # wrapper: either way the worker gets it).
 TASK_WRAPPER = r"""
-export MSJAX_SLOT="$SLURM_PROCID" MSJAX_HOST="${SLURMD_NODENAME:-$(hostname)}"
+export MSJAX_SLOT="$SLURM_PROCID" MSJAX_RANK="$SLURM_PROCID" MSJAX_HOST="${SLURMD_NODENAME:-$(hostname)}"
 export MSJAX_WORKER_ID="$MSJAX_HOST" MSJAX_ADVERTISE_HOST="$MSJAX_HOST"
 echo "MSJAX_TASK start $SLURM_PROCID $MSJAX_HOST ${SLURM_JOB_ID:-0} ${SLURM_STEP_ID:-0}"
 "$@" & child=$!

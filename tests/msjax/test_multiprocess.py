@@ -1,6 +1,8 @@
 """Multi-host on one machine: two jax.distributed processes with 4 CPU devices each train through
-scripts/train.py (global arrays built per process, Orbax checkpoints written by both), resume, and match one
-process with 8 devices."""
+scripts/train.py on a layout that spans both (pipeline 2 x data 2 x tensor 2: each process holds one pipeline
+stage's devices), with global arrays built per process and Orbax checkpoints written by both; they resume, and
+match one process with 8 devices: validation and training losses within 1e-5, and the final parameters (#9's
+multi-process proof)."""
 
 import json
 import os
@@ -11,6 +13,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,8 +33,8 @@ def _flags(tmp: Path, corpus: Path, steps: int, resume: bool = False) -> list[st
              f"--data.cache_dir={tmp / 'cache'}", "--train.seq_len=32", "--train.global_batch=8",
              f"--train.steps={steps}", "--train.eval_every=4", "--train.eval_batches=2", "--train.sample_tokens=8",
              f"--train.run_dir={tmp / 'run'}", "--train.progress=false", "--optimizer.decay_steps=8",
-             "--optimizer.warmup_steps=2", "--checkpoint.every=4", "--mesh.data=2", "--mesh.fsdp=2",
-             "--mesh.tensor=2"]
+             "--optimizer.warmup_steps=2", "--checkpoint.every=4", "--mesh.pipeline=2", "--mesh.data=2",
+             "--mesh.fsdp=1", "--mesh.tensor=2"]
     return flags + (["--resume"] if resume else [])
 
 
@@ -93,3 +97,24 @@ def test_two_processes_train_checkpoint_and_resume_like_one(tmp_path, corpus):
     for step, loss in resumed["val_loss"]:
         assert abs(single_val[step] - loss) < TOL, (single["val_loss"], resumed["val_loss"])
     assert abs(single["train_loss"] - resumed["train_loss"]) < TOL
+    for x, y in zip(_final_params(tmp_path / "single", corpus), _final_params(tmp_path / "multi", corpus)):
+        np.testing.assert_allclose(y, x, atol=TOL, rtol=0)
+
+
+def _final_params(tmp: Path, corpus: Path) -> list[np.ndarray]:
+    """The parameters of the run's last checkpoint, restored onto one device of this process."""
+    from msjax.checkpoint import Checkpointer
+    from msjax.config import parse_args
+    from msjax.data.tokenizer import load_tokenizer
+    from msjax.mesh import make_mesh
+    from msjax.train_step import build_train_program
+
+    cfg, _ = parse_args(_flags(tmp, corpus, 8) + ["--mesh.pipeline=1", "--mesh.data=1", "--mesh.tensor=1"])
+    vocab = load_tokenizer(str(tmp / "run" / "tokenizer.json")).vocab_size
+    program = build_train_program(cfg, make_mesh(cfg.mesh, jax.devices()[:1]), vocab_size=vocab)
+    ckpt = Checkpointer(cfg.checkpoint, tmp / "run" / "checkpoints")
+    try:
+        _, state, _ = ckpt.restore(program.abstract_state)
+    finally:
+        ckpt.close()
+    return jax.tree.leaves(jax.device_get(state["params"]))

@@ -10,7 +10,6 @@ serial/parallel blocks, window/no window, AdamW/LAMB and stacked/per-layer param
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ from msjax.config import Config, ConfigError, apply_overrides
 from msjax.mesh import make_mesh
 from msjax.parallel.schedule import Schedule, bubble_fraction, in_flight
 from msjax.train_step import build_train_program
-from tests.msjax.layouts import TOL, VOCAB, assert_same, run_layout, tiny_config
+from tests.msjax.layouts import VOCAB, assert_same, run_layout, tiny_config
 
 # Reference A: stacked layers, serial blocks, sliding window, AdamW. Reference B: per-layer parameters (as the CPU
 # presets), parallel blocks, full causal attention, LAMB.
@@ -221,54 +220,6 @@ def test_resume_mid_pipelined_run_is_bit_identical(tmp_path, small_corpus, make_
     assert straight["val_loss"][-1] == resumed["val_loss"][-1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Two processes x 4 devices training pp2 x dp2 x tp2 and ending with the parameters of 1 process x 8 devices:
+# tests/msjax/test_multiprocess.py (one multi-process run serves the pipeline and the data-loading checks).
 
-
-def _mp_flags(tmp: Path, corpus: Path) -> list[str]:
-    return ["--config=gpt_tiny", "--model.num_layers=2", "--model.d_model=32", "--model.num_heads=2",
-            "--model.max_seq_len=32", f"--data.paths={corpus}", "--data.tokenizer=char", "--data.val_fraction=0.2",
-            f"--data.cache_dir={tmp / 'cache'}", "--train.seq_len=32", "--train.global_batch=8", "--train.steps=4",
-            "--train.eval_every=4", "--train.eval_batches=2", "--train.sample_tokens=0",
-            f"--train.run_dir={tmp / 'run'}", "--train.progress=false", "--optimizer.decay_steps=4",
-            "--optimizer.warmup_steps=2", "--checkpoint.every=4", "--mesh.pipeline=2", "--mesh.data=2",
-            "--mesh.tensor=2"]
-
-
-def _final_params(tmp: Path, corpus: Path) -> list[np.ndarray]:
-    """The parameters of the run's last checkpoint, restored onto one device."""
-    from msjax.checkpoint import Checkpointer
-    from msjax.config import parse_args
-    from msjax.data.tokenizer import load_tokenizer
-
-    cfg, _ = parse_args(_mp_flags(tmp, corpus) + ["--mesh.pipeline=1", "--mesh.data=1", "--mesh.tensor=1"])
-    vocab = load_tokenizer(str(tmp / "run" / "tokenizer.json")).vocab_size
-    program = build_train_program(cfg, make_mesh(cfg.mesh, jax.devices()[:1]), vocab_size=vocab)
-    ckpt = Checkpointer(cfg.checkpoint, tmp / "run" / "checkpoints")
-    try:
-        _, state, _ = ckpt.restore(program.abstract_state)
-    finally:
-        ckpt.close()
-    return jax.tree.leaves(jax.device_get(state["params"]))
-
-
-def test_two_processes_pipelined_end_with_the_parameters_of_one(tmp_path, small_corpus):
-    one = subprocess.run([sys.executable, "scripts/train.py", *_mp_flags(tmp_path / "one", small_corpus)],
-                         cwd=ROOT, env=_env(8), capture_output=True, text=True, timeout=600)
-    assert one.returncode == 0, one.stderr[-3000:]
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "scripts/train.py", *_mp_flags(tmp_path / "two", small_corpus)],
-                              cwd=ROOT, env=_env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-                                                 JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    try:
-        for p in procs:
-            _, err = p.communicate(timeout=600)
-            assert p.returncode == 0, err[-3000:]
-    finally:
-        for p in procs:
-            p.kill()
-    for x, y in zip(_final_params(tmp_path / "one", small_corpus), _final_params(tmp_path / "two", small_corpus)):
-        np.testing.assert_allclose(y, x, atol=TOL, rtol=0)
