@@ -152,7 +152,7 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
             state, metrics = program.step_fn(state, batch)
             ctx.timings.update(data_s=t_issue - t_fetch, dispatch_s=time.perf_counter() - t_issue)
             bar.update(1)
-            ckpt.poll()  # a failed checkpoint write stops the run here, within a step of the failure
+            ckpt.poll(step)  # a failed checkpoint write stops the run here, within a step of the failure
             hook.on_step_end(ctx, step, metrics)
             if last_log_time is None:  # the first step includes compilation: time from its end
                 jax.block_until_ready(metrics)

@@ -46,6 +46,10 @@ from msjax.checkpoint.integrity import checksum_state, mismatches, read_record, 
 from msjax.config import CheckpointConfig, ConfigError
 
 
+# Steps after a save at which a multi-process run finishes its write (see `Checkpointer.poll`): long enough for a
+# background write of a few GB to be done in most runs, so the wait is rarely felt.
+MULTI_PROCESS_FINISH_LAG = 8
+
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written, or none could be restored; the message names the path and reason."""
 
@@ -273,16 +277,28 @@ class Checkpointer:
         return CheckpointWriteError(f"the checkpoint of step {step} could not be written to "
                                     f"{self.write_directory / str(step)}: {type(root).__name__}: {root}")
 
-    def poll(self) -> None:
-        """Called by the loop each step: finishes a write that Orbax completed (record, copy, rotation) and
-        raises the error of one that failed. Never blocks on the device or on I/O.
+    def poll(self, step: int) -> None:
+        """Called by the loop after each step: finishes a write that Orbax completed (record, copy, rotation) and
+        raises the error of one that failed. In a single process it never blocks on the device or on I/O.
 
+        Finishing adds the processes' checksums with a collective, so in a multi-process run every process must
+        decide to finish at the same step: whether Orbax is still writing is each process's own view and may
+        differ between them for a step (two processes once waited forever in different collectives that way).
+        There the pending write is finished, waiting for it if need be, exactly `MULTI_PROCESS_FINISH_LAG`
+        steps after the step it saved, a decision every process takes alike.
+
+        Args:
+          step: the step just completed.
         Raises:
           CheckpointWriteError: a write or copy failed (path and OS error in the message).
           NonFiniteStateError: the state just written held NaN or Inf; it was deleted, never made complete.
         """
-        if self._pending is not None and not self._manager.is_saving_in_progress():
-            self._finish_pending(block=False)
+        if self._pending is not None:
+            if jax.process_count() > 1:
+                if step >= self._pending[0] + MULTI_PROCESS_FINISH_LAG:
+                    self._finish_pending(block=False)
+            elif not self._manager.is_saving_in_progress():
+                self._finish_pending(block=False)
         self._reap_worker(block=False)
 
     def _finish_pending(self, block: bool) -> None:
