@@ -72,7 +72,8 @@ SCORED_FIGURES = {"probe_s": 0.0, "host_stall_s": 0.1}
 class MetricsSink(Protocol):
     """Where live per-rank metrics go besides files, e.g. the control plane's store.
 
-    `publish` is called from the observer's background thread once per step; it must not block for long.
+    `publish` is called from the observer's background thread once per step; it must not block for long. A sink
+    with a `close()` method gets one call after the observer's last row (a final flush).
     """
 
     def publish(self, rank: int, step: int, values: dict[str, float]) -> None: ...
@@ -199,6 +200,10 @@ class StepObserver(Hook):
             self._thread.join(timeout=60.0)
             if self._thread.is_alive():
                 _log("observe: the metrics thread did not finish within 60 s after the loop ended; leaving it")
+        for sink in self._all_sinks():
+            close = getattr(sink, "close", None)
+            if close is not None:
+                close()
         if self.cfg.per_rank and hasattr(self, "_jsonl"):
             self._jsonl.close()
             self._tb.close()
@@ -272,9 +277,13 @@ class StepObserver(Hook):
                 for k, v in row.items():
                     if k not in ("step", "time", "compile"):
                         self._tb.add_scalar(k, v, step)
-        extra_sink = self._extra.get("metrics_sink")
-        for sink in self.sinks + ([extra_sink] if extra_sink is not None else []):
-            sink.publish(self.rank, step, {k: v for k, v in row.items() if k != "step"})
+        values = {k: v for k, v in row.items() if k != "step"}
+        for sink in self._all_sinks():
+            sink.publish(self.rank, step, values)
+
+    def _all_sinks(self) -> list[MetricsSink]:
+        extra_sink = getattr(self, "_extra", {}).get("metrics_sink")
+        return self.sinks + ([extra_sink] if extra_sink is not None else [])
 
     # ---- every window -------------------------------------------------------------------------------------------
 
