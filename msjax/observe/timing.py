@@ -183,7 +183,9 @@ class StepObserver(Hook):
         self._thread.start()
 
     def _gather_hosts(self) -> dict[int, str]:
-        name = socket.gethostname()
+        # Under the supervisor a worker's host is the supervisor's name for it (MSJAX_HOST), the name its excluded
+        # hosts use; elsewhere the machine's host name.
+        name = os.environ.get("MSJAX_HOST") or socket.gethostname()
         if self.nproc == 1:
             return {0: name}
         from jax.experimental import multihost_utils
@@ -331,7 +333,22 @@ class StepObserver(Hook):
             self.stragglers.append(details)
             if self.rank == 0:
                 append_event(self.run_dir, "straggler", **details)
+                self._exclude(place, step, why)
         for r in verdict.recovered:
             _log(f"observe: {self.places[r].describe()} is no longer a straggler at step {step}")
             if self.rank == 0:
                 append_event(self.run_dir, "straggler_recovered", step=step, process=r)
+
+    def _exclude(self, place: RankPlace, step: int, why: dict[str, float]) -> None:
+        """With `observe.exclude_stragglers`, hands the straggler's host to the control plane (its background
+        thread records it in the run's excluded hosts; the supervisor leaves it out at the next restart)."""
+        exclude = self._extra.get("exclude_host")
+        if not self.cfg.exclude_stragglers or not place.host:
+            return
+        if exclude is None:
+            _log(f"observe: exclude_stragglers is on but the run has no control plane: {place.host} is not excluded")
+            return
+        exclude(place.host, f"straggler: process {place.process} at step {step}, slowdown {why} (threshold "
+                            f"{self.cfg.threshold} for {self.cfg.persist} windows)")
+        _log(f"observe: host {place.host} recorded for exclusion at the next restart (observe.exclude_stragglers)")
+        append_event(self.run_dir, "straggler_excluded", step=step, process=place.process, host=place.host)
