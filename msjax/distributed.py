@@ -48,6 +48,7 @@ def initialize() -> bool:
 
 # How long a process waits at the first-step barrier for the others to finish compiling (seconds).
 FIRST_STEP_BARRIER_TIMEOUT_S = 1800
+_barriers = 0  # barrier ids must be unique within a jax.distributed session: one per run() call
 
 
 def align_first_step(step_fn, *args, timeout_s: float = FIRST_STEP_BARRIER_TIMEOUT_S) -> None:
@@ -67,10 +68,13 @@ def align_first_step(step_fn, *args, timeout_s: float = FIRST_STEP_BARRIER_TIMEO
     Raises:
       jax's error naming the barrier when a process does not arrive within `timeout_s`.
     """
+    global _barriers
     if jax.process_count() == 1:
         return
     step_fn.lower(*args).compile()
+    _barriers += 1
     # jax has no public barrier outside collectives; its distributed client's barrier is the coordination service's.
     from jax._src import distributed as jax_distributed
 
-    jax_distributed.global_state.client.wait_at_barrier("msjax_first_step_compiled", int(timeout_s * 1000))
+    jax_distributed.global_state.client.wait_at_barrier(f"msjax_first_step_compiled_{_barriers}",
+                                                        int(timeout_s * 1000))
