@@ -380,6 +380,8 @@ class ObserveConfig:
     probe: time the collective-free compute probe at window ends (the rank's own compute speed).
     profile_steps: "K:N" captures a jax.profiler trace of steps K..K+N-1 into `<run_dir>/profile/`; "" none.
     profile_signal_steps: steps traced when SIGUSR1 asks for a profile (single-process runs).
+    exclude_stragglers: under the supervisor, record each flagged straggler's host in the run's excluded hosts
+      (the control plane's Redis), so the next restart leaves it out and re-plans (msjax/supervise); needs window.
     """
 
     per_rank: bool = True
@@ -390,6 +392,7 @@ class ObserveConfig:
     probe: bool = True
     profile_steps: str = ""
     profile_signal_steps: int = 3
+    exclude_stragglers: bool = False
 
 
 @dataclass(frozen=True)
@@ -462,6 +465,9 @@ class Config:
             if not (first.isdigit() and count.isdigit() and int(first) >= 1 and int(count) >= 1):
                 raise ConfigError(f"observe.profile_steps={o.profile_steps!r}: allowed is 'K:N' with first step "
                                   "K >= 1 and N >= 1 steps (e.g. '10:3'), or '' for none")
+        if o.exclude_stragglers and not o.window:
+            raise ConfigError("observe.exclude_stragglers=true needs observe.window >= 1 (stragglers are found at "
+                              "window ends)")
         _check_pipeline(self)
         from sharding_rules import RULE_SETS  # local import: sharding_rules must not import msjax
 

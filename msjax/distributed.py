@@ -44,3 +44,37 @@ def initialize() -> bool:
         jax.distributed.initialize()  # JAX reads SLURM / Open MPI's environment itself
         return True
     return False
+
+
+# How long a process waits at the first-step barrier for the others to finish compiling (seconds).
+FIRST_STEP_BARRIER_TIMEOUT_S = 1800
+_barriers = 0  # barrier ids must be unique within a jax.distributed session: one per run() call
+
+
+def align_first_step(step_fn, *args, timeout_s: float = FIRST_STEP_BARRIER_TIMEOUT_S) -> None:
+    """With several processes: compiles `step_fn` for `args` ahead of its first call, then waits until every
+    process has, so that all of them enter the step's first collectives together.
+
+    Why: each process compiles the step on its own, and their compile times differ (tens of seconds apart on a
+    loaded host). CPU collectives (gloo) set up each communicator on first use and give up when a peer is more than
+    30 s late ("Gloo context initialization failed: ... GetKeyValue() timed out ... 30 s", seen with 4 local
+    workers on 2 loaded cores). The wait is the coordination service's barrier (no collective, so no such limit).
+    The compiled program is jax's own cache entry: the step's first call then runs it without compiling again.
+
+    Args:
+      step_fn: the jitted step.
+      args: its arguments, or jax.ShapeDtypeStruct with the same shapes, dtypes and shardings.
+      timeout_s: the longest wait for the other processes (seconds).
+    Raises:
+      jax's error naming the barrier when a process does not arrive within `timeout_s`.
+    """
+    global _barriers
+    if jax.process_count() == 1:
+        return
+    step_fn.lower(*args).compile()
+    _barriers += 1
+    # jax has no public barrier outside collectives; its distributed client's barrier is the coordination service's.
+    from jax._src import distributed as jax_distributed
+
+    jax_distributed.global_state.client.wait_at_barrier(f"msjax_first_step_compiled_{_barriers}",
+                                                        int(timeout_s * 1000))

@@ -18,6 +18,7 @@ import jax
 from tqdm import tqdm
 
 from msjax.checkpoint import Checkpointer, check_resume_config, checkpoint_dir, ensure_writable
+from msjax import distributed
 from msjax.config import Config, ConfigError, to_dict
 from msjax.data import BatchLoader, eval_batches, prepare_data
 from msjax.flops import flops_per_token
@@ -137,6 +138,8 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
     ctx = RunContext(config=cfg, run_dir=run_dir, mesh=mesh, program=program, start_step=start_step,
                      control=control)
     hook.on_start(ctx)
+    batch_spec = jax.ShapeDtypeStruct((t.global_batch, t.seq_len), "int32", sharding=program.batch_sharding)
+    distributed.align_first_step(program.step_fn, state, {"inputs": batch_spec, "targets": batch_spec})
     summary: dict[str, Any] = {"val_loss": [], "start_step": start_step}
     bar = tqdm(total=t.steps, initial=start_step, disable=not t.progress or jax.process_index() != 0,
                dynamic_ncols=True, desc=cfg.name)

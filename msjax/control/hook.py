@@ -12,6 +12,11 @@ rank 0's queue is broadcast to all processes at logging steps (`on_log`, where t
 so the device queue is already drained) by `multihost_utils.broadcast_one_to_all`: a tiny collective every
 `train.log_every` steps, and every process applies the same request after the same step.
 
+Per-rank metrics: the hook hands the step observer a `RedisMetricsSink` (`ctx.extra["metrics_sink"]`, see
+msjax.control.metrics): rows are buffered in memory by the observer's thread and written by this hook's thread
+once per `interval_s`, in one pipelined round trip, after the heartbeat; the observer makes the last flush when
+its last row is written. Straggler exclusions (`observe.exclude_stragglers`) travel the same way.
+
 Redis going away (a restart) is survived: redis-py retries each command with bounded backoff; past that the
 thread logs once, keeps retrying with its own backoff (capped at `max_backoff_s`), and logs again when Redis is
 back. A restarted Redis has lost its state (no persistence): each heartbeat also re-creates the rank's members
@@ -62,6 +67,9 @@ class ControlPlaneHook(Hook):
         self._ctx: RunContext | None = None
         self._ckpt_dir = None
         self.reconnects = 0  # times this rank re-registered with a restarted Redis
+        from msjax.control.metrics import RedisMetricsSink
+
+        self.metrics = RedisMetricsSink(self.store)
         a = worker.assignment
         self._member = {"worker_id": getattr(worker, "worker_id", None), "rank": a.rank, "generation": a.generation,
                         "host": socket.gethostname(), "pid": os.getpid()}
@@ -73,6 +81,8 @@ class ControlPlaneHook(Hook):
         self._ctx = ctx
         self.step = ctx.start_step
         self._ckpt_dir = checkpoint_dir(ctx.config.checkpoint, str(ctx.run_dir))
+        ctx.extra["metrics_sink"] = self.metrics  # msjax.observe publishes every per-step row to it
+        ctx.extra["exclude_host"] = self.metrics.exclude_host
         self._safe(lambda: self.store.post_event("loop_start", rank=self.rank, step=ctx.start_step,
                                                  generation=self.generation))
         self._thread = threading.Thread(target=self._serve, name=f"msjax-control-rank{self.rank}", daemon=True)
@@ -140,6 +150,7 @@ class ControlPlaneHook(Hook):
                 recreated = self.store.heartbeat(self.rank, self.ttl_s, member=self._member, step=self.step,
                                                  generation=self.generation)
                 beats += 1
+                self.metrics.flush()
                 if recreated and beats > 1:
                     # Our members record was gone: Redis restarted (it keeps nothing on disk).
                     self.reconnects += 1

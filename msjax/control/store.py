@@ -13,6 +13,8 @@ Keys, all under `msjax:{run_id}:` (a run id keeps concurrent runs on one Redis a
   events              stream  {"json": {"kind": ..., "time": ..., ...}}; trimmed to about 10,000 entries
   hb:{rank}           string  heartbeat {"step", "time", "pid", "host"} with a TTL: an absent key is a dead rank
   cmd                 stream  commands {"json": {"kind": "stop"|"checkpoint"|"profile", "generation", ...}}
+  metrics             stream  per-step rows of every rank {"json": {"rank", "step", "step_s", "loss", ...}} (the
+                              rows of `<run_dir>/ranks/rank<i>.jsonl`, msjax.observe); trimmed to about 100,000
   g{gen}:...          rendezvous keys of one generation (msjax.control.rendezvous)
 
 Reconnection: every command retries ConnectionError/TimeoutError with exponential backoff (50 ms doubling, capped
@@ -32,6 +34,9 @@ from urllib.parse import urlparse
 from msjax.control.errors import ControlError
 
 EVENTS_MAXLEN = 10_000
+# Per-step metric rows kept in Redis (all ranks together; ~300 bytes each, so ~30 MB at the cap). A live view, not
+# the record: the per-rank JSONL files keep every row.
+METRICS_MAXLEN = 100_000
 COMMAND_KINDS = ("stop", "checkpoint", "profile")
 
 
@@ -192,6 +197,32 @@ class Store:
         """The newest `count` events, oldest first."""
         rows = self.client.xrevrange(self.key("events"), count=count)
         return [json.loads(fields["json"]) for _, fields in reversed(rows)]
+
+    # -- per-rank metrics ----------------------------------------------------------------------------------------
+    def publish_metrics(self, rows: list[dict]) -> None:
+        """Appends metric rows ({"rank", "step", **values}, JSON-serialisable) to the `metrics` stream in one
+        pipelined round trip, trimming it to about METRICS_MAXLEN entries (XADD MAXLEN ~)."""
+        if not rows:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for row in rows:
+            pipe.xadd(self.key("metrics"), {"json": json.dumps(row)}, maxlen=METRICS_MAXLEN, approximate=True)
+        pipe.execute()
+
+    def metrics(self, after_id: str = "-", count: int | None = None) -> list[tuple[str, dict]]:
+        """Metric rows after stream id `after_id` (exclusive; "-" from the start), oldest first, at most `count`.
+        Returns [(id, row)]: pass the last id back to read on (a live tail)."""
+        start = after_id if after_id == "-" else f"({after_id}"
+        return [(i, json.loads(f["json"])) for i, f in self.client.xrange(self.key("metrics"), min=start,
+                                                                          count=count)]
+
+    def latest_metrics(self, scan: int = 10_000) -> dict[int, dict]:
+        """rank -> its newest metric row among the newest `scan` rows (what a live view of every rank shows)."""
+        out: dict[int, dict] = {}
+        for _, f in self.client.xrevrange(self.key("metrics"), count=scan):
+            row = json.loads(f["json"])
+            out.setdefault(int(row["rank"]), row)
+        return out
 
     # -- heartbeats ----------------------------------------------------------------------------------------------
     def heartbeat(self, rank: int, ttl_s: float, member: dict | None = None, **info: Any) -> bool:

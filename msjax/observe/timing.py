@@ -72,7 +72,8 @@ SCORED_FIGURES = {"probe_s": 0.0, "host_stall_s": 0.1}
 class MetricsSink(Protocol):
     """Where live per-rank metrics go besides files, e.g. the control plane's store.
 
-    `publish` is called from the observer's background thread once per step; it must not block for long.
+    `publish` is called from the observer's background thread once per step; it must not block for long. A sink
+    with a `close()` method gets one call after the observer's last row (a final flush).
     """
 
     def publish(self, rank: int, step: int, values: dict[str, float]) -> None: ...
@@ -182,7 +183,9 @@ class StepObserver(Hook):
         self._thread.start()
 
     def _gather_hosts(self) -> dict[int, str]:
-        name = socket.gethostname()
+        # Under the supervisor a worker's host is the supervisor's name for it (MSJAX_HOST), the name its excluded
+        # hosts use; elsewhere the machine's host name.
+        name = os.environ.get("MSJAX_HOST") or socket.gethostname()
         if self.nproc == 1:
             return {0: name}
         from jax.experimental import multihost_utils
@@ -199,6 +202,10 @@ class StepObserver(Hook):
             self._thread.join(timeout=60.0)
             if self._thread.is_alive():
                 _log("observe: the metrics thread did not finish within 60 s after the loop ended; leaving it")
+        for sink in self._all_sinks():
+            close = getattr(sink, "close", None)
+            if close is not None:
+                close()
         if self.cfg.per_rank and hasattr(self, "_jsonl"):
             self._jsonl.close()
             self._tb.close()
@@ -272,9 +279,13 @@ class StepObserver(Hook):
                 for k, v in row.items():
                     if k not in ("step", "time", "compile"):
                         self._tb.add_scalar(k, v, step)
-        extra_sink = self._extra.get("metrics_sink")
-        for sink in self.sinks + ([extra_sink] if extra_sink is not None else []):
-            sink.publish(self.rank, step, {k: v for k, v in row.items() if k != "step"})
+        values = {k: v for k, v in row.items() if k != "step"}
+        for sink in self._all_sinks():
+            sink.publish(self.rank, step, values)
+
+    def _all_sinks(self) -> list[MetricsSink]:
+        extra_sink = getattr(self, "_extra", {}).get("metrics_sink")
+        return self.sinks + ([extra_sink] if extra_sink is not None else [])
 
     # ---- every window -------------------------------------------------------------------------------------------
 
@@ -322,7 +333,22 @@ class StepObserver(Hook):
             self.stragglers.append(details)
             if self.rank == 0:
                 append_event(self.run_dir, "straggler", **details)
+                self._exclude(place, step, why)
         for r in verdict.recovered:
             _log(f"observe: {self.places[r].describe()} is no longer a straggler at step {step}")
             if self.rank == 0:
                 append_event(self.run_dir, "straggler_recovered", step=step, process=r)
+
+    def _exclude(self, place: RankPlace, step: int, why: dict[str, float]) -> None:
+        """With `observe.exclude_stragglers`, hands the straggler's host to the control plane (its background
+        thread records it in the run's excluded hosts; the supervisor leaves it out at the next restart)."""
+        exclude = self._extra.get("exclude_host")
+        if not self.cfg.exclude_stragglers or not place.host:
+            return
+        if exclude is None:
+            _log(f"observe: exclude_stragglers is on but the run has no control plane: {place.host} is not excluded")
+            return
+        exclude(place.host, f"straggler: process {place.process} at step {step}, slowdown {why} (threshold "
+                            f"{self.cfg.threshold} for {self.cfg.persist} windows)")
+        _log(f"observe: host {place.host} recorded for exclusion at the next restart (observe.exclude_stragglers)")
+        append_event(self.run_dir, "straggler_excluded", step=step, process=place.process, host=place.host)

@@ -40,6 +40,7 @@ from msjax.config import Config, apply_overrides
 from msjax.planner import PlanError
 from msjax.supervise import detect
 from msjax.supervise.diagnostics import TEST_FAIL_ENV, HostDiagnosis, diagnose_local
+from msjax.supervise.exclusion import straggler_exclusions
 from msjax.supervise.events import EventLog, effective_time, fault_figures, read_events
 from msjax.supervise.policy import RestartBudgetExhausted, RestartPolicy
 from msjax.supervise.replan import planner_hardware, replan
@@ -416,6 +417,7 @@ class Supervisor:
                     self.events.emit("diagnosis_skipped", reason="every failed worker was killed by a signal from "
                                                                  "outside (supervisor.diagnose_after_kill=false)")
                 newly = self._diagnose(hosts) if diagnose else []
+                newly += self._exclude_stragglers(hosts, n)
                 if newly:
                     available = [h for h in self.hosts if h not in self.excluded]
                     if len(available) >= n:
@@ -583,6 +585,22 @@ class Supervisor:
         if not newly:
             self._print(f"diagnostics passed on {len(results)} host(s) ({time.time() - t0:.1f} s)")
         return newly
+
+    def _exclude_stragglers(self, hosts: list[str], n: int) -> list[str]:
+        """With observe.exclude_stragglers: the straggler hosts the run recorded in Redis that this restart leaves
+        out (msjax.supervise.exclusion: only when a spare or re-planning can replace them). Returns them."""
+        if not self.cfg.observe.exclude_stragglers:
+            return []
+        decision = straggler_exclusions(self.control.excluded_hosts(), hosts, self.hosts, self.excluded, n,
+                                        self.s.replan)
+        for h in decision.exclude:
+            self.excluded[h] = "straggler (observe.exclude_stragglers)"
+            self.events.emit("excluded", host=h, reason=self.excluded[h])
+            self._print(f"excluded {h}: persistently slow (a straggler)")
+        for h in decision.keep:
+            self.events.emit("straggler_kept", host=h)
+            self._print(f"kept straggler {h}: no spare and supervisor.replan is off (or no other host)")
+        return decision.exclude
 
     def _replan(self, old_hosts: int, new_hosts: int, overrides: dict) -> Any:
         cfg = apply_overrides(self.cfg, overrides)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from msjax.control import ControlError, RendezvousError
@@ -350,3 +351,41 @@ def test_tls_options_reach_redis_py():
     assert (kw["host"], kw["port"], kw["password"]) == ("redis.example", 6380, "pw")
     with pytest.raises(ControlError, match="TLS files were given for 'redis://:\\*\\*\\*@h:1/0', a plain redis:// URL"):
         connect("redis://:pw@h:1/0", ssl_ca_certs="/etc/ca.pem", check=False)
+
+
+def test_metrics_sink_buffers_sends_json_rows_and_survives_an_outage():
+    """Rows published go to the run's metrics stream as JSON, equal to what was published; with Redis away a flush
+    fails, memory stays within capacity (oldest dropped, counted) and the kept rows go out once Redis is back."""
+    import redis
+
+    from msjax.control.metrics import RedisMetricsSink
+
+    rng = np.random.default_rng(0)
+    rows = [{"rank": int(r), "step": s, "loss": float(rng.standard_normal()), "step_s": float(rng.random()),
+             "compile": s == 1} for s in range(1, 6) for r in range(3)]
+    with RedisServer() as srv:
+        store = Store(connect(srv.url, retries=0), "metrics")
+        sink = RedisMetricsSink(store, capacity=4)
+        for row in rows[:4]:
+            sink.publish(row["rank"], row["step"], {k: v for k, v in row.items() if k not in ("rank", "step")})
+        assert sink.flush() == 4 and sink.pending == 0
+        got = store.metrics()
+        assert [r for _, r in got] == rows[:4]
+        raw = store.client.xrange(store.key("metrics"))[0][1]["json"]
+        assert raw.startswith("{") and json.loads(raw) == rows[0]  # JSON, readable by any tool: never pickle
+        assert {r: v["step"] for r, v in store.latest_metrics().items()} == {0: 2, 1: 1, 2: 1}
+        srv.kill()
+        for row in rows[4:]:  # 11 rows into a buffer of 4 while Redis is away
+            sink.publish(row["rank"], row["step"], {k: v for k, v in row.items() if k not in ("rank", "step")})
+        with pytest.raises((redis.ConnectionError, redis.TimeoutError)):
+            sink.flush()
+        assert sink.pending == 4 and sink.dropped == 7
+        srv.start()  # a fresh, empty server on the same port
+        sink.exclude_host("host3", "straggler")
+        sink.close()
+        assert [r for _, r in store.metrics()] == rows[-4:]  # the newest 4, in order
+        assert store.metrics(after_id=store.metrics()[1][0]) == store.metrics()[2:]
+        assert store.excluded_hosts() == {"host3"}
+        store.client.close()
+    with pytest.raises(ValueError, match="capacity=0"):
+        RedisMetricsSink(None, capacity=0)

@@ -185,3 +185,75 @@ def test_recovery_phases_split_the_recovery_time_in_order():
     (r,) = recovery_phases(events)
     assert r["phases"]["process_start"] == 0.0 and r["phases"]["imports"] == pytest.approx(1.7)
     assert r["phases"]["heartbeat_lag"] == 0.0 and sum(r["phases"].values()) == pytest.approx(8.5)
+
+
+def test_straggler_exclusion_is_soft():
+    """A recorded straggler is left out when a spare or re-planning replaces it, and kept (not the run stopped)
+    when nothing can; hosts not running or already excluded are not decided again."""
+    from msjax.supervise.exclusion import StragglerExclusion, straggler_exclusions
+
+    all_hosts = ["host0", "host1", "host2", "host3", "host4"]  # host4 a spare
+    running = all_hosts[:4]
+    got = straggler_exclusions({"host2"}, running, all_hosts, {}, needed=4, replan=False)
+    assert got == StragglerExclusion(["host2"], [])  # the spare takes its place
+    got = straggler_exclusions({"host2", "host4"}, running, all_hosts, {"host4": "diag"}, needed=4, replan=True)
+    assert got == StragglerExclusion(["host2"], [])  # no spare left: re-plan onto 3 hosts
+    got = straggler_exclusions({"host2"}, running, all_hosts, {"host4": "diag"}, needed=4, replan=False)
+    assert got == StragglerExclusion([], ["host2"])  # nothing can replace it: kept
+    got = straggler_exclusions({"host0"}, ["host0"], ["host0"], {}, needed=1, replan=True)
+    assert got == StragglerExclusion([], ["host0"])  # the last host is never left out
+    got = straggler_exclusions({"host1", "host4"}, running, all_hosts, {"host1": "diag"}, needed=4, replan=True)
+    assert got == StragglerExclusion([], [])  # host1 already excluded, host4 not running
+
+
+def test_flagged_straggler_reaches_the_next_restarts_excluded_hosts(tmp_path):
+    """observe.exclude_stragglers end to end on the pure parts: the detector flags process 2 (random figures, its
+    probe 3x the others') -> its host is queued on the control plane's sink -> written to the excluded set ->
+    the supervisor's restart leaves it out (a spare replaces it); with the option off nothing is recorded."""
+
+    import numpy as np
+
+    from msjax.config import ObserveConfig
+    from msjax.control.metrics import RedisMetricsSink
+    from msjax.observe.stragglers import RankPlace
+    from msjax.observe.timing import WINDOW_FIGURES, StepObserver
+    from msjax.supervise.supervisor import Supervisor
+
+    class FakeStore:  # the two Store methods the sink and the supervisor use
+        def __init__(self):
+            self.excluded = {}
+
+        def exclude_host(self, host, reason=""):
+            self.excluded[host] = reason
+
+        def excluded_hosts(self):
+            return set(self.excluded)
+
+    rng = np.random.default_rng(0)
+    for enabled in (True, False):
+        store = FakeStore()
+        sink = RedisMetricsSink(store)
+        obs = StepObserver(ObserveConfig(window=4, persist=2, exclude_stragglers=enabled))
+        obs.rank, obs.run_dir, obs._extra = 0, tmp_path / str(enabled), {"exclude_host": sink.exclude_host}
+        obs.run_dir.joinpath("ranks").mkdir(parents=True)
+        obs.places = {p: RankPlace(p, f"host{p}", {"data": [p]}, [p]) for p in range(4)}
+        for step in (4, 8):
+            every = 0.01 * (1 + 0.05 * rng.standard_normal((4, len(WINDOW_FIGURES))))
+            every[2, WINDOW_FIGURES.index("probe_s")] *= 3
+            obs._compare(None, step, every)
+        assert [s["process"] for s in obs.stragglers] == [2]
+        sink.flush()
+        assert store.excluded_hosts() == ({"host2"} if enabled else set())
+        sup = Supervisor.__new__(Supervisor)
+        sup.cfg = apply_overrides(Config(), {"observe.exclude_stragglers": enabled, "observe.window": 4})
+        sup.s, sup.control, sup.out = sup.cfg.supervisor, store, open(tmp_path / f"sup{enabled}.txt", "w")
+        sup.hosts, sup.excluded = ["host0", "host1", "host2", "host3", "host4"], {}
+        sup.events = EventLog(tmp_path / f"sup{enabled}.jsonl")
+        newly = sup._exclude_stragglers(sup.hosts[:4], 4)
+        sup.events.close()
+        sup.out.close()
+        assert newly == (["host2"] if enabled else []) and list(sup.excluded) == newly
+        assert [h for h in sup.hosts if h not in sup.excluded][:4] == (
+            ["host0", "host1", "host3", "host4"] if enabled else sup.hosts[:4])
+    with pytest.raises(ConfigError, match="exclude_stragglers=true needs observe.window"):
+        apply_overrides(Config(), {"observe.exclude_stragglers": True, "observe.window": 0}).validate()
