@@ -232,6 +232,14 @@ def test_checksum_detects_a_flipped_bit_in_any_array_and_ignores_layout():
     sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
     base, _ = checksum_state({"w": x})()
     assert checksum_state({"w": sharded})()[0] == base  # same value on one device and split over 8
+    # The definition, one weight per element (integrity.py's docstring), in numpy: what the row/column sums give.
+    b = x.reshape(-1).view(np.uint32).astype(np.uint64)
+    i = np.arange(x.size, dtype=np.uint64)
+    row, col = i // x.shape[1] * x.shape[1], i % x.shape[1]
+    odd = lambda v, p: (v * p % 2**32) | 1  # noqa: E731
+    c1 = int((b * (2 * i + 1) % 2**32).sum() % 2**32)
+    c2 = int((b * (odd(row, 2654435761) * odd(col, 2246822519) % 2**32) % 2**32).sum() % 2**32)
+    assert base == {"['w']": f"{c1:08x}{c2:08x}"}
     for pos in rng.integers(0, x.size, 20):
         for bit in (0, 13, 31):
             y = x.copy().reshape(-1).view(np.uint32)
