@@ -203,7 +203,8 @@ class Checkpointer:
     """Saves, verifies, rotates and restores checkpoints of (train state, data loader position).
 
     Args:
-      cfg: checkpoint config (`every`, `keep`, `local_dir`, `local_keep`, `async_save`, `timeout_s`).
+      cfg: checkpoint config (`every`, `keep`, `local_dir`, `local_keep`, `async_save`, `timeout_s`,
+        `replica_restore`).
       directory: the persistent tier (see `checkpoint_dir`).
       local_directory: the local tier, or None (default: from `cfg.local_dir`).
     Raises:

@@ -6,6 +6,7 @@ Every test compares against an uninterrupted run of the same config (`reference`
 
 import hashlib
 import json
+import logging
 import math
 import shutil
 from pathlib import Path
@@ -164,19 +165,21 @@ def _corrupt(step_dir: Path, how: str, state) -> None:
 
 @pytest.mark.parametrize("how", ["bitflip", "garbage4k", "truncate", "missing"])
 def test_damaged_newest_checkpoint_falls_back_and_ends_bit_identical(cache, tmp_path_factory, tmp_path,
-                                                                     small_corpus, make_tiny_config, capfd, how):
+                                                                     small_corpus, make_tiny_config, capfd, caplog,
+                                                                     how):
     ref_root, ref = reference(cache, tmp_path_factory, small_corpus, make_tiny_config)
     _copy_run(ref_root, tmp_path)
     _corrupt(tmp_path / "run" / "checkpoints" / "8", how, ref["state"])
+    caplog.set_level(logging.INFO, logger="msjax.train")
     capfd.readouterr()
     resumed = run(make_tiny_config(tmp_path, small_corpus, **{"checkpoint.resume": True}))
-    out, err = capfd.readouterr()
+    err = capfd.readouterr().err
     warnings = [line for line in err.splitlines() if line.startswith("warning: checkpoint")]
     assert len(warnings) == 1 and "/checkpoints/8 failed verification" in warnings[0], err
     assert "Traceback" not in err
     assert resumed["start_step"] == 4
     # data=2: restored by one replica and broadcast (msjax.checkpoint.replica), then trained on bit-identically
-    assert "resumed from step 4" in err + out and "read by one data-parallel replica" in err + out
+    assert "resumed from step 4" in caplog.text and "read by one data-parallel replica" in caplog.text
     for x, y in zip(_leaves(ref["state"]), _leaves(resumed["state"])):
         np.testing.assert_array_equal(x, y)
     assert resumed["checkpoints"] == [4, 8]  # the damaged one moved aside, its step written again
