@@ -291,6 +291,9 @@ class CheckpointConfig:
       local_dir: local tier (host RAM such as /dev/shm, or a local disk); empty: none.
       local_keep: checkpoints kept in the local tier.
       timeout_s: bound on every wait for a checkpoint write, seconds.
+      replica_restore: on restore, state replicated over the `data` axis (> 1) is read by one data-parallel
+        replica and broadcast to the others, bit for bit (msjax.checkpoint.replica); off, or where it does not
+        apply (state split over `data`, a process spanning replicas), every replica reads.
     """
 
     dir: str = ""
@@ -301,6 +304,7 @@ class CheckpointConfig:
     local_dir: str = ""
     local_keep: int = 1
     timeout_s: float = 600.0
+    replica_restore: bool = True
 
 
 @dataclass(frozen=True)

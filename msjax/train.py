@@ -107,7 +107,8 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
     loader_state = None
     if latest is not None:
         start_step, state, loader_state = ckpt.restore(program.abstract_state)
-        _log(f"resumed from step {start_step} ({ckpt.directory})")
+        _log(f"resumed from step {start_step} ({ckpt.directory}"
+             + ("; read by one data-parallel replica, broadcast to the others)" if ckpt.replica_restore else ")"))
     else:
         if cfg.checkpoint.resume:
             _log(f"--resume: no checkpoint in {ckpt.directory}; starting from step 0")

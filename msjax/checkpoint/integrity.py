@@ -2,21 +2,27 @@
 checkpoint complete.
 
 The checksum of an array x with n elements, read as 32-bit words b_i (16-bit dtypes widened, booleans and 8-bit
-types widened likewise) at flat position i (row-major, of the global array), is two sums modulo 2^32:
-  c1 = sum_i b_i * (2 i + 1)               c2 = sum_i b_i * (h(i) | 1)
-with h a multiplicative hash (Knuth's 2654435761). Both weights are odd, so a single flipped bit at any position
-changes c1 (2^k times an odd number is never 0 mod 2^32); garbage over a region collides in both lanes with
-probability about 2^-64. It is not a cryptographic hash: it detects corruption, not tampering.
+types widened likewise) at flat position i (row-major, of the global array), is two sums modulo 2^32. With the
+array seen as rows (its leading dimensions; a row starts at flat position base_r) by columns (its last
+dimension, column index g_c), i = base_r + g_c and
+  c1 = sum_i b_i * (2 i + 1)                    c2 = sum_i b_i * h1(base_r) * h2(g_c)
+with h1, h2 multiplicative hashes forced odd (h(x) = (x * P) | 1, P Knuth's 2654435761 and xxHash's 2246822519).
+All weights are odd, so a single flipped bit at any position changes both sums (2^k times an odd number is
+never 0 mod 2^32); garbage over a region collides in both lanes with probability about 2^-64. It is not a
+cryptographic hash: it detects corruption, not tampering. The weights factor over rows and columns, so both
+sums come from row and column sums (see `_shard_sums`): three reductions per shard, memory-bound.
 
 Why a weighted sum rather than CRC32 over the file bytes: a sum composes over shards. Each shard is reduced on
 its own device (the host copy's source; on CPU the same memory); every process reduces the shards it holds
 with replica id 0, which are exactly the ones Orbax has that process write, and the partial sums are added, so
 each process checksums what it writes and no process gathers the whole state. And the value does not depend on
-the layout: a checkpoint written on one mesh verifies after a restore onto another.
+the layout: a checkpoint written on one mesh verifies after a restore onto another. (zlib.crc32 / adler32 over
+host buffers measured 1.3 GiB/s on one core here, below these reductions, and do not compose over shards.)
 
 The record (`msjax_integrity.json` in the step directory) is written only after Orbax has committed the step
 (its temporary directory renamed), from the checksums of the very arrays that were saved; a step directory
-without a record is an interrupted write and is never restored.
+without a record is an interrupted write and is never restored. Format 2: c2 as above (format 1 weighted c2 by
+h(i) per element; its records are reported as not of this format).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 RECORD_NAME = "msjax_integrity.json"
-RECORD_FORMAT = 1
+RECORD_FORMAT = 2
 
 
 def _words(x: jax.Array) -> jax.Array:
@@ -49,24 +55,47 @@ def _words(x: jax.Array) -> jax.Array:
     raise TypeError(f"checksum: unsupported dtype {x.dtype} (itemsize {size})")
 
 
-@functools.partial(jax.jit, static_argnames=("strides",))
-def _shard_sums(x: jax.Array, starts: jax.Array, strides: tuple[int, ...]) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("strides", "check_finite"))
+def _shard_sums(x: jax.Array, starts: jax.Array, strides: tuple[int, ...], check_finite: bool = True) -> jax.Array:
     """uint32 (3,): the shard's part of c1 and c2 and its all-finite flag.
+
+    The shard is read as rows (all leading dimensions) x columns (the last dimension), and both sums are taken
+    through row and column sums, three reductions of the words with one multiply, instead of one weight per
+    element (4x fewer operations; XLA:CPU measured 0.67 s instead of 2.06 s per GiB on the loaded 2-core machine):
+      c1 = 2 sum_r base_r R_r + sum_c (2 g_c + 1) K_c      (R: row sums, K: column sums; the same value as
+                                                            sum_i b_i (2 i + 1), since i = base_r + g_c)
+      c2 = sum_r hr(base_r) sum_c hc(g_c) b_rc
 
     Args:
       x: one shard, on one device.
       starts: int32 (ndim,): the shard's first global index per dimension.
       strides: the global array's row-major strides (elements), so i = sum_k (start_k + j_k) * stride_k.
+      check_finite: also reduce the all-finite flag (one more pass); else the flag is 1.
     """
     b = _words(x)
-    i = jnp.zeros(x.shape, jnp.uint32)
-    for k, stride in enumerate(strides):
-        i = i + (jax.lax.broadcasted_iota(jnp.uint32, x.shape, k) + starts[k].astype(jnp.uint32)) * jnp.uint32(
-            stride % 2**32)
-    c1 = jnp.sum(b * (2 * i + 1), dtype=jnp.uint32)
-    c2 = jnp.sum(b * ((i * jnp.uint32(2654435761)) | 1), dtype=jnp.uint32)
-    finite = jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
+    if b.ndim == 0:
+        b, starts, strides = b.reshape(1), jnp.zeros((1,), starts.dtype), (1,)
+    lead = b.shape[:-1]
+    base = jnp.zeros(lead, jnp.uint32)
+    for k in range(b.ndim - 1):
+        base = base + (jax.lax.broadcasted_iota(jnp.uint32, lead, k) + starts[k].astype(jnp.uint32)) * jnp.uint32(
+            strides[k] % 2**32)
+    g = jnp.arange(b.shape[-1], dtype=jnp.uint32) + starts[-1].astype(jnp.uint32)  # the last stride is 1
+    rows = jnp.sum(b, axis=-1, dtype=jnp.uint32)
+    cols = jnp.sum(b, axis=tuple(range(b.ndim - 1)), dtype=jnp.uint32)
+    c1 = 2 * jnp.sum(base * rows, dtype=jnp.uint32) + jnp.sum((2 * g + 1) * cols, dtype=jnp.uint32)
+    hashed = jnp.sum(b * _odd_hash(g, _H_COL), axis=-1, dtype=jnp.uint32)
+    c2 = jnp.sum(_odd_hash(base, _H_ROW) * hashed, dtype=jnp.uint32)
+    finite = (jnp.all(jnp.isfinite(x)) if check_finite and jnp.issubdtype(x.dtype, jnp.inexact)
+              else jnp.bool_(True))
     return jnp.stack([c1, c2, finite.astype(jnp.uint32)])
+
+
+_H_ROW, _H_COL = 2654435761, 2246822519  # Knuth's multiplicative hash; xxHash's PRIME32_2
+
+
+def _odd_hash(i: jax.Array, mult: int) -> jax.Array:
+    return (i * jnp.uint32(mult)) | jnp.uint32(1)
 
 
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -77,7 +106,7 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def checksum_state(state: Any) -> Callable[[], tuple[dict[str, str], bool]]:
+def checksum_state(state: Any, check_finite: bool = True) -> Callable[[], tuple[dict[str, str], bool]]:
     """Dispatches the checksums of every array of `state` and returns a function that fetches them.
 
     Each process reduces only the shards it holds with replica id 0 (so a replicated value is counted once),
@@ -88,6 +117,8 @@ def checksum_state(state: Any) -> Callable[[], tuple[dict[str, str], bool]]:
 
     Args:
       state: pytree of jax.Arrays (any sharding; every process must call this).
+      check_finite: also find whether every floating-point value is finite (one more pass over the data; a
+        restore's verification leaves it out: a checkpoint was finite when it was made complete).
     Returns:
       fetch(): ({key path: "c1c2" as 16 hex digits}, whether every floating-point array is finite); it blocks
       until the reductions are done.
@@ -97,7 +128,8 @@ def checksum_state(state: Any) -> Callable[[], tuple[dict[str, str], bool]]:
     for path, x in leaves:
         x = x if isinstance(x, jax.Array) else jnp.asarray(x)
         strides = _strides(x.shape)
-        shard_sums = [_shard_sums(sh.data, np.array([ix.start or 0 for ix in sh.index], np.int32), strides)
+        shard_sums = [_shard_sums(sh.data, np.array([ix.start or 0 for ix in sh.index], np.int32), strides,
+                                  check_finite)
                       for sh in x.addressable_shards if sh.replica_id == 0]
         parts.append((jax.tree_util.keystr(path), shard_sums))
 

@@ -12,6 +12,10 @@ Stages (MegaScale sec. 4.3; Orbax's asynchronous save is the library that does s
      both tiers. A failed write or copy raises `CheckpointWriteError` at the next `poll`: promptly, with the
      path and the OS error.
 
+Restore with `checkpoint.replica_restore` (default) and a mesh with data > 1 over which the state is replicated:
+the processes of data-parallel replica 0 read, and Orbax's broadcast gives every replica its copy, bit for bit
+(msjax.checkpoint.replica).
+
 Tiers: with `checkpoint.local_dir` set, Orbax writes there (host RAM such as /dev/shm, or a local disk), the
 local tier keeps `local_keep` checkpoints and the persistent tier (`checkpoint.dir`) the last `keep`. Without
 it, Orbax writes to the persistent tier directly. `restore` takes the newest checkpoint that passes verification
@@ -39,9 +43,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as ocp_policies
+from orbax.checkpoint._src.futures import future as ocp_future
+from orbax.checkpoint._src.futures import synchronization as ocp_sync
 
+from msjax.checkpoint import replica
 from msjax.checkpoint.integrity import checksum_state, mismatches, read_record, write_record
 from msjax.config import CheckpointConfig, ConfigError
 
@@ -161,11 +169,46 @@ def _wait(what: str, fn: Callable[[], Any], timeout_s: float) -> None:
         raise box[0]
 
 
+def _release_abandoned_save(operation_id: str, timeout_s: float = 10.0) -> list[str]:
+    """Ends the Orbax threads of a failed asynchronous save, so that they do not outlive the run.
+
+    Why they would: Orbax runs each commit step of a save (writing the array data, the shardings, the JSON item,
+    the metadata) in a non-daemon `_SignalingThread` (orbax/checkpoint/_src/futures/future.py) that first waits
+    for the STEP_DIRECTORY_CREATION signal of its save (`wait_for_signals` -> `blocking_key_value_get`, with
+    Orbax's coordination timeout, 300 s). When creating the step directory fails (a read-only or full disk),
+    that signal is never sent; Orbax's background `async_save` thread reports the error, but the waiting threads
+    stay blocked for the full 300 s, and the interpreter waits for them at exit (measured: five such threads,
+    `json_ch_save`, `serialize_shardings`, `array_type_handler`, `write_metadata_after_commits` and one unnamed).
+    `CheckpointManager.close()` and `AsyncCheckpointer.cancel()` do not reach them once the error was raised
+    (`_AsyncManager.wait_until_finished` has dropped its thread, so `cancel` returns at once), and a `cancel()` on
+    the future only sets a flag that the thread reads after its wait.
+
+    So, for every such thread of the failed save's operation: mark it cancelled (Orbax's own `cancel`) and send
+    the signals it waits for (Orbax's own `set_signals`, the same key-value store it reads); it wakes, sees
+    the cancellation and returns without writing anything. Orbax has no public call for this; the private names
+    used are `_SignalingThread`, `_receive_signals` and `_operation_id` (orbax-checkpoint 0.12.8).
+
+    Returns:
+      The names of the threads that were still alive after `timeout_s` seconds (empty when all ended).
+    """
+    threads = [t for t in threading.enumerate()
+               if isinstance(t, ocp_future._SignalingThread) and t.is_alive()
+               and getattr(t, "_operation_id", None) == operation_id]
+    for t in threads:
+        t.cancel()
+        ocp_future.set_signals(t._receive_signals, operation_id=operation_id)
+    deadline = time.monotonic() + timeout_s
+    for t in threads:
+        threading.Thread.join(t, max(0.0, deadline - time.monotonic()))
+    return [t.name for t in threads if t.is_alive()]
+
+
 class Checkpointer:
     """Saves, verifies, rotates and restores checkpoints of (train state, data loader position).
 
     Args:
-      cfg: checkpoint config (`every`, `keep`, `local_dir`, `local_keep`, `async_save`, `timeout_s`).
+      cfg: checkpoint config (`every`, `keep`, `local_dir`, `local_keep`, `async_save`, `timeout_s`,
+        `replica_restore`).
       directory: the persistent tier (see `checkpoint_dir`).
       local_directory: the local tier, or None (default: from `cfg.local_dir`).
     Raises:
@@ -195,10 +238,14 @@ class Checkpointer:
             for leftover in directory.glob(f"*{_TMP_COPY}*"):
                 shutil.rmtree(leftover, ignore_errors=True)
         self._reader = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-        # The step whose write is in flight, the fetch of its checksums, and the rest of its record.
-        self._pending: tuple[int, Callable[[], tuple[dict, bool]], dict] | None = None
+        # The step whose write is in flight, the fetch of its checksums, the rest of its record, and Orbax's
+        # operation id of the save (to end its threads if it fails).
+        self._pending: tuple[int, Callable[[], tuple[dict, bool]], dict, str] | None = None
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="msjax-checkpoint")
         self._worker_jobs: list[tuple[int, concurrent.futures.Future]] = []
+        self.replica_restore = False  # whether the last restore read one replica and broadcast
+        self.last_save_timing: dict[str, float] = {}
+        self.last_restore_timing: dict[str, float] = {}
         self.verified_step: int | None = None  # the newest step known complete (written, or restored + verified)
         self._closed = False
 
@@ -258,18 +305,26 @@ class Checkpointer:
         """
         if not force and not self._manager.should_save(step):
             return False
+        t0 = time.perf_counter()
         self._finish_pending(block=True)
-        # Dispatched now (one single-device reduction per shard), read when the write has finished: not on the
-        # loop's critical path. The next step may donate these buffers; PjRt orders a donating execution after
-        # the pending reads of its inputs.
-        fetch = checksum_state(state)
+        t1 = time.perf_counter()
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), loader=ocp.args.JsonSave(loader_state))
         try:
             started = self._manager.save(step, args=args, force=force)  # Orbax re-checks its policy unless forced
         except Exception as e:  # a synchronous failure (e.g. the directory could not be created)
             raise self._write_error(step, e) from None
+        t2 = time.perf_counter()
+        # Dispatched now (one single-device reduction per shard), read when the write has finished: not on the
+        # loop's critical path. After Orbax's device -> host copy, so on CPU the two do not share the cores. The
+        # values are those just copied (nothing ran on the state in between). The next step may donate these
+        # buffers; PjRt orders a donating execution after the pending reads of its inputs.
+        fetch = checksum_state(state) if started else None
+        # Where the loop's blocked time went (seconds), for scripts/bench_checkpoint.py.
+        self.last_save_timing = {"wait_previous_s": t1 - t0, "orbax_save_s": t2 - t1,
+                                 "checksum_dispatch_s": time.perf_counter() - t2}
         if started:
-            self._pending = (step, fetch, {"loader": loader_state, "config": config})
+            self._pending = (step, fetch, {"loader": loader_state, "config": config},
+                             ocp_sync.OperationIdGenerator.get_current_operation_id())
         return bool(started)
 
     def _write_error(self, step: int, e: BaseException) -> CheckpointWriteError:
@@ -304,14 +359,18 @@ class Checkpointer:
     def _finish_pending(self, block: bool) -> None:
         if self._pending is None:
             return
-        step, fetch, extra = self._pending
+        step, fetch, extra, operation_id = self._pending
         self._pending = None
         try:
             _wait(f"the checkpoint write of step {step} to {self.write_directory}",
                   self._manager.wait_until_finished, self.cfg.timeout_s)
         except CheckpointWriteError:
+            _release_abandoned_save(operation_id)
             raise
         except Exception as e:
+            left = _release_abandoned_save(operation_id)
+            if left:
+                logging.getLogger(__name__).warning("Orbax threads of the failed save still alive: %s", left)
             raise self._write_error(step, e) from None
         checksums, finite = fetch()
         if not finite:  # never made complete: deleted before its record exists
@@ -418,6 +477,10 @@ class Checkpointer:
           CheckpointError: no checkpoint in either tier passes verification (lists what was tried).
         """
         tried = []
+        replica_plan, why = replica.plan(abstract_state) if self.cfg.replica_restore else (None, "off")
+        self.replica_restore = replica_plan is not None
+        if self.cfg.replica_restore and replica_plan is None:
+            logging.getLogger(__name__).info("single-replica restore does not apply: %s", why)
         for step, tier, path in self.candidates():
             reason = None
             try:
@@ -431,15 +494,16 @@ class Checkpointer:
                 continue
             if reason is None:
                 try:
-                    restored = self._reader.restore(path, args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(abstract_state), loader=ocp.args.JsonRestore()))
-                    state, loader = restored["state"], dict(restored["loader"])
+                    t_read = time.perf_counter()
+                    state, loader = self._read(path, abstract_state, replica_plan)
                 except Exception as e:  # noqa: BLE001 - any unreadable file: report one line, try the next
                     root = _os_error(e)
                     text = str(root).strip().splitlines()[0] if str(root).strip() else ""
                     reason = f"unreadable: {type(root).__name__}: {text[:300]}"
             if reason is None:  # outside the try: a fault of ours must not pass for a damaged checkpoint
-                bad = mismatches(record["checksums"], checksum_state(state)()[0])
+                t_verify = time.perf_counter()
+                bad = mismatches(record["checksums"], checksum_state(state, check_finite=False)()[0])
+                self.last_restore_timing = {"read_s": t_verify - t_read, "verify_s": time.perf_counter() - t_verify}
                 if bad:
                     reason = (f"checksum mismatch in {len(bad)} array(s): {', '.join(bad[:3])}"
                               + (" ..." if len(bad) > 3 else ""))
@@ -454,6 +518,44 @@ class Checkpointer:
             tried.append(f"{path}: {reason}")
         raise CheckpointError("no checkpoint passes verification"
                               + (": " + "; ".join(tried) if tried else f" (none in {self.directory})"))
+
+    def _read(self, path: Path, abstract_state: Any, replica_plan: replica.ReplicaPlan | None) -> tuple[Any, dict]:
+        """Reads (state, loader position) of one checkpoint: every process its own shards, or, with a replica
+        plan, the processes of data-parallel replica 0 read and broadcast (msjax.checkpoint.replica).
+
+        Raises:
+          Exception: whatever Orbax raises for an unreadable checkpoint (on any process: with a replica plan the
+            processes first agree that every read succeeded, so none enters the broadcast alone).
+        """
+        if replica_plan is None:
+            restored = self._reader.restore(path, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state), loader=ocp.args.JsonRestore()))
+            return restored["state"], dict(restored["loader"])
+        error: BaseException | None = None
+        local = replica.replica_abstract(abstract_state, replica_plan)
+        try:
+            if replica_plan.is_source:
+                restored = self._reader.restore(path, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(local), loader=ocp.args.JsonRestore()))
+                local = restored["state"]
+            else:
+                # Reads nothing of the state (it comes from the broadcast), as Orbax's SingleReplicaArrayHandler:
+                # Orbax cannot restore an array of which this process holds no shard (serialization.py's
+                # _read_and_create_array calls jax.make_array_from_single_device_arrays without a dtype, which
+                # raises "If the Array has no addressable shards, `dtype` must be provided").
+                restored = self._reader.restore(path, args=ocp.args.Composite(loader=ocp.args.JsonRestore()))
+            loader = dict(restored["loader"])
+        except Exception as e:  # noqa: BLE001 - raised below, after every process knows
+            error = e
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            failed = multihost_utils.process_allgather(np.int32(error is not None))
+            if error is None and np.asarray(failed).any():
+                raise CheckpointError(f"another process could not read {path}")
+        if error is not None:
+            raise error
+        return replica.broadcast(local, abstract_state, replica_plan), loader
 
     def _discard(self, path: Path, reason: str | None) -> None:
         """Moves a failed checkpoint to `<tier>/rejected/<step>-<time>` (kept for inspection), or deletes an

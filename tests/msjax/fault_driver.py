@@ -7,7 +7,9 @@ step (flushed, so the parent can time its signal), and writes {"digest": sha256 
 "summary": ...} to OUT_JSON when the run returns. `--lock-after-checkpoint=N`: once checkpoint N is complete,
 makes the checkpoint directory immutable (`chattr +i`; root ignores chmod), so the next write fails, and from
 then on each step takes 0.5 s longer (a real model's step), so how many steps the failure takes to surface is
-measurable.
+measurable. When `run` raises CheckpointError the driver prints "error: ..." (stderr) and "threads left: [names]"
+(stdout: the non-daemon threads started during the run that are still alive) and returns 1 through a normal
+interpreter exit, which waits for every non-daemon thread.
 """
 
 import hashlib
@@ -15,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -66,13 +69,14 @@ def main() -> int:
     tmp, corpus, overrides, out = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3]), Path(sys.argv[4])
     lock = [int(a.split("=")[1]) for a in sys.argv[5:] if a.startswith("--lock-after-checkpoint=")]
     cfg = tiny_run_config(tmp, corpus, **overrides)
+    before = set(threading.enumerate())
     try:
         summary = run(cfg, hooks=[Progress(lock[0] if lock else None)])
-    except CheckpointError as e:  # as scripts/train.py reports it (and exits: see there)
+    except CheckpointError as e:  # as scripts/train.py reports it; then a normal interpreter exit
         print(f"error: {e}", file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        left = [t.name for t in threading.enumerate() if t not in before and t.is_alive() and not t.daemon]
+        print(f"threads left: {json.dumps(left)}", flush=True)
+        return 1
     out.write_text(json.dumps({"digest": digest(summary["state"]),
                                "summary": {k: v for k, v in summary_json(summary).items() if k != "sample"}}))
     return 0

@@ -6,11 +6,13 @@ Every test compares against an uninterrupted run of the same config (`reference`
 
 import hashlib
 import json
+import logging
 import math
 import shutil
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -163,10 +165,12 @@ def _corrupt(step_dir: Path, how: str, state) -> None:
 
 @pytest.mark.parametrize("how", ["bitflip", "garbage4k", "truncate", "missing"])
 def test_damaged_newest_checkpoint_falls_back_and_ends_bit_identical(cache, tmp_path_factory, tmp_path,
-                                                                     small_corpus, make_tiny_config, capfd, how):
+                                                                     small_corpus, make_tiny_config, capfd, caplog,
+                                                                     how):
     ref_root, ref = reference(cache, tmp_path_factory, small_corpus, make_tiny_config)
     _copy_run(ref_root, tmp_path)
     _corrupt(tmp_path / "run" / "checkpoints" / "8", how, ref["state"])
+    caplog.set_level(logging.INFO, logger="msjax.train")
     capfd.readouterr()
     resumed = run(make_tiny_config(tmp_path, small_corpus, **{"checkpoint.resume": True}))
     err = capfd.readouterr().err
@@ -174,6 +178,8 @@ def test_damaged_newest_checkpoint_falls_back_and_ends_bit_identical(cache, tmp_
     assert len(warnings) == 1 and "/checkpoints/8 failed verification" in warnings[0], err
     assert "Traceback" not in err
     assert resumed["start_step"] == 4
+    # data=2: restored by one replica and broadcast (msjax.checkpoint.replica), then trained on bit-identically
+    assert "resumed from step 4" in caplog.text and "read by one data-parallel replica" in caplog.text
     for x, y in zip(_leaves(ref["state"]), _leaves(resumed["state"])):
         np.testing.assert_array_equal(x, y)
     assert resumed["checkpoints"] == [4, 8]  # the damaged one moved aside, its step written again
@@ -183,6 +189,45 @@ def test_damaged_newest_checkpoint_falls_back_and_ends_bit_identical(cache, tmp_
     assert len(steps) == len(set(steps))  # metrics rows of steps 5..8 not duplicated by the resume
 
 
+def test_single_replica_restore_is_bit_identical_to_every_replica_reading(tmp_path, small_corpus,
+                                                                         make_tiny_config):
+    """data=2 x fsdp=2 x tensor=2 (the tiny run's mesh): replica 0's four devices read, the broadcast fills
+    replica 1; the result has the saved bits and shardings, as the normal restore (every device reads). The tree
+    holds what a value-level broadcast (Orbax's SingleReplicaArrayHandler sums) would change: a -0.0 and a bool,
+    and a bfloat16 leaf (widened by its sum). That training then continues bit-identically is proven by
+    test_damaged_newest_checkpoint_falls_back_and_ends_bit_identical, whose resume takes this path."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from msjax.mesh import make_mesh
+
+    cfg = make_tiny_config(tmp_path, small_corpus)
+    mesh = make_mesh(cfg.mesh)
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((16, 8)).astype(np.float32)
+    w[3, 5] = -0.0
+    saved = {"w": jax.device_put(w, NamedSharding(mesh, P("fsdp", "tensor"))),
+             "h": jax.device_put(rng.standard_normal((8, 6)).astype(jnp.bfloat16), NamedSharding(mesh, P("tensor"))),
+             "ok": jax.device_put(np.bool_(True), NamedSharding(mesh, P())),
+             "count": jax.device_put(np.int32(-7), NamedSharding(mesh, P()))}
+    ckpt = Checkpointer(cfg.checkpoint, tmp_path / "ckpt")
+    ckpt.save(1, saved, {"position": 3}, force=True)
+    ckpt.close()
+    abstract = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding), saved)
+    restored = {}
+    for on in (True, False):
+        ckpt = Checkpointer(apply_overrides(cfg, {"checkpoint.replica_restore": on}).checkpoint, tmp_path / "ckpt")
+        step, restored[on], loader = ckpt.restore(abstract)
+        assert (step, loader, ckpt.replica_restore) == (1, {"position": 3}, on)
+        ckpt.close()
+    for key, x in saved.items():
+        bits = np.asarray(x).reshape(-1).view(np.uint8)
+        for on in (True, False):
+            y = restored[on][key]
+            assert y.dtype == x.dtype and y.sharding == x.sharding, (key, on)
+            np.testing.assert_array_equal(np.asarray(y).reshape(-1).view(np.uint8), bits, err_msg=f"{key} {on}")
+    assert np.signbit(np.asarray(restored[True]["w"])[3, 5])
+
+
 def test_checksum_detects_a_flipped_bit_in_any_array_and_ignores_layout():
     rng = np.random.default_rng(1)
     x = rng.standard_normal((64, 48)).astype(np.float32)
@@ -190,6 +235,14 @@ def test_checksum_detects_a_flipped_bit_in_any_array_and_ignores_layout():
     sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
     base, _ = checksum_state({"w": x})()
     assert checksum_state({"w": sharded})()[0] == base  # same value on one device and split over 8
+    # The definition, one weight per element (integrity.py's docstring), in numpy: what the row/column sums give.
+    b = x.reshape(-1).view(np.uint32).astype(np.uint64)
+    i = np.arange(x.size, dtype=np.uint64)
+    row, col = i // x.shape[1] * x.shape[1], i % x.shape[1]
+    odd = lambda v, p: (v * p % 2**32) | 1  # noqa: E731
+    c1 = int((b * (2 * i + 1) % 2**32).sum() % 2**32)
+    c2 = int((b * (odd(row, 2654435761) * odd(col, 2246822519) % 2**32) % 2**32).sum() % 2**32)
+    assert base == {"['w']": f"{c1:08x}{c2:08x}"}
     for pos in rng.integers(0, x.size, 20):
         for bit in (0, 13, 31):
             y = x.copy().reshape(-1).view(np.uint32)

@@ -103,6 +103,9 @@ def test_failed_write_stops_promptly_with_one_error_and_keeps_the_previous_check
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
     assert f"{ckpt_dir}/8" in errors[0] and "Operation not permitted" in errors[0], errors[0]
+    # run() raised in the driver's own process and left no thread behind: the driver then returned 1 through a
+    # normal interpreter exit (which waits for every non-daemon thread), not os._exit.
+    assert "threads left: []" in stdout, [line for line in stdout.splitlines() if line.startswith("threads left")]
     assert Checkpointer(CheckpointConfig(), ckpt_dir).all_steps() == [4]  # the previous checkpoint is kept
 
 
