@@ -49,6 +49,15 @@ def main(argv: list[str]) -> int:
             # so the interpreter exits normally.
             print(f"error: {e}", file=sys.stderr)
             return 1
+        except BaseException:
+            if jax.process_count() > 1:
+                # jax.distributed's exit handler waits at a shutdown barrier for every process while the others
+                # wait in a collective for this one: end now, so the launcher or supervisor sees the failure.
+                traceback.print_exc()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(1)
+            raise
         out.pop("sample", None)
         if jax.process_index() == 0:
             print(json.dumps(out))
