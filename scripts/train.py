@@ -5,7 +5,9 @@ presets live in configs/.
 """
 
 import json
+import os
 import sys
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
