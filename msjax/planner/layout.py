@@ -225,12 +225,14 @@ def default_microbatch_size(cfg: Config, sizes: dict[str, int]) -> int:
 
 def attention_is_flash(cfg: Config, hw: Hardware) -> bool:
     """Whether `model.attention.impl` resolves to a fused kernel on this hardware (msjax.ops.attention):
-    pallas and cudnn are fused; auto is cudnn on GPU for 16-bit inputs and pallas on TPU; xla materialises
-    the T x T scores."""
+    pallas and cudnn are fused; auto is cudnn on GPU for 16-bit inputs, pallas on TPU and xla on CPU
+    (`resolve_impl`); xla materialises the T x T scores."""
     impl = cfg.model.attention.impl
     if impl == "auto":
         if hw.name.startswith("tpu"):
             return True
+        if hw.name == "cpu":  # msjax.ops.attention.resolve_impl: the xla path on CPU (Pallas only interprets)
+            return False
         return cfg.model.dtype == "bfloat16"
     return impl in ("pallas", "cudnn")
 

@@ -89,7 +89,10 @@ def estimate(cfg: Config, sizes: dict[str, int], hw: Hardware, limit: float) -> 
 
 def _parts(r: MemoryReport) -> str:
     rows = [("parameters", r.params), ("gradients", r.grads), ("optimizer state", r.optimizer),
-            ("activations", r.activations + r.working), ("total", r.total)]
+            ("activations", r.activations + r.working)]
+    if r.grads_in_backward is not None:  # msjax's step: the larger of its two phases, and XLA's packing
+        rows += [("peak transient", r.transient), ("heap packing", r.packing)]
+    rows.append(("total", r.total))
     return "\n".join(f"    {name:16s} {value / _GIB:10.2f} GiB" for name, value in rows)
 
 
