@@ -124,7 +124,10 @@ def build_train_program(cfg: Config, mesh: Mesh, vocab_size: int | None = None) 
     # Optimizer moments follow their parameter's sharding (so FSDP shards them too); counters are replicated.
     # Gradients follow the optimizer state's rules: the parameters' own, except ZeRO-2 (sharded over fsdp where
     # the parameters are replicated).
-    grad_shardings = tree_shardings(logical_specs, mesh, optimizer_state_rules(cfg.mesh.rules))
+    # (stacked layers split over `pipeline` like the parameters: pipeline_rules, or every stage would hold the whole
+    # model's optimizer state)
+    grad_shardings = tree_shardings(logical_specs, mesh, pipeline_rules(optimizer_state_rules(cfg.mesh.rules),
+                                                                        stages))
     opt_shardings = optax.tree_map_params(tx, lambda _, s: s, abs_opt, grad_shardings,
                                           transform_non_params=lambda _: replicated)
     state_shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings,

@@ -104,9 +104,9 @@ def run(argv: Sequence[str], out=sys.stdout) -> dict:
             lay = plan.layout
             check = compile_check(cfg, lay.axis_sizes(), lay.zero_stage, pipeline_microbatches=lay.microbatches,
                                   virtual_stages=lay.virtual_stages)
-            m = plan.memory
-            check["estimate"] = {"params": m.params, "grads": m.grads, "optimizer": m.optimizer,
-                                 "activations": m.activations + m.working, "total": m.total}
+            m = plan.memory  # the plan's own layout (ZeRO stage, microbatch): printed beside the compiled step's
+            check["plan_estimate"] = {"params": m.params, "grads": m.grads, "optimizer": m.optimizer,
+                                      "activations": m.activations + m.working, "total": m.total}
             print("\n" + compile_text(check), file=out)
             result["compile"] = check
     if actions["json"]:
@@ -137,11 +137,18 @@ def compile_text(check: dict) -> str:
                   f"{check['xla_alias_bytes']:,d})"]
         if "estimate" in check:
             e = check["estimate"]
-            compiled = check["xla_argument_bytes"] + check["xla_temp_bytes"]
-            lines += [f"  compiled per device (argument + temp)      {compiled:>16,d}",
-                      f"  planner estimate per device (all parts)    {int(e['total']):>16,d}  "
-                      f"(params {int(e['params']):,d}, grads {int(e['grads']):,d}, optimizer "
-                      f"{int(e['optimizer']):,d}, activations {int(e['activations']):,d})"]
+            bound = check["xla_peak_bound_bytes"]
+            lines += [f"  compiled per device (argument + temp + output - alias) {bound:>16,d}",
+                      f"  planner estimate of this step per device               {int(e['total']):>16,d}  "
+                      f"({e['total'] / bound:.3f}x; params {int(e['params']):,d}, grads {int(e['grads']):,d}, "
+                      f"optimizer {int(e['optimizer']):,d}, activations {int(e['activations']):,d}, working "
+                      f"{int(e['working']):,d})"]
+            if check.get("xla_live_peak_bytes"):
+                lines.append(f"  XLA's peak of live bytes (before packing)             "
+                             f"{check['xla_live_peak_bytes']:>16,d}")
+        if "plan_estimate" in check:
+            lines.append(f"  the plan's layout (its ZeRO stage and microbatch)      "
+                         f"{int(check['plan_estimate']['total']):>16,d}")
     return "\n".join(lines)
 
 

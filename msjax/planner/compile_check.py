@@ -17,17 +17,26 @@ What is compared:
     inputs/targets batch shard.
   xla: the compiled step's argument bytes per device.
   They must agree within 1%.
+The whole step's memory: the planner's per-device estimate of the step as compiled (`step_estimate`,
+msjax.planner.memory's phases and transient buffers) beside XLA's argument + temp + output - alias bytes
+(`memory_analysis()`: every buffer the step needs, the outputs written into donated arguments counted once), and
+with `live` XLA's own peak of simultaneously live bytes (`xla_live_peak`), which the temp allocation exceeds by
+the holes its packing leaves (`msjax.planner.memory.HEAP_PACKING`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import math
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from msjax.config import Config, apply_overrides, flat_keys
 from msjax.planner.layout import AXES, resolve_vocab
@@ -77,8 +86,9 @@ def analytic_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, int]:
     return {**{f"state_{k}": v for k, v in state.items()}, "batch": batch, "total": state["total"] + batch}
 
 
-def compile_here(cfg: Config, sizes: dict[str, int]) -> dict[str, Any]:
-    """Compiles in this process (needs prod(sizes) local devices) and returns the comparison dict."""
+def compile_here(cfg: Config, sizes: dict[str, int], live: bool = False) -> dict[str, Any]:
+    """Compiles in this process (needs prod(sizes) local devices) and returns the comparison dict; `live` also
+    reads XLA's peak of live bytes from a dump of the compiled module (`xla_live_peak`; compiles uncached)."""
     import jax
 
     from msjax.mesh import make_mesh
@@ -91,7 +101,15 @@ def compile_here(cfg: Config, sizes: dict[str, int]) -> dict[str, Any]:
     t0 = time.perf_counter()
     mesh = make_mesh(cfg.mesh, devices)
     prog = build_train_program(cfg, mesh)
-    compiled = prog.step_fn.lower(prog.abstract_state, prog.abstract_batch).compile()
+    lowered = prog.step_fn.lower(prog.abstract_state, prog.abstract_batch)
+    live_peak = None
+    if live:
+        # the persistent compilation cache would hand back an executable without compiling, so without the dump
+        with tempfile.TemporaryDirectory(prefix="msjax-compile-check-") as dump, _without_compilation_cache():
+            compiled = lowered.compile(compiler_options=_dump_options(dump))
+            live_peak = xla_live_peak(dump)
+    else:
+        compiled = lowered.compile()
     seconds = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     xla = int(mem.argument_size_in_bytes)
@@ -104,17 +122,70 @@ def compile_here(cfg: Config, sizes: dict[str, int]) -> dict[str, Any]:
             continue
         sharded += math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
     analytic = analytic_bytes(cfg, sizes)
+    est = step_estimate(cfg, sizes)
+    # every buffer of the step at once, less the outputs written into donated arguments: the peak's upper bound
+    bound = int(mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
+                - mem.alias_size_in_bytes)
     return {"devices": n, "mesh": sizes, "compile_seconds": seconds, "xla_argument_bytes": xla,
             "xla_temp_bytes": int(mem.temp_size_in_bytes), "xla_output_bytes": int(mem.output_size_in_bytes),
-            "xla_alias_bytes": int(mem.alias_size_in_bytes),
+            "xla_alias_bytes": int(mem.alias_size_in_bytes), "xla_live_peak_bytes": live_peak,
+            "xla_peak_bound_bytes": bound, "estimate": est, "estimate_ratio": est["total"] / bound,
             "sharding_bytes": sharded, "analytic": analytic,
             "param_bytes_global": prog.param_bytes, "opt_state_bytes_global": prog.opt_state_bytes,
             "relative_difference": (xla - analytic["total"]) / analytic["total"]}
 
 
+@contextlib.contextmanager
+def _without_compilation_cache() -> Iterator[None]:
+    """jax's persistent compilation cache off for the enclosed compiles (jax decides once per process whether the
+    cache is used, so the decision is reset on the way in and out)."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
+        compilation_cache.reset_cache()
+
+
+def _dump_options(directory: str) -> dict[str, Any]:
+    """XLA debug options (per compile, `Lowered.compile(compiler_options=...)`) that write the compiled module's
+    buffer assignment and live ranges into `directory`."""
+    return {"xla_dump_to": directory, "xla_dump_hlo_as_text": True, "xla_dump_buffer_assignment_analysis": True,
+            "xla_dump_hlo_module_re": ".*train_step.*"}
+
+
+def xla_live_peak(directory: str) -> int | None:
+    """XLA's peak of simultaneously live bytes per device (arguments included) for the module dumped in
+    `directory`: the figure of HloLiveRange's "Stack trace breakdown for peak usage: N bytes" line in the
+    `*-live-range.txt` dump (what the buffers need at the step's worst instruction, before the heap simulator
+    packs them into the temp allocation; `memory_analysis()`'s temp is that packing, 0-20% larger on the tiny
+    layouts). None when the dump has no such line."""
+    for path in sorted(glob.glob(os.path.join(directory, "*train_step*live-range.txt"))):
+        with open(path) as f:
+            match = re.search(r"peak usage: ([\d ]+) bytes", f.read())
+        if match:
+            return int(match.group(1).replace(" ", ""))
+    return None
+
+
+def step_estimate(cfg: Config, sizes: dict[str, int]) -> dict[str, float]:
+    """The planner's per-device memory of the step as compiled (`msjax.planner.preflight.estimate`: ZeRO over
+    data 0, the config's microbatches and virtual stages), by part, bytes."""
+    from msjax.planner.preflight import cpu_hardware, estimate
+
+    r = estimate(cfg, sizes, cpu_hardware(0.0), 0.0)
+    return {"params": r.params, "grads": r.grads, "optimizer": r.optimizer, "activations": r.activations,
+            "working": r.working, "total": r.total}
+
+
 def compile_check(cfg: Config, sizes: dict[str, int], zero_stage: int = 0,
                   timeout: float = 600.0, pipeline_microbatches: int = 0,
-                  virtual_stages: int = 0) -> dict[str, Any]:
+                  virtual_stages: int = 0, live: bool = False) -> dict[str, Any]:
     """Compiles the train step for a layout (see module docstring) and compares argument bytes.
 
     Args:
@@ -122,9 +193,13 @@ def compile_check(cfg: Config, sizes: dict[str, int], zero_stage: int = 0,
       sizes: the layout's mesh axis sizes (pipeline, data, fsdp, sequence, tensor).
       zero_stage: the plan's ZeRO stage over data (only mentioned: the step keeps the state whole over data).
       pipeline_microbatches, virtual_stages: the plan's M and V for a pipelined layout (0: the config's).
+      live: also read XLA's peak of live bytes ("xla_live_peak_bytes", `xla_live_peak`; else None).
     Returns:
       dict with "what" (the sentence above), "xla_argument_bytes", "analytic" (by part), "sharding_bytes",
-      "relative_difference", "agree" (within 1%), "compile_seconds", "devices", "mesh".
+      "relative_difference", "agree" (within 1%), "compile_seconds", "devices", "mesh"; the memory comparison:
+      "xla_temp_bytes", "xla_output_bytes", "xla_alias_bytes", "xla_peak_bound_bytes" (argument + temp +
+      output - alias), "estimate" (the planner's per-device memory of the compiled step, by part) and
+      "estimate_ratio" (estimate total / xla_peak_bound_bytes).
     Raises:
       PlanError: more than MAX_FAKE_DEVICES devices would be needed, or the subprocess failed (its stderr
         tail is in the message).
@@ -141,9 +216,9 @@ def compile_check(cfg: Config, sizes: dict[str, int], zero_stage: int = 0,
     except Exception:  # noqa: BLE001 - no usable jax backend here: use the subprocess
         local = 0
     if local >= n:
-        out = compile_here(ccfg, csizes)
+        out = compile_here(ccfg, csizes, live)
     else:
-        out = _compile_subprocess(ccfg, csizes, n, timeout)
+        out = _compile_subprocess(ccfg, csizes, n, timeout, live)
     if zero_stage:
         what += (f"; the plan's ZeRO-{zero_stage} over data is not in the train step, so both sides are the "
                  "state as the step lays it out (whole over data)")
@@ -152,14 +227,16 @@ def compile_check(cfg: Config, sizes: dict[str, int], zero_stage: int = 0,
     return out
 
 
-def _compile_subprocess(cfg: Config, sizes: dict[str, int], n: int, timeout: float) -> dict[str, Any]:
+def _compile_subprocess(cfg: Config, sizes: dict[str, int], n: int, timeout: float,
+                        live: bool = False) -> dict[str, Any]:
     env = dict(os.environ)
     flags = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f)
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
     env["JAX_PLATFORMS"] = "cpu"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    payload = json.dumps({"config": {k: v for k, v in flat_keys(cfg).items()}, "name": cfg.name, "sizes": sizes})
+    payload = json.dumps({"config": {k: v for k, v in flat_keys(cfg).items()}, "name": cfg.name, "sizes": sizes,
+                          "live": live})
     proc = subprocess.run([sys.executable, "-m", "msjax.planner.compile_check"], input=payload, env=env,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode:
@@ -172,7 +249,7 @@ def _main() -> None:
     cfg = apply_overrides(Config(name=msg["name"]), {k: (list(v) if isinstance(v, list) else v)
                                                      for k, v in msg["config"].items()}).validate()
     sizes = {a: int(msg["sizes"][a]) for a in AXES}
-    print(json.dumps(compile_here(cfg, sizes)))
+    print(json.dumps(compile_here(cfg, sizes, bool(msg.get("live")))))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from msjax.config import Config
 from msjax.hardware import Hardware
 from msjax.planner.options import COLLECTIVE_LATENCY, PlanError, PlanOptions
 from sharding_rules import RULE_SETS
+from sharding_rules.rules import OPTIMIZER_STATE_RULES
 from sharding_rules import axes as ax
 
 AXES = ("pipeline", "data", "fsdp", "sequence", "tensor")
@@ -186,9 +187,9 @@ def check_model_split(cfg: Config, sizes: dict[str, int], vocab: int) -> None:
     if t > 1 and rules.get(ax.HEADS) != "tensor":
         raise PlanError(f"mesh.tensor={t} but rule set mesh.rules={cfg.mesh.rules!r} splits nothing over the "
                         "tensor axis (the work would be repeated t times); use 'tp' or 'fsdp_tp'")
-    if f > 1 and rules.get(ax.EMBED) != "fsdp":
+    if f > 1 and rules.get(ax.EMBED) != "fsdp" and cfg.mesh.rules not in OPTIMIZER_STATE_RULES:
         raise PlanError(f"mesh.fsdp={f} but rule set mesh.rules={cfg.mesh.rules!r} shards no parameter over fsdp "
-                        "(that is plain data parallelism); use 'fsdp' or 'fsdp_tp', or set mesh.data instead")
+                        "(that is plain data parallelism); use 'fsdp', 'fsdp_tp' or 'zero2', or set mesh.data instead")
     if s > 1 and rules.get(ax.ACT_SEQ_INNER) != "sequence":
         raise PlanError(f"mesh.sequence={s} but rule set mesh.rules={cfg.mesh.rules!r} does not split the "
                         "sequence; use 'tp' or 'fsdp_tp'")
@@ -224,12 +225,14 @@ def default_microbatch_size(cfg: Config, sizes: dict[str, int]) -> int:
 
 def attention_is_flash(cfg: Config, hw: Hardware) -> bool:
     """Whether `model.attention.impl` resolves to a fused kernel on this hardware (msjax.ops.attention):
-    pallas and cudnn are fused; auto is cudnn on GPU for 16-bit inputs and pallas on TPU; xla materialises
-    the T x T scores."""
+    pallas and cudnn are fused; auto is cudnn on GPU for 16-bit inputs, pallas on TPU and xla on CPU
+    (`resolve_impl`); xla materialises the T x T scores."""
     impl = cfg.model.attention.impl
     if impl == "auto":
         if hw.name.startswith("tpu"):
             return True
+        if hw.name == "cpu":  # msjax.ops.attention.resolve_impl: the xla path on CPU (Pallas only interprets)
+            return False
         return cfg.model.dtype == "bfloat16"
     return impl in ("pallas", "cudnn")
 

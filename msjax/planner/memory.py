@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from msjax.config import Config
 from sharding_rules import RULE_SETS, logical_to_mesh_spec
 from sharding_rules import axes as ax
+from sharding_rules.rules import OPTIMIZER_STATE_RULES
 
 from msjax.planner.layout import Layout
 
@@ -128,7 +129,8 @@ def total_params(cfg: Config, vocab: int) -> int:
 
 def analytic_state_bytes(cfg: Config, vocab: int, sizes: dict[str, int]) -> dict[str, int]:
     """Per-device bytes of the msjax train state as `msjax.train_step` lays it out: params, optimizer moments
-    (2 per parameter, in the parameter dtype, sharded like it), and the replicated scalars (step int32, rng
+    (2 per parameter, in the parameter dtype, sharded like it, or over fsdp too under the `zero2` rule set), and
+    the replicated scalars (step int32, rng
     uint32[2], four int32 optimizer counters: Adam's, the schedule's and `optax.apply_if_finite`'s two, and its
     `last_finite` bool, which is state though the compiled step never reads it). With pipeline stages, stacked layers are
     split over `pipeline` (L / p per device, `msjax.parallel.pipeline.pipeline_rules`); per-layer parameters and
@@ -140,7 +142,11 @@ def analytic_state_bytes(cfg: Config, vocab: int, sizes: dict[str, int]) -> dict
         L = L // sizes["pipeline"]
     params = sum(shard_elements(l, cfg.mesh.rules, sizes) * (L if l.per_layer else 1)
                  for l in param_leaves(cfg.model, vocab)) * pb
-    opt_state = 2 * params + 4 * 4 + 1
+    # the moments follow the optimizer-state rules: the parameters' own, or fsdp-sharded under `zero2`
+    opt_rules = OPTIMIZER_STATE_RULES.get(cfg.mesh.rules, cfg.mesh.rules)
+    moments = sum(shard_elements(l, opt_rules, sizes) * (L if l.per_layer else 1)
+                  for l in param_leaves(cfg.model, vocab)) * pb
+    opt_state = 2 * moments + 4 * 4 + 1
     scalars = 4 + 8
     return {"params": params, "opt_state": opt_state, "scalars": scalars, "total": params + opt_state + scalars}
 
@@ -255,6 +261,94 @@ def layer_activation_bytes(cfg: Config, layout: Layout, policy: str | None = Non
     return saved
 
 
+def msjax_layer_activation_bytes(cfg: Config, layout: Layout, scanned: bool | None = None) -> float:
+    """Bytes one layer of msjax's model keeps for its backward without remat, per microbatch and device, as the
+    compiled train step holds them (the `none` policy of the msjax baseline; other policies: `layer_activation_bytes`).
+
+    Source: the buffer assignment and live ranges XLA dumps for the compiled step (`--xla_dump_to
+    --xla_dump_hlo_as_text --xla_dump_buffer_assignment_analysis=true`, jax 0.10.2, XLA:CPU): the buffers live at
+    the step's peak (the start of the backward), for gpt_tiny (unrolled layers) and gpt_125m (scanned layers) on
+    fsdp / tensor / sequence / pipeline meshes (docs/planner.md, "What the compiled step holds"). Korthikanti's
+    count (`korthikanti_layer_bytes`) is Megatron's hand-written backward with 16-bit dropout masks; autodiff
+    keeps more: the LayerNorm's centred input next to its output, the GeLU's tanh, both the scores and the
+    probabilities. In units of (b x tokens x width) elements of the compute dtype, with the residual stream split
+    over (tensor, sequence) (Megatron-SP and context parallelism) and the TP regions over tensor:
+      unrolled layers (`scan_layers=False`; XLA fuses the elementwise chains across the layer):
+        residual stream (b, T / (t c), D): 6 serial, 3 parallel (layer input, LayerNorm centred input and
+          output, the attention-residual sum)
+        TP-region inputs gathered over tensor (b, T / c, D): 2 serial, 1 parallel (what QKV and linear 1 read)
+        Q and the attention output (b, T / c, q width / t): 2; K and V (b, T / c, kv width / t): 2, or with
+          context parallelism (c > 1) the gathered whole-sequence K and V (b, T, kv width / t): 3 (XLA keeps the
+          gathered copy in two layouts)
+        MLP (b, T / c, F / t): 3 (linear-1 output, the GeLU's tanh, the GeLU output)
+        attention (b, a / t, T / c, T): 2 (scores and probabilities; fused attention keeps a float32 log-sum-exp
+          per query and head instead)
+      scanned layers (`scan_layers=True`; the scan stores what jax's partial evaluation saves, unfused):
+        residual stream 4 per LayerNorm (8 serial, 4 parallel), no gathered copies, Q K V O as above, MLP 6,
+        attention 2.
+    `scanned` (default `model.scan_layers`): whether the layers run inside a scan of more than one layer; XLA
+    removes a loop of one iteration (a pipeline chunk of one layer), so that counts as unrolled.
+    Returns:
+      bytes (float).
+    """
+    m = cfg.model
+    scanned = m.scan_layers if scanned is None else scanned
+    e = _DTYPE_BYTES[m.dtype]
+    b, T, t, c = layout.microbatch_size, cfg.train.seq_len, layout.tensor, layout.sequence
+    d, f = m.d_model, m.ff_size
+    qw, kvw = m.num_heads * m.head_size, m.kv_heads * m.head_size
+    parallel = layout.block == "parallel"
+    out_split = (t if layout.sequence_parallel else 1) * c
+    if scanned:
+        stream, gathered, mlp = (4 if parallel else 8), 0, 6
+    else:
+        stream, gathered, mlp = (3 if parallel else 6), (1 if parallel else 2), 3
+    tok = b * T
+    # K and V: local (b, T / c) without context parallelism; gathered whole over `sequence` with it, where XLA
+    # also keeps the gathered copy in its pre-transpose layout (3 whole-sequence K/V-width tensors)
+    kv = 2 * kvw / (t * c) if c == 1 else 3 * kvw / t
+    acts = e * tok * (stream * d / out_split + gathered * d / c + 2 * qw / (t * c) + kv + mlp * f / (t * c))
+    if cfg.mesh.tp_overlap == "collective_matmul" and t > 1:
+        # the decomposed rings (msjax.parallel.collective_matmul) are differentiated step by step, so autodiff
+        # keeps each ring step's chunks: the QKV and linear-1 partial outputs twice, linear 1's once more, and
+        # the gathered input chunks (measured: 3.7 MB per gpt_tiny layer at t = 2, b T = 512, float32)
+        acts += e * tok * (2 * (qw + 2 * kvw) / t + 3 * f / t + 2 * d / t) / c
+    if layout.flash:
+        acts += 4.0 * tok * m.num_heads / (t * c)
+    else:
+        acts += 2 * e * b * m.num_heads / t * (T / c) * T
+    return acts
+
+
+def msjax_ends_bytes(cfg: Config, layout: Layout) -> dict[str, float]:
+    """Per-device buffers of the model's two ends in msjax's compiled step, for one microbatch (same source as
+    `msjax_layer_activation_bytes`):
+
+      logits: the float32 logits and their softmax (b, T / c, V / t), 2 x 4 b T V / (t c); with context
+        parallelism (c > 1) also the logits gathered over `sequence` for the loss, 4 b T V / t.
+      embedding: `GPT.embed` gathers the whole table before the lookup (so the gather reads whole rows), and the
+        lookup's gradient is a float32 scatter-add into a whole (V, D) buffer: 4 V D bytes whenever the table is
+        split (t x fsdp > 1; otherwise that buffer is the table's gradient, counted with the gradients).
+      head_table: the tied output projection reads the table gathered over fsdp (V / t, D) in the parameter dtype
+        (fsdp > 1; the untied `lm_head` likewise).
+      stream: the embedding output and the final norm's input and output (b, T / (t c), D) x 2, and the gathered
+        input of the output projection (b, T / c, D) x 2.
+    Returns:
+      dict of bytes (floats): logits, embedding, head_table, stream.
+    """
+    m = cfg.model
+    e, pe = _DTYPE_BYTES[m.dtype], _DTYPE_BYTES[m.param_dtype]
+    b, T, t, c = layout.microbatch_size, cfg.train.seq_len, layout.tensor, layout.sequence
+    V, d = layout.vocab, m.d_model
+    out_split = (t if layout.sequence_parallel else 1) * c
+    split_table = t * layout.fsdp > 1
+    # with context parallelism the loss reads the logits gathered over `sequence` (b, T, V / t) besides the local two
+    return {"logits": 2 * 4.0 * b * T * V / (t * c) + (4.0 * b * T * V / t if c > 1 else 0.0),
+            "embedding": 4.0 * V * d if split_table else 0.0,
+            "head_table": pe * V * d / t if layout.fsdp > 1 else 0.0,
+            "stream": e * b * T * d * (2 / out_split + 2 / c)}
+
+
 def in_flight_chunks(pipeline: int, virtual: int, microbatches: int) -> int:
     """Chunk-microbatches whose activations the first pipeline stage holds at its peak.
 
@@ -268,6 +362,15 @@ def in_flight_chunks(pipeline: int, virtual: int, microbatches: int) -> int:
     return min(microbatches * virtual, warmup + 1)
 
 
+# XLA assigns a step's transient buffers offsets in one temp allocation by heap simulation; buffers of different
+# sizes and lifetimes leave holes, so the allocation (`memory_analysis().temp_size_in_bytes`) exceeds the peak of
+# simultaneously live bytes (HloLiveRange's "peak usage", `compile_check.xla_live_peak`). Measured on the 14
+# layouts of tests/msjax/test_planner_compile.py whose live peak is below the allocation (XLA:CPU, jax 0.10.2),
+# as a fraction of the transient (non-argument) bytes: 0.8% to 40%, median 11%, mean 14.6%. The planner adds
+# 15%: a measured allowance (fitted on the layouts it is tested on), not derived; docs/planner.md.
+HEAP_PACKING = 0.15
+
+
 @dataclass(frozen=True)
 class MemoryReport:
     """Per-device memory of the most loaded pipeline stage, bytes.
@@ -277,6 +380,14 @@ class MemoryReport:
     remat, which includes its gathered K and V under context parallelism; the output logits and their gradient
     in float32 for one microbatch; FSDP's gathered weights of two layers). total vs capacity (= memory_fraction
     x device memory).
+
+    Phases (msjax's step; `grads_in_backward` not None): the activations peak at the start of the backward, when
+    few gradients exist yet, and the gradients peak at the optimizer update, when the activations are freed, so
+      total = params + optimizer + max(activations + working + grads_in_backward, grads + update)
+    with grads_in_backward the gradient buffers live through the backward (the float32 accumulators a loop
+    carries: gradient accumulation, the pipeline's tick loop) and update the optimizer's float32 update (and
+    any regrouped copy) before it is applied. Measured in the compiled steps' buffer assignment (docs/planner.md).
+    Without phases (the megatron baseline) every part is added.
     """
 
     params: float
@@ -288,10 +399,25 @@ class MemoryReport:
     device_memory: float
     per_layer_activation: float
     in_flight_layers: float
+    grads_in_backward: float | None = None
+    update: float = 0.0
+
+    @property
+    def transient(self) -> float:
+        """Bytes beyond the parameters and optimizer state at the step's peak (the larger phase)."""
+        if self.grads_in_backward is None:
+            return self.grads + self.activations + self.working
+        return max(self.activations + self.working + self.grads_in_backward, self.grads + self.update)
+
+    @property
+    def packing(self) -> float:
+        """msjax's step: the holes XLA leaves when it packs the transient buffers into its one temp allocation
+        (`HEAP_PACKING` of the transient bytes); 0 for the megatron baseline."""
+        return HEAP_PACKING * self.transient if self.grads_in_backward is not None else 0.0
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.working
+        return self.params + self.optimizer + self.transient + self.packing
 
     @property
     def fits(self) -> bool:
@@ -320,8 +446,10 @@ def memory_report(cfg: Config, layout: Layout, stage: StageParams, device_memory
     pe, ge, oe = state_bytes_per_element(cfg, layout)
     d = layout.data
     per_layer = layer_activation_bytes(cfg, layout)
-    if p > 1 and layout.baseline == "msjax":
-        return _msjax_pipeline_report(cfg, layout, stage, device_memory, memory_fraction, per_layer)
+    if layout.baseline == "msjax":
+        if p > 1:
+            return _msjax_pipeline_report(cfg, layout, stage, device_memory, memory_fraction)
+        return _msjax_report(cfg, layout, stage, device_memory, memory_fraction)
     chunks = in_flight_chunks(p, v, layout.microbatches)
     in_flight_layers = chunks * layers / v
     e = _DTYPE_BYTES[cfg.model.dtype]
@@ -353,8 +481,72 @@ def activation_table(cfg: Config, layout: Layout) -> dict[str, float]:
 
 
 
+def msjax_per_layer(cfg: Config, layout: Layout, scanned: bool | None = None) -> float:
+    """Stored bytes per layer and microbatch in msjax's step: `msjax_layer_activation_bytes` without remat, the
+    remat policy's saved tensors (`layer_activation_bytes`) with it."""
+    if layout.remat == "none":
+        return msjax_layer_activation_bytes(cfg, layout, scanned)
+    return layer_activation_bytes(cfg, layout)
+
+
+def optimizer_elements(cfg: Config, layout: Layout, stage: StageParams, layers: int) -> int:
+    """Elements per device of one parameter copy laid out like the gradients and optimizer state: the
+    parameters' own layout, except the `zero2` rule set, which shards them over fsdp where the parameters are
+    replicated (`sharding_rules.optimizer_state_rules`)."""
+    if cfg.mesh.rules not in OPTIMIZER_STATE_RULES:
+        return layers * stage.layer_elements + stage.first_elements + stage.last_elements
+    import dataclasses
+
+    ocfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, rules=OPTIMIZER_STATE_RULES[cfg.mesh.rules]))
+    ostage = stage_params(ocfg, layout.vocab, layout.axis_sizes())
+    return layers * ostage.layer_elements + ostage.first_elements + ostage.last_elements
+
+
+def fsdp_gathered_bytes(cfg: Config, layout: Layout, stage: StageParams, layers: int) -> float:
+    """FSDP's gathered weights live at the peak, per device (parameter dtype, split over tensor only):
+    unrolled layers without remat keep every layer's gathered weights from the forward to the backward (GSPMD
+    gathers each weight once and both passes read it: measured, all L layers' (D, F / t), (F / t, D) ... in the
+    compiled gpt_tiny step); scanned or rematerialised layers gather again in the backward, so two layers (the
+    one computing and the next, prefetched). Zero without fsdp (and under `zero2`, whose parameters are whole)."""
+    if layout.fsdp == 1 or cfg.mesh.rules == "zero2":
+        return 0.0
+    n = layers if (not cfg.model.scan_layers and layout.remat == "none") else 2
+    return n * _DTYPE_BYTES[cfg.model.param_dtype] * stage.layer_total / layout.tensor
+
+
+def _msjax_report(cfg: Config, layout: Layout, stage: StageParams, device_memory: float,
+                  memory_fraction: float) -> MemoryReport:
+    """Memory of msjax's train step without pipeline stages (`msjax.train_step`), at its peak, the start of the
+    backward (source: the compiled step's buffer assignment, see `msjax_layer_activation_bytes`):
+      params, optimizer: the state (ZeRO over data and the `zero2` rule set dividing the optimizer state).
+      grads: float32, one copy (two with gradient accumulation: the sum carried by the loop and the
+        microbatch's own).
+      activations: L layers of one microbatch (`msjax_per_layer`) and the ends' residual stream.
+      working: the float32 logits and softmax, the gathered embedding table's float32 gradient, the output
+        projection's gathered table, FSDP's gathered weights (`fsdp_gathered_bytes`), and, under remat, the
+        layer being recomputed.
+    """
+    L = cfg.model.num_layers
+    pe, _, oe = state_bytes_per_element(cfg, layout)
+    d = layout.data
+    elements = L * stage.layer_elements + stage.first_elements + stage.last_elements
+    o_elements = optimizer_elements(cfg, layout, stage, L)
+    per_layer = msjax_per_layer(cfg, layout)
+    ends = msjax_ends_bytes(cfg, layout)
+    params = pe * elements
+    copies = 2 if cfg.train.microbatches > 1 else 1
+    grads = copies * 4.0 * o_elements / (d if layout.zero_stage >= 2 else 1)
+    opt = oe * o_elements / (d if layout.zero_stage >= 1 else 1)
+    acts = L * per_layer + ends["stream"]
+    remat_working = msjax_layer_activation_bytes(cfg, layout) if layout.remat != "none" else 0.0
+    work = ends["logits"] + ends["embedding"] + ends["head_table"] + fsdp_gathered_bytes(cfg, layout, stage, L) \
+        + remat_working
+    return MemoryReport(params, grads, opt, acts, work, memory_fraction * device_memory, device_memory, per_layer,
+                        float(L), grads_in_backward=grads / copies * (copies - 1))
+
+
 def _msjax_pipeline_report(cfg: Config, layout: Layout, stage: StageParams, device_memory: float,
-                           memory_fraction: float, per_layer: float) -> MemoryReport:
+                           memory_fraction: float) -> MemoryReport:
     """Memory of a stage of msjax's pipelined step (`msjax.parallel.pipeline`), which differs from Megatron's:
     every stage holds the embedding / output end (replicated over `pipeline`, one copy of a tied embedding);
     gradients are float32, twice (the loop's accumulators and the optimizer's input), and the working memory
@@ -378,24 +570,39 @@ def _msjax_pipeline_report(cfg: Config, layout: Layout, stage: StageParams, devi
     x_bytes = e * b * s * cfg.model.d_model / split
     slots = Schedule(p, v, m if v == 1 or m % p == 0 else p).slots
     chunk_layers = layers / v
-    acts = (slots + 4) * x_bytes + chunk_layers * per_layer
-    logits = 2 * 4 * b * s * layout.vocab / t / layout.sequence
-    remat_working = layer_activation_bytes(cfg, layout, "none") if layout.remat != "none" else 0.0
-    fsdp_buffers = 2 * e * stage.layer_total / t if layout.fsdp > 1 else 0.0
+    scanned = cfg.model.scan_layers and chunk_layers > 1  # the chunk is a scan of Lc layers (one: no loop)
+    per_layer = msjax_per_layer(cfg, layout, scanned)
+    ends = msjax_ends_bytes(cfg, layout)
+    acts = (slots + 4) * x_bytes + chunk_layers * per_layer + ends["stream"]
+    remat_working = msjax_layer_activation_bytes(cfg, layout, scanned) if layout.remat != "none" else 0.0
+    # the chunk's vjp gathers its layers' FSDP weights once (both passes read them) unless they are scanned
+    fsdp_buffers = fsdp_gathered_bytes(cfg, layout, stage, int(chunk_layers))
     # stage_params adds a Megatron-style copy of a tied embedding on the last stage; msjax has none
     wte_copy = _tied_copy(cfg, layout) if cfg.model.tie_embeddings else 0
-    elements = layers * stage.layer_elements + stage.first_elements + stage.last_elements - wte_copy
+    ends_elements = stage.first_elements + stage.last_elements - wte_copy
+    # what the stage computes with: its L / P layers (the (P, V, Lc, ...) regrouped copy and its accumulators)
+    stage_elements = layers * stage.layer_elements + ends_elements
+    # what the device stores: stacked layers are split over `pipeline`; per-layer parameters
+    # (scan_layers=False) are replicated over it, so every device stores, and updates, all L layers
+    stored_layers = layers if cfg.model.scan_layers else cfg.model.num_layers
+    elements = stored_layers * stage.layer_elements + ends_elements
+    zero1 = d if layout.zero_stage >= 1 else 1
     params = pe * elements
-    # float32 gradients twice: the accumulators the tick loop carries ((P, V, Lc, ...) and the ends) and the
-    # gradients handed to the optimizer in the parameters' own layout (measured in the compiled 175B step's temp)
-    grads = 2 * 4.0 * elements / (d if layout.zero_stage >= 2 else 1)
-    opt = oe * elements / (d if layout.zero_stage >= 1 else 1)
-    # the optimizer's float32 update before it is applied; with V > 1, the regrouped copy of the stage's layers
-    update = 4.0 * elements / (d if layout.zero_stage >= 1 else 1)
-    regroup = pe * layers * stage.layer_elements if v > 1 else 0.0
-    work = remat_working + fsdp_buffers + logits + update + regroup
+    # float32 gradients: the accumulators the tick loop carries ((P, V, Lc, ...) and the ends), live through the
+    # loop, and the gradients handed to the optimizer in the parameters' own layout
+    accumulators = 4.0 * stage_elements
+    grads = (accumulators + 4.0 * elements) / (d if layout.zero_stage >= 2 else 1)
+    opt = oe * elements / zero1
+    # the update phase: two more float32 copies of the state (measured: ~4.4 float32 copies of the stage's state
+    # live at the update of the compiled 175B and tiny pp4 LAMB steps, with the two gradient copies above): the
+    # optimizer's update and its new moments before they replace the donated ones; with per-layer parameters the
+    # second is the stacking's gradient (all L layers, zero outside this stage) before its sum over `pipeline`;
+    # with V > 1 or per-layer parameters also the regrouped (P, V, Lc, ...) copy of the stage's layers
+    update = 2 * 4.0 * elements / zero1
+    regroup = pe * layers * stage.layer_elements if (v > 1 or not cfg.model.scan_layers) else 0.0
+    work = remat_working + fsdp_buffers + ends["logits"] + ends["embedding"] + ends["head_table"] + regroup
     return MemoryReport(params, grads, opt, acts, work, memory_fraction * device_memory, device_memory, per_layer,
-                        in_flight(p, v, m) * chunk_layers)
+                        in_flight(p, v, m) * chunk_layers, grads_in_backward=accumulators, update=update + regroup)
 
 
 def _tied_copy(cfg: Config, layout: Layout) -> int:

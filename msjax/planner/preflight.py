@@ -56,12 +56,13 @@ def device_budget(devices: Sequence) -> DeviceBudget:
             limit = hw.memory_bytes * PlanOptions.memory_fraction
             how = f"{hw.name} {hw.memory_bytes / _GIB:.0f} GiB x {PlanOptions.memory_fraction}"
         else:
-            return DeviceBudget(float("inf"), f"unknown memory of {d.device_kind!r}: not checked", _cpu_hw(0))
-    return DeviceBudget(limit, how, hw or _cpu_hw(limit))
+            return DeviceBudget(float("inf"), f"unknown memory of {d.device_kind!r}: not checked", cpu_hardware(0))
+    return DeviceBudget(limit, how, hw or cpu_hardware(limit))
 
 
-def _cpu_hw(memory: float) -> Hardware:
-    # Only the name and memory matter to the memory model (attention_is_flash reads the name).
+def cpu_hardware(memory: float) -> Hardware:
+    """A catalogue entry for a CPU device with `memory` bytes: only the name and memory matter to the memory
+    model (`attention_is_flash` reads the name)."""
     return Hardware("cpu", 0.0, memory, 0.0, 0.0, 0.0, 1, 0, "host")
 
 
@@ -88,7 +89,10 @@ def estimate(cfg: Config, sizes: dict[str, int], hw: Hardware, limit: float) -> 
 
 def _parts(r: MemoryReport) -> str:
     rows = [("parameters", r.params), ("gradients", r.grads), ("optimizer state", r.optimizer),
-            ("activations", r.activations + r.working), ("total", r.total)]
+            ("activations", r.activations + r.working)]
+    if r.grads_in_backward is not None:  # msjax's step: the larger of its two phases, and XLA's packing
+        rows += [("peak transient", r.transient), ("heap packing", r.packing)]
+    rows.append(("total", r.total))
     return "\n".join(f"    {name:16s} {value / _GIB:10.2f} GiB" for name, value in rows)
 
 

@@ -115,9 +115,10 @@ def row_config(base: Config, row: Row) -> Config:
 
 def row_options(row: Row, **overrides) -> PlanOptions:
     """Planner options for a row: microbatch 1, the paper's interleaving (0: best legal), ZeRO-2 over data
-    (MegaScale fig. 1; Megatron's distributed optimizer) and the row's baseline."""
+    (MegaScale fig. 1; Megatron's distributed optimizer), the row's baseline, and the published systems' 1F1B,
+    which keeps the activations (no chunk recompute, `PlanOptions.chunk_recompute`)."""
     opts = PlanOptions(devices=row.gpus, hardware="a100-80g", virtual_stages=row.virtual, microbatch_size=1,
-                       zero_stage=2, sequence_parallel=row.sp, baseline=row.system)
+                       zero_stage=2, sequence_parallel=row.sp, baseline=row.system, chunk_recompute=False)
     return dataclasses.replace(opts, **overrides)
 
 

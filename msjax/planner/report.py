@@ -66,9 +66,18 @@ def plan_text(plan: Plan) -> str:
     row(f"gradients ({ge:.0f} B/param{', sharded over data' if lay.zero_stage >= 2 else ''})", m.grads)
     row(f"optimizer ({cfg.optimizer.name}, {oe:.0f} B/param{', sharded over data' if lay.zero_stage >= 1 else ''})",
         m.optimizer)
-    row(f"activations ({m.in_flight_layers:.1f} layer-microbatches x {m.per_layer_activation / 2**20:.1f} MiB)",
-        m.activations)
+    if m.grads_in_backward is None:
+        row(f"activations ({m.in_flight_layers:.1f} layer-microbatches x {m.per_layer_activation / 2**20:.1f} MiB)",
+            m.activations)
+    else:  # msjax's step (memory.MemoryReport: phases)
+        row(f"activations stored ({m.per_layer_activation / 2**20:.1f} MiB per layer, microbatch)", m.activations)
     row("working (layer being recomputed, logits, FSDP gather buffers)", m.working)
+    if m.grads_in_backward is not None:
+        backward = m.activations + m.working + m.grads_in_backward
+        phase = "backward" if backward >= m.grads + m.update else "update"
+        row(f"transient peak ({phase}; other phase {_gib(min(backward, m.grads + m.update)).strip()} GiB)",
+            m.transient)
+        row(f"XLA heap-packing allowance ({mem.HEAP_PACKING:.0%} of transient)", m.packing)
     add(f"  {'total':58s}{_gib(m.total)}  of {m.capacity / GiB:.1f} GiB usable "
         f"({plan.options.memory_fraction:.0%} of {m.device_memory / GiB:.0f}): {'fits' if m.fits else 'DOES NOT FIT'}")
     table = mem.activation_table(cfg, lay)

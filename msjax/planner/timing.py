@@ -101,6 +101,7 @@ class LayerTimes:
     bwd: float
     recompute: float
     hw_flops: float
+    fwd_flops: float = 0.0  # one forward pass (GEMMs and attention core)
 
 
 def chunk_attended_keys(seq_len: int, window: int | None, chunks: int) -> float:
@@ -163,7 +164,7 @@ def layer_times(cfg: Config, layout: Layout, rates: Rates) -> LayerTimes:
         recompute = elem
     else:
         recompute = 0.0
-    return LayerTimes(gemm, attn, elem, fwd, bwd, recompute, hw_flops)
+    return LayerTimes(gemm, attn, elem, fwd, bwd, recompute, hw_flops, sum(gemm_flops.values()) + attn_flops)
 
 
 @dataclass(frozen=True)
@@ -275,11 +276,14 @@ def step_time(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions, stag
                  + call("SEQ reduce-scatter (dK, dV)")) if layout.sequence > 1 else 0.0
 
     per_layer = lt.fwd + lt.bwd + lt.recompute
+    first_out, last_out = 0.0, ot.fwd + ot.bwd
+    if p > 1 and layout.baseline == "msjax" and opts.chunk_recompute:
+        per_layer, first_out, last_out = msjax_pipeline_compute(layout, lt, ot)
     # Per microbatch on the first stage (embedding end) and the last (output layer); with p = 1 one device has
     # both. The slowest stage sets the pipeline's pace (compute, TP, FSDP and SEQ exposure are its own).
-    stages = [(layers * per_layer, layers * tp_layer + tp_embed, layers * fsdp_layer + fsdp_embed,
+    stages = [(layers * per_layer + first_out, layers * tp_layer + tp_embed, layers * fsdp_layer + fsdp_embed,
                layers * seq_layer),
-              (layers * per_layer + ot.fwd + ot.bwd, layers * tp_layer + tp_out, layers * fsdp_layer + fsdp_embed,
+              (layers * per_layer + last_out, layers * tp_layer + tp_out, layers * fsdp_layer + fsdp_embed,
                layers * seq_layer)]
     if p == 1:
         stages = [(stages[1][0], stages[0][1] + tp_out, stages[0][2], stages[0][3])]
@@ -327,6 +331,8 @@ def step_time(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions, stag
         step = bound
     paced_by_last = p == 1 or stages[-1] == max(stages, key=sum)
     hw_flops = mb * (layers * lt.hw_flops + (ot.hw_flops if paced_by_last else 0.0))
+    if p > 1 and layout.baseline == "msjax" and opts.chunk_recompute:  # the vjp's forward, every stage's head
+        hw_flops = mb * (layers * (lt.hw_flops + lt.fwd_flops) + v * ot.hw_flops)
     return StepTime(step=step, compute=mb * compute_mb, bubble=bubble, optimizer=optimizer,
                     exposed={k: v_ for k, v_ in exposed.items() if v_ or k in total}, hidden=hidden,
                     comm_total=total, microbatch_time=t_mb, hw_flops_per_step=hw_flops, link_busy=busy,
@@ -339,3 +345,18 @@ def model_flops_per_token(cfg: Config, layout: Layout, megatron_convention: bool
     if layout.window != mc.attention.window:
         mc = dataclasses.replace(mc, attention=dataclasses.replace(mc.attention, window=layout.window))
     return model_flops.flops_per_token(mc, cfg.train.seq_len, layout.vocab, megatron_convention)
+
+
+def msjax_pipeline_compute(layout: Layout, lt: LayerTimes, ot: "OutputTimes") -> tuple[float, float, float]:
+    """Compute of msjax's pipelined step per microbatch (`msjax.parallel.pipeline`): (per layer, output layer on
+    the first stage, output layer on the last stage), seconds.
+
+    The tick loop stores only each chunk's input and runs the backward as `jax.vjp` of the chunk from it, so
+    every layer runs its forward once more (as full rematerialisation would), on top of the remat policy's own
+    recompute inside that vjp: fwd + (fwd + bwd + recompute). Every stage runs the output layer (final norm,
+    projection, loss) inside each chunk's vjp, its cotangent masked except on the last virtual stage (a
+    per-stage branch would deadlock the collectives), so each of the V chunk backwards per microbatch costs
+    the output layer's forward and backward on every stage.
+    """
+    out = layout.virtual_stages * (ot.fwd + ot.bwd)
+    return lt.fwd + lt.fwd + lt.bwd + lt.recompute, out, out

@@ -131,8 +131,10 @@ def test_state_memory_per_device_175b():
     assert rep.optimizer == pytest.approx(8 * first / 192)  # two float32 moments, ZeRO over data = 192
     assert rep.grads == pytest.approx(2 * 4 * first / 192)  # float32 accumulators + optimizer input, ZeRO-2
     # the stash of 2 p v = 96 chunk inputs (b T h / t with sequence parallelism) + 4 send/receive buffers, and
-    # the one chunk (12 / 6 = 2 layers) being recomputed
-    assert rep.activations == pytest.approx(100 * 2 * 2048 * h / 8 + 2 * rep.per_layer_activation)
+    # the one chunk (12 / 6 = 2 layers) being recomputed, and the ends' residual stream (embedding output, final
+    # norm input and output: 2 b T h / t, and the output projection's gathered input 2 b T h)
+    assert rep.activations == pytest.approx(100 * 2 * 2048 * h / 8 + 2 * rep.per_layer_activation
+                                            + 2 * 2048 * h * (2 / 8 + 2))
 
 
 def test_megatron_state_bytes():
@@ -195,13 +197,21 @@ def test_sequence_axis_activation_memory_hand_computed():
     assert mem.layer_activation_bytes(cfg, lay, "dots") == tok * h * 1.25  # fused attention: no scores to keep
     # full: the layer input, split over (sequence, tensor): 2 / 16 = 0.125
     assert mem.layer_activation_bytes(cfg, lay, "full") == tok * h * 0.125
-    # working memory under full remat: one layer recomputed in full (`none`, gathered K and V included) and the
-    # float32 logits + gradient of the local 1024 tokens over 50304 / 8 vocabulary rows; no FSDP buffers
+    # msjax's compiled step keeps more than Korthikanti's count without remat (mem.msjax_layer_activation_bytes,
+    # scanned layers, serial block, flash): residual stream 8 x h / (t c) = 0.5, Q and attention output
+    # 2 x h / (t c) = 0.125, K and V gathered whole over `sequence` 3 x h / t = 0.375, MLP 6 x 4h / (t c) = 1.5,
+    # in units of e tok h, and the float32 log-sum-exp
+    msjax_none = e * tok * h * (0.5 + 0.125 + 0.375 + 1.5) + 4 * 2048 * 40 / 16
+    assert mem.msjax_layer_activation_bytes(cfg, lay) == msjax_none
+    # working memory under full remat: that one layer recomputed; the float32 logits + their softmax of the local
+    # 1024 tokens over 50304 / 8 vocabulary rows, and the logits gathered over `sequence` for the loss
+    # (2048 tokens); the float32 gradient of the gathered embedding table (50304 x 5120); no FSDP buffers
     stage = mem.stage_params(cfg, lay.vocab, lay.axis_sizes())
     rep = mem.memory_report(cfg, lay, stage, 80 * 2**30, 0.95)
-    assert rep.working == none + 2 * 4 * 1024 * 50304 / 8
-    # stored: 40 layers x the (sequence, tensor)-split input 2 * 2048 * 5120 / 16, and the embedding output
-    assert rep.activations == 40 * tok * h * 0.125 + 2 * 2048 * 5120 / 16
+    assert rep.working == msjax_none + 2 * 4 * 1024 * 50304 / 8 + 4 * 2048 * 50304 / 8 + 4 * 50304 * 5120
+    # stored: 40 layers x the (sequence, tensor)-split input 2 * 2048 * 5120 / 16, and the ends' residual stream
+    # (embedding output and final norm input / output 2 x / 16, the output projection's gathered input 2 x / 2)
+    assert rep.activations == 40 * tok * h * 0.125 + 2 * 2048 * 5120 * (2 / 16 + 2 / 2)
 
 
 def test_sequence_axis_collectives_hand_computed():
@@ -460,3 +470,34 @@ def test_cli_parses_planner_and_config_flags(tmp_path):
     saved = json.loads(out.read_text())
     assert saved["plan"]["layout"]["fsdp"] == 8 and math.isfinite(saved["plan"]["throughput"]["mfu"])
     assert result["plan"]["memory"]["fits"]
+
+
+def test_msjax_pipeline_prices_the_vjp_forward_and_the_head_on_every_stage():
+    # msjax.parallel.pipeline stores only each chunk's input and runs the backward as jax.vjp of the chunk from
+    # it: every layer runs forward twice (plus its remat policy's recompute), and every stage runs the output
+    # layer (forward and backward) inside each of its V chunk backwards per microbatch. Written out against the
+    # planner's own per-layer and output-layer times, for gpt175b at P = 8, V = 6, remat none and full.
+    for remat in ("none", "full"):
+        cfg = _cfg175(**{"model.remat": remat})
+        lay, opts, hw = _layout(cfg)
+        rates = timing.Rates.of(hw, opts)
+        lt, ot = timing.layer_times(cfg, lay, rates), timing.output_times(cfg, lay, rates)
+        stage = mem.stage_params(cfg, lay.vocab, lay.axis_sizes())
+        st = timing.step_time(cfg, lay, hw, opts, stage)
+        layers, v, m = 96 // 8, 6, lay.microbatches
+        per_mb = layers * (lt.fwd + lt.fwd + lt.bwd + lt.recompute) + v * (ot.fwd + ot.bwd)
+        assert st.compute == pytest.approx(m * per_mb, rel=1e-12)
+        # the Megatron baseline's 1F1B keeps the activations: no extra forward, the head on the last stage only
+        mlay, mopts, _ = _layout(cfg, baseline="megatron", sequence_parallel=True)
+        mst = timing.step_time(cfg, mlay, hw, mopts, stage)
+        mrates = timing.Rates.of(hw, mopts.effective())
+        mlt, mot = timing.layer_times(cfg, mlay, mrates), timing.output_times(cfg, mlay, mrates)
+        assert mst.compute == pytest.approx(m * (layers * (mlt.fwd + mlt.bwd + mlt.recompute) + mot.fwd + mot.bwd),
+                                            rel=1e-12)
+        # the extra forward is priced in the hardware FLOPs too (HFU)
+        assert st.hw_flops_per_step == pytest.approx(m * (layers * (lt.hw_flops + lt.fwd_flops) + v * ot.hw_flops))
+        # a 1F1B that keeps its activations (the published systems, chunk_recompute=False): the plain count, the
+        # output layer on the last stage only
+        kst = timing.step_time(cfg, lay, hw, dataclasses.replace(opts, chunk_recompute=False), stage)
+        assert kst.compute == pytest.approx(m * (layers * (lt.fwd + lt.bwd + lt.recompute) + ot.fwd + ot.bwd),
+                                            rel=1e-12)
