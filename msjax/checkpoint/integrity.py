@@ -112,8 +112,8 @@ def checksum_state(state: Any, check_finite: bool = True) -> Callable[[], tuple[
     Each process reduces only the shards it holds with replica id 0 (so a replicated value is counted once),
     one single-device computation per shard: no collective runs, so the checksum never waits on other devices
     (XLA:CPU aborts a collective whose participants do not all arrive within its rendezvous timeout, which a
-    loaded machine can exceed). In a multi-process run the per-process partial sums are then added with one
-    small `process_allgather`.
+    loaded machine can exceed). In a multi-process run `fetch()` adds the per-process partial sums with one
+    small `process_allgather`; `fetch.local()` gives this process's own, for callers that add them otherwise.
 
     Args:
       state: pytree of jax.Arrays (any sharding; every process must call this).
@@ -133,27 +133,41 @@ def checksum_state(state: Any, check_finite: bool = True) -> Callable[[], tuple[
                       for sh in x.addressable_shards if sh.replica_id == 0]
         parts.append((jax.tree_util.keystr(path), shard_sums))
 
-    def fetch() -> tuple[dict[str, str], bool]:
-        local = np.zeros((len(parts), 3), np.uint64)
-        local[:, 2] = 1
+    def local() -> np.ndarray:
+        """This process's partial sums: (arrays, 3) uint64 rows (c1, c2, all finite), blocking on the device."""
+        out = np.zeros((len(parts), 3), np.uint64)
+        out[:, 2] = 1
         for row, (_, shard_sums) in enumerate(parts):
             for sums in shard_sums:
                 c1, c2, ok = (int(v) for v in np.asarray(sums))
-                local[row, 0] = (int(local[row, 0]) + c1) % 2**32
-                local[row, 1] = (int(local[row, 1]) + c2) % 2**32
-                local[row, 2] &= ok
+                out[row, 0] = (int(out[row, 0]) + c1) % 2**32
+                out[row, 1] = (int(out[row, 1]) + c2) % 2**32
+                out[row, 2] &= ok
+        return out
+
+    def fetch() -> tuple[dict[str, str], bool]:
+        mine = local()
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
-            every = np.asarray(multihost_utils.process_allgather(local.astype(np.uint32)), np.uint64)
-            total = every.sum(axis=0) % 2**32
-            total[:, 2] = every[..., 2].min(axis=0)
+            every = np.asarray(multihost_utils.process_allgather(mine.astype(np.uint32)), np.uint64)
         else:
-            total = local
-        out = {key: f"{int(total[row, 0]):08x}{int(total[row, 1]):08x}" for row, (key, _) in enumerate(parts)}
-        return out, bool(total[:, 2].all()) if len(parts) else True
+            every = mine[None]
+        return combine_partials(fetch.keys, every)
 
+    # For callers that must not enter a collective (the checkpoint manager of a multi-process run adds the
+    # processes' partial sums itself): the key paths and this process's partial sums.
+    fetch.keys = [key for key, _ in parts]
+    fetch.local = local
     return fetch
+
+
+def combine_partials(keys: list[str], every: np.ndarray) -> tuple[dict[str, str], bool]:
+    """Adds the processes' partial sums (processes, arrays, 3) into ({key path: checksum}, all finite)."""
+    every = np.asarray(every, np.uint64)
+    total = every.sum(axis=0) % 2**32
+    finite = bool(every[..., 2].min(axis=0).all()) if len(keys) else True
+    return {key: f"{int(total[row, 0]):08x}{int(total[row, 1]):08x}" for row, key in enumerate(keys)}, finite
 
 
 def mismatches(expected: dict[str, str], actual: dict[str, str]) -> list[str]:

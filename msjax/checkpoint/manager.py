@@ -31,6 +31,7 @@ control-plane request).
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import logging
 import os
 import shutil
@@ -50,13 +51,11 @@ from orbax.checkpoint._src.futures import future as ocp_future
 from orbax.checkpoint._src.futures import synchronization as ocp_sync
 
 from msjax.checkpoint import replica
-from msjax.checkpoint.integrity import checksum_state, mismatches, read_record, write_record
+from msjax.checkpoint.integrity import checksum_state, combine_partials, mismatches, read_record, write_record
 from msjax.config import CheckpointConfig, ConfigError
 
 
-# Steps after a save at which a multi-process run finishes its write (see `Checkpointer.poll`): long enough for a
-# background write of a few GB to be done in most runs, so the wait is rarely felt.
-MULTI_PROCESS_FINISH_LAG = 8
+_instances = itertools.count()  # Checkpointers made in this process: the same sequence on every process
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written, or none could be restored; the message names the path and reason."""
@@ -242,6 +241,7 @@ class Checkpointer:
         # operation id of the save (to end its threads if it fails).
         self._pending: tuple[int, Callable[[], tuple[dict, bool]], dict, str] | None = None
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="msjax-checkpoint")
+        self._instance = next(_instances)
         self._worker_jobs: list[tuple[int, concurrent.futures.Future]] = []
         self.replica_restore = False  # whether the last restore read one replica and broadcast
         self.last_save_timing: dict[str, float] = {}
@@ -334,13 +334,12 @@ class Checkpointer:
 
     def poll(self, step: int) -> None:
         """Called by the loop after each step: finishes a write that Orbax completed (record, copy, rotation) and
-        raises the error of one that failed. In a single process it never blocks on the device or on I/O.
+        raises the error of one that failed. Never blocks on the device or on I/O.
 
-        Finishing adds the processes' checksums with a collective, so in a multi-process run every process must
-        decide to finish at the same step: whether Orbax is still writing is each process's own view and may
-        differ between them for a step (two processes once waited forever in different collectives that way).
-        There the pending write is finished, waiting for it if need be, exactly `MULTI_PROCESS_FINISH_LAG`
-        steps after the step it saved, a decision every process takes alike.
+        Whether Orbax is still writing is each process's own view, so in a multi-process run the processes finish
+        a write at different steps: finishing must not enter a collective (two processes once waited forever in
+        different ones). Each process publishes its partial checksums through jax's coordination service, and
+        process 0's completion thread adds them up before it writes the record.
 
         Args:
           step: the step just completed.
@@ -348,12 +347,8 @@ class Checkpointer:
           CheckpointWriteError: a write or copy failed (path and OS error in the message).
           NonFiniteStateError: the state just written held NaN or Inf; it was deleted, never made complete.
         """
-        if self._pending is not None:
-            if jax.process_count() > 1:
-                if step >= self._pending[0] + MULTI_PROCESS_FINISH_LAG:
-                    self._finish_pending(block=False)
-            elif not self._manager.is_saving_in_progress():
-                self._finish_pending(block=False)
+        if self._pending is not None and not self._manager.is_saving_in_progress():
+            self._finish_pending(block=False)
         self._reap_worker(block=False)
 
     def _finish_pending(self, block: bool) -> None:
@@ -372,6 +367,14 @@ class Checkpointer:
             if left:
                 logging.getLogger(__name__).warning("Orbax threads of the failed save still alive: %s", left)
             raise self._write_error(step, e) from None
+        if jax.process_count() > 1:
+            self._publish_partial(step, fetch)
+            if jax.process_index() == 0:
+                job = self._worker.submit(self._complete_step_of_processes, step, fetch.keys, extra)
+                self._worker_jobs.append((step, job))
+            if block:
+                self._reap_worker(block=True)
+            return
         checksums, finite = fetch()
         if not finite:  # never made complete: deleted before its record exists
             if jax.process_index() == 0:
@@ -384,6 +387,40 @@ class Checkpointer:
         self._worker_jobs.append((step, self._worker.submit(self._complete_step, step, record)))
         if block:
             self._reap_worker(block=True)
+
+    def _kv_key(self, step: int, process: int) -> str:
+        return f"msjax_checkpoint/{self._instance}/{step}/{process}"
+
+    def _publish_partial(self, step: int, fetch) -> None:
+        """This process's partial checksums of `step`, to jax's coordination service (no collective)."""
+        from jax._src import distributed as jax_distributed  # jax has no public key-value store
+
+        jax_distributed.global_state.client.key_value_set_bytes(self._kv_key(step, jax.process_index()),
+                                                                fetch.local().astype(np.uint64).tobytes())
+
+    def _complete_step_of_processes(self, step: int, keys: list[str], extra: dict) -> None:
+        """Process 0's worker thread in a multi-process run: waits (at most checkpoint.timeout_s) for every
+        process's partial checksums, adds them, then completes the step as `_complete_step`. A state with NaN or
+        Inf is never made complete (its directory is deleted), and the newest complete checkpoint stays."""
+        from jax._src import distributed as jax_distributed
+
+        client = jax_distributed.global_state.client
+        every = []
+        for p in range(jax.process_count()):
+            try:
+                raw = client.blocking_key_value_get_bytes(self._kv_key(step, p), int(self.cfg.timeout_s * 1000))
+            except Exception as e:  # the coordination service's deadline error
+                raise CheckpointWriteError(f"the checkpoint of step {step} in {self.write_directory}: process {p} "
+                                           f"did not publish its checksums within {self.cfg.timeout_s:.0f} s "
+                                           f"(checkpoint.timeout_s): {e}") from None
+            every.append(np.frombuffer(raw, np.uint64).reshape(len(keys), 3))
+        checksums, finite = combine_partials(keys, np.stack(every))
+        if not finite:
+            shutil.rmtree(self.write_directory / str(step), ignore_errors=True)
+            logging.getLogger(__name__).error("the state of step %d holds NaN or Inf; its checkpoint was deleted "
+                                              "before completion", step)
+            return
+        self._complete_step(step, {"step": step, "checksums": checksums, **extra})
 
     def _complete_step(self, step: int, record: dict) -> None:
         """Worker thread: writes the record (the checkpoint is complete from here), copies it to the persistent

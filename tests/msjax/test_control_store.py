@@ -307,15 +307,17 @@ def test_bad_url_password_and_port_are_one_clear_error(server):
 def test_server_dies_with_its_owner():
     """SIGKILL the process that started Redis: the kernel (PR_SET_PDEATHSIG) ends the server too; a normal exit
     stops it through atexit."""
-    code = ("import sys, time; from msjax.control.server import RedisServer; s = RedisServer().start(); "
-            "print(s.pid, flush=True); time.sleep(float(sys.argv[1]))")
-    for hold_s, kill in ((60, True), (0, False)):
-        owner = subprocess.Popen([sys.executable, "-c", code, str(hold_s)], cwd=ROOT, stdout=subprocess.PIPE,
-                                 text=True)
+    # The owner holds the server until its stdin closes, so the server is seen alive before either ending.
+    code = ("import sys; from msjax.control.server import RedisServer; s = RedisServer().start(); "
+            "print(s.pid, flush=True); sys.stdin.readline()")
+    for kill in (True, False):
+        owner = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
         pid = int(owner.stdout.readline())
         assert _alive(pid)
         if kill:
             owner.send_signal(signal.SIGKILL)
+        owner.stdin.close()
         owner.wait(30)
         assert _wait_dead(pid), f"redis-server {pid} outlived its owner (kill={kill})"
 

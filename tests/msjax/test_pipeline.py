@@ -35,7 +35,7 @@ REFS = {
 
 
 def ref_config(ref: str, **overrides) -> Config:
-    return tiny_config(**REFS[ref], **overrides)
+    return tiny_config(**{**REFS[ref], **overrides})
 
 
 @pytest.mark.parametrize("ref, layout", [
