@@ -473,7 +473,7 @@ class Config:
             raise ConfigError("observe.exclude_stragglers=true needs observe.window >= 1 (stragglers are found at "
                               "window ends)")
         _check_pipeline(self)
-        from sharding_rules import RULE_SETS  # local import: sharding_rules must not import msjax
+        from msjax.sharding_rules import RULE_SETS  # local import: sharding_rules must not import msjax
 
         if self.mesh.rules not in RULE_SETS:
             raise ConfigError(f"mesh.rules={self.mesh.rules!r} is unknown; allowed: {sorted(RULE_SETS)}")
@@ -668,7 +668,7 @@ def _replace_one(node: Any, full_key: str, value: Any, parts: list[str]) -> Any:
 
 
 def preset_names() -> list[str]:
-    import configs
+    from msjax import configs
 
     return sorted(m.name for m in pkgutil.iter_modules(configs.__path__) if not m.name.startswith("_"))
 
@@ -678,7 +678,7 @@ def load_preset(name: str) -> Config:
     names = preset_names()
     if name not in names:
         raise ConfigError(f"unknown preset --config={name!r}; allowed: {', '.join(names)}")
-    module = importlib.import_module(f"configs.{name}")
+    module = importlib.import_module(f"msjax.configs.{name}")
     cfg = apply_overrides(Config(name=name), module.OVERRIDES)
     return cfg
 

@@ -21,7 +21,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from msjax.config import ConfigError, MeshConfig
-from sharding_rules.axes import DATA, FSDP, MESH_AXES, PIPELINE
+from msjax.sharding_rules.axes import DATA, FSDP, MESH_AXES, PIPELINE
 
 # The axes allowed to span hosts, in the order they absorb the host count (see the module docstring).
 CROSS_NODE_ORDER = (DATA, FSDP, PIPELINE)

@@ -26,7 +26,7 @@ from msjax.config import ModelConfig
 from msjax.ops.attention import attention
 from msjax.parallel import collective_matmul, fsdp_prefetch, options as overlap
 from msjax.sharding import constrain
-from sharding_rules import axes as ax
+from msjax.sharding_rules import axes as ax
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,

@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sharding_rules import Rules, logical_to_mesh_spec
+from msjax.sharding_rules import Rules, logical_to_mesh_spec
 
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar("msjax_rules", default=None)
 

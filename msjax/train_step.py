@@ -29,8 +29,8 @@ from msjax.optim import make_optimizer, skipped_steps
 from msjax.parallel.options import use_overlap
 from msjax.parallel.pipeline import PipelinedGrads, microbatches, pipeline_rules
 from msjax.sharding import tree_shardings, use_rules
-from sharding_rules import RULE_SETS, logical_to_mesh_spec, optimizer_state_rules
-from sharding_rules import axes as ax
+from msjax.sharding_rules import RULE_SETS, logical_to_mesh_spec, optimizer_state_rules
+from msjax.sharding_rules import axes as ax
 
 
 @dataclass

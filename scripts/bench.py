@@ -13,11 +13,8 @@ import dataclasses
 import json
 import shlex
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from msjax import cli  # noqa: E402
+from msjax import cli
 
 
 @dataclasses.dataclass(frozen=True)

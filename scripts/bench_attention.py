@@ -34,11 +34,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere without installing
 
-from msjax import cli  # noqa: E402
-from pallas_kernels.sliding_window_attention import sliding_window_attention  # noqa: E402
-from pallas_kernels.sliding_window_attention.kernel import visible_pairs  # noqa: E402
+from msjax import cli
+from msjax.pallas_kernels.sliding_window_attention import sliding_window_attention
+from msjax.pallas_kernels.sliding_window_attention.kernel import visible_pairs
 
 
 def attention_flops(batch: int, heads: int, head_dim: int, seq_len: int, window: int | None) -> tuple[int, int]:

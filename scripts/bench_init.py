@@ -4,12 +4,9 @@ N simulated workers rendezvous through a real Redis with msjax's protocol (msjax
 torch's TCPStore patterns; prints a table and writes the rows as JSON. See msjax/control/bench.py.
 """
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from msjax.control.bench import main  # noqa: E402
+from msjax.control.bench import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -16,9 +16,7 @@ import os
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from msjax.config import ConfigError, config_from_flags, split_flags  # noqa: E402
+from msjax.config import ConfigError, config_from_flags, split_flags
 
 TP = {"mesh.data": -1, "mesh.tensor": 2}
 ALL = "all"  # every device on this axis: filled in with the device count

@@ -28,9 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from msjax.config import ConfigError, split_flags  # noqa: E402
+from msjax.config import ConfigError, split_flags
 
 DEFAULTS = {
     "config": "gpt_tiny", "model.num_layers": 2, "model.d_model": 64, "model.num_heads": 2, "model.max_seq_len": 64,

@@ -4,12 +4,9 @@ Backends: local (a private Redis + N worker processes here), k8s (prints a JobSe
 sbatch script). See msjax/control/launch.py.
 """
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from msjax.control.launch import main  # noqa: E402
+from msjax.control.launch import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

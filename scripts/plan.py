@@ -7,12 +7,9 @@
 Flags: `python scripts/plan.py --help` and docs/planner.md.
 """
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from msjax.planner.cli import main  # noqa: E402
+from msjax.planner.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

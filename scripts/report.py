@@ -1,10 +1,8 @@
 """Pictures of a run: `python scripts/report.py RUN_DIR [--out=DIR]` writes heatmaps over the mesh, loss/MFU
 curves and a per-rank timeline as PNGs plus an index.html (default `RUN_DIR/report/`)."""
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv: list[str]) -> int:

@@ -8,11 +8,8 @@ import json
 import os
 import sys
 import traceback
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from msjax import cli  # noqa: E402
+from msjax import cli
 
 
 def main(argv: list[str]) -> int:

@@ -6,5 +6,5 @@ decides which mesh axis each name lands on. This package imports nothing from ms
 Mesh axes, outer to inner: `pipeline`, `data`, `fsdp`, `sequence`, `tensor`.
 """
 
-from sharding_rules.axes import *  # noqa: F401,F403  (the constants are this package's API)
-from sharding_rules.rules import RULE_SETS, Rules, logical_to_mesh_spec, optimizer_state_rules  # noqa: F401
+from .axes import *  # noqa: F401,F403  (the constants are this package's API)
+from .rules import RULE_SETS, Rules, logical_to_mesh_spec, optimizer_state_rules  # noqa: F401

@@ -25,7 +25,7 @@ from typing import Mapping, Sequence, Union
 
 from jax.sharding import PartitionSpec
 
-from sharding_rules.axes import (
+from .axes import (
     ACT_BATCH, ACT_EMBED, ACT_HEAD_DIM, ACT_HEADS, ACT_KV_HEADS, ACT_MLP, ACT_SEQ, ACT_SEQ_INNER, ACT_VOCAB, DATA,
     EMBED, FSDP,
     HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, NORM, POSITION, SEQUENCE, TENSOR, VOCAB,

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from sharding_rules.axes import MESH_AXES
+from msjax.sharding_rules.axes import MESH_AXES
 
 
 def leave_one_out_median(x_r: np.ndarray) -> np.ndarray:

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from msjax.sharding import active_rules, nested_shard_map
-from sharding_rules import axes as ax
-from sharding_rules import logical_to_mesh_spec
+from msjax.sharding_rules import axes as ax
+from msjax.sharding_rules import logical_to_mesh_spec
 
 IMPLS = ("auto", "xla", "pallas", "cudnn")
 
@@ -72,7 +72,7 @@ def attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array, *, window
             lambda q, k, v, offset: xla_attention(q, k, v, window=window, q_offset=offset), mesh,
             q_bthk, k_bshk, v_bshk, q_spec=q_spec, kv_spec=kv_spec)
     if impl == "pallas":
-        from pallas_kernels.sliding_window_attention import sliding_window_attention
+        from msjax.pallas_kernels.sliding_window_attention import sliding_window_attention
 
         return _per_shard(lambda q, k, v: sliding_window_attention(q, k, v, window=window), q_bthk, k_bshk, v_bshk)
     if impl == "cudnn":
@@ -119,7 +119,7 @@ def local_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array, *, 
         raise ValueError(f"attention impl={impl!r} takes no query offset (context parallelism inside shard_map); "
                          "allowed: xla")
     if impl == "pallas":
-        from pallas_kernels.sliding_window_attention import sliding_window_attention
+        from msjax.pallas_kernels.sliding_window_attention import sliding_window_attention
 
         return sliding_window_attention(q_bthk, k_bshk, v_bshk, window=window)
     if impl == "cudnn":

@@ -47,8 +47,8 @@ from jax.sharding import PartitionSpec as P
 
 from msjax.ops.attention import local_attention
 from msjax.sharding import active_rules, nested_shard_map
-from sharding_rules import axes as ax
-from sharding_rules import logical_to_mesh_spec
+from msjax.sharding_rules import axes as ax
+from msjax.sharding_rules import logical_to_mesh_spec
 
 MANUAL_AXES = (ax.DATA, ax.FSDP, ax.SEQUENCE, ax.TENSOR)
 

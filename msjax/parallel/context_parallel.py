@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from msjax.sharding import nested_shard_map
-from sharding_rules import axes as ax
+from msjax.sharding_rules import axes as ax
 
 
 def sequence_sharded_attention(attend: Callable[..., jax.Array], mesh: Mesh, q_bthk: jax.Array,

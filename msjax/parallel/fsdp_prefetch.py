@@ -30,8 +30,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from msjax.parallel import options
 from msjax.sharding import active_rules, drop_axes, nested_shard_map, region_mesh, region_spec
-from sharding_rules import axes as ax
-from sharding_rules import logical_to_mesh_spec
+from msjax.sharding_rules import axes as ax
+from msjax.sharding_rules import logical_to_mesh_spec
 
 
 def _fsdp_dim(spec: P) -> int:

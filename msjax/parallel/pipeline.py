@@ -51,8 +51,8 @@ from msjax.config import Config, ModelConfig
 from msjax.model import REMAT_POLICIES, Block, abstract_model
 from msjax.parallel.schedule import Schedule
 from msjax.sharding import constrain, use_rules
-from sharding_rules import Rules, logical_to_mesh_spec
-from sharding_rules import axes as ax
+from msjax.sharding_rules import Rules, logical_to_mesh_spec
+from msjax.sharding_rules import axes as ax
 
 AXIS = ax.PIPELINE
 

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from msjax.config import Config
 from msjax.hardware import Hardware
 from msjax.planner.options import COLLECTIVE_LATENCY, PlanError, PlanOptions
-from sharding_rules import RULE_SETS
-from sharding_rules.rules import OPTIMIZER_STATE_RULES
-from sharding_rules import axes as ax
+from msjax.sharding_rules import RULE_SETS
+from msjax.sharding_rules.rules import OPTIMIZER_STATE_RULES
+from msjax.sharding_rules import axes as ax
 
 AXES = ("pipeline", "data", "fsdp", "sequence", "tensor")
 

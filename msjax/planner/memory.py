@@ -32,9 +32,9 @@ import math
 from dataclasses import dataclass
 
 from msjax.config import Config
-from sharding_rules import RULE_SETS, logical_to_mesh_spec
-from sharding_rules import axes as ax
-from sharding_rules.rules import OPTIMIZER_STATE_RULES
+from msjax.sharding_rules import RULE_SETS, logical_to_mesh_spec
+from msjax.sharding_rules import axes as ax
+from msjax.sharding_rules.rules import OPTIMIZER_STATE_RULES
 
 from msjax.planner.layout import Layout
 

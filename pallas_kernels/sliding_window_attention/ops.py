@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.sliding_window_attention import kernel as _kernel
-from pallas_kernels.sliding_window_attention.block_sizes import MIN_BLOCK, TPU_BLOCK_MULTIPLE, BlockSizes
-from pallas_kernels.sliding_window_attention.block_sizes import default_block_sizes
-from pallas_kernels.sliding_window_attention.reference import check_inputs, sliding_window_attention_reference
+from . import kernel as _kernel
+from .block_sizes import MIN_BLOCK, TPU_BLOCK_MULTIPLE, BlockSizes
+from .block_sizes import default_block_sizes
+from .reference import check_inputs, sliding_window_attention_reference
 
 BACKENDS = ("gpu", "cuda", "rocm", "cpu", "tpu", "xla")
 

@@ -31,7 +31,7 @@ def test_presets_override_only_what_differs():
 
     defaults = flat_keys(Config())
     for name in preset_names():
-        overrides = importlib.import_module(f"configs.{name}").OVERRIDES
+        overrides = importlib.import_module(f"msjax.configs.{name}").OVERRIDES
         same = [k for k, v in overrides.items() if defaults[k] == v]
         assert not same, f"preset {name} repeats defaults: {same}"
 

@@ -9,7 +9,7 @@ import pytest
 
 from msjax.observe import StragglerDetector, mesh_places, persistent_stragglers, slowdown_scores
 from msjax.observe.stragglers import leave_one_out_median
-from sharding_rules.axes import MESH_AXES
+from msjax.sharding_rules.axes import MESH_AXES
 
 
 def _series(ranks: int, windows: int, seed: int, noise: float = 0.05) -> np.ndarray:

@@ -23,13 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.sliding_window_attention import (
+from msjax.pallas_kernels.sliding_window_attention import (
     BlockSizes,
     default_block_sizes,
     sliding_window_attention,
     sliding_window_attention_reference,
 )
-from pallas_kernels.sliding_window_attention import kernel as swa_kernel
+from msjax.pallas_kernels.sliding_window_attention import kernel as swa_kernel
 
 TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2}
 SMALL = BlockSizes(block_q=32, block_k=16, block_q_dkv=16, block_k_dkv=32, block_q_dq=32, block_k_dq=16)

@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 
 from msjax.config import load_preset
 from msjax.model import abstract_model
-from sharding_rules import RULE_SETS, logical_to_mesh_spec
-from sharding_rules import axes as ax
+from msjax.sharding_rules import RULE_SETS, logical_to_mesh_spec
+from msjax.sharding_rules import axes as ax
 
 GOLDEN = Path(__file__).with_name("golden_shardings.json")
 PRESETS = ("gpt_tiny", "gpt175b")
