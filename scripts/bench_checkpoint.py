@@ -1,7 +1,7 @@
 """Checkpoint benchmark: how long the loop is blocked per checkpoint, restore speed per tier, integrity cost.
 
-python scripts/bench_checkpoint.py [--gib=1.0] [--saves=3] [--devices=8] [--dir=/tmp/...] [--local-dir=/dev/shm/...]
-                                   [--json PATH]
+python scripts/bench_checkpoint.py [--gib=1.0] [--saves=3] [--restores=3] [--devices=8] [--dir=/tmp/...]
+                                   [--local-dir=/dev/shm/...] [--json PATH]
 
 For a train-state-like pytree of `--gib` GiB of float32 arrays sharded over `--devices` CPU devices:
   blocked_s       the time `Checkpointer.save` blocks the loop (stage 1: device -> host copy, checksum dispatch),
@@ -10,9 +10,16 @@ For a train-state-like pytree of `--gib` GiB of float32 arrays sharded over `--d
                   for without the two stages); the target is blocked_s <= 10% of it;
   background_s    how long the write, record and copy go on after `save` returned;
   restore_*_s     a verified restore from the local tier and from the persistent tier (the persistent files were
-                  just written, so they may come from the page cache: an upper bound on its speed);
-  verify_in_restore_*_s  the integrity check inside each restore (Checkpointer.last_restore_timing); the target
-                  is under 20% of that restore. verify_s: the same checksum pass again, alone, on the restored state.
+                  just written, so they may come from the page cache: an upper bound on its speed), median of
+                  `--restores`; restore_*_unverified_s the same restore without the checksum comparison
+                  (`Checkpointer.restore(verify=False)`), interleaved with the verified ones; *_cpu_s: process
+                  CPU seconds (all threads) of the same restores, less disturbed by other jobs than wall time;
+  verify_cost_*   the cost of integrity checking: the extra time of a verified restore over an unverified one,
+                  as a fraction of the unverified one (verify_cost_cpu_*: the same in CPU seconds); the target is
+                  under 20%. It can come out slightly negative: the noise of the medians.
+  verify_in_restore_*_s  the checksum pass timed inside the verified restores (Checkpointer.last_restore_timing),
+                  and verify_fraction_of_restore_* its share of the restore; verify_s: the same pass alone, on the
+                  saved state.
   blocked_*_s     where the blocked time goes (Checkpointer.last_save_timing): waiting for the previous save,
                   dispatching the checksums, Orbax's save call (stage 1).
 """
@@ -33,17 +40,17 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gib", type=float, default=1.0, help="state size in GiB (float32)")
     p.add_argument("--saves", type=int, default=3, help="checkpoints to time (the first is reported apart)")
+    p.add_argument("--restores", type=int, default=3, help="restores timed per tier, verified and not (medians)")
     p.add_argument("--devices", type=int, default=8, help="fake CPU devices the state is sharded over")
     p.add_argument("--dir", default="", help="persistent tier (default: a fresh directory under /tmp)")
     p.add_argument("--local-dir", default="", help="local tier (default: a fresh directory under /dev/shm)")
     p.add_argument("--json", default="", help="also write the results as JSON to this path")
     args = p.parse_args(argv)
-    if args.gib <= 0 or args.saves < 2 or args.devices < 1:
-        print("error: --gib must be > 0, --saves >= 2, --devices >= 1", file=sys.stderr)
+    if args.gib <= 0 or args.saves < 2 or args.devices < 1 or args.restores < 1:
+        print("error: --gib must be > 0, --saves >= 2, --devices >= 1, --restores >= 1", file=sys.stderr)
         return 2
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + f" --xla_force_host_platform_device_count={args.devices}").strip()
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -103,27 +110,45 @@ def main(argv: list[str]) -> int:
         results["sync_save_s"] = times[-1]
         results["blocked_fraction_of_sync"] = results["blocked_s"] / results["sync_save_s"]
 
-        # Restores: local tier (newest there), then persistent only.
-        def timed_restore(c: Checkpointer, tier: str) -> object:
-            t0 = time.perf_counter()
-            _, restored, _ = c.restore(abstract)
+        # Restores: local tier (newest there), then persistent only; each verified and unverified, interleaved
+        # (V U / U V alternately per round) so both see the same load and page cache.
+        def timed_restore(tier: str, verify: bool) -> tuple[float, float, float]:
+            """(wall s, process CPU s, verification s inside it) of one restore, until the arrays are ready."""
+            c = (Checkpointer(CheckpointConfig(keep=2, local_keep=1), persistent, local) if tier == "local"
+                 else Checkpointer(CheckpointConfig(keep=2), persistent))
+            t0, c0 = time.perf_counter(), time.process_time()
+            _, restored, _ = c.restore(abstract, verify=verify)
             jax.block_until_ready(restored)
-            results[f"restore_{tier}_s"] = time.perf_counter() - t0
-            results[f"verify_in_restore_{tier}_s"] = c.last_restore_timing["verify_s"]  # part of the restore
+            out = time.perf_counter() - t0, time.process_time() - c0, c.last_restore_timing["verify_s"]
             c.close()
-            return restored
+            return out
 
         # The verification kernels (one per shard shape and device) compiled outside the timings, as the save's
         # were by the first save: a resumed process compiles them once, like every program it runs.
         checksum_state(state, check_finite=False)()
-        timed_restore(Checkpointer(CheckpointConfig(keep=2, local_keep=1), persistent, local), "local")
-        restored = timed_restore(Checkpointer(CheckpointConfig(keep=2), persistent), "persistent")
-        t0 = time.perf_counter()
-        checksum_state(restored, check_finite=False)()  # compiled already by the restores
-        results["verify_s"] = time.perf_counter() - t0
+        timed_restore("local", False)  # and Orbax's first restore in this process (its set-up), untimed
+        runs: dict[tuple[str, bool], list[tuple[float, float, float]]] = {}
+        for r in range(args.restores):
+            for tier in ("local", "persistent"):
+                for verify in ((True, False) if r % 2 == 0 else (False, True)):
+                    runs.setdefault((tier, verify), []).append(timed_restore(tier, verify))
         for tier in ("local", "persistent"):
+            med = {v: np.median(np.array(runs[tier, v]), axis=0) for v in (True, False)}
+            results[f"restore_{tier}_s"], results[f"restore_{tier}_cpu_s"] = float(med[True][0]), float(med[True][1])
+            results[f"restore_{tier}_unverified_s"] = float(med[False][0])
+            results[f"restore_{tier}_unverified_cpu_s"] = float(med[False][1])
+            results[f"verify_in_restore_{tier}_s"] = float(med[True][2])
+            # The cost of integrity checking: what a verified restore takes beyond an unverified one, as a
+            # fraction of the unverified restore (wall, and process CPU, the figure load disturbs least).
+            results[f"verify_cost_{tier}"] = (results[f"restore_{tier}_s"] / results[f"restore_{tier}_unverified_s"]
+                                              - 1)
+            results[f"verify_cost_cpu_{tier}"] = (results[f"restore_{tier}_cpu_s"]
+                                                  / results[f"restore_{tier}_unverified_cpu_s"] - 1)
             results[f"verify_fraction_of_restore_{tier}"] = (results[f"verify_in_restore_{tier}_s"]
                                                             / results[f"restore_{tier}_s"])
+        t0 = time.perf_counter()
+        checksum_state(state, check_finite=False)()  # compiled already by the restores
+        results["verify_s"] = time.perf_counter() - t0
     finally:
         for d in (local, sync_dir) + (() if args.dir else (persistent,)):
             shutil.rmtree(d, ignore_errors=True)
@@ -133,9 +158,12 @@ def main(argv: list[str]) -> int:
     print(f"{'quantity':<40} {'value':>10}")
     for key in ("blocked_first_s", "blocked_s", *(k for k in results if k.startswith("blocked_") and
                                                    k.endswith("_s") and k not in ("blocked_first_s", "blocked_s")),
-                "background_s", "sync_save_s", "blocked_fraction_of_sync", "restore_local_s",
-                "verify_in_restore_local_s", "restore_persistent_s", "verify_in_restore_persistent_s", "verify_s",
-                "verify_fraction_of_restore_local", "verify_fraction_of_restore_persistent"):
+                "background_s", "sync_save_s", "blocked_fraction_of_sync",
+                *(f"{k}_{tier}{suffix}" for tier in ("local", "persistent") for k, suffix in (
+                    ("restore", "_s"), ("restore", "_unverified_s"), ("restore", "_cpu_s"),
+                    ("restore", "_unverified_cpu_s"), ("verify_in_restore", "_s"), ("verify_cost", ""),
+                    ("verify_cost_cpu", ""), ("verify_fraction_of_restore", ""))),
+                "verify_s"):
         print(f"{key:<40} {results[key]:>10.3f}")
     results["load_average_1min"] = os.getloadavg()[0]
     if args.json:

@@ -503,12 +503,18 @@ class Checkpointer:
 
     # ---- restoring --------------------------------------------------------------------------------------------
 
-    def restore(self, abstract_state: Any) -> tuple[int, Any, dict]:
+    def restore(self, abstract_state: Any, verify: bool = True) -> tuple[int, Any, dict]:
         """Restores (step, state, loader_state) from the newest checkpoint that passes verification, in either
         tier, onto the shardings in `abstract_state` (jax.ShapeDtypeStruct leaves with `.sharding`, possibly
         another mesh). Every checkpoint that fails is reported in one warning line and moved aside to
         `<tier>/rejected/` (so no later save or restore mistakes it for a good one); directories without a
         record (interrupted writes) are deleted.
+
+        Args:
+          abstract_state: as above.
+          verify: compare every array's checksum with the record (default). False skips only that comparison
+            (a record and readable files are still required): for scripts/bench_checkpoint.py, which measures
+            what verifying costs; a run always verifies.
 
         Raises:
           CheckpointError: no checkpoint in either tier passes verification (lists what was tried).
@@ -539,7 +545,8 @@ class Checkpointer:
                     reason = f"unreadable: {type(root).__name__}: {text[:300]}"
             if reason is None:  # outside the try: a fault of ours must not pass for a damaged checkpoint
                 t_verify = time.perf_counter()
-                bad = mismatches(record["checksums"], checksum_state(state, check_finite=False)()[0])
+                bad = (mismatches(record["checksums"], checksum_state(state, check_finite=False)()[0]) if verify
+                       else [])
                 self.last_restore_timing = {"read_s": t_verify - t_read, "verify_s": time.perf_counter() - t_verify}
                 if bad:
                     reason = (f"checksum mismatch in {len(bad)} array(s): {', '.join(bad[:3])}"
@@ -547,7 +554,8 @@ class Checkpointer:
                 elif loader != record.get("loader"):
                     reason = f"loader position {loader} differs from the recorded {record.get('loader')}"
             if reason is None:
-                self.verified_step = step
+                if verify:
+                    self.verified_step = step
                 self._manager.reload()
                 return step, state, loader
             _warn(f"checkpoint {path} failed verification ({reason}); trying the next older one")

@@ -250,6 +250,79 @@ def test_checksum_detects_a_flipped_bit_in_any_array_and_ignores_layout():
             assert checksum_state({"w": y.view(np.float32).reshape(x.shape)})()[0] != base
 
 
+# Arrays of several shapes, dtypes and shardings (mesh "d": 8 devices; "a" x "b": 4 x 2), each with the checksum
+# that format 2 as first written (row sums + column sums + hashed row sums, commit 2ee3f7b) gave for it: records
+# written then must still verify.
+_CHECKSUM_CASES = [((64, 48), "float32", ("d",), "bab71d6cf09013e4"),
+                   ((3, 5, 16), "bfloat16", (None, None, "d"), "7651eaa861865954"),  # split along the last axis
+                   ((16, 8), "float32", ("a", "b"), "97a9a7e259804408"),
+                   ((), "int32", (), "4fbec2f84fbec2f8"),
+                   ((10,), "bool", (), "00000044b1a1b9f6"),
+                   ((7, 3), "int8", (), "0000cda38e90c20b"),
+                   ((8, 4, 2), "float16", (None, "a"), "06e4d2d5fed6dabb"),
+                   ((40,), "float32", ("d",), "6d33d71353961b2b"),
+                   ((2, 4, 8, 6), "uint32", ("b", "a", None, None), "7924dcb358dab643")]
+
+
+def _checksum_case(shape, dtype, spec, seed):
+    """(host array, the same placed with `spec` on the case's mesh)."""
+    rng = np.random.default_rng(seed)
+    if dtype == "bool":
+        x = rng.integers(0, 2, shape).astype(bool)
+    elif dtype in ("int8", "int32", "uint32"):
+        x = rng.integers(np.iinfo(dtype).min, np.iinfo(dtype).max, shape, dtype=dtype, endpoint=True)
+    else:
+        x = rng.standard_normal(shape).astype(jnp.dtype(dtype))
+    auto = jax.sharding.AxisType.Auto
+    mesh = (jax.make_mesh((8,), ("d",), axis_types=(auto,)) if "d" in spec
+            else jax.make_mesh((4, 2), ("a", "b"), axis_types=(auto, auto)))
+    return x, jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
+
+
+def _checksum_definition(x: np.ndarray) -> str:
+    """integrity.py's docstring in numpy, one weight per element: c1 = sum b_i (2i + 1),
+    c2 = sum b_i h1(base_r) h2(g_c), modulo 2^32, as 16 hex digits."""
+    flat = x.reshape(-1)
+    b = (flat.astype(np.uint32) if x.dtype == np.bool_ else flat.view(f"u{x.dtype.itemsize}")).astype(np.uint64)
+    i = np.arange(flat.size, dtype=np.uint64)
+    width = x.shape[-1] if x.ndim else 1
+    row, col = i // width * width, i % width
+    odd = lambda v, p: (v * p % 2**32) | 1  # noqa: E731
+    c1 = int((b * (2 * i + 1) % 2**32).sum() % 2**32)
+    c2 = int((b * (odd(row, 2654435761) * odd(col, 2246822519) % 2**32) % 2**32).sum() % 2**32)
+    return f"{c1:08x}{c2:08x}"
+
+
+@pytest.mark.parametrize("case", range(len(_CHECKSUM_CASES)),
+                         ids=[f"{c[1]}{list(c[0])}{c[2]}" for c in _CHECKSUM_CASES])
+def test_checksum_is_the_documented_definition_on_every_shape_dtype_and_sharding(case):
+    shape, dtype, spec, recorded = _CHECKSUM_CASES[case]
+    x, placed = _checksum_case(shape, dtype, spec, case)
+    for check_finite in (True, False):
+        sums, finite = checksum_state({"x": placed}, check_finite=check_finite)()
+        assert sums == {"['x']": _checksum_definition(x)} and finite
+    assert sums["['x']"] == recorded  # the value records written before the one-pass reduction hold
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_checksum_finds_one_nonfinite_value_in_any_shard(dtype, bad):
+    rng = np.random.default_rng(3)
+    mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("a", "b"))
+    x = rng.standard_normal((32, 24)).astype(jnp.dtype(dtype))
+    ok = {"x": jax.device_put(x, sharding), "flag": jnp.bool_(True)}
+    assert checksum_state(ok)()[1]
+    for pos in rng.integers(0, x.size, 4):
+        y = x.copy().reshape(-1)
+        y[pos] = bad
+        y = y.reshape(x.shape)
+        state = {"x": jax.device_put(y, sharding), "flag": jnp.bool_(True)}
+        sums, finite = checksum_state(state)()
+        assert not finite and checksum_state(state, check_finite=False)()[1]
+        assert sums["['x']"] == _checksum_definition(y)
+
+
 # ---- tiers ---------------------------------------------------------------------------------------------------
 
 def test_local_tier_restores_first_and_persistent_tier_backs_it_up(tmp_path, small_corpus, make_tiny_config,
