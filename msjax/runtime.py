@@ -9,10 +9,14 @@ Both exist because of measurements on a 2-core CPU machine (shared/FIELD_NOTES.m
   so freed buffers stay in the heap and are reused. The price is that the process keeps its peak heap.
 - Compiling the train step takes seconds of every run; jax's persistent compilation cache keeps the compiled
   executables in the user's cache directory (XDG), so a repeated run skips most of that.
+- With several CPU processes jax caches only process 0's executables, and no other process ever hits: see
+  `cache_on_every_process` (measured: a restarted 2-process run's process 1 compiled its whole first step again,
+  28-55 s on the loaded 2-core machine, while process 0 loaded it from the cache).
 
 Opt-outs, for a user who wants the plain defaults: `MSJAX_MALLOPT=0` leaves malloc alone; an explicit
 `JAX_COMPILATION_CACHE_DIR` (or `jax.config.update("jax_compilation_cache_dir", ...)` before import) wins, and
-`MSJAX_COMPILATION_CACHE=0` turns our default off.
+`MSJAX_COMPILATION_CACHE=0` turns our default off; `MSJAX_CACHE_EVERY_PROCESS=0` leaves jax's process-0-only
+cache writes alone.
 """
 
 from __future__ import annotations
@@ -93,8 +97,69 @@ def enable_compilation_cache() -> str | None:
     return str(path)
 
 
+def cache_on_every_process() -> bool:
+    """Lets every process of a multi-process CPU job write its own entries to jax's persistent compilation cache,
+    so that a restarted job loads every process's executables instead of only process 0's. Returns whether the
+    change is in place. Idempotent; `MSJAX_CACHE_EVERY_PROCESS=0` turns it off.
+
+    Why (jax 0.10.2, jax/_src/compiler.py and cache_key.py, read and measured here):
+    - jax writes cache entries only from process 0 (`_cache_write`: "contention for writes on some
+      filesystems"), and relies on every process computing the same cache key, so that the others read process
+      0's entry. On GPU jax makes keys agree across processes by stripping the device assignment.
+    - On CPU they never agree: the key hashes the backend's topology (`_hash_accelerator_config`), and a CPU
+      client's topology is its own process's devices, so process k's key differs from process 0's for the same
+      program (jax_explain_cache_misses showed `jit_train_step-b2f7...` on process 0 and `-0f7c...` on process
+      1, each the same on every restart). Process k > 0 therefore misses on every start, for every program.
+    - jax's public alternative, `jax_share_binary_between_hosts` (process 0 compiles and sends the executable
+      through the coordination service under its cache key), deadlocks on CPU for the same reason: process 1
+      waits for its own key, which process 0 never sets ("GetKeyValue() timed out with key: jit_step-7480...",
+      2 local processes). No public option writes from other processes (jax issue 18819).
+    So on the CPU backend, a process k > 0 writes its own entry, under its own key, with jax's own writer
+    (`compilation_cache.put_executable_and_time`) and jax's own conditions (no host callbacks; at least
+    `jax_persistent_cache_min_compile_time_secs` of compiling; the entry-size floor is checked by the writer).
+    Keys differ per process, so no two processes write the same file. Other platforms keep jax's behaviour.
+    This wraps a private jax function: when its signature is not the one read (another jax version), nothing is
+    changed and False is returned.
+    """
+    if "every_process" in _state:
+        return bool(_state["every_process"])
+    _state["every_process"] = False
+    if os.environ.get("MSJAX_CACHE_EVERY_PROCESS", "1") == "0":
+        return False
+    import inspect
+    import warnings
+
+    from jax._src import compilation_cache, compiler, config, distributed
+
+    original = getattr(compiler, "_cache_write", None)
+    expected = ["cache_key", "compile_time_secs", "module_name", "backend", "executable", "host_callbacks"]
+    if original is None or list(inspect.signature(original).parameters) != expected:
+        return False
+
+    def cache_write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
+        if distributed.global_state.process_id in (None, 0) or getattr(backend, "platform", "") != "cpu":
+            return original(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
+        if host_callbacks or compile_time_secs < config.persistent_cache_min_compile_time_secs.value:
+            return None
+        try:
+            compilation_cache.put_executable_and_time(cache_key, module_name, executable, backend,
+                                                      int(compile_time_secs))
+        except Exception as ex:  # noqa: BLE001 - jax's own policy: a failed cache write warns, the run goes on
+            if config.raise_persistent_cache_errors.value:
+                raise
+            warnings.warn(f"msjax: error writing persistent compilation cache entry for {module_name!r}: "
+                          f"{type(ex).__name__}: {ex}")
+        return None
+
+    cache_write.__wrapped__ = original  # type: ignore[attr-defined]
+    compiler._cache_write = cache_write
+    _state["every_process"] = True
+    return True
+
+
 def setup() -> None:
-    """Both of the above; called from `msjax/__init__.py` so every entry point (scripts, notebooks, tests) gets
+    """All of the above; called from `msjax/__init__.py` so every entry point (scripts, notebooks, tests) gets
     them. malloc is tuned first, before jax is imported and allocates."""
     tune_malloc()
     enable_compilation_cache()
+    cache_on_every_process()

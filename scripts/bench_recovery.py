@@ -135,6 +135,19 @@ def main(argv: list[str]) -> int:
     for b in breakdown:
         print(f"{b['kind']:6} " + " ".join(f"{b['phases'][n]:12.2f}" if n in b["phases"] else f"{'-':>12}"
                                           for n in names) + f" {sum(b['phases'].values()):8.2f}")
+    # Each attempt's slowest worker: restore and first-step (compile) seconds. Attempt 0 compiles what the
+    # persistent cache does not hold yet (and a re-planned attempt, its new mesh's programs); a same-mesh restart
+    # loads them: the difference is what the cache saves per restart.
+    per_attempt: dict[int, dict[str, float]] = {}
+    for e in events:
+        m = e.get("phases") or {}
+        if e["kind"] == "worker_phases" and {"prepared", "restored", "first_step"} <= set(m):
+            a = per_attempt.setdefault(e["attempt"], {"restore_s": 0.0, "first_step_s": 0.0})
+            a["restore_s"] = max(a["restore_s"], m["restored"] - m["prepared"])
+            a["first_step_s"] = max(a["first_step_s"], m["first_step"] - m["restored"])
+    print("\nper attempt, slowest worker (s): " + "; ".join(
+        f"attempt {a}: restore {v['restore_s']:.1f}, first step {v['first_step_s']:.1f}"
+        for a, v in sorted(per_attempt.items())))
     print(f"\nstatus {code}; wall {wall:.1f} s; step time {step_time and round(step_time, 3)} s; heartbeat period "
           f"{period:g} s, timeout {cfg_flags['supervisor.heartbeat_timeout_s']} s")
     if eff["ratio"] is not None:
@@ -145,7 +158,7 @@ def main(argv: list[str]) -> int:
               f"= 1 - {mean_cost:.1f} / 300 = {extrapolated:.1%}; per-fault cost = recovery time + recomputed "
               f"steps x step time ({step_time and round(step_time, 3)} s)")
     out = {"seed": seed, "exit_code": code, "wall_s": wall, "faults": rows, "effective": eff, "step_s": step_time,
-           "startup_s": startup, "heartbeat_period_s": period, "recovery_phases": breakdown,
+           "startup_s": startup, "attempt_compile": per_attempt, "heartbeat_period_s": period, "recovery_phases": breakdown,
            "load_avg": os.getloadavg(),
            "heartbeat_timeout_s": float(cfg_flags["supervisor.heartbeat_timeout_s"]),
            "mean_fault_cost_s": mean_cost, "ettr_one_fault_per_5min": extrapolated,

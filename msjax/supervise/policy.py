@@ -2,6 +2,9 @@
 
 Backoff as in Kubernetes' CrashLoopBackOff and torchelastic's restart policy: the k-th restart (0-based) waits
 min(base * 2**k, max) seconds, giving a transient fault (a node rebooting, a port still held) time to clear.
+k counts the failures since the last attempt that trained (took a step past its restore step), as
+CrashLoopBackOff resets once a container has run well: a fault loop backs off ever longer, while independent faults
+hours apart each restart after the base delay. The budget counts every restart.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class RestartPolicy:
     backoff_s: float = 1.0
     backoff_max_s: float = 60.0
     history: list[str] = field(default_factory=list)
+    streak: int = 0  # failures since the last attempt that trained: the backoff's exponent
 
     def delay(self, restart_index: int) -> float:
         """Seconds to wait before restart `restart_index` (0-based): min(backoff_s * 2**k, backoff_max_s)."""
@@ -36,15 +40,21 @@ class RestartPolicy:
     def restarts(self) -> int:
         return len(self.history)
 
-    def next_restart(self, failure: str) -> float:
-        """Records a failure that calls for a restart and returns the delay before it.
+    def next_restart(self, failure: str, trained: bool = False) -> float:
+        """Records a failure that calls for a restart and returns the delay before it (seconds).
 
+        Args:
+          failure: what failed (for the fault-loop report).
+          trained: the failed attempt took a step past its restore step; the backoff starts over.
         Raises:
           RestartBudgetExhausted: the budget is spent; the message lists every failure so far.
         """
         if self.restarts >= self.budget:
             raise RestartBudgetExhausted(self.report(failure))
-        delay = self.delay(self.restarts)
+        if trained:
+            self.streak = 0
+        delay = self.delay(self.streak)
+        self.streak += 1
         self.history.append(failure)
         return delay
 

@@ -436,7 +436,7 @@ class Supervisor:
                         return self._finish("no_layout", 3, f"host(s) {newly} excluded, no spare left and "
                                                             "supervisor.replan is off")
                 try:
-                    delay = self.policy.next_restart(summary)
+                    delay = self.policy.next_restart(summary, trained=self._first_step_t is not None)
                 except RestartBudgetExhausted as e:
                     return self._finish("budget_exhausted", 4, str(e))
                 attempt += 1

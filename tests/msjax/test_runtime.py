@@ -76,3 +76,79 @@ print(json.dumps({{"cache": jax.config.jax_compilation_cache_dir, "tokens": ds.m
     assert any((tmp_path / "xdg" / "msjax" / "jax").iterdir()), "no executable was written to the cache"
     assert Path(got["tokens"]).parent == tmp_path / "xdg" / "msjax" / "tokens"
     assert list(work.iterdir()) == []
+
+
+# One process of a 2-process CPU job (2 devices each): a jitted SGD step on a weight sharded across all 4 devices,
+# with the persistent cache at argv[3]. Prints the persistent-cache hits of the step's compilation (jax.monitoring)
+# and the result's checksum.
+_TWO_PROCESS_STEP = r"""
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import msjax, jax, jax.numpy as jnp, numpy as np
+pid, port, cache = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+jax.config.update("jax_compilation_cache_dir", cache)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+hits = []
+jax.monitoring.register_event_listener(lambda name, **kw: hits.append(name)
+                                       if name == "/jax/compilation_cache/cache_hits" else None)
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid, initialization_timeout=120)
+mesh = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+rng = np.random.default_rng(0)
+w_np, x_np = rng.normal(size=(64, 32)).astype(np.float32), rng.normal(size=(16, 32)).astype(np.float32)
+w = jax.make_array_from_process_local_data(spec, w_np[pid * 32:(pid + 1) * 32])
+x = jax.make_array_from_process_local_data(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()), x_np)
+
+@jax.jit
+def step(w, x):
+    loss = lambda w: jnp.mean(jnp.tanh(x @ w.T) ** 2)
+    return w - 0.1 * jax.grad(loss)(w)
+
+before = len(hits)
+out = step(w, x)
+n_hits = len(hits) - before
+total = float(jax.jit(lambda o: jnp.sum(o ** 2))(out).addressable_data(0))  # replicated: every process has it
+print(n_hits, repr(total), flush=True)
+jax.distributed.shutdown()
+"""
+
+
+def _two_process_step(cache: Path, every_process: bool) -> list[tuple[int, float]]:
+    """Runs _TWO_PROCESS_STEP on 2 processes; returns (persistent-cache hits, checksum) per process."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MSJAX_CACHE_EVERY_PROCESS": "1" if every_process else "0"}
+    procs = [subprocess.Popen([sys.executable, "-c", _TWO_PROCESS_STEP, str(i), str(port), str(cache)], env=env,
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=180)
+            assert p.returncode == 0, err[-3000:]
+            hits, total = out.strip().splitlines()[-1].split()
+            results.append((int(hits), float(total)))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
+def test_every_process_of_a_cpu_job_loads_its_step_from_the_persistent_cache(tmp_path):
+    """jax writes persistent-cache entries from process 0 only and a CPU process's cache key differs per process
+    (msjax.runtime.cache_on_every_process): with jax's behaviour a repeated 2-process run's process 1 still
+    compiles; with msjax's, every process of the third run loads its step from the cache, with the same result."""
+    cache = tmp_path / "jax_cache"
+    cold = _two_process_step(cache, every_process=False)  # jax's own behaviour: only process 0 writes
+    assert [h for h, _ in cold] == [0, 0]
+    plain = _two_process_step(cache, every_process=True)
+    assert [h for h, _ in plain] == [1, 0], plain  # process 1 misses: its key is not process 0's
+    warm = _two_process_step(cache, every_process=True)
+    assert [h for h, _ in warm] == [1, 1], warm
+    totals = {t for _, t in cold + plain + warm}
+    assert len(totals) == 1, totals  # executables loaded from the cache compute what compiled ones do
