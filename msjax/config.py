@@ -320,7 +320,8 @@ class SupervisorConfig:
       every worker when none advanced this long with heartbeats still coming (a job-wide hang) (0: off; set it
       above the longest checkpoint save or evaluation).
     restart_budget: restarts allowed over the whole run; one more failure ends it with a report.
-    backoff_s, backoff_max_s: delay before restart k (0-based) is min(backoff_s * 2**k, backoff_max_s).
+    backoff_s, backoff_max_s: delay before a restart is min(backoff_s * 2**k, backoff_max_s), k the failures in a
+      row before it (0-based; an attempt that trained resets k, as Kubernetes' CrashLoopBackOff does).
     stop_grace_s: after SIGTERM, how long workers get to save and exit before SIGKILL (when a worker is dead, hung
       or stalled the others cannot step or save: 1 s at most then, msjax.supervise.supervisor.stop_grace).
     diagnose: run the self-checks on every host after a failure and exclude the hosts that fail.
@@ -374,7 +375,7 @@ class ObserveConfig:
     """Observability (`msjax/observe`): per-rank step timing, Python GC control, stragglers, profiling.
 
     per_rank: every process writes per-step timing, loss, grad norm, lr, tokens/s and MFU to
-      `<run_dir>/ranks/rank<i>.jsonl` and TensorBoard (`<run_dir>/tb/rank<i>`).
+      `<run_dir>/ranks/rank<i>.jsonl`, and its timing figures to TensorBoard (`<run_dir>/tb/rank<i>`).
     gc_every: automatic garbage collection is off during training and every process collects at the same step
       every `gc_every` steps (torchtitan's gc_freq); 0 leaves Python's automatic collection on.
     window: steps per straggler window: at its end every rank times a collective-free probe and the per-rank
@@ -382,6 +383,8 @@ class ObserveConfig:
     threshold, persist: a rank is a straggler when its figure is >= threshold x the other ranks' median in each
       of the last `persist` windows.
     probe: time the collective-free compute probe at window ends (the rank's own compute speed).
+    probe_budget: the most the probe may take, as a fraction of the window's wall time (window x the median step
+      time); its chain of matmuls is sized to that at every window end (msjax.observe.timing.ComputeProbe).
     profile_steps: "K:N" captures a jax.profiler trace of steps K..K+N-1 into `<run_dir>/profile/`; "" none.
     profile_signal_steps: steps traced when SIGUSR1 asks for a profile (single-process runs).
     exclude_stragglers: under the supervisor, record each flagged straggler's host in the run's excluded hosts
@@ -394,6 +397,7 @@ class ObserveConfig:
     threshold: float = 1.5
     persist: int = 2
     probe: bool = True
+    probe_budget: float = 0.005
     profile_steps: str = ""
     profile_signal_steps: int = 3
     exclude_stragglers: bool = False
@@ -464,6 +468,9 @@ class Config:
             raise ConfigError(f"observe: gc_every={o.gc_every}, window={o.window}, persist={o.persist}, threshold="
                               f"{o.threshold}, profile_signal_steps={o.profile_signal_steps}: allowed is gc_every "
                               ">= 0, window >= 0, persist >= 1, threshold > 1, profile_signal_steps >= 1")
+        if not (0.0 < o.probe_budget < 1.0):
+            raise ConfigError(f"observe.probe_budget={o.probe_budget}: allowed is a fraction of the window's wall "
+                              "time, 0 < probe_budget < 1 (e.g. 0.005)")
         if o.profile_steps:
             first, _, count = o.profile_steps.partition(":")
             if not (first.isdigit() and count.isdigit() and int(first) >= 1 and int(count) >= 1):

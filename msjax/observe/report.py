@@ -23,12 +23,12 @@ from typing import Any
 import numpy as np
 
 from msjax.observe.events import read_events
-from sharding_rules.axes import MESH_AXES
+from msjax.sharding_rules.axes import MESH_AXES
 
 # Heatmaps drawn when the data exists: figure key -> (title, source). "window" figures come from windows.jsonl
 # (means over the run's windows), "step" figures from the per-rank rows (means over steps after compilation).
 HEATMAPS = {
-    "probe_s": ("collective-free compute probe (own compute speed)", "window"),
+    "probe_s": ("collective-free compute probe, time per matmul (own compute speed)", "window"),
     "host_stall_s": ("host stall per step (devices waiting for this host)", "step"),
     "compute_s": ("device time per step", "step"),
 }
@@ -143,7 +143,7 @@ def plot_heatmap(run: dict[str, Any], figure: str, path: Path) -> bool:
         for d in range(data):
             for t in range(tensor):
                 p = owner[s, d, t]
-                label = f"{grid[s, d, t]:.1f}" + (f"\np{p}" if p >= 0 else "")
+                label = f"{grid[s, d, t]:.3g}" + (f"\np{p}" if p >= 0 else "")
                 ax.text(t, d, label, ha="center", va="center", fontsize=8,
                         color="white" if grid[s, d, t] < (vmin + vmax) / 2 else "black")
                 if p in slow:
@@ -231,7 +231,7 @@ def plot_timeline(run: dict[str, Any], path: Path) -> bool:
                 ax.text(e["step"], ax.get_ylim()[1], f" straggler: process {e['process']}", color="red",
                         va="top", fontsize=8)
         ax.set_xlabel("step (end of window)")
-        ax.set_ylabel("compute probe (ms)")
+        ax.set_ylabel("compute probe (ms per matmul)")
         ax.set_title("per-rank collective-free compute probe per window (slower rank = larger)")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)

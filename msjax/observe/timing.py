@@ -22,8 +22,12 @@ From these, with done_t of the previous step:
 
 The device-side share of a rank (its compute before the step's collectives) is hidden inside one compiled program
 and cannot be read from the host without splitting the step or profiling it. So at the end of each window
-(`observe.window` steps, after the window's last step is done) every rank times a *collective-free probe*: a fixed
-chain of matmuls on each of its own devices. A throttled GPU, a CPU shared with a noisy neighbour, a host slowed
+(`observe.window` steps, after the window's last step is done) every rank times a *collective-free probe*: a
+chain of matmuls on each of its own devices (`ComputeProbe`), reported as seconds per matmul. Its cost is budgeted:
+the matrix size is calibrated once at start (the same on every rank), and at every window end the chain is sized
+so the probe takes at most `observe.probe_budget` (default 0.5%) of the window's wall time, following the run's
+step time and the machine's measured speed. A run slowed by a straggler has longer windows, so the probe that
+finds it gets longer too. A throttled GPU, a CPU shared with a noisy neighbour, a host slowed
 from outside: the probe of that rank takes longer, while the others' do not, because nothing in it waits for
 another rank. The window's per-rank figures (probe_s, host_stall_s, data_s, ...) are then gathered with jax's
 multihost all-gather (one collective per window, not per step) and compared with the other ranks' median
@@ -44,6 +48,7 @@ import queue
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
@@ -61,9 +66,34 @@ from msjax.optim import lr_schedule
 
 # How long the observer waits for a step's results at a window boundary before it gives up (seconds).
 WAIT_TIMEOUT_S = 900.0
-# Per-window figures exchanged between ranks, in this order. Seconds, means over the window's steps (probe_s: the
-# median of a few timed probes).
-WINDOW_FIGURES = ("step_s", "compute_s", "host_stall_s", "data_s", "checkpoint_s", "gc_s", "probe_s")
+# Per-window figures exchanged between ranks, in this order. Seconds; means over the window's steps except:
+# step_median_s (the median step: a checkpoint, an eval or the previous window's probe do not move it), probe_s
+# (seconds per matmul of the window-end probe), probe_wall_s (that probe's wall time), window_s (main-thread wall
+# time from the end of the previous window's probe to the end of this window's probe), observer_s (main-thread
+# time inside the observer's on_step_end over the window, probe and exchange included, the wait for the window's
+# last step to finish on the device excluded: that is queued work, not the observer's) and watcher_cpu_s (CPU time of the
+# observer's watcher thread over the window): window totals.
+WINDOW_FIGURES = ("step_s", "step_median_s", "compute_s", "host_stall_s", "data_s", "checkpoint_s", "gc_s",
+                  "probe_s", "probe_wall_s", "window_s", "observer_s", "watcher_cpu_s")
+# Per-rank TensorBoard scalars: the figures that differ between ranks. Run-wide values (loss, grad norm, lr,
+# tokens/s, MFU) are the same on every rank and already in the loop's own TensorBoard at the same steps; the JSONL
+# rows and the live sink carry everything. (tensorboardX costs ~40 us of CPU per scalar on this machine.)
+TB_FIGURES = ("step_s", "compute_s", "host_stall_s", "data_s", "dispatch_s", "checkpoint_s", "gc_s")
+# The probe's candidate matrix sides, and the most seconds one matmul (all local devices at once) may take at the
+# size chosen (ComputeProbe.calibrate): 0.2 ms is ~100x a jit dispatch, and a 0.5% budget of a 1 s window still
+# holds over 20 matmuls.
+PROBE_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)
+PROBE_MATMUL_S = 2e-4
+PROBE_MAX_CHAIN = 1 << 16
+# A budget is spent as several short calls (median taken) rather than one long one: calls of ~4 ms fit in an OS
+# scheduler slice on a healthy host even under load, while a rank throttled throughout is slow in every call
+# (a CFS quota of 1 ms per 10 ms stretches a 4 ms call to ~40 ms). Measured on the 4-worker straggler test at
+# load ~7: 3 calls of ~20 ms gave the throttled worker scores 7.1 and 3.1 (healthy calls preempted as well).
+PROBE_CALL_S = 4e-3
+PROBE_MAX_REPEATS = 25
+# Per window the probe's cost model follows the measured probe time (median over ranks), by at most this factor
+# either way: a load burst during one probe does not swing the next probe's size by more.
+PROBE_RESCALE_LIMIT = 2.0
 # Figures the straggler detector scores, with the floor of their denominator as a fraction of the median step
 # time (host stalls are ~0 on healthy ranks: without a floor microseconds of noise would make huge ratios).
 SCORED_FIGURES = {"probe_s": 0.0, "host_stall_s": 0.1}
@@ -84,36 +114,136 @@ def _log(msg: str) -> None:
         tqdm.write(msg)
 
 
+@dataclass(frozen=True)
+class ProbeCost:
+    """Cost model of one probe call on this process's devices: wall seconds = overhead_s + chain * matmul_s.
+
+    Attributes:
+      size: matrix side n of the (n, n) float32 matmuls.
+      overhead_s: seconds of a call with no matmul (dispatch to every local device and the wait for them).
+      matmul_s: seconds per (n, n) @ (n, n) matmul + tanh, all local devices running concurrently.
+    """
+
+    size: int
+    overhead_s: float
+    matmul_s: float
+
+    def predict(self, chain: int) -> float:
+        """Predicted wall seconds of a probe of `chain` matmuls."""
+        return self.overhead_s + chain * self.matmul_s
+
+    def chain_for(self, budget_s: float, max_chain: int = PROBE_MAX_CHAIN) -> int:
+        """The longest chain (>= 1, <= max_chain) predicted to take at most `budget_s` seconds; 1 when even one
+        matmul is predicted over the budget (the caller reports that as over budget)."""
+        room = (budget_s - self.overhead_s) / max(self.matmul_s, 1e-12)
+        return int(min(max_chain, max(1, math.floor(room))))
+
+    def scaled(self, factor: float) -> "ProbeCost":
+        """The same model with both times multiplied by `factor` (the machine got faster or slower)."""
+        return ProbeCost(self.size, self.overhead_s * factor, self.matmul_s * factor)
+
+
 class ComputeProbe:
-    """A fixed, collective-free computation timed on each of this process's devices.
+    """A collective-free chain of matmuls timed on every device of this process, sized to a time budget.
+
+    One call runs `chain` dependent (n, n) float32 matmuls (`a = tanh(a @ x)`, 2 n^3 FLOPs each) on every local
+    device at once and waits for all of them; a probe is `repeats` calls, and its figure is *seconds per matmul*
+    (median call wall / chain), so windows whose chains differ compare (the per-call dispatch is amortised over the
+    chain: at chains of a few matmuls it weighs more). The chain length is a traced argument (a while loop):
+    changing it compiles nothing.
+
+    Why several short calls and a median when the budget allows (`plan`), 1 call otherwise: a healthy rank
+    preempted once by the OS loses one call, which the median drops (a single call would show it whole: a
+    one-window spike, seen here at 5x under load 8); a rank slowed throughout (a throttled GPU, a CPU cgroup quota)
+    is slow in every call. A throttle that works in slices (CFS: 1 ms of CPU per 10 ms) shows in every call only
+    when a call outlasts its quota slice: a probe of a few matmuls can slip through between pauses. The budget grows with the window's wall time,
+    so once a straggler slows the run its probe gets longer (measured: 0.45 s calls on the throttled worker of
+    tests/msjax/test_observe_multiprocess.py).
 
     Args:
       devices: the devices to probe (this process's devices of the mesh).
-      size: matrix side n of the (n, n) float32 matmuls.
-      chain: number of dependent matmuls (each 2 n^3 FLOPs).
-      repeats: timed runs; the median is reported.
+      sizes: candidate matrix sides for `calibrate`, ascending.
     """
 
-    def __init__(self, devices: Sequence[jax.Device], size: int = 256, chain: int = 8, repeats: int = 3):
-        self.repeats = repeats
+    def __init__(self, devices: Sequence[jax.Device], sizes: Sequence[int] = PROBE_SIZES):
+        self._devices = list(devices)
+        self._sizes = tuple(sorted(sizes))
 
-        def body(x):
+        def body(x, chain):
             return jax.lax.fori_loop(0, chain, lambda i, a: jnp.tanh(a @ x), x)
 
         self._fn = jax.jit(body)
-        rng = np.random.default_rng(0)
-        host = (rng.standard_normal((size, size)) / math.sqrt(size)).astype(np.float32)
-        self._inputs = [jax.device_put(host, d) for d in devices]
-        jax.block_until_ready([self._fn(x) for x in self._inputs])  # compile now, not inside a timed window
+        self._inputs: dict[int, list[jax.Array]] = {}
+        self._chain_args: dict[int, list[jax.Array]] = {}
+        self.cost: ProbeCost | None = None
+        self.chain = 1
+        self.repeats = 1
 
-    def __call__(self) -> float:
-        """Median wall seconds for all probed devices to finish one probe (devices run concurrently)."""
-        times = []
-        for _ in range(self.repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready([self._fn(x) for x in self._inputs])
-            times.append(time.perf_counter() - t0)
-        return float(np.median(times))
+    def _args(self, size: int, chain: int) -> tuple[list[jax.Array], list[jax.Array]]:
+        if size not in self._inputs:
+            host = (np.random.default_rng(size).standard_normal((size, size)) / math.sqrt(size)).astype(np.float32)
+            self._inputs[size] = [jax.device_put(host, d) for d in self._devices]
+            zero = [jax.device_put(np.int32(0), d) for d in self._devices]
+            jax.block_until_ready([self._fn(x, c) for x, c in zip(self._inputs[size], zero)])  # compile now
+        if chain not in self._chain_args:  # the loop bound lives on each device: a call transfers nothing
+            self._chain_args[chain] = [jax.device_put(np.int32(chain), d) for d in self._devices]
+        return self._inputs[size], self._chain_args[chain]
+
+    def time_call(self, size: int, chain: int) -> float:
+        """Wall seconds of one probe call of `chain` (n=size) matmuls on every local device (compiled first)."""
+        xs, cs = self._args(size, chain)
+        t0 = time.perf_counter()
+        jax.block_until_ready([self._fn(x, c) for x, c in zip(xs, cs)])
+        return time.perf_counter() - t0
+
+    def measure(self, size: int, samples: int = 5, chain: int = 16) -> ProbeCost:
+        """Fits the cost model at `size`: the median of `samples` calls with no matmul (overhead) and with
+        `chain` matmuls (overhead + chain x matmul)."""
+        empty = float(np.median([self.time_call(size, 0) for _ in range(samples)]))
+        full = float(np.median([self.time_call(size, chain) for _ in range(samples)]))
+        return ProbeCost(size, empty, max((full - empty) / chain, 1e-9))
+
+    def calibrate(self, matmul_target_s: float = PROBE_MATMUL_S) -> ProbeCost:
+        """The cost at the largest candidate size whose matmul takes at most `matmul_target_s` (the smallest
+        candidate when none does): work per matmul well above dispatch noise, yet fine steps of chain length.
+        Sets `self.cost`. Takes a few compilations (one per size tried) and about a second on a CPU."""
+        best = None
+        for size in self._sizes:
+            cost = self.measure(size)
+            if best is not None and cost.matmul_s > matmul_target_s:
+                break
+            best = cost
+            if cost.matmul_s > matmul_target_s:
+                break
+        self.cost = best
+        return best
+
+    def plan(self, budget_s: float, call_s: float = PROBE_CALL_S, max_repeats: int = PROBE_MAX_REPEATS) -> bool:
+        """Sets repeats and chain for a probe of at most `budget_s` seconds: calls of about `call_s` each,
+        between 3 and `max_repeats` of them (longer calls beyond that), or 1 call when 3 calls of one matmul do
+        not fit; the chain is the longest predicted to fit. False when even one call of one matmul is predicted
+        over the budget (the probe then runs 1 x 1). Needs `self.cost`."""
+        if 3 * self.cost.predict(1) <= budget_s:
+            self.repeats = int(min(max_repeats, max(3, budget_s // call_s)))
+        else:
+            self.repeats = 1
+        self.chain = self.cost.chain_for(budget_s / self.repeats)
+        return self.cost.predict(1) <= budget_s
+
+    def rescale(self, measured_s: float, limit: float = PROBE_RESCALE_LIMIT) -> float:
+        """Follows the machine's speed: multiplies the cost model by measured / predicted wall time of a probe of
+        the current plan (`measured_s`: the probe's whole wall time), clamped to [1/limit, limit] (one probe hit by a burst of load moves the model by at
+        most that). Returns the factor applied."""
+        predicted = self.repeats * self.cost.predict(self.chain)
+        factor = min(limit, max(1.0 / limit, measured_s / max(predicted, 1e-12)))
+        self.cost = self.cost.scaled(factor)
+        return factor
+
+    def __call__(self) -> tuple[float, float]:
+        """(seconds per matmul, wall seconds): the median call's wall / chain, and the whole probe's wall time
+        (`self.repeats` calls of `self.chain` matmuls at `self.cost.size`)."""
+        walls = [self.time_call(self.cost.size, self.chain) for _ in range(self.repeats)]
+        return float(np.median(walls)) / self.chain, float(np.sum(walls))
 
 
 class StepObserver(Hook):
@@ -174,13 +304,42 @@ class StepObserver(Hook):
         self._tb_every = max(1, t.log_every)  # TensorBoard at the loop's log cadence (per-step rows are in JSONL)
         self._extra = ctx.extra  # a control plane may put its sink there in its own on_start, after ours
         local = [d for d in ctx.mesh.devices.flat if d.process_index == self.rank]
-        self._probe = ComputeProbe(local) if self.cfg.window and self.cfg.probe else None
+        self._probe = None
+        if self.cfg.window and self.cfg.probe:
+            self._probe = ComputeProbe(local)
+            self._probe.cost = self._agreed_cost(self._probe)
+            self._probe.chain = self._probe.repeats = 1  # no step time yet, no budget: the smallest probe at first
+        self._over_budget_logged = False
+        self._observer_s = 0.0  # main-thread seconds inside on_step_end since the last window end
+        self._watch_cpu = self._watch_cpu_mark = 0.0  # the watcher thread's CPU seconds (cumulative; at last window)
         self._gc_was_enabled = gc.isenabled()
         if self.cfg.gc_every:
             gc.collect()
             gc.disable()
         self._thread = threading.Thread(target=self._watch, name=f"msjax-observe-rank{self.rank}", daemon=True)
         self._thread.start()
+        self._window_t0 = time.perf_counter()
+
+    def _allgather(self, x: np.ndarray) -> np.ndarray:
+        """(P, ...) the same array from every process (jax's multihost all-gather; no collective alone)."""
+        if self.nproc == 1:
+            return np.asarray(x)[None]
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x))
+
+    def _agreed_cost(self, probe: ComputeProbe) -> ProbeCost:
+        """Calibrates the probe; every rank must then run the same size and chain (its figure is compared across
+        ranks and the window's exchange waits for the slowest probe): the size is the smallest any rank chose,
+        the cost model the median over ranks at that size. Two small all-gathers, once per run."""
+        cost = probe.calibrate()
+        if self.nproc == 1:
+            return cost
+        size = int(self._allgather(np.array([cost.size], np.int32))[:, 0].min())
+        if size != cost.size:
+            cost = probe.measure(size)
+        every = self._allgather(np.array([cost.overhead_s, cost.matmul_s], np.float32))  # (P, 2)
+        return ProbeCost(size, float(np.median(every[:, 0])), float(np.median(every[:, 1])))
 
     def _gather_hosts(self) -> dict[int, str]:
         # Under the supervisor a worker's host is the supervisor's name for it (MSJAX_HOST), the name its excluded
@@ -229,7 +388,9 @@ class StepObserver(Hook):
         issue_t = tm.get("issue_t", now)
         self._queue.put((step, metrics, issue_t, host))
         if self.cfg.window and step % self.cfg.window == 0:
-            self._window_end(ctx, step)
+            self._window_end(ctx, step, now)
+        else:
+            self._observer_s += time.perf_counter() - now
 
     def _watch(self) -> None:
         """Background thread: waits for each step's results in order and writes its row."""
@@ -241,9 +402,14 @@ class StepObserver(Hook):
                 if item is None:
                     return
                 step, metrics, issue_t, host = item
-                jax.block_until_ready(metrics)
-                done = time.perf_counter()
-                values = {k: float(v) for k, v in metrics.items()}
+                # The step's outputs become ready together: the first conversion waits for the step, and its end
+                # is the step's done time. float(np.asarray(x)) per scalar costs ~15 us of CPU here, where
+                # block_until_ready + jax.device_get of the dict cost ~100-350 us.
+                values, done = {}, None
+                for k, v in metrics.items():
+                    values[k] = float(np.asarray(v))
+                    if done is None:
+                        done = time.perf_counter()
                 if prev_done is None:
                     step_s, stall, compute = done - issue_t, 0.0, done - issue_t
                 else:
@@ -261,9 +427,11 @@ class StepObserver(Hook):
                 self._emit(step, row)
                 if first and self.cfg.per_rank:
                     self._jsonl.flush()  # the first row says "compiled and running" to whoever tails the file
+                cpu = time.thread_time()
                 with self._cv:
                     if not first:
                         self._rows.append(row)
+                    self._watch_cpu = cpu
                     first = False
                     self._done_step = step
                     self._cv.notify_all()
@@ -276,9 +444,8 @@ class StepObserver(Hook):
         if self.cfg.per_rank:
             self._jsonl.write(json.dumps(row) + "\n")
             if step % self._tb_every == 0:
-                for k, v in row.items():
-                    if k not in ("step", "time", "compile"):
-                        self._tb.add_scalar(k, v, step)
+                for k in TB_FIGURES:
+                    self._tb.add_scalar(k, row[k], step)
         values = {k: v for k, v in row.items() if k != "step"}
         for sink in self._all_sinks():
             sink.publish(self.rank, step, values)
@@ -289,35 +456,73 @@ class StepObserver(Hook):
 
     # ---- every window -------------------------------------------------------------------------------------------
 
-    def _window_end(self, ctx: RunContext, step: int) -> None:
+    def _window_end(self, ctx: RunContext, step: int, entered: float) -> None:
+        """The window's one host sync: waits for its last step, times the probe, gathers every rank's figures
+        (`entered`: perf_counter when this on_step_end began)."""
+        t_wait = time.perf_counter()
         with self._cv:
             ok = self._cv.wait_for(lambda: self._done_step >= step or self._error is not None, WAIT_TIMEOUT_S)
+            waited = time.perf_counter() - t_wait  # the device finishing queued steps: not the observer's time
             if not ok:
                 raise TimeoutError(f"observe: step {step}'s results were not ready on process {self.rank} within "
                                    f"{WAIT_TIMEOUT_S:.0f} s (window end)")
             if self._error is not None:
                 raise RuntimeError(f"observe: the metrics thread failed: {self._error!r}") from self._error
             rows, self._rows = self._rows, []
+            watch_cpu, self._watch_cpu_mark = self._watch_cpu - self._watch_cpu_mark, self._watch_cpu
             if self.cfg.per_rank:
                 self._jsonl.flush()
-        figures = {k: float(np.mean([r[k] for r in rows])) if rows else 0.0 for k in WINDOW_FIGURES if k != "probe_s"}
-        figures["probe_s"] = self._probe() if self._probe is not None else 0.0
-        mine = np.array([figures[k] for k in WINDOW_FIGURES], np.float32)
-        if self.nproc > 1:
-            from jax.experimental import multihost_utils
-
-            every = np.asarray(multihost_utils.process_allgather(mine))  # (P, F): the window's one collective
+        figures = {k: float(np.mean([r[k] for r in rows])) if rows else 0.0
+                   for k in ("step_s", "compute_s", "host_stall_s", "data_s", "checkpoint_s", "gc_s")}
+        figures["step_median_s"] = float(np.median([r["step_s"] for r in rows])) if rows else 0.0
+        probe_plan = None
+        if self._probe is not None:
+            probe_plan = {"size": self._probe.cost.size, "chain": self._probe.chain, "repeats": self._probe.repeats}
+            figures["probe_s"], figures["probe_wall_s"] = self._probe()
         else:
-            every = mine[None]
-        if not rows:  # a window holding only the compilation step: nothing to compare
-            return
-        self._compare(ctx, step, every)
+            figures["probe_s"] = figures["probe_wall_s"] = 0.0
+        t_probe = time.perf_counter()
+        figures.update(window_s=t_probe - self._window_t0, observer_s=self._observer_s + t_probe - entered - waited,
+                       watcher_cpu_s=watch_cpu)
+        mine = np.array([figures[k] for k in WINDOW_FIGURES], np.float32)
+        every = self._allgather(mine)  # (P, F): the window's one collective
+        if rows:  # a window holding only the compilation step has nothing to compare
+            per_fig = {k: every[:, i] for i, k in enumerate(WINDOW_FIGURES)}
+            if probe_plan is not None:
+                probe_plan.update(self._replan(per_fig, step))
+            self._compare(ctx, step, per_fig, probe_plan)
+        # The exchange (and the comparison) count toward the next window's observer time; the next window starts
+        # where this one's probe ended.
+        self._window_t0 = t_probe
+        self._observer_s = time.perf_counter() - t_probe
 
-    def _compare(self, ctx: RunContext, step: int, every: np.ndarray) -> None:
-        per_fig = {k: every[:, i] for i, k in enumerate(WINDOW_FIGURES)}
+    def _replan(self, per_fig: dict[str, np.ndarray], step: int) -> dict[str, Any]:
+        """Sizes the next window's probe to `observe.probe_budget` of the window's wall time.
+
+        Every rank computes the same plan from the same gathered figures: the expected window time is `window` x
+        the median over ranks of the median step (robust to a checkpoint, an eval, the previous probe, and to the
+        straggler itself), and the cost model is rescaled by the median over ranks of measured / predicted probe
+        time (by at most PROBE_RESCALE_LIMIT), so the probe follows the machine's speed and the run's step time.
+        Returns the plan's record for windows.jsonl.
+        """
+        probe = self._probe
+        probe.rescale(float(np.median(per_fig["probe_wall_s"])))
+        budget_s = self.cfg.probe_budget * self.cfg.window * float(np.median(per_fig["step_median_s"]))
+        fits = probe.plan(budget_s)
+        if not fits and not self._over_budget_logged:
+            self._over_budget_logged = True
+            _log(f"observe: at step {step} even a 1-matmul probe ({probe.cost.predict(1) * 1e3:.2f} ms predicted) "
+                 f"is over observe.probe_budget={self.cfg.probe_budget} of the window ({budget_s * 1e3:.2f} ms); "
+                 f"it runs anyway (a longer observe.window lowers its share)")
+        return {"next_chain": probe.chain, "next_repeats": probe.repeats, "next_budget_s": budget_s, "next_fits": fits,
+                "matmul_s_model": probe.cost.matmul_s, "overhead_s_model": probe.cost.overhead_s}
+
+    def _compare(self, ctx: RunContext, step: int, per_fig: dict[str, np.ndarray],
+                 probe_plan: dict[str, Any] | None) -> None:
         verdict = self._detector.update(per_fig, step_s=float(np.median(per_fig["step_s"])))
         row = {"step": step, "time": time.time(), "figures": {k: v.tolist() for k, v in per_fig.items()},
-               "scores": {k: v.tolist() for k, v in verdict.scores.items()}, "stragglers": verdict.stragglers}
+               "scores": {k: v.tolist() for k, v in verdict.scores.items()}, "stragglers": verdict.stragglers,
+               "probe": probe_plan}
         self.window_rows.append(row)
         if self.rank == 0:
             with open(self.run_dir / "ranks" / "windows.jsonl", "a") as f:

@@ -10,8 +10,14 @@ SIGCONT cycling from a Python thread is coarse, and its phase lines up with the 
 finishes its step, and starts its probe, just after a SIGCONT), so a probe of a few ms slips through whole (seen
 here: scores 1.0-1.6). The kernel throttles every 10 ms whatever the phase and the load: the worker's
 collective-free probe (a few ms of CPU) takes ~10x its CPU time, while the others' take ~1-2.5x under this
-machine's load. Measured here: the slowed worker's probe scores 9.1, 11.9, 13.8; the unslowed runs' highest
-single-window score 2.1. The test's threshold is 3.0 for 2 consecutive windows. Process 3 must be flagged, with
+machine's load. Measured here with the fixed 18 ms probe: the slowed worker's probe scores 9.1, 11.9, 13.8; the
+unslowed runs' highest single-window score 2.1. With the budgeted probe (observe.probe_budget 0.5%: calls of
+~4 ms, median; it grows with the throttled run's longer windows), at load 7-11: the slowed worker's scores in
+windows 4, 8, 12: 14.3, 10.9, 16.8 and 41.7, 11.9, 9.4 (2 runs); the unslowed run's highest score per window
+22.7 (window 4: before any step time is known the probe is a single 1-matmul call, and one preemption shows
+whole), 2.2, 4.9 (a healthy worker preempted through every call of a short probe), by different workers: never
+the same one in 2 consecutive windows, but closer to the threshold than with the fixed probe. The test's
+threshold is 3.0 for 2 consecutive windows. Process 3 must be flagged, with
 its host and mesh coordinates, in the log, events.jsonl, the report and the heatmap (a red box around its cells).
 
 Unslowed run (the same flags): nobody is flagged, no red box, and every rank's per-step rows are in the run's

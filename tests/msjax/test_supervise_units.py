@@ -84,6 +84,15 @@ def test_restart_policy_backoff_and_budget_report():
         RestartPolicy(budget=0).next_restart("x")
 
 
+def test_backoff_starts_over_after_an_attempt_that_trained():
+    """Independent faults each restart after the base delay; only failures in a row (no step between) back off."""
+    p = RestartPolicy(budget=6, backoff_s=0.5, backoff_max_s=60.0)
+    delays = [p.next_restart("a", trained=t) for t in (True, False, False, True, True, False)]
+    assert delays == [0.5, 1.0, 2.0, 0.5, 0.5, 1.0]
+    with pytest.raises(RestartBudgetExhausted):
+        p.next_restart("a", trained=True)  # the budget still counts every restart
+
+
 def test_fault_specs():
     assert Fault.parse("kill:1@5") == Fault("kill", 1, 5, 0)
     assert Fault.parse("stop:0@9#1") == Fault("stop", 0, 9, 1)
@@ -240,7 +249,7 @@ def test_flagged_straggler_reaches_the_next_restarts_excluded_hosts(tmp_path):
         for step in (4, 8):
             every = 0.01 * (1 + 0.05 * rng.standard_normal((4, len(WINDOW_FIGURES))))
             every[2, WINDOW_FIGURES.index("probe_s")] *= 3
-            obs._compare(None, step, every)
+            obs._compare(None, step, {k: every[:, i] for i, k in enumerate(WINDOW_FIGURES)}, probe_plan=None)
         assert [s["process"] for s in obs.stragglers] == [2]
         sink.flush()
         assert store.excluded_hosts() == ({"host2"} if enabled else set())
@@ -257,3 +266,32 @@ def test_flagged_straggler_reaches_the_next_restarts_excluded_hosts(tmp_path):
             ["host0", "host1", "host3", "host4"] if enabled else sup.hosts[:4])
     with pytest.raises(ConfigError, match="exclude_stragglers=true needs observe.window"):
         apply_overrides(Config(), {"observe.exclude_stragglers": True, "observe.window": 0}).validate()
+
+
+def test_the_first_step_is_beaten_at_once_later_steps_at_the_period():
+    """The supervisor's recovery time ends when it sees every worker's first step: the heartbeat sends that step
+    at once instead of at the next period (here 1 hour, so only the immediate beats can arrive)."""
+    from msjax.supervise.heartbeat import HeartbeatHook
+
+    class Store:
+        def __init__(self):
+            self.beats = []
+
+        def beat(self, rank, payload, ttl_s):
+            self.beats.append(payload)
+
+    store = Store()
+    hook = HeartbeatHook(store, rank=1, host="host1", period_s=3600.0, ttl_s=7200.0)
+    try:
+        hook.start(start_step=40)
+        assert [b["step"] for b in store.beats] == [40]
+        hook.on_step_end(None, 41, {})
+        assert [b["step"] for b in store.beats] == [40, 41]
+        assert store.beats[-1]["state"] == "running" and "first_step" in store.beats[-1]["phases"]
+        hook.on_step_end(None, 42, {})
+        hook.on_step_end(None, 43, {})
+        assert [b["step"] for b in store.beats] == [40, 41]  # later steps wait for the period
+        assert [b["seq"] for b in store.beats] == [1, 2]
+    finally:
+        hook.stop()
+    assert store.beats[-1]["step"] == 43 and store.beats[-1]["state"] == "finished"
