@@ -143,6 +143,16 @@ def _complete(directory: Path, step: int) -> bool:
         return False
 
 
+def _any_process(flag: bool) -> bool:
+    """True when `flag` is true on any process: one small all-gather in a multi-process run (every process must
+    call it at the same point), `flag` itself otherwise."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.asarray(multihost_utils.process_allgather(np.int32(flag))).any())
+
+
 def _wait(what: str, fn: Callable[[], Any], timeout_s: float) -> None:
     """Runs `fn` (a blocking wait on Orbax's threads, which has no timeout of its own) in a daemon thread and
     waits at most `timeout_s` for it; re-raises its exception.
@@ -244,6 +254,7 @@ class Checkpointer:
         self._instance = next(_instances)
         self._worker_jobs: list[tuple[int, concurrent.futures.Future]] = []
         self.replica_restore = False  # whether the last restore read one replica and broadcast
+        self.skipped: list[str] = []  # what the last restore passed over, "<path>: <reason>", newest first
         self.last_save_timing: dict[str, float] = {}
         self.last_restore_timing: dict[str, float] = {}
         self.verified_step: int | None = None  # the newest step known complete (written, or restored + verified)
@@ -519,22 +530,35 @@ class Checkpointer:
         Raises:
           CheckpointError: no checkpoint in either tier passes verification (lists what was tried).
         """
-        tried = []
+        tried = self.skipped = []
         replica_plan, why = replica.plan(abstract_state) if self.cfg.replica_restore else (None, "off")
         self.replica_restore = replica_plan is not None
         if self.cfg.replica_restore and replica_plan is None:
             logging.getLogger(__name__).info("single-replica restore does not apply: %s", why)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            # Every process lists the checkpoints after all have arrived here: process 0 deletes interrupted
+            # writes below, and a process that listed after a deletion would walk other candidates than the rest
+            # and meet the others in a different collective (seen in a supervised restart: the processes reached
+            # the barriers of different discards, and the restart failed).
+            multihost_utils.sync_global_devices("msjax-checkpoint-restore-list")
         for step, tier, path in self.candidates():
             reason = None
             try:
                 record = read_record(path)
             except ValueError as e:
                 record, reason = None, str(e)
-            if record is None and reason is None:
-                _warn(f"checkpoint {path} has no integrity record (its write was interrupted); skipped")
-                self._discard(path, None)
-                tried.append(f"{path}: interrupted write")
-                continue
+            # Each verdict below is agreed by every process before it acts on it: they read the same files, but
+            # a write still landing or a slow filesystem can show them different states, and a process that goes
+            # on alone enters the next collective alone.
+            if _any_process(record is None):
+                if record is None and reason is None:
+                    _warn(f"checkpoint {path} has no integrity record (its write was interrupted); skipped")
+                    self._discard(path, None)
+                    tried.append(f"{path}: interrupted write")
+                    continue
+                reason = reason or "another process found no valid integrity record"
             if reason is None:
                 try:
                     t_read = time.perf_counter()
@@ -543,6 +567,8 @@ class Checkpointer:
                     root = _os_error(e)
                     text = str(root).strip().splitlines()[0] if str(root).strip() else ""
                     reason = f"unreadable: {type(root).__name__}: {text[:300]}"
+                if _any_process(reason is not None) and reason is None:
+                    reason = "another process could not read it"
             if reason is None:  # outside the try: a fault of ours must not pass for a damaged checkpoint
                 t_verify = time.perf_counter()
                 bad = (mismatches(record["checksums"], checksum_state(state, check_finite=False)()[0]) if verify
@@ -553,6 +579,8 @@ class Checkpointer:
                               + (" ..." if len(bad) > 3 else ""))
                 elif loader != record.get("loader"):
                     reason = f"loader position {loader} differs from the recorded {record.get('loader')}"
+                if _any_process(reason is not None) and reason is None:
+                    reason = "another process found it does not verify"
             if reason is None:
                 if verify:
                     self.verified_step = step

@@ -340,3 +340,75 @@ def test_local_tier_restores_first_and_persistent_tier_backs_it_up(tmp_path, sma
     assert resumed["start_step"] == 8 and "local/8 failed verification" in capfd.readouterr().err
     for x, y in zip(_leaves(straight["state"]), _leaves(resumed["state"])):
         np.testing.assert_array_equal(x, y)
+
+
+# ---- several processes ---------------------------------------------------------------------------------------
+
+_TWO_PROCESS_RESTORE = """
+import os, sys, time
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+from pathlib import Path
+import jax, numpy as np
+from jax.experimental import multihost_utils
+from msjax.checkpoint import Checkpointer
+from msjax.checkpoint.integrity import RECORD_NAME
+from msjax.config import CheckpointConfig
+pid, port, directory = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid, initialization_timeout=120)
+mesh = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+w = np.random.default_rng(0).normal(size=(8, 16)).astype(np.float32)
+state = lambda k: {"w": jax.make_array_from_process_local_data(spec, k * w[pid * 4:(pid + 1) * 4])}
+cfg = CheckpointConfig(every=0, async_save=False, timeout_s=60)
+ckpt = Checkpointer(cfg, directory)
+for step in (2, 4):
+    ckpt.save(step, state(step), {"pos": step}, force=True)
+ckpt.wait()
+ckpt.close()
+multihost_utils.sync_global_devices("saved")
+if pid == 0:  # step 4's write "was interrupted": its record never landed
+    (directory / "4" / RECORD_NAME).unlink()
+multihost_utils.sync_global_devices("record removed")
+abstract = {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=spec)}
+restorer = Checkpointer(cfg, directory)  # Orbax's manager synchronises the processes here
+if pid == 1:  # arrives late at restore: without an agreement process 0 deletes step 4 before this one lists
+    time.sleep(3)
+step, restored, loader = restorer.restore(abstract)
+error = np.abs(np.asarray(multihost_utils.process_allgather(restored["w"], tiled=True)) - 2 * w).max()
+print(step, loader["pos"], float(error), "|".join(restorer.skipped).replace(" ", "_"), flush=True)
+jax.distributed.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_processes_agree_on_which_checkpoint_to_restore(tmp_path):
+    """2 processes restore while the newest checkpoint is an interrupted write, process 1 arriving 3 s late:
+    both walk the same candidates (each passed over step 4 as interrupted; before the restore's barrier, process 1
+    listed after process 0 had deleted it and met process 0's next collective with a different one, which in a
+    supervised restart failed both), both restore step 2, equal to what was saved, and step 4 is gone."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    repo = Path(__file__).resolve().parents[2]
+    procs = [subprocess.Popen([sys.executable, "-c", _TWO_PROCESS_RESTORE, str(i), str(port), str(tmp_path / "ck")],
+                              cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+        outs = []
+        for p in procs:
+            out, err = p.communicate(timeout=90)  # 8 s here; without the agreement it hangs
+            assert p.returncode == 0, err[-3000:]
+            outs.append(out.strip().splitlines()[-1].split())
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [o[:2] for o in outs] == [["2", "2"], ["2", "2"]], outs
+    assert all(float(o[2]) == 0.0 for o in outs), outs
+    assert [o[3] for o in outs] == [f"{tmp_path / 'ck' / '4'}:_interrupted_write"] * 2, outs
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.isdigit()) == ["2"]
