@@ -119,7 +119,11 @@ def test_invalid_utf8_is_rejected_with_its_offset_or_skipped_whole(tmp_path):
 def test_interrupted_build_leaves_no_temporary_files(tmp_path):
     """SIGINT (Ctrl-C) and SIGTERM during tokenizing: the process ends and the cache dir holds nothing."""
     corpus = _one_line_corpus(tmp_path / "big.txt", 32)
-    code = ("import sys\nfrom msjax.config import DataConfig\nfrom msjax.data import prepare_data\n"
+    # A suite started as a background job (`nohup python -m pytest &`) runs with SIGINT ignored, every child
+    # inherits that and Python leaves it ignored, so the build ran to the end (reproduced): the child restores
+    # Ctrl-C's KeyboardInterrupt, as in a terminal.
+    code = ("import signal, sys\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            "from msjax.config import DataConfig\nfrom msjax.data import prepare_data\n"
             "prepare_data(DataConfig(paths=(sys.argv[1],), tokenizer='char', cache_dir=sys.argv[2]))\n")
     for sig in (signal.SIGINT, signal.SIGTERM):
         cache = tmp_path / f"cache-{sig.name}"
