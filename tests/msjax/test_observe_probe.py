@@ -1,20 +1,20 @@
 """The window-end compute probe keeps to its time budget (`observe.probe_budget`), on a real ComputeProbe.
 
 The probe is calibrated, then run the way `StepObserver` runs it: each window it is planned for the budget, timed,
-and its cost model rescaled by the measured time. After a few windows the probe's wall time must be within its
-budget: median of 5 probes <= 1.25 x budget (the 25% is for the load of a shared machine between planning and
-timing), and it must use its budget, not hide under it (>= 0.25 x budget), so a planner that always picked the
-shortest chain fails too.
+and its cost model rescaled by the measured time. What is checked is the plan and the model, not a stopwatch: the
+plan is the longest chain predicted to fit the budget (so it neither exceeds nor hides under it), and each rescale
+makes the model predict exactly the probe it just timed (within the clamp). How close the probe's wall time comes
+to its budget on a loaded machine is a benchmark figure (`scripts/bench_observe.py`), not a timed assertion: one
+such assertion (median of 5 probes <= 1.25 x budget) failed when another test shared the 2 cores.
 """
 
 import jax
 import numpy as np
 import pytest
 
-from msjax.observe.timing import ComputeProbe, ProbeCost
+from msjax.observe.timing import PROBE_MAX_CHAIN, PROBE_RESCALE_LIMIT, ComputeProbe, ProbeCost
 
 BUDGET = 0.005  # the default observe.probe_budget
-OVER, UNDER = 1.25, 0.25  # tolerances on probe time / budget (see the module docstring)
 
 
 @pytest.fixture(scope="module")
@@ -25,17 +25,22 @@ def probe():
 
 
 @pytest.mark.parametrize("window_s", [0.6, 3.0])  # windows of e.g. 20 steps of 30 ms, and of 150 ms
-def test_probe_time_stays_within_its_share_of_the_window(probe, window_s):
+def test_the_probe_is_planned_to_its_share_of_the_window_and_follows_measured_time(probe, window_s):
     budget_s = BUDGET * window_s
     assert probe.cost.predict(3) < budget_s, f"this machine's smallest probe {probe.cost} leaves no room to test"
     for _ in range(4):  # windows: plan, probe, follow the measured time
         probe.plan(budget_s)
-        probe.rescale(probe()[1])
+        predicted = probe.repeats * probe.cost.predict(probe.chain)
+        measured = probe()[1]
+        factor = probe.rescale(measured)
+        clamped = min(PROBE_RESCALE_LIMIT, max(1 / PROBE_RESCALE_LIMIT, measured / predicted))
+        assert factor == pytest.approx(clamped, rel=1e-12)
+        assert probe.repeats * probe.cost.predict(probe.chain) == pytest.approx(predicted * clamped, rel=1e-9)
     assert probe.plan(budget_s)
     results = [probe() for _ in range(5)]
-    walls = np.array([w for _, w in results])
-    ratio = float(np.median(walls)) / budget_s
-    assert UNDER <= ratio <= OVER, (ratio, walls, probe.chain, probe.cost)
+    per_call = budget_s / probe.repeats
+    assert probe.cost.predict(probe.chain) <= per_call * (1 + 1e-12)  # fits the budget
+    assert probe.chain == PROBE_MAX_CHAIN or probe.cost.predict(probe.chain + 1) > per_call  # the longest that fits
     assert probe.repeats >= 3 and probe.chain >= 3
     for per_matmul, wall in results:  # seconds per matmul of the median call: it is <= half the whole probe
         assert 0 < per_matmul * probe.chain <= wall / 2 * (1 + 1e-9)
