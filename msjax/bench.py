@@ -129,13 +129,21 @@ def time_command(cmd: Sequence[str], cwd: str | None = None, env: Mapping[str, s
                 "stderr": err.read().decode("utf-8", "replace")}
 
 
+def stderr_tail(stderr: str, lines: int = 12, chars: int = 2000) -> str:
+    """The last `lines` non-blank lines of a failed run's stderr (at most `chars` characters), for its row: a
+    parser's error box (tyro prints the message above a closing line such as "see the message above") or a
+    traceback's last frames, not only the last line."""
+    kept = [ln.rstrip() for ln in stderr.splitlines() if ln.strip()][-lines:]
+    return "\n".join(kept)[-chars:] if kept else "no output"
+
+
 def msjax_recipe_row(timed: dict[str, Any]) -> dict[str, Any]:
     """A recipe row from a timed `scripts/train.py` run: adds steps, ms_per_step (after the first, compiling,
     step; evaluation included) and the final val_loss, read from the summary JSON train.py prints last."""
     row = {k: v for k, v in timed.items() if k not in ("stdout", "stderr")}
     lines = [ln for ln in timed["stdout"].splitlines() if ln.startswith("{")]
     if timed["returncode"] != 0 or not lines:
-        row["error"] = (timed["stderr"].strip().splitlines() or ["no output"])[-1][:300]
+        row["error"] = stderr_tail(timed["stderr"])
         return row
     summary = json.loads(lines[-1])
     steps = summary["final_step"] - summary["start_step"]
@@ -155,7 +163,7 @@ def reference_recipe_row(timed: dict[str, Any]) -> dict[str, Any]:
     row.update(val_loss=float(losses[-1]) if losses else None,
                ms_per_step=statistics.median(iters) if iters else None, steps=len(iters) + 1 if iters else None)
     if timed["returncode"] != 0:
-        row["error"] = (timed["stderr"].strip().splitlines() or ["no output"])[-1][:300]
+        row["error"] = stderr_tail(timed["stderr"])
     return row
 
 
@@ -197,12 +205,16 @@ def recipe_benchmark(train_args: Sequence[str], repeats: int = 1, reference_cmd:
             row = msjax_recipe_row(time_command([sys.executable, script, *args], timeout_s=timeout_s))
         rows.append({"name": "msjax", "repeat": i, "load": load, **row})
         log.info("msjax run %d: %s", i, json.dumps(rows[-1]))
+        if "error" in row:
+            log.error("msjax run %d failed (exit %s):\n%s", i, row["returncode"], row["error"])
         if reference_cmd:
             load = f"{os.getloadavg()[0]:.1f}"
             row = reference_recipe_row(time_command(list(reference_cmd), cwd=reference_cwd, timeout_s=timeout_s))
             rows.append({"name": "reference", "repeat": i, "load": load, "command": shlex.join(reference_cmd),
                          **row})
             log.info("reference run %d: %s", i, json.dumps(rows[-1]))
+            if "error" in row:
+                log.error("reference run %d failed (exit %s):\n%s", i, row["returncode"], row["error"])
     return rows
 
 

@@ -61,7 +61,7 @@ def main(argv: list[str]) -> int:
         if opts.json:
             with open(opts.json, "w") as f:
                 json.dump(result, f, indent=2)
-        return 0
+        return 1 if any("error" in r for r in result.get("rows", ())) else 0  # a timed run failed
 
     return cli.main_guard(body)
 

@@ -113,3 +113,16 @@ def test_log_every_zero_trains_and_library_messages_reach_the_log(tmp_path):
     proc = _script("train.py", *args, f"--train.run_dir={tmp_path / 'run2'}", "--quiet")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "val loss" not in proc.stderr and "msjax:" not in proc.stderr
+
+
+def test_recipe_row_of_a_failed_run_keeps_the_error_message():
+    """bench.py --recipe on a run that fails: the row's error holds the child's message naming the bad argument,
+    not only the closing line ("error: see the message above", which used to be all it kept)."""
+    from msjax.bench import msjax_recipe_row, time_command
+
+    # a stray argument (e.g. `--json out.json` for `--json=out.json`): tyro boxes the message, then msjax closes
+    timed = time_command([sys.executable, str(SCRIPTS / "train.py"), "--config=shakespeare_char", "out.json"],
+                         timeout_s=120)
+    row = msjax_recipe_row(timed)
+    assert timed["returncode"] == 2 and "Unrecognized options: out.json" in row["error"], row
+    assert "stdout" not in row and "stderr" not in row
