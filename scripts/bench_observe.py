@@ -5,40 +5,54 @@ interleaved ABBA trials of whole observer periods (--steps=0: lcm(observe.window
 default); prints a table (median, IQR, paired wall and CPU overheads with distribution-free 95% intervals, the
 observer's own time per step) and JSON (msjax.observe.bench)."""
 
+import dataclasses
 import json
 import sys
 
-from msjax.config import ConfigError, config_from_flags, split_flags
+from msjax import cli
+from msjax.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class ObserveBenchOptions:
+    """bench_observe.py's own flags.
+
+    Attributes:
+      steps: steps per trial; 0: one whole observer period, lcm(observe.window, observe.gc_every) (100 by default).
+      pairs: ABBA pairs of trials (>= 6; the 95% interval needs at least 6).
+      json: also write the result as JSON to this path.
+      redis: stream the metrics to a Redis server started for the bench (the control plane's sink).
+    """
+
+    steps: int = 0
+    pairs: int = 40
+    json: str = ""
+    redis: bool = True
 
 
 def main(argv: list[str]) -> int:
-    try:
-        pairs, positional = split_flags(argv)
-        opts = {"steps": "0", "pairs": "40", "json": "", "redis": "true"}
-        opts.update((k, v) for k, v in pairs if k in opts)
-        cfg = config_from_flags([(k, v) for k, v in pairs if k not in opts]).validate()
-        if positional or not (opts["steps"].isdigit() and opts["pairs"].isdigit() and int(opts["pairs"]) >= 6) \
-                or opts["redis"] not in ("true", "false"):
-            raise ConfigError(f"unexpected arguments {positional}, or --steps={opts['steps']!r} (allowed: 0, or a "
-                              f"multiple of lcm(observe.window, observe.gc_every)) / --pairs={opts['pairs']!r} (an "
-                              f"integer >= 6) / --redis={opts['redis']!r} (true or false)")
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    from msjax.observe.bench import format_table, overhead_benchmark
+    def body() -> int:
+        cfg, (common, opts) = cli.parse(argv, ObserveBenchOptions(), prog="bench_observe.py", description=__doc__)
+        cli.setup_logging(common)
+        if opts.steps < 0 or opts.pairs < 6:
+            raise ConfigError(f"--steps={opts.steps} / --pairs={opts.pairs}: allowed is --steps=0 or a multiple of "
+                              "lcm(observe.window, observe.gc_every), and --pairs >= 6")
+        if opts.json:
+            cli.check_writable(opts.json, "--json")
+        from msjax.observe.bench import format_table, overhead_benchmark
 
-    try:
-        row = overhead_benchmark(cfg, steps=int(opts["steps"]), pairs=int(opts["pairs"]),
-                                 redis=opts["redis"] == "true")
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(format_table(row))
-    print(json.dumps(row))
-    if opts["json"]:
-        with open(opts["json"], "w") as f:
-            json.dump(row, f, indent=2)
-    return 0
+        try:
+            row = overhead_benchmark(cfg, steps=opts.steps, pairs=opts.pairs, redis=opts.redis)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        print(format_table(row))
+        print(json.dumps(row))
+        if opts.json:
+            with open(opts.json, "w") as f:
+                json.dump(row, f, indent=2)
+        return 0
+
+    return cli.main_guard(body)
 
 
 if __name__ == "__main__":
