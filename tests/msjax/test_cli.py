@@ -36,7 +36,8 @@ def test_train_help_lists_every_config_key_with_type_default_and_doc(tmp_path):
 
 
 @pytest.mark.parametrize("script, flag", [("bench.py", "--reference_cmd"), ("plan.py", "--virtual_stages"),
-                                          ("bench_attention.py", "--seq_lens"), ("bench_observe.py", "--pairs")])
+                                          ("bench_attention.py", "--seq_lens"), ("bench_observe.py", "--pairs"),
+                                          ("report.py", "--out")])
 def test_every_script_has_help(script, flag):
     proc = _script(script, "--help")
     assert proc.returncode == 0, proc.stderr
