@@ -1,4 +1,5 @@
-"""Process set-up applied once on `import msjax`: the C allocator and jax's persistent compilation cache.
+"""Process set-up applied once on `import msjax`: the C allocator, jax's persistent compilation cache, and the size
+of XLA:CPU's thread pools when one process drives several CPU devices.
 
 Both exist because of measurements on a 2-core CPU machine (shared/FIELD_NOTES.md, "CPU speed: the allocator"):
 
@@ -13,6 +14,9 @@ Both exist because of measurements on a 2-core CPU machine (shared/FIELD_NOTES.m
   `cache_on_every_process` (measured: a restarted 2-process run's process 1 compiled its whole first step again,
   28-55 s on the loaded 2-core machine, while process 0 loaded it from the cache).
 
+- Several CPU devices in one process (`--xla_force_host_platform_device_count=N`, as the tests and CPU layout runs
+  use) can deadlock XLA:CPU's in-process collectives: see `size_cpu_thread_pools`.
+
 Opt-outs, for a user who wants the plain defaults: `MSJAX_MALLOPT=0` leaves malloc alone; an explicit
 `JAX_COMPILATION_CACHE_DIR` (or `jax.config.update("jax_compilation_cache_dir", ...)` before import) wins, and
 `MSJAX_COMPILATION_CACHE=0` turns our default off; `MSJAX_CACHE_EVERY_PROCESS=0` leaves jax's process-0-only
@@ -24,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -37,6 +42,7 @@ MMAP_THRESHOLD_MAX = 1 << 30
 TRIM_THRESHOLD_OFF = (1 << 31) - 1
 
 _state: dict[str, object] = {}
+_POOLS_MARK = "MSJAX_PJRT_NPROC"  # the PJRT_NPROC value msjax set (size_cpu_thread_pools), so children can tell
 
 
 def cache_home() -> Path:
@@ -157,9 +163,53 @@ def cache_on_every_process() -> bool:
     return True
 
 
+def cpu_device_count() -> int:
+    """The CPU device count this process asked XLA for: `--xla_force_host_platform_device_count=N` in `XLA_FLAGS`
+    or `JAX_NUM_CPU_DEVICES` (the last one given wins, as XLA parses flags), else 1."""
+    n = 1
+    env = os.environ.get("JAX_NUM_CPU_DEVICES", "")
+    if env.strip().lstrip("-").isdigit():
+        n = int(env)
+    for m in re.finditer(r"--xla_force_host_platform_device_count=(-?\d+)", os.environ.get("XLA_FLAGS", "")):
+        n = int(m.group(1))
+    return max(n, 1)
+
+
+def size_cpu_thread_pools() -> int | None:
+    """Gives XLA:CPU at least two intra-op threads per local CPU device (through `PJRT_NPROC`, which jaxlib reads
+    when it creates the CPU client) unless the user set `PJRT_NPROC` or `NPROC`. Returns the size set, or None.
+
+    Why: the CPU client sizes both of its pools (intra-op "XLAEigen" and "XLAPjRtCpuClient") at
+    max(cores, devices). A device program resumes on an intra-op thread after an asynchronous thunk and may then
+    block that thread in a collective's rendezvous; another device's parallel matmul queues its pieces on the same
+    pool. With as many threads as devices, the blocked rendezvous can hold every thread those pieces need: a
+    deadlock, which XLA ends with an abort after `xla_cpu_collective_call_terminate_timeout_seconds`. Measured on
+    a 2-core machine with another process loading it, 8 devices, a loop of matmul + psum + ppermute in
+    `shard_map`: at 8 threads it deadlocked within 60 s in each of 3 runs (2 to 5 of 8 devices arrived); at 16
+    and 32 threads 60 s ran clean (1,092 and 734-770 steps). CI saw it once as an abort in an 8-device test.
+    The extra threads sleep unless there is parallel work; a single-device process is left alone.
+    """
+    if "pools" in _state:
+        return _state["pools"]  # type: ignore[return-value]
+    n = cpu_device_count()
+    # A value we set in a parent process (subprocesses inherit the environment) is recomputed for this process's
+    # device count; a value the user set is theirs.
+    ours = os.environ.get("PJRT_NPROC") is not None and os.environ.get("PJRT_NPROC") == os.environ.get(_POOLS_MARK)
+    if ours:
+        del os.environ["PJRT_NPROC"]
+    size = None
+    if n > 1 and not (os.environ.get("PJRT_NPROC") or os.environ.get("NPROC")):
+        size = max(os.cpu_count() or 1, 2 * n)
+        os.environ["PJRT_NPROC"] = os.environ[_POOLS_MARK] = str(size)
+    _state["pools"] = size
+    return size
+
+
 def setup() -> None:
     """All of the above; called from `msjax/__init__.py` so every entry point (scripts, notebooks, tests) gets
-    them. malloc is tuned first, before jax is imported and allocates."""
+    them. malloc is tuned first, before jax is imported and allocates; the thread pools are sized before jax
+    creates its CPU client (on first use, not on import)."""
     tune_malloc()
+    size_cpu_thread_pools()
     enable_compilation_cache()
     cache_on_every_process()

@@ -152,3 +152,32 @@ def test_every_process_of_a_cpu_job_loads_its_step_from_the_persistent_cache(tmp
     assert [h for h, _ in warm] == [1, 1], warm
     totals = {t for _, t in cold + plain + warm}
     assert len(totals) == 1, totals  # executables loaded from the cache compute what compiled ones do
+
+
+_POOLS = r"""
+import json, os, msjax
+print(json.dumps(os.environ.get("PJRT_NPROC")))
+"""
+
+
+@pytest.mark.parametrize("env, want", [
+    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}, str(max(os.cpu_count() or 1, 16))),
+    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_force_host_platform_device_count=32"},
+     str(max(os.cpu_count() or 1, 64))),  # the last flag wins, as in XLA
+    ({"JAX_NUM_CPU_DEVICES": "4"}, str(max(os.cpu_count() or 1, 8))),
+    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PJRT_NPROC": "3"}, "3"),  # the user's choice
+    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "NPROC": "3"}, None),
+    ({"XLA_FLAGS": ""}, None),  # one device: left alone
+    # inherited from a parent msjax process that had 8 devices: recomputed for this one's 32
+    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=32", "PJRT_NPROC": "16", "MSJAX_PJRT_NPROC": "16"},
+     str(max(os.cpu_count() or 1, 64))),
+])
+def test_cpu_thread_pools_get_two_threads_per_device(env, want):
+    """`import msjax` sizes XLA:CPU's pools at two threads per CPU device (a rendezvous deadlock otherwise; see
+    `msjax.runtime.size_cpu_thread_pools`), and leaves a user's PJRT_NPROC/NPROC alone."""
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("XLA_FLAGS", "PJRT_NPROC", "NPROC", "MSJAX_PJRT_NPROC", "JAX_NUM_CPU_DEVICES")}
+    out = subprocess.run([sys.executable, "-c", _POOLS], env={**base, "MSJAX_COMPILATION_CACHE": "0", **env},
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == want
