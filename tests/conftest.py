@@ -1,9 +1,11 @@
 """Eight fake CPU devices for every test, so parallel layouts run in one process (set before jax is imported).
 
-The eight fake devices are threads sharing the machine's cores. XLA:CPU aborts the whole process when a
-collective's participants do not all reach its rendezvous within a termination timeout (40 s by default;
-measured here: a data x sequence x tensor step aborted that way while other jobs loaded the 2 cores). The tests
-raise that timeout to 300 s. It is still a timeout, and XLA's message still names the collective it waited for.
+The eight fake devices share XLA:CPU's thread pools. With the pools at their default size (one thread per device
+on this machine) the devices' collectives can deadlock, and XLA aborts the process when a rendezvous times out;
+CI lost a worker that way. `import msjax` sizes the pools at two threads per device (msjax/runtime.py,
+`size_cpu_thread_pools`, with the measurement). The tests also raise XLA's rendezvous timeout from 40 s to 300 s,
+so a collective that is merely slow on a loaded machine is not taken for a deadlock; a real one still ends, and
+XLA's message names the collective it waited for.
 
 Most of the suite's time is XLA:CPU compiling small programs (each parallel layout, each subprocess run), and most
 of a compile is LLVM optimising the generated code. The tests compile with `--xla_backend_optimization_level=0`:
@@ -15,6 +17,8 @@ level. Nothing outside the tests is compiled this way.
 """
 
 import os
+
+from tests.xdist_scheduling import pytest_xdist_make_scheduler  # noqa: F401  (a worker crash must not hang the run)
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
                            " --xla_cpu_collective_call_terminate_timeout_seconds=300"
