@@ -10,7 +10,7 @@ import sys
 from typing import Sequence
 
 from msjax import cli
-from msjax.config import Config, ConfigError, apply_overrides
+from msjax.config import Config, apply_overrides
 from msjax.planner.options import PlanError, PlanOptions
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from msjax.config import DataConfig
-from msjax.data import DataError, DataWarning, load_tokenizer, prepare_data, read_documents
+from msjax.data import DataError, DataWarning, prepare_data, read_documents
 from msjax.data.corpus import read_pieces, split_text
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,7 +9,6 @@ such assertion (median of 5 probes <= 1.25 x budget) failed when another test sh
 """
 
 import jax
-import numpy as np
 import pytest
 
 from msjax.observe.timing import PROBE_MAX_CHAIN, PROBE_RESCALE_LIMIT, ComputeProbe, ProbeCost
