@@ -345,3 +345,21 @@ def check_writable(path: str, flag: str) -> None:
             p.unlink()
     except OSError as e:
         raise ConfigError(f"{flag}={path!r} is not writable ({e.strerror})") from None
+
+
+def flag_value(value: Any) -> str:
+    """A config value as a command-line string that `msjax.config.coerce` reads back as the same value."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (tuple, list)):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def config_flags(cfg: Config, base: Config) -> list[str]:
+    """`--key=value` for every config key whose value in `cfg` differs from `base` (its preset): the flags that
+    give `cfg` again on top of `--config=<base's preset>`."""
+    before = flat_keys(base)
+    return [f"--{key}={flag_value(value)}" for key, value in flat_keys(cfg).items() if value != before[key]]

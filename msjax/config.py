@@ -690,34 +690,6 @@ def load_preset(name: str) -> Config:
     return cfg
 
 
-def split_flags(argv: Sequence[str], valueless: frozenset[str] | set[str] = frozenset()
-                ) -> tuple[list[tuple[str, str]], list[str]]:
-    """Tokenises a command line into ([(key, value)], positional arguments).
-
-    Accepts `--key=value` and `--key value`; a key in `valueless` may stand alone (`--resume`), meaning "true".
-    Raises ConfigError for any other flag without a value.
-    """
-    pairs, positional = [], []
-    args = list(argv)
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        i += 1
-        if not arg.startswith("--"):
-            positional.append(arg)
-            continue
-        key, eq, value = arg[2:].partition("=")
-        if not eq:
-            if i < len(args) and not args[i].startswith("--"):
-                value, i = args[i], i + 1
-            elif key in valueless:
-                value = "true"
-            else:
-                raise ConfigError(f"flag --{key} needs a value (--{key}=VALUE)")
-        pairs.append((key, value))
-    return pairs, positional
-
-
 def config_from_flags(pairs: Sequence[tuple[str, str]], default_preset: str = "gpt_tiny") -> Config:
     """A validated Config from (key, value) flags: `config` picks the preset, `resume` is shorthand for
     `checkpoint.resume`, every other key is a dotted override. Raises ConfigError naming a bad key or value."""

@@ -1,11 +1,11 @@
 """Checkpoint benchmark: how long the loop is blocked per checkpoint, restore speed per tier, integrity cost.
 
 python scripts/bench_checkpoint.py [--gib=1.0] [--saves=3] [--restores=3] [--devices=8] [--dir=/tmp/...]
-                                   [--local-dir=/dev/shm/...] [--json PATH]
+                                   [--local_dir=/dev/shm/...] [--json PATH]
 
 For a train-state-like pytree of `--gib` GiB of float32 arrays sharded over `--devices` CPU devices:
   blocked_s       the time `Checkpointer.save` blocks the loop (stage 1: device -> host copy, checksum dispatch),
-                  two tiers (local `--local-dir` then persistent `--dir`), mean over saves after the first;
+                  two tiers (local `--local_dir` then persistent `--dir`), mean over saves after the first;
   sync_save_s     a synchronous Orbax save of the same state to the persistent tier (what the loop would wait
                   for without the two stages); the target is blocked_s <= 10% of it;
   background_s    how long the write, record and copy go on after `save` returned;
@@ -26,7 +26,7 @@ For a train-state-like pytree of `--gib` GiB of float32 arrays sharded over `--d
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -35,20 +35,53 @@ import tempfile
 import time
 from pathlib import Path
 
+from msjax import cli
+from msjax.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointBenchOptions:
+    """bench_checkpoint.py's flags (`--local-dir`, the old spelling of `--local_dir`, is accepted too).
+
+    Attributes:
+      gib: size of the train-state-like pytree, in GiB of float32.
+      saves: checkpoints to time (>= 2; the first is reported apart).
+      restores: restores timed per tier, verified and not (medians).
+      devices: fake CPU devices the state is sharded over.
+      dir: the persistent tier's directory; empty: a fresh one under /tmp, removed at the end.
+      local_dir: the local tier's directory; empty: a fresh one under /dev/shm. Removed at the end either way.
+      json: also write the results as JSON to this path.
+    """
+
+    gib: float = 1.0
+    saves: int = 3
+    restores: int = 3
+    devices: int = 8
+    dir: str = ""
+    local_dir: str = ""
+    json: str = ""
+
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--gib", type=float, default=1.0, help="state size in GiB (float32)")
-    p.add_argument("--saves", type=int, default=3, help="checkpoints to time (the first is reported apart)")
-    p.add_argument("--restores", type=int, default=3, help="restores timed per tier, verified and not (medians)")
-    p.add_argument("--devices", type=int, default=8, help="fake CPU devices the state is sharded over")
-    p.add_argument("--dir", default="", help="persistent tier (default: a fresh directory under /tmp)")
-    p.add_argument("--local-dir", default="", help="local tier (default: a fresh directory under /dev/shm)")
-    p.add_argument("--json", default="", help="also write the results as JSON to this path")
-    args = p.parse_args(argv)
-    if args.gib <= 0 or args.saves < 2 or args.devices < 1 or args.restores < 1:
-        print("error: --gib must be > 0, --saves >= 2, --devices >= 1, --restores >= 1", file=sys.stderr)
-        return 2
+    def body() -> int:
+        common, args = cli.parse_options(argv, CheckpointBenchOptions(), prog="bench_checkpoint.py",
+                                         description=__doc__)
+        cli.setup_logging(common)
+        for flag, value, ok, allowed in (("--gib", args.gib, args.gib > 0, "> 0"),
+                                         ("--saves", args.saves, args.saves >= 2, ">= 2"),
+                                         ("--restores", args.restores, args.restores >= 1, ">= 1"),
+                                         ("--devices", args.devices, args.devices >= 1, ">= 1")):
+            if not ok:
+                raise ConfigError(f"{flag}={value}: allowed is {allowed}")
+        if args.json:
+            cli.check_writable(args.json, "--json")
+        return run(args)
+
+    return cli.main_guard(body)
+
+
+def run(args: CheckpointBenchOptions) -> int:
+    """The benchmark (see the module docstring): prints the table, writes --json; returns the exit status."""
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + f" --xla_force_host_platform_device_count={args.devices}").strip()
     import jax

@@ -1,6 +1,6 @@
 """Step time and tokens/s per parallel layout and overlap mode: `python scripts/bench_parallel.py
-[--config=gpt_tiny] [--layouts=dp,pp2,pp4,pp2_dp2_tp2,tp,tp_sp,fsdp,zero2] [--steps=10] [--json=out.json]
-[--model.d_model=...]`.
+[--config=gpt_tiny] [--layouts=dp,pp2,pp4,pp2_dp2_tp2,tp,tp_sp,fsdp,zero2] [--steps=10] [--repeats=3]
+[--json=out.json] [--model.d_model=...]`.
 
 Pipelined layouts (pp2 with and without V = 2 chunks, pp4, pp2 x dp2 x tp2) run beside their non-pipelined
 equivalents on the same devices (dp, tp); `pipeline.microbatches` is the config's (default: the stage count).
@@ -11,12 +11,14 @@ The same command runs on GPUs and TPUs (the devices present) and on CPU, where i
 XLA_FLAGS already sets a count. Prints a table, then the rows as JSON.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 
-from msjax.config import ConfigError, config_from_flags, split_flags
+from msjax import cli
+from msjax.config import Config, ConfigError
 
 TP = {"mesh.data": -1, "mesh.tensor": 2}
 ALL = "all"  # every device on this axis: filled in with the device count
@@ -36,43 +38,68 @@ LAYOUTS = {
     "fsdp": ({"mesh.data": 1, "mesh.fsdp": ALL}, [("none", {}), ("prefetch", {"mesh.fsdp_prefetch": True})]),
     "zero2": ({"mesh.data": 1, "mesh.fsdp": ALL, "mesh.rules": "zero2"}, [("none", {})]),
 }
-OPTS = {"steps": "10", "json": "", "layouts": ",".join(LAYOUTS), "repeats": "3"}
 
 
-def _row(argv: list[str]) -> int:
-    """Child process: one benchmark row from dotted flags, printed as JSON on the last line."""
-    pairs, _ = split_flags(argv)
-    opts = dict(OPTS)
-    opts.update((k, v) for k, v in pairs if k in opts)
-    cfg = config_from_flags([(k, v) for k, v in pairs if k not in opts and k != "row"])
+@dataclasses.dataclass(frozen=True)
+class ParallelBenchOptions:
+    """bench_parallel.py's own flags; every config flag (`--model.d_model=...`) sets the base of every row.
+
+    Attributes:
+      layouts: the layouts to run, in this order: any of dp, pp2, pp4, pp2_dp2_tp2, tp, tp_parallel, tp_sp, fsdp, zero2.
+      steps: timed steps per repeat.
+      repeats: timed repeats of `steps` steps per row (msjax.bench.benchmark reports their median).
+      json: also write the rows as JSON to this path.
+      row: internal: run one row in this process (the config flags give its layout) and print it as JSON.
+    """
+
+    layouts: tuple[str, ...] = tuple(LAYOUTS)
+    steps: int = 10
+    repeats: int = 3
+    json: str = ""
+    row: bool = False
+
+
+def row_argv(argv: list[str], layout: dict) -> list[str]:
+    """The command line of a child process running one row: the user's flags, then the layout's dotted flags.
+    Later flags win (as in argparse), so the layout overrides any mesh flag the user gave."""
+    return ["--row=1", *argv, *(f"--{key}={value}" for key, value in layout.items())]
+
+
+def main(argv: list[str]) -> int:
+    def body() -> int:
+        cfg, (common, opts) = cli.parse(argv, ParallelBenchOptions(), prog="bench_parallel.py",
+                                        description=__doc__)
+        cli.setup_logging(common)
+        if opts.row:
+            return _row(cfg, opts)
+        unknown = [name for name in opts.layouts if name not in LAYOUTS]
+        if unknown or not opts.layouts:
+            raise ConfigError(f"--layouts={','.join(opts.layouts)!r}: allowed is a comma-separated list of "
+                              f"{', '.join(LAYOUTS)}")
+        if opts.steps < 1 or opts.repeats < 1:
+            raise ConfigError(f"--steps={opts.steps} --repeats={opts.repeats}: allowed is >= 1 each")
+        if opts.json:
+            cli.check_writable(opts.json, "--json")
+        return _run(argv, opts)
+
+    return cli.main_guard(body)
+
+
+def _row(cfg: Config, opts: ParallelBenchOptions) -> int:
+    """Child process: one benchmark row, printed as JSON on the last line."""
     from msjax.parallel import xla_flags
 
-    flags = xla_flags.apply(cfg.mesh.tp_overlap)
+    flags = xla_flags.apply(cfg.mesh.tp_overlap)  # before the backend starts: XLA reads XLA_FLAGS once
     from msjax.bench import benchmark
 
-    row = benchmark(cfg, steps=int(opts["steps"]), repeats=int(opts["repeats"]))
+    row = benchmark(cfg, steps=opts.steps, repeats=opts.repeats)
     row["xla_flags"] = flags
     print(json.dumps(row))
     return 0
 
 
-def main(argv: list[str]) -> int:
-    if "--row=1" in argv:
-        return _row([a for a in argv if a != "--row=1"])
-    try:
-        pairs, positional = split_flags(argv)
-        opts = dict(OPTS)
-        opts.update((k, v) for k, v in pairs if k in opts)
-        rest = [(k, v) for k, v in pairs if k not in opts]
-        config_from_flags(rest)  # validate the base config and overrides here, before any child starts
-        layouts = [name for name in opts["layouts"].split(",") if name]
-        unknown = [name for name in layouts if name not in LAYOUTS]
-        if positional or unknown or not opts["steps"].isdigit() or not opts["repeats"].isdigit():
-            raise ConfigError(f"unexpected arguments {positional}, unknown layouts {unknown} (allowed: "
-                              f"{', '.join(LAYOUTS)}), or --steps/--repeats not an integer")
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def _run(argv: list[str], opts: ParallelBenchOptions) -> int:
+    """Parent process: one child per (layout, mode) row; prints the table and the rows as JSON."""
     env = dict(os.environ)
     from msjax.parallel.xla_flags import detect_backend
 
@@ -80,14 +107,12 @@ def main(argv: list[str]) -> int:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     n_devices = _device_count(env)
     rows = []
-    for name in layouts:
+    for name in opts.layouts:
         mesh, modes = LAYOUTS[name]
         for mode, overrides in modes:
             layout = {k: n_devices if v == ALL else v for k, v in {**mesh, **overrides}.items()}
-            flags = [f"--{k}={v}" for k, v in rest] + [f"--{k}={v}" for k, v in layout.items()]
-            flags += [f"--steps={opts['steps']}", f"--repeats={opts['repeats']}"]
             # A row's budget: compilation plus the timed steps of a small model; a hung child must not hang us.
-            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--row=1", *flags], env=env,
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), *row_argv(argv, layout)], env=env,
                                   capture_output=True, text=True, timeout=1800)
             if proc.returncode != 0:
                 print(f"error: layout {name} mode {mode} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
@@ -99,8 +124,8 @@ def main(argv: list[str]) -> int:
                   file=sys.stderr, flush=True)
     print(format_table(rows))
     print(json.dumps(rows))
-    if opts["json"]:
-        with open(opts["json"], "w") as f:
+    if opts.json:
+        with open(opts.json, "w") as f:
             json.dump(rows, f, indent=2)
     return 0
 

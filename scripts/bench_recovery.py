@@ -2,7 +2,7 @@
 diagnostic), and what each cost.
 
     python scripts/bench_recovery.py [--faults_per_kind=1] [--kinds=kill,stop,diag] [--hosts=2]
-        [--devices_per_host=2] [--steps=60] [--compile_cache=DIR] [--json=PATH]
+        [--devices_per_host=2] [--steps=60] [--compile_cache=DIR] [--json=PATH] [--seed=N]
         [any config flag, e.g. --supervisor.heartbeat_period_s=1]
 
 Faults go in this order, one per attempt, each a random 3-8 steps after the attempt resumed: K kills, K stops,
@@ -20,6 +20,7 @@ start, imports, rendezvous, jax.distributed, data/program, restore, first step's
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -28,9 +29,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from msjax import cli
+from msjax.cli import config_flags, flag_value
+from msjax.config import Config, ConfigError, apply_overrides, load_preset
 
-from msjax.config import ConfigError, split_flags
-
+# Config flags under the user's (the user's win): a small model, a short supervised run.
 DEFAULTS = {
     "config": "gpt_tiny", "model.num_layers": 2, "model.d_model": 64, "model.num_heads": 2, "model.max_seq_len": 64,
     "data.tokenizer": "char", "train.seq_len": 64, "train.global_batch": 8, "train.eval_every": 0,
@@ -44,61 +47,112 @@ DEFAULTS = {
     # process_allgather) is found after this; above the first step's compile time under load (up to 60 s seen)
     "supervisor.stall_timeout_s": 120,
 }
-OWN = {"faults_per_kind": 1, "kinds": "kill,stop,diag", "hosts": 2, "devices_per_host": 2, "steps": 60, "compile_cache": "", "json": "",
-       "seed": -1}
+KINDS = ("kill", "stop", "diag")
+
+
+@dataclasses.dataclass(frozen=True)
+class RecoveryBenchOptions:
+    """bench_recovery.py's own flags; config flags (`--supervisor.heartbeat_period_s=1`) go to the run, over DEFAULTS.
+
+    Attributes:
+      faults_per_kind: faults of each kind (>= 1); the run gets faults_per_kind - 1 spare hosts.
+      kinds: fault kinds to inject, in this order: any of kill (kill -9), stop (SIGSTOP), diag (a failed self-check).
+      hosts: worker hosts (local processes; >= 2: a diagnostic failure excludes one).
+      devices_per_host: CPU devices per host.
+      steps: the run's train.steps (and optimizer.decay_steps).
+      compile_cache: a persistent XLA compilation cache directory for the workers; empty: none.
+      json: also write everything as JSON to this path.
+      seed: seed of the faults' ranks and steps; -1: a random one (printed).
+    """
+
+    faults_per_kind: int = 1
+    kinds: tuple[str, ...] = KINDS
+    hosts: int = 2
+    devices_per_host: int = 2
+    steps: int = 60
+    compile_cache: str = ""
+    json: str = ""
+    seed: int = -1
 
 
 def main(argv: list[str]) -> int:
-    try:
-        pairs, positional = split_flags(argv)
-        if positional:
-            raise ConfigError(f"unexpected arguments {positional}")
-        own, cfg_flags = dict(OWN), dict(DEFAULTS)
-        for k, v in pairs:
-            if k in own:
-                own[k] = type(OWN[k])(v) if not isinstance(OWN[k], str) else v
-            else:
-                cfg_flags[k] = v
-        k = int(own["faults_per_kind"])
-        if not own["kinds"] or set(own["kinds"].split(",")) - {"kill", "stop", "diag"}:
-            raise ConfigError(f"--kinds={own['kinds']!r}: allowed is a comma-separated subset of kill,stop,diag")
-        if k < 1 or int(own["hosts"]) < 2:
-            raise ConfigError("--faults_per_kind must be >= 1 and --hosts >= 2 (a diagnostic failure excludes one)")
-    except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    from msjax.supervise import cli
+    def body() -> int:
+        defaults = [f"--{key}={flag_value(value)}" for key, value in DEFAULTS.items()]
+        # --help shows the preset's values as the config flags' defaults: say which ones this bench changes.
+        description = f"{__doc__}\nConfig flags set here, under the user's: {' '.join(defaults)}"
+        cfg, (common, own) = cli.parse([*defaults, *argv], RecoveryBenchOptions(), prog="bench_recovery.py",
+                                       description=description, validate=False)
+        cli.setup_logging(common)
+        if not own.kinds or set(own.kinds) - set(KINDS):
+            raise ConfigError(f"--kinds={','.join(own.kinds)!r}: allowed is a comma-separated subset of "
+                              f"{','.join(KINDS)}")
+        for flag, value, least in (("--faults_per_kind", own.faults_per_kind, 1), ("--hosts", own.hosts, 2),
+                                   ("--devices_per_host", own.devices_per_host, 1), ("--steps", own.steps, 1)):
+            if value < least:
+                raise ConfigError(f"{flag}={value}: allowed is >= {least}"
+                                  + (" (a diagnostic failure excludes a host)" if flag == "--hosts" else ""))
+        if own.json:
+            cli.check_writable(own.json, "--json")
+        return run(cfg, common, own)
+
+    return cli.main_guard(body)
+
+
+def supervised_run(cfg: Config, common: cli.CommonOptions, own: RecoveryBenchOptions
+                   ) -> tuple[Config, list[str], list[str], int]:
+    """The run to supervise, from `cfg` (DEFAULTS and the user's config flags) and the bench's flags.
+
+    Returns:
+      (the run's config, with train.run_dir, train.steps, the spares and the restart budget set; the command
+      line of `python -m msjax.supervise` (msjax.supervise.cli.main) that runs it; the fault specs; the seed).
+    Raises:
+      ConfigError: the run's config does not validate.
+    """
+    preset = load_preset(common.config)
+    k = own.faults_per_kind
+    seed = own.seed if own.seed >= 0 else random.randrange(1 << 30)
+    rng = random.Random(seed)
+    kinds = [kind for kind in KINDS if kind in own.kinds for _ in range(k)]
+    faults = [f"{kind}:{rng.randrange(own.hosts)}@+{rng.randint(3, 8)}#{attempt}"
+              for attempt, kind in enumerate(kinds)]
+    overrides = {}
+    shakespeare = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+    if cfg.data.paths == preset.data.paths and shakespeare.exists():  # small and char-level: quick to tokenize
+        overrides["data.paths"] = (str(shakespeare),)
+    given_run_dir = cfg.train.run_dir != preset.train.run_dir
+    run_dir = Path(cfg.train.run_dir if given_run_dir else tempfile.mkdtemp(prefix="bench_recovery_")) / "run"
+    overrides.update({"train.run_dir": str(run_dir), "train.steps": own.steps, "supervisor.spares": k - 1,
+                      "supervisor.restart_budget": len(kinds) + 2, "optimizer.decay_steps": own.steps})
+    cfg = apply_overrides(cfg, overrides).validate()
+    logging_flags = [f"--{name}={flag_value(getattr(common, name))}" for name in ("log_level", "quiet", "verbose")
+                     if getattr(common, name) != getattr(cli.CommonOptions(), name)]
+    argv = [f"--hosts={own.hosts}", f"--devices_per_host={own.devices_per_host}", f"--inject={','.join(faults)}",
+            f"--config={common.config}", *config_flags(cfg, preset), *logging_flags]
+    return cfg, argv, faults, seed
+
+
+def run(cfg: Config, common: cli.CommonOptions, own: RecoveryBenchOptions) -> int:
+    """The benchmark (see the module docstring) on `cfg` (DEFAULTS and the user's config flags); returns the exit
+    status: 0 when the supervised run finished, 1 otherwise."""
+    from msjax.supervise import cli as supervise_cli
     from msjax.supervise.events import RECOVERY_PHASES, effective_time, fault_figures, read_events, recovery_phases
 
-    seed = own["seed"] if own["seed"] >= 0 else random.randrange(1 << 30)
-    rng = random.Random(seed)
-    hosts = int(own["hosts"])
-    faults = []
-    kinds = [kind for kind in ("kill", "stop", "diag") if kind in own["kinds"].split(",") for _ in range(k)]
-    for attempt, kind in enumerate(kinds):
-        faults.append(f"--inject={kind}:{rng.randrange(hosts)}@+{rng.randint(3, 8)}#{attempt}")
-    shakespeare = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
-    if "data.paths" not in cfg_flags and shakespeare.exists():  # small and char-level: quick to tokenize
-        cfg_flags["data.paths"] = shakespeare
-    run_dir = Path(cfg_flags.get("train.run_dir") or tempfile.mkdtemp(prefix="bench_recovery_")) / "run"
-    cfg_flags.update({"train.run_dir": run_dir, "train.steps": own["steps"], "supervisor.spares": k - 1,
-                      "supervisor.restart_budget": len(kinds) + 2, "optimizer.decay_steps": own["steps"]})
-    if own["compile_cache"]:
+    cfg, argv_sup, faults, seed = supervised_run(cfg, common, own)
+    run_dir = Path(cfg.train.run_dir)
+    if own.compile_cache:
         # jax reads its config from JAX_* variables; the workers inherit them.
-        os.environ.update(JAX_COMPILATION_CACHE_DIR=own["compile_cache"],
+        os.environ.update(JAX_COMPILATION_CACHE_DIR=own.compile_cache,
                           JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                           JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
-    argv_sup = [f"--hosts={hosts}", f"--devices_per_host={own['devices_per_host']}", *faults,
-                *[f"--{key}={value}" for key, value in cfg_flags.items()]]
-    print(f"bench_recovery: seed {seed}, faults {' '.join(f[9:] for f in faults)}, run dir {run_dir}", flush=True)
+    print(f"bench_recovery: seed {seed}, faults {' '.join(faults)}, run dir {run_dir}", flush=True)
     t0 = time.time()
-    code = cli.main(argv_sup)
+    code = supervise_cli.main(argv_sup)
     wall = time.time() - t0
     events = read_events(run_dir / "events.jsonl")
     figures = fault_figures(events)
     breakdown = recovery_phases(events)
     eff = effective_time(events)
-    period = float(cfg_flags["supervisor.heartbeat_period_s"])
+    period = cfg.supervisor.heartbeat_period_s
     attempts = [e for e in events if e["kind"] == "attempt_end"]
     step_s = [a["step_s"] for a in attempts if a.get("step_s")]
     step_time = sorted(step_s)[len(step_s) // 2] if step_s else None
@@ -149,7 +203,7 @@ def main(argv: list[str]) -> int:
         f"attempt {a}: restore {v['restore_s']:.1f}, first step {v['first_step_s']:.1f}"
         for a, v in sorted(per_attempt.items())))
     print(f"\nstatus {code}; wall {wall:.1f} s; step time {step_time and round(step_time, 3)} s; heartbeat period "
-          f"{period:g} s, timeout {cfg_flags['supervisor.heartbeat_timeout_s']} s")
+          f"{period:g} s, timeout {cfg.supervisor.heartbeat_timeout_s:g} s")
     if eff["ratio"] is not None:
         print(f"effective training time of this run: {eff['ratio']:.1%} ({eff['kept_s']:.1f} s kept of "
               f"{eff['total_s']:.1f} s, {len(rows)} faults in {eff['total_s'] / 60:.1f} min)")
@@ -160,11 +214,11 @@ def main(argv: list[str]) -> int:
     out = {"seed": seed, "exit_code": code, "wall_s": wall, "faults": rows, "effective": eff, "step_s": step_time,
            "startup_s": startup, "attempt_compile": per_attempt, "heartbeat_period_s": period, "recovery_phases": breakdown,
            "load_avg": os.getloadavg(),
-           "heartbeat_timeout_s": float(cfg_flags["supervisor.heartbeat_timeout_s"]),
+           "heartbeat_timeout_s": cfg.supervisor.heartbeat_timeout_s,
            "mean_fault_cost_s": mean_cost, "ettr_one_fault_per_5min": extrapolated,
-           "compile_cache": own["compile_cache"] or None, "run_dir": str(run_dir)}
-    if own["json"]:
-        Path(own["json"]).write_text(json.dumps(out, indent=2, default=str))
+           "compile_cache": own.compile_cache or None, "run_dir": str(run_dir)}
+    if own.json:
+        Path(own.json).write_text(json.dumps(out, indent=2, default=str))
     return 0 if code == 0 else 1
 
 

@@ -18,13 +18,14 @@ asyncio client machinery as the Redis rows; its rows say so in "client".
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import resource
-import sys
 import threading
 import time
 from datetime import timedelta
+from typing import Literal
 
 from msjax.control.rendezvous import join_protocol, run_protocol_async
 from msjax.control.resp import RespConnection
@@ -377,58 +378,73 @@ def _server_version(srv: RedisServer) -> str:
 RANKS = (256, 1024, 2048, 4096, 12288)
 
 
-def main(argv: list[str]) -> int:
-    """scripts/bench_init.py: prints a table and writes --json PATH (a list of rows). Returns the exit status."""
-    import argparse
+@dataclasses.dataclass(frozen=True)
+class InitBenchOptions:
+    """scripts/bench_init.py's flags (parsed by msjax.cli).
 
-    p = argparse.ArgumentParser(prog="bench_init.py", description="Rendezvous of N simulated workers: Redis "
-                                "(msjax's protocol) beside torch's TCPStore patterns.")
-    p.add_argument("--ranks", default=",".join(map(str, RANKS)), help="comma-separated worker counts")
-    p.add_argument("--json", default=None, help="write the rows here")
-    p.add_argument("--tcpstore", default="wait,poll", help="TCPStore patterns to run: wait, poll, or none")
-    p.add_argument("--client_procs", type=int, default=1,
-                   help="processes the simulated Redis workers are spread over (the clients are the bottleneck)")
-    p.add_argument("--tcpstore_impl", choices=("auto", "torch", "twin"), default="auto",
-                   help="auto: torch.distributed.TCPStore if torch is installed, else the twin")
-    p.add_argument("--limit_s", type=float, default=120.0, help="give up on a TCPStore row after this long")
-    p.add_argument("--poll_max_ranks", type=int, default=2048,
-                   help="run the polling pattern only up to this many ranks (it keeps every simulated worker "
-                        "thread busy: thousands of runnable threads on a shared machine)")
-    args = p.parse_args(argv)
-    try:
-        ranks = [int(x) for x in args.ranks.split(",") if x]
-        if not ranks or min(ranks) < 1:
-            raise ValueError
-    except ValueError:
-        print(f"error: --ranks={args.ranks!r}: expected positive integers separated by commas", file=sys.stderr)
-        return 2
-    patterns = [] if args.tcpstore == "none" else args.tcpstore.split(",")
-    if any(pt not in TCPSTORE_PATTERNS for pt in patterns):
-        print(f"error: --tcpstore={args.tcpstore!r}: allowed are wait, poll (comma-separated) or none",
-              file=sys.stderr)
-        return 2
+    Attributes:
+      ranks: simulated worker counts, one row each (comma-separated positive integers).
+      json: also write the rows as JSON to this path.
+      tcpstore: TCPStore patterns to run beside Redis: wait, poll (comma-separated), or none.
+      client_procs: processes the simulated Redis workers are spread over (the clients are the bottleneck).
+      tcpstore_impl: torch: torch.distributed.TCPStore; twin: msjax's stand-in; auto: torch if installed, else twin.
+      limit_s: give up on a TCPStore row after this long, in seconds.
+      poll_max_ranks: run the polling pattern only up to this many ranks (every simulated worker polls: busy threads).
+    """
+
+    ranks: str = ",".join(map(str, RANKS))
+    json: str = ""
+    tcpstore: str = "wait,poll"
+    client_procs: int = 1
+    tcpstore_impl: Literal["auto", "torch", "twin"] = "auto"
+    limit_s: float = 120.0
+    poll_max_ranks: int = 2048
+
+    def checked(self) -> tuple[list[int], list[str]]:
+        """(ranks, TCPStore patterns) from the flags. Raises ConfigError naming a bad flag and what is allowed."""
+        from msjax.config import ConfigError
+
+        parts = self.ranks.split(",")
+        if not all(r.isdigit() and int(r) >= 1 for r in parts):
+            raise ConfigError(f"--ranks={self.ranks!r}: allowed is positive integers separated by commas")
+        patterns = [] if self.tcpstore == "none" else self.tcpstore.split(",")
+        if any(pt not in TCPSTORE_PATTERNS for pt in patterns):
+            raise ConfigError(f"--tcpstore={self.tcpstore!r}: allowed is wait, poll (comma-separated) or none")
+        for name, value, low in (("client_procs", self.client_procs, 1), ("poll_max_ranks", self.poll_max_ranks, 0)):
+            if value < low:
+                raise ConfigError(f"--{name}={value}: allowed is an integer >= {low}")
+        if self.limit_s <= 0:
+            raise ConfigError(f"--limit_s={self.limit_s}: allowed is a number of seconds > 0")
+        return [int(r) for r in parts], patterns
+
+
+def run(opts: InitBenchOptions) -> int:
+    """scripts/bench_init.py: prints a table and writes `opts.json` (a list of rows) when set. Returns the exit
+    status. Raises ConfigError on a bad flag (`InitBenchOptions.checked`)."""
+    ranks, patterns = opts.checked()
     load = os.getloadavg()[0]
     print(f"# {os.cpu_count()} CPUs, load average {load:.1f} at start (timings are wall clock under that load; "
           "*_cpu_s are CPU seconds)")
     rows = []
-    if patterns and args.tcpstore_impl != "twin":  # warm-up, not recorded
+    if patterns and opts.tcpstore_impl != "twin":  # warm-up, not recorded
         bench_tcpstore(16, "wait", limit_s=60)
     header = f"{'system':<9} {'ranks':>6} {'seconds':>8}  details"
     print(header)
     print("-" * len(header))
     for n in ranks:
         todo = [("redis", None)] + [("tcpstore", pt) for pt in patterns
-                                    if pt != "poll" or n <= args.poll_max_ranks]
+                                    if pt != "poll" or n <= opts.poll_max_ranks]
         for system, pt in todo:
             if system == "redis":
-                row = bench_redis(n, client_procs=args.client_procs)
+                row = bench_redis(n, client_procs=opts.client_procs)
             else:
-                row = None if args.tcpstore_impl == "twin" else bench_tcpstore(n, pt, args.limit_s)
-                if row is None and args.tcpstore_impl == "torch":
-                    print("error: --tcpstore_impl=torch but torch is not installed", file=sys.stderr)
-                    return 2
+                row = None if opts.tcpstore_impl == "twin" else bench_tcpstore(n, pt, opts.limit_s)
+                if row is None and opts.tcpstore_impl == "torch":
+                    from msjax.config import ConfigError
+
+                    raise ConfigError("--tcpstore_impl=torch: torch is not installed; allowed here: auto, twin")
                 if row is None:
-                    row = bench_tcpstore_twin(n, pt, args.limit_s)
+                    row = bench_tcpstore_twin(n, pt, opts.limit_s)
             rows.append(row)
             secs = "-" if row["seconds"] is None else f"{row['seconds']:.3f}"
             if "pattern" in row:
@@ -439,7 +455,7 @@ def main(argv: list[str]) -> int:
                   flush=True)
     print(f"# redis rows: {rows[0]['client'] if rows else ''}, {rows[0]['server'] if rows else ''}; "
           f"load average {os.getloadavg()[0]:.1f} at end")
-    if args.json:
-        with open(args.json, "w") as f:
+    if opts.json:
+        with open(opts.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0

@@ -18,11 +18,14 @@ worker processes of `scripts/train.py <train flags>` with MSJAX_* variables (msj
   - Redis is stopped last, always; workers and Redis die with the launcher even if it is SIGKILLed
     (PR_SET_PDEATHSIG), and each runs in its own process group so that nothing of theirs is left behind.
 Exit status 0 only if every worker exited 0. Bad flags are `error: ...` and exit status 2, before anything starts.
+
+The launcher's own flags (`LaunchOptions`, before `--`) and the train flags (after it) are parsed by msjax.cli:
+`launch.py --help` lists the former, `launch.py -- --help` the latter.
 """
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
 import re
 import secrets
@@ -32,7 +35,10 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Literal
 
+from msjax import cli
+from msjax.config import Config, ConfigError
 from msjax.control.errors import ControlError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,43 +46,63 @@ TRAIN_SCRIPT = ROOT / "scripts" / "train.py"
 _RANK_LINE = re.compile(r"msjax\.control: rank (\d+) of (\d+)")
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="launch.py", description=__doc__.split("\n\n")[0],
-                                usage="launch.py --backend={local,k8s,slurm} --num_processes=N [options] -- "
-                                      "<train.py flags>")
-    p.add_argument("--backend", choices=("local", "k8s", "slurm"), required=True)
-    p.add_argument("--num_processes", type=int, required=True,
-                   help="worker processes (local) or nodes, one worker process per node (k8s, slurm)")
-    p.add_argument("--run_id", default=None, help="run id for the Redis keys (default: generated)")
-    p.add_argument("--output", default=None, help="k8s/slurm: write the spec here instead of printing it")
-    g = p.add_argument_group("local")
-    g.add_argument("--devices_per_process", type=int, default=None, help="CPU devices per worker (XLA_FLAGS)")
-    g.add_argument("--redis_url", default=None, help="use this Redis instead of starting a private one")
-    g.add_argument("--redis_port", type=int, default=None, help="port of the private Redis (default: a free one)")
-    g.add_argument("--rdzv_timeout_s", type=int, default=300, help="how long workers wait for each other")
-    g.add_argument("--term_grace_s", type=float, default=10.0,
-                   help="after Ctrl-C/SIGTERM: seconds between the stop command and forwarding SIGTERM")
-    g.add_argument("--kill_grace_s", type=float, default=20.0, help="seconds between SIGTERM and SIGKILL")
-    g.add_argument("--supervise", action="store_true",
-                   help="run under the supervisor (msjax.supervise: heartbeats, diagnostics, restarts, re-planning); "
-                        "also on with the train flag --supervisor.enabled=true")
-    g = p.add_argument_group("k8s / slurm")
-    g.add_argument("--name", default="msjax", help="job name (k8s objects, slurm job)")
-    g.add_argument("--image", default=None, help="k8s: container image holding msjax (required for k8s)")
-    g.add_argument("--accelerator", choices=("gpu", "tpu", "none"), default="gpu")
-    g.add_argument("--accelerators_per_node", type=int, default=8)
-    g.add_argument("--tpu_type", default="tpu-v5p-slice", help="k8s: cloud.google.com/gke-tpu-accelerator")
-    g.add_argument("--tpu_topology", default="2x2x1", help="k8s: cloud.google.com/gke-tpu-topology")
-    g.add_argument("--cpus_per_node", type=int, default=32)
-    g.add_argument("--memory_per_node", default="256Gi")
-    g.add_argument("--max_restarts", type=int, default=3, help="k8s JobSet failurePolicy.maxRestarts")
-    g.add_argument("--namespace", default="default")
-    g.add_argument("--redis_secret", default=None, help="k8s: Secret holding the Redis password "
-                                                        "(default: NAME-redis, created by the manifest)")
-    g.add_argument("--partition", default=None, help="slurm partition")
-    g.add_argument("--time_limit", default="24:00:00", help="slurm --time")
-    g.add_argument("--workdir", default="/workspace/msjax", help="repository path on the nodes")
-    return p
+@dataclasses.dataclass(frozen=True)
+class LaunchOptions:
+    """launch.py's own flags, before `--` (the train.py flags come after it). Times are seconds.
+
+    Attributes:
+      backend: local: a private Redis + worker processes here; k8s: print a JobSet manifest; slurm: an sbatch script.
+      num_processes: worker processes (local) or nodes, one worker process per node (k8s, slurm); required, >= 1.
+      run_id: run id for the Redis keys; empty: generated (NAME-DATE-TIME-RANDOM).
+      output: k8s, slurm: write the spec to this path instead of printing it.
+      devices_per_process: local: CPU devices per worker (XLA_FLAGS); 0 leaves the device setup alone.
+      redis_url: local: use this Redis instead of starting a private one.
+      redis_port: local: port of the private Redis; 0: a free one.
+      rdzv_timeout_s: local: how long workers wait for each other at the rendezvous.
+      term_grace_s: local: after Ctrl-C/SIGTERM, time between the stop command and forwarding SIGTERM.
+      kill_grace_s: local: time between SIGTERM and SIGKILL.
+      supervise: run under the supervisor (msjax.supervise); also on with the train flag --supervisor.enabled=true.
+      name: k8s, slurm: job name (k8s objects, slurm job).
+      image: k8s: container image holding msjax (required for k8s).
+      accelerator: k8s, slurm: the accelerator each node requests.
+      accelerators_per_node: k8s, slurm: accelerators each node requests.
+      tpu_type: k8s: cloud.google.com/gke-tpu-accelerator.
+      tpu_topology: k8s: cloud.google.com/gke-tpu-topology.
+      cpus_per_node: k8s, slurm: CPUs each node requests.
+      memory_per_node: k8s: memory each node requests (a Kubernetes quantity, e.g. 256Gi).
+      max_restarts: k8s: JobSet failurePolicy.maxRestarts.
+      namespace: k8s: the namespace of every object.
+      redis_secret: k8s: Secret holding the Redis password; empty: NAME-redis, created by the manifest.
+      partition: slurm: the partition; empty: the cluster's default.
+      time_limit: slurm: the job's time limit (sbatch --time).
+      workdir: k8s, slurm: the repository's path on the nodes.
+    """
+
+    backend: Literal["local", "k8s", "slurm"] = "local"
+    num_processes: int = 0
+    run_id: str = ""
+    output: str = ""
+    devices_per_process: int = 0
+    redis_url: str = ""
+    redis_port: int = 0
+    rdzv_timeout_s: int = 300
+    term_grace_s: float = 10.0
+    kill_grace_s: float = 20.0
+    supervise: bool = False
+    name: str = "msjax"
+    image: str = ""
+    accelerator: Literal["gpu", "tpu", "none"] = "gpu"
+    accelerators_per_node: int = 8
+    tpu_type: str = "tpu-v5p-slice"
+    tpu_topology: str = "2x2x1"
+    cpus_per_node: int = 32
+    memory_per_node: str = "256Gi"
+    max_restarts: int = 3
+    namespace: str = "default"
+    redis_secret: str = ""
+    partition: str = ""
+    time_limit: str = "24:00:00"
+    workdir: str = "/workspace/msjax"
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -87,27 +113,30 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-def _error(msg: str) -> int:
-    print(f"error: {msg}", file=sys.stderr)
-    return 2
+def parse(argv: list[str]) -> tuple[cli.LoggingOptions, LaunchOptions, Config, list[str]]:
+    """Parses launch.py's command line: (logging options, launch options, the workers' config, train.py flags).
+    Raises ConfigError naming a bad flag (train.py's prefixed "train.py flags: "); SystemExit after `--help`."""
+    own, train_flags = split_argv(list(argv))
+    common, args = cli.parse_options(own, LaunchOptions(), prog="launch.py", description=__doc__)
+    if args.num_processes < 1:
+        raise ConfigError(f"--num_processes={args.num_processes}: must be >= 1 (worker processes or nodes; "
+                          "required)")
+    if args.devices_per_process < 0:
+        raise ConfigError(f"--devices_per_process={args.devices_per_process}: must be >= 0 (0: leave it alone)")
+    try:  # a bad train flag fails here, before any process starts
+        cfg, _ = cli.parse(train_flags, prog="launch.py [OPTIONS] --")
+    except ConfigError as e:
+        raise ConfigError(f"train.py flags: {e}") from None
+    return common, args, cfg, train_flags
 
 
 def main(argv: list[str]) -> int:
     """Entry point of scripts/launch.py; returns the exit status (see the module docstring)."""
-    own, train_flags = split_argv(list(argv))
-    args = _parser().parse_args(own)
-    if args.num_processes < 1:
-        return _error(f"--num_processes={args.num_processes}: must be >= 1")
-    if args.devices_per_process is not None and args.devices_per_process < 1:
-        return _error(f"--devices_per_process={args.devices_per_process}: must be >= 1")
-    from msjax.config import ConfigError, parse_args
-
-    try:  # a bad train flag fails here, before any process starts
-        cfg, rest = parse_args(train_flags)
-        if rest:
-            raise ConfigError(f"unexpected train.py arguments {rest}; flags look like --train.steps=100")
+    try:
+        common, args, cfg, train_flags = parse(argv)
     except ConfigError as e:
-        return _error(f"train.py flags: {e}")
+        return _error(str(e))
+    cli.setup_logging(common)
     run_id = args.run_id or f"{args.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
     if args.backend in ("k8s", "slurm"):
         from msjax.control import specs
@@ -130,12 +159,17 @@ def main(argv: list[str]) -> int:
     if args.supervise or cfg.supervisor.enabled:
         from msjax.supervise.cli import supervise_local
 
-        return supervise_local(train_flags, args.num_processes, args.devices_per_process or 0, args.redis_url,
+        return supervise_local(train_flags, args.num_processes, args.devices_per_process, args.redis_url or None,
                                run_id, rdzv_timeout_s=args.rdzv_timeout_s)
     try:
         return LocalLauncher(args, run_id, train_flags).run()
     except ControlError as e:
         return _error(str(e))
+
+
+def _error(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
 
 
 def worker_env(base: dict[str, str], *, redis_url: str, run_id: str, num_processes: int, worker_index: int,
@@ -156,7 +190,7 @@ def worker_env(base: dict[str, str], *, redis_url: str, run_id: str, num_process
 class LocalLauncher:
     """Runs one local multi-process job (see the module docstring). `run()` returns the exit status."""
 
-    def __init__(self, args: argparse.Namespace, run_id: str, train_flags: list[str]):
+    def __init__(self, args: LaunchOptions, run_id: str, train_flags: list[str]):
         self.args, self.run_id, self.train_flags = args, run_id, train_flags
         self.procs: list[subprocess.Popen] = []
         self.server = None
@@ -207,7 +241,7 @@ class LocalLauncher:
             if a.redis_url:
                 url = a.redis_url
             else:
-                self.server = RedisServer(port=a.redis_port).start()
+                self.server = RedisServer(port=a.redis_port or None).start()
                 url = self.server.url
                 self._out(f"[launch] Redis {self.server.bind}:{self.server.port} (pid {self.server.pid}), "
                           f"run {self.run_id}\n")
@@ -216,7 +250,8 @@ class LocalLauncher:
             for i in range(a.num_processes):
                 env = worker_env(dict(os.environ), redis_url=url, run_id=self.run_id,
                                  num_processes=a.num_processes, worker_index=i,
-                                 devices_per_process=a.devices_per_process, rdzv_timeout_s=a.rdzv_timeout_s)
+                                 devices_per_process=a.devices_per_process or None,
+                                 rdzv_timeout_s=a.rdzv_timeout_s)
                 # Own process group (the launcher decides what a Ctrl-C means for it); dies with the launcher.
                 p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, text=True, bufsize=1, start_new_session=True,

@@ -20,10 +20,13 @@ and so JAX's coordinator, is the first node of the allocation), the advertised h
 
 from __future__ import annotations
 
-import argparse
 import shlex
+from typing import TYPE_CHECKING
 
 import yaml
+
+if TYPE_CHECKING:  # launch.py imports this module
+    from msjax.control.launch import LaunchOptions
 
 class _NoAliasDumper(yaml.SafeDumper):
     """Writes shared dicts out in full (no &id001 anchors): kubectl accepts anchors, people reading do worse."""
@@ -40,7 +43,7 @@ def _worker_command(train_flags: list[str]) -> list[str]:
     return ["python", "scripts/train.py", *train_flags]
 
 
-def k8s_jobset(args: argparse.Namespace, run_id: str, train_flags: list[str]) -> str:
+def k8s_jobset(args: LaunchOptions, run_id: str, train_flags: list[str]) -> str:
     """The manifest as YAML text (see the module docstring). Raises ValueError without --image."""
     if not args.image:
         raise ValueError("--backend=k8s needs --image (a container image holding msjax and its dependencies)")
@@ -122,7 +125,7 @@ def k8s_jobset(args: argparse.Namespace, run_id: str, train_flags: list[str]) ->
     return head + yaml.dump_all(docs, Dumper=_NoAliasDumper, sort_keys=False)
 
 
-def slurm_sbatch(args: argparse.Namespace, run_id: str, train_flags: list[str]) -> str:
+def slurm_sbatch(args: LaunchOptions, run_id: str, train_flags: list[str]) -> str:
     """The sbatch script as text (see the module docstring)."""
     n = args.num_processes
     lines = ["#!/bin/bash",

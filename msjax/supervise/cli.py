@@ -6,16 +6,12 @@
     python -m msjax.supervise --backend=k8s --hosts=4 --run_id=RUN <train flags>   (a JobSet's controller)
 
 `launch.py` (msjax.control.launch) hands a local run to `supervise_local` when `--supervise` is given or the
-train flags say `--supervisor.enabled=true`. `python -m msjax.supervise` is the same with its own flags:
-`--hosts`, `--devices_per_host` (CPU devices each; 0 leaves devices alone), `--redis_url` (an existing Redis;
-default: MSJAX_REDIS_URL, else a private server for this run), `--run_id`, `--inject` (repeatable),
-`--backend` (local: worker processes on this machine; slurm: an srun step on the allocation's nodes, see
-msjax.supervise.slurm; k8s: watch a JobSet's workers and restart them through it, see msjax.supervise.k8s),
-`--nodes` (slurm: the nodes to use, default the allocation's; `--hosts` of them run
-workers, the rest are spares).
+train flags say `--supervisor.enabled=true`. `python -m msjax.supervise` is the same with its own flags
+(`SuperviseOptions`, parsed by msjax.cli; `--help` lists them and every config flag); every other flag is a
+train.py flag, passed on to the workers as given.
 
-Fault injection is for tests and benchmarks only: `--inject=SPEC` or MSJAX_TEST_INJECT=SPEC[,SPEC...] (what
-`launch.py` runs take), SPEC as in `msjax.supervise.supervisor.Fault.parse`.
+Fault injection is for tests and benchmarks only: `--inject=SPEC[,SPEC...]` (repeatable) or
+MSJAX_TEST_INJECT=SPEC[,SPEC...] (what `launch.py` runs take), SPEC as in `msjax.supervise.supervisor.Fault.parse`.
 
 Exit codes: 0 finished, 2 bad input, 3 no hosts or no layout left, 4 restart budget exhausted.
 """
@@ -23,15 +19,40 @@ Exit codes: 0 finished, 2 bad input, 3 no hosts or no layout left, 4 restart bud
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Literal, Sequence
 
-from msjax.config import ConfigError, config_from_flags, parse_args, split_flags
+from msjax import cli
+from msjax.config import ConfigError
 
 INJECT_ENV = "MSJAX_TEST_INJECT"
+
+
+@dataclasses.dataclass(frozen=True)
+class SuperviseOptions:
+    """`python -m msjax.supervise`'s own flags (each takes a value); every other flag is a train.py flag.
+
+    Attributes:
+      hosts: worker hosts (one worker process each, >= 1); `supervisor.spares` more are held back.
+      devices_per_host: CPU devices per worker (XLA_FLAGS); 0 leaves the device setup alone.
+      redis_url: an existing Redis; empty: MSJAX_REDIS_URL (slurm, k8s), else a private server for this run.
+      run_id: the run's namespace in Redis; empty: generated (k8s: required, the JobSet workers' MSJAX_RUN_ID).
+      backend: local: workers on this machine; slurm: an srun step (msjax.supervise.slurm); k8s: a JobSet's workers.
+      nodes: slurm: the nodes to use (default: the allocation's); `hosts` of them run workers, the rest are spares.
+      inject: faults to inject (tests, benchmarks): KIND:RANK@[+]STEP[#ATTEMPT|#*], comma-separated or repeated.
+    """
+
+    hosts: int = 1
+    devices_per_host: int = 0
+    redis_url: str = ""
+    run_id: str = ""
+    backend: Literal["local", "slurm", "k8s"] = "local"
+    nodes: tuple[str, ...] = ()
+    inject: tuple[str, ...] = ()
 
 
 def faults_from_env() -> list:
@@ -64,9 +85,7 @@ def supervise_local(train_flags: Sequence[str], num_hosts: int, devices_per_host
     from msjax.supervise.supervisor import LocalBackend, Supervisor
 
     try:
-        cfg, rest = parse_args(list(train_flags))
-        if rest:
-            raise ConfigError(f"unexpected train flags {rest}; flags look like --train.steps=100")
+        cfg, _ = cli.parse(list(train_flags), prog="train.py")
         faults = list(faults) + faults_from_env()
         hosts = None
         if backend == "slurm":
@@ -136,34 +155,53 @@ class SupervisorInterrupted(Exception):
         self.signum = signum
 
 
-def main(argv: Sequence[str] | None = None, out=sys.stdout) -> int:
-    """`python -m msjax.supervise`: returns the exit code (see the module docstring)."""
+def parse_flags(argv: Sequence[str]) -> tuple[SuperviseOptions, list, list[str]]:
+    """Parses `python -m msjax.supervise`'s command line (msjax.cli: its own flags, then config flags).
+
+    Returns:
+      (options, faults: list[Fault] from every --inject, train flags: `argv` less the supervisor's own flags, as
+      given, for the workers' train.py).
+    Raises:
+      ConfigError: an unknown flag, a bad value (naming the flag and what is allowed) or a bad fault spec.
+      SystemExit: after printing `--help` (status 0).
+    """
     from msjax.supervise.supervisor import Fault
 
+    # A repeated flag keeps its last value (argparse's rule): the repeated --inject flags become one list.
+    injects, argv = _take_flags(argv, {"inject"})
+    argv += [f"--inject={','.join(value for _, value in injects)}"] if injects else []
+    _, (_, opts) = cli.parse(argv, SuperviseOptions(), prog="python -m msjax.supervise", description=__doc__)
+    for flag, value, least in (("--hosts", opts.hosts, 1), ("--devices_per_host", opts.devices_per_host, 0)):
+        if value < least:
+            raise ConfigError(f"{flag}={value}: allowed is an integer >= {least}")
     try:
-        pairs, positional = split_flags(sys.argv[1:] if argv is None else argv, valueless={"resume"})
-        if positional:
-            raise ConfigError(f"unexpected arguments {positional}; flags look like --train.steps=100")
-        own = {"hosts": 1, "devices_per_host": 0, "redis_url": "", "run_id": "", "backend": "local", "nodes": ""}
-        faults, train_flags = [], []
-        for key, value in pairs:
-            if key == "inject":
-                faults.append(Fault.parse(value))
-            elif key in ("hosts", "devices_per_host"):
-                try:
-                    own[key] = int(value)
-                except ValueError:
-                    raise ConfigError(f"--{key}={value!r}: allowed is an integer") from None
-                if own[key] < (1 if key == "hosts" else 0):
-                    raise ConfigError(f"--{key}={value}: allowed is an integer >= {1 if key == 'hosts' else 0}")
-            elif key in own:
-                own[key] = value
-            else:
-                train_flags.append("--resume" if key == "resume" else f"--{key}={value}")
-        config_from_flags([])  # the presets load (a broken checkout fails here, before anything starts)
-    except (ConfigError, ValueError) as e:
+        faults = [Fault.parse(spec) for spec in opts.inject]
+    except ValueError as e:
+        raise ConfigError(f"--inject: {e}") from None
+    _, train_flags = _take_flags(argv, {f.name for f in dataclasses.fields(SuperviseOptions)})
+    return opts, faults, train_flags
+
+
+def _take_flags(argv: Sequence[str], names: set[str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """Splits `argv` into the flags named in `names` that have a value (`--name=value`, or `--name value` when
+    the next argument is not a flag), as (name, value), and the other arguments, in order."""
+    taken, rest, args = [], [], list(argv)
+    while args:
+        arg = args.pop(0)
+        key, eq, value = arg.partition("=")
+        if key.startswith("--") and key[2:] in names and (eq or (args and not args[0].startswith("--"))):
+            taken.append((key[2:], value if eq else args.pop(0)))
+        else:
+            rest.append(arg)
+    return taken, rest
+
+
+def main(argv: Sequence[str] | None = None, out=sys.stdout) -> int:
+    """`python -m msjax.supervise`: returns the exit code (see the module docstring)."""
+    try:
+        opts, faults, train_flags = parse_flags(sys.argv[1:] if argv is None else argv)
+    except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    nodes = [x for x in own["nodes"].split(",") if x] or None
-    return supervise_local(train_flags, own["hosts"], own["devices_per_host"], own["redis_url"] or None,
-                           own["run_id"] or None, faults, out=out, backend=own["backend"], nodes=nodes)
+    return supervise_local(train_flags, opts.hosts, opts.devices_per_host, opts.redis_url or None,
+                           opts.run_id or None, faults, out=out, backend=opts.backend, nodes=list(opts.nodes) or None)

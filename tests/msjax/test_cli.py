@@ -2,6 +2,7 @@
 with exit status 2, logging flags."""
 
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from msjax import cli
-from msjax.config import Config, ConfigError, flat_keys, load_preset
+from msjax.config import ConfigError, apply_overrides, coerce, flat_keys, load_preset
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "scripts"
@@ -35,13 +36,134 @@ def test_train_help_lists_every_config_key_with_type_default_and_doc(tmp_path):
     assert "--resume" in text and "shakespeare_char" in text  # the preset list is in --config's help
 
 
-@pytest.mark.parametrize("script, flag", [("bench.py", "--reference_cmd"), ("plan.py", "--virtual_stages"),
-                                          ("bench_attention.py", "--seq_lens"), ("bench_observe.py", "--pairs"),
-                                          ("report.py", "--out")])
+def _load_script(name: str):
+    """scripts/<name> imported as a module (not run), for the helpers it defines."""
+    spec = importlib.util.spec_from_file_location(Path(name).stem, SCRIPTS / name)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their class's module up while it is being defined
+    spec.loader.exec_module(module)
+    return module
+
+
+# every script in scripts/, with one of its own flags that --help must list
+HELP_FLAGS = {"train.py": "--train.steps", "bench.py": "--reference_cmd", "plan.py": "--virtual_stages",
+              "bench_attention.py": "--seq_lens", "bench_observe.py": "--pairs", "report.py": "--out",
+              "bench_checkpoint.py": "--local_dir", "bench_init.py": "--tcpstore_impl",
+              "bench_parallel.py": "--layouts", "bench_recovery.py": "--faults_per_kind",
+              "launch.py": "--num_processes"}
+
+
+def test_help_flags_cover_every_script():
+    assert sorted(HELP_FLAGS) == sorted(p.name for p in SCRIPTS.glob("*.py"))
+
+
+@pytest.mark.parametrize("script, flag", sorted(HELP_FLAGS.items()))
 def test_every_script_has_help(script, flag):
     proc = _script(script, "--help")
     assert proc.returncode == 0, proc.stderr
     assert flag in proc.stdout and "--log_level" in proc.stdout
+
+
+@pytest.mark.parametrize("script, args, named", [
+    ("bench_checkpoint.py", ["--saves=1"], "--saves=1: allowed is >= 2"),
+    ("bench_checkpoint.py", ["--gibs=1"], "unknown flag --gibs; allowed: "),
+    ("bench_init.py", ["--tcpstore_impl=tcp"], "tcpstore_impl='tcp': allowed is one of 'auto', 'torch', 'twin'"),
+    ("bench_parallel.py", ["--layouts=dp,pp3"], "--layouts='dp,pp3': allowed is a comma-separated list of dp, "),
+    ("bench_parallel.py", ["--repeats=x"], "repeats='x': allowed is int"),
+    ("bench_recovery.py", ["--kinds=kill,nap"], "--kinds='kill,nap': allowed is a comma-separated subset of "),
+    ("bench_recovery.py", ["--hosts=1"], "--hosts=1: allowed is >= 2"),
+    ("launch.py", ["--backend=local", "--accelerator=fpga", "--"], "accelerator='fpga': allowed is one of 'gpu', "),
+    ("launch.py", ["--backend=local", "--num_processes=2", "--", "--train.stepz=3"],
+     "train.py flags: unknown config key 'train.stepz'"),
+])
+def test_a_bad_flag_of_a_script_is_one_error_line(script, args, named):
+    """Caught before any work starts (no backend, no Redis, no child process): one `error:` line, status 2."""
+    proc = _script(script, *args)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("error: ") and named in proc.stderr, proc.stderr
+
+
+def test_supervise_help_and_bad_flags():
+    def supervise(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "msjax.supervise", *args], cwd=REPO, capture_output=True,
+                              text=True, timeout=300, env={**os.environ, "COLUMNS": "80"})
+
+    proc = supervise("--help")
+    assert proc.returncode == 0 and "--inject" in proc.stdout and "--train.steps" in proc.stdout, proc.stderr
+    for args, named in ((["--inject=boom"], "--inject: fault 'boom': allowed is KIND:RANK@"),
+                        (["--backend=ssh"], "backend='ssh': allowed is one of 'local', 'slurm', 'k8s'"),
+                        (["--hosts=0"], "--hosts=0"), (["--inject"], "flag --inject needs a value")):
+        proc = supervise(*args)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith("error: ") and named in proc.stderr, proc.stderr
+
+
+def test_supervise_flags_split_into_own_faults_and_train_flags():
+    """Repeated --inject flags add up (argparse would keep the last); the workers get every other flag as given."""
+    from msjax.supervise.cli import parse_flags
+
+    opts, faults, train = parse_flags(["--backend=slurm", "--nodes=n1,n2,n3", "--hosts", "2", "--train.steps=3",
+                                       "--inject=kill:1@40", "--resume", "--inject", "stop:0@+5#1", "--mesh.data",
+                                       "2", "--run_id=r"])
+    assert (opts.backend, opts.nodes, opts.hosts, opts.run_id) == ("slurm", ("n1", "n2", "n3"), 2, "r")
+    assert [(f.kind, f.rank, f.step, f.attempt, f.relative) for f in faults] == [("kill", 1, 40, 0, False),
+                                                                                ("stop", 0, 5, 1, True)]
+    assert train == ["--train.steps=3", "--resume", "--mesh.data", "2"]
+
+
+def test_launch_parses_its_flags_then_the_train_flags():
+    from msjax.control.launch import parse
+
+    common, args, cfg, train = parse(["--backend=slurm", "--num_processes", "4", "--supervise", "--quiet",
+                                      "--output", "job.sbatch", "--", "--train.steps=3", "--resume"])
+    assert (args.backend, args.num_processes, args.supervise, args.output, common.quiet) == (
+        "slurm", 4, True, "job.sbatch", True)
+    assert cfg.train.steps == 3 and cfg.checkpoint.resume and train == ["--train.steps=3", "--resume"]
+    with pytest.raises(ConfigError, match=r"--num_processes=0: must be >= 1"):
+        parse(["--backend=local", "--", "--train.steps=3"])
+
+
+def test_bench_checkpoint_keeps_its_old_local_dir_spelling():
+    module = _load_script("bench_checkpoint.py")
+    _, opts = cli.parse_options(["--local-dir=/dev/shm/x", "--json", "out.json"], module.CheckpointBenchOptions())
+    assert (opts.local_dir, opts.json) == ("/dev/shm/x", "out.json")
+
+
+def test_bench_parallel_rows_parse_the_users_flags_with_the_layout_winning():
+    """A row's child process gets the user's flags, then its layout's: the layout's mesh wins, the rest stays."""
+    module = _load_script("bench_parallel.py")
+    user = ["--model.d_model=96", "--mesh.tensor", "3", "--layouts=tp", "--steps=2"]
+    child = module.row_argv(user, {"mesh.data": -1, "mesh.tensor": 2, "mesh.tp_overlap": "xla"})
+    cfg, (_, opts) = cli.parse(child, module.ParallelBenchOptions())
+    assert (cfg.mesh.tensor, cfg.mesh.tp_overlap, cfg.model.d_model) == (2, "xla", 96)
+    assert opts.row and opts.steps == 2 and opts.layouts == ("tp",)
+
+
+def test_bench_recovery_hands_its_config_to_the_supervisor_unchanged(tmp_path):
+    """DEFAULTS under the user's flags; the run's config goes to msjax.supervise as flags that parse back to it
+    (tuples, None, bools and floats round-trip through msjax.config.coerce)."""
+    from msjax.supervise.cli import parse_flags
+
+    module = _load_script("bench_recovery.py")
+    for tp, value in ((tuple[str, ...], ("a.txt", "b.txt")), (tuple[str, ...], ()), (int | None, None),
+                      (int | None, 16), (bool, True), (bool, False), (float, 2.5), (float, 1e-5), (int, -1),
+                      (str, "char")):
+        assert coerce("k", tp, cli.flag_value(value)) == value, (tp, value)
+    defaults = [f"--{key}={cli.flag_value(value)}" for key, value in module.DEFAULTS.items()]
+    user = ["--data.paths=a.txt,b.txt", f"--train.run_dir={tmp_path}", "--resume", "--model.attention.window=16",
+            "--mesh.fsdp=1", "--quiet", "--seed=3", "--kinds=stop,kill", "--faults_per_kind=2"]
+    cfg, (common, own) = cli.parse([*defaults, *user], module.RecoveryBenchOptions(), validate=False)
+    assert (cfg.model.d_model, cfg.mesh.fsdp, cfg.train.progress) == (64, 1, False)  # a default, the user's
+    run_cfg, argv, faults, seed = module.supervised_run(cfg, common, own)
+    assert seed == 3 and [f.split(":")[0] for f in faults] == ["kill", "kill", "stop", "stop"]
+    assert run_cfg.train.run_dir == str(tmp_path / "run") and run_cfg.supervisor.spares == 1
+    opts, parsed_faults, train = parse_flags(argv)
+    assert (opts.hosts, opts.devices_per_host, len(parsed_faults)) == (2, 2, 4)
+    back, (back_common,) = cli.parse(train)
+    assert back == run_cfg and back_common.quiet
+    assert back.data.paths == ("a.txt", "b.txt") and back.model.attention.window == 16 and back.checkpoint.resume
+    none_window = apply_overrides(load_preset("gpt_tiny"), {"model.attention.window": 8})
+    assert cli.config_flags(load_preset("gpt_tiny"), none_window) == ["--model.attention.window=none"]
 
 
 def test_parse_with_script_options():
