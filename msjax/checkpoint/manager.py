@@ -233,6 +233,7 @@ class Checkpointer:
         self.directory = directory
         self.local_directory = local_directory
         self.write_directory = local_directory or directory
+        self._replica_note_logged = False  # the 'single-replica restore does not apply' line, once (restore)
         # Orbax decides when to save: every `every` steps, and when jax's preemption sync point is reached.
         # Its InitialSavePolicy (save the first step of a run) is left out: the first step is not worth a write.
         policies = [ocp_policies.PreemptionCheckpointingPolicy()]
@@ -533,7 +534,8 @@ class Checkpointer:
         tried = self.skipped = []
         replica_plan, why = replica.plan(abstract_state) if self.cfg.replica_restore else (None, "off")
         self.replica_restore = replica_plan is not None
-        if self.cfg.replica_restore and replica_plan is None:
+        if self.cfg.replica_restore and replica_plan is None and not self._replica_note_logged:
+            self._replica_note_logged = True  # bench_checkpoint restores many times with one checkpointer
             logging.getLogger(__name__).info("single-replica restore does not apply: %s", why)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
