@@ -212,6 +212,9 @@ def _release_abandoned_save(operation_id: str, timeout_s: float = 10.0) -> list[
     return [t.name for t in threads if t.is_alive()]
 
 
+_REPLICA_NOTES_LOGGED: set[str] = set()  # reasons already logged by Checkpointer.restore
+
+
 class Checkpointer:
     """Saves, verifies, rotates and restores checkpoints of (train state, data loader position).
 
@@ -233,7 +236,6 @@ class Checkpointer:
         self.directory = directory
         self.local_directory = local_directory
         self.write_directory = local_directory or directory
-        self._replica_note_logged = False  # the 'single-replica restore does not apply' line, once (restore)
         # Orbax decides when to save: every `every` steps, and when jax's preemption sync point is reached.
         # Its InitialSavePolicy (save the first step of a run) is left out: the first step is not worth a write.
         policies = [ocp_policies.PreemptionCheckpointingPolicy()]
@@ -534,8 +536,8 @@ class Checkpointer:
         tried = self.skipped = []
         replica_plan, why = replica.plan(abstract_state) if self.cfg.replica_restore else (None, "off")
         self.replica_restore = replica_plan is not None
-        if self.cfg.replica_restore and replica_plan is None and not self._replica_note_logged:
-            self._replica_note_logged = True  # bench_checkpoint restores many times with one checkpointer
+        if self.cfg.replica_restore and replica_plan is None and why not in _REPLICA_NOTES_LOGGED:
+            _REPLICA_NOTES_LOGGED.add(why)  # once per process and reason: bench_checkpoint restores many times
             logging.getLogger(__name__).info("single-replica restore does not apply: %s", why)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
