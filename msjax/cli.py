@@ -363,3 +363,15 @@ def config_flags(cfg: Config, base: Config) -> list[str]:
     give `cfg` again on top of `--config=<base's preset>`."""
     before = flat_keys(base)
     return [f"--{key}={flag_value(value)}" for key, value in flat_keys(cfg).items() if value != before[key]]
+
+
+def print_result(table: str, result: Any, json_path: str = "") -> None:
+    """How every benchmark script ends: `table` (human-readable) and `result` as one JSON line on stdout, and
+    `result` as indented JSON in `json_path` when given (check it first with `check_writable`)."""
+    import json
+
+    print(table)
+    print(json.dumps(result))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2)

@@ -10,7 +10,6 @@ and a reference recipe's command interleaved with it, so both see the same machi
 """
 
 import dataclasses
-import json
 import shlex
 import sys
 
@@ -53,14 +52,11 @@ def main(argv: list[str]) -> int:
                                           reference_cmd=shlex.split(opts.reference_cmd),
                                           reference_cwd=opts.reference_cwd or None)
             result = {"config": cfg.name, "rows": rows, "summary": bench.recipe_ratios(rows)}
-            print(bench.format_recipe_table(rows))
+            table = bench.format_recipe_table(rows)
         else:
             result = bench.benchmark(cfg, steps=opts.steps)
-            print(bench.format_table([result]))
-        print(json.dumps(result))
-        if opts.json:
-            with open(opts.json, "w") as f:
-                json.dump(result, f, indent=2)
+            table = bench.format_table([result])
+        cli.print_result(table, result, opts.json)
         return 1 if any("error" in r for r in result.get("rows", ())) else 0  # a timed run failed
 
     return cli.main_guard(body)

@@ -6,7 +6,6 @@ default); prints a table (median, IQR, paired wall and CPU overheads with distri
 observer's own time per step) and JSON (msjax.observe.bench)."""
 
 import dataclasses
-import json
 import sys
 
 from msjax import cli
@@ -45,11 +44,7 @@ def main(argv: list[str]) -> int:
             row = overhead_benchmark(cfg, steps=opts.steps, pairs=opts.pairs, redis=opts.redis)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        print(format_table(row))
-        print(json.dumps(row))
-        if opts.json:
-            with open(opts.json, "w") as f:
-                json.dump(row, f, indent=2)
+        cli.print_result(format_table(row), row, opts.json)
         return 0
 
     return cli.main_guard(body)

@@ -122,11 +122,7 @@ def _run(argv: list[str], opts: ParallelBenchOptions) -> int:
             rows.append(row)
             print(f"{name:12s} {mode:18s} step {row['step_s'] * 1e3:9.2f} ms  {row['tokens_per_s']:12,.0f} tok/s",
                   file=sys.stderr, flush=True)
-    print(format_table(rows))
-    print(json.dumps(rows))
-    if opts.json:
-        with open(opts.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    cli.print_result(format_table(rows), rows, opts.json)
     return 0
 
 
