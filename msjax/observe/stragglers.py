@@ -172,20 +172,28 @@ class StragglerDetector:
         self._history: dict[str, list[np.ndarray]] = {k: [] for k in floors}
         self._flagged: set[int] = set()
 
-    def update(self, figures: dict[str, np.ndarray], step_s: float) -> WindowVerdict:
+    def update(self, figures: dict[str, np.ndarray], step_s: float, unscored: Sequence[str] = ()) -> WindowVerdict:
         """Adds one window.
 
         Args:
-          figures: figure name -> (R,) values of every rank (seconds); must hold every figure in `floors`.
+          figures: figure name -> (R,) values of every rank (seconds); must hold every figure in `floors` that is
+            not in `unscored`.
           step_s: the window's median step time (seconds), the unit of the floors.
+          unscored: figures not to score in this window (a measurement known to be unreliable in it): the window
+            is left out of their history, so persistence counts the windows that were scored, and their verdict
+            carries over from the previous window.
         Raises:
           KeyError: a scored figure is missing.
         """
         scores, flagged = {}, set()
         for fig, floor_frac in self.floors.items():
-            self._history[fig].append(np.asarray(figures[fig], np.float64))
+            if fig not in unscored:
+                self._history[fig].append(np.asarray(figures[fig], np.float64))
+            if not self._history[fig]:
+                continue
             s = slowdown_scores(np.stack(self._history[fig], axis=1), floor=floor_frac * step_s)
-            scores[fig] = s[:, -1]
+            if fig not in unscored:
+                scores[fig] = s[:, -1]
             flagged.update(persistent_stragglers(s, self.threshold, self.persist))
         verdict = WindowVerdict(scores, sorted(flagged), sorted(flagged - self._flagged),
                                 sorted(self._flagged - flagged))

@@ -309,6 +309,10 @@ class StepObserver(Hook):
             self._probe = ComputeProbe(local)
             self._probe.cost = self._agreed_cost(self._probe)
             self._probe.chain = self._probe.repeats = 1  # no step time yet, no budget: the smallest probe at first
+        # The first window's probe is that single 1-matmul call: one preemption shows in it whole (scores of 9
+        # and 23 seen on healthy workers of a loaded 2-core machine), so it is recorded but not scored; probes
+        # are scored from the first one planned to the window's budget (`_replan`).
+        self._probe_planned = False
         self._over_budget_logged = False
         self._observer_s = 0.0  # main-thread seconds inside on_step_end since the last window end
         self._watch_cpu = self._watch_cpu_mark = 0.0  # the watcher thread's CPU seconds (cumulative; at last window)
@@ -488,9 +492,11 @@ class StepObserver(Hook):
         every = self._allgather(mine)  # (P, F): the window's one collective
         if rows:  # a window holding only the compilation step has nothing to compare
             per_fig = {k: every[:, i] for i, k in enumerate(WINDOW_FIGURES)}
+            unscored = () if self._probe_planned else ("probe_s",)
             if probe_plan is not None:
                 probe_plan.update(self._replan(per_fig, step))
-            self._compare(ctx, step, per_fig, probe_plan)
+                self._probe_planned = True
+            self._compare(ctx, step, per_fig, probe_plan, unscored)
         # The exchange (and the comparison) count toward the next window's observer time; the next window starts
         # where this one's probe ended.
         self._window_t0 = t_probe
@@ -518,8 +524,8 @@ class StepObserver(Hook):
                 "matmul_s_model": probe.cost.matmul_s, "overhead_s_model": probe.cost.overhead_s}
 
     def _compare(self, ctx: RunContext, step: int, per_fig: dict[str, np.ndarray],
-                 probe_plan: dict[str, Any] | None) -> None:
-        verdict = self._detector.update(per_fig, step_s=float(np.median(per_fig["step_s"])))
+                 probe_plan: dict[str, Any] | None, unscored: Sequence[str] = ()) -> None:
+        verdict = self._detector.update(per_fig, step_s=float(np.median(per_fig["step_s"])), unscored=unscored)
         row = {"step": step, "time": time.time(), "figures": {k: v.tolist() for k, v in per_fig.items()},
                "scores": {k: v.tolist() for k, v in verdict.scores.items()}, "stragglers": verdict.stragglers,
                "probe": probe_plan}

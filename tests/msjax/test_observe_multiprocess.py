@@ -16,8 +16,12 @@ unslowed runs' highest single-window score 2.1. With the budgeted probe (observe
 windows 4, 8, 12: 14.3, 10.9, 16.8 and 41.7, 11.9, 9.4 (2 runs); the unslowed run's highest score per window
 22.7 (window 4: before any step time is known the probe is a single 1-matmul call, and one preemption shows
 whole), 2.2, 4.9 (a healthy worker preempted through every call of a short probe), by different workers: never
-the same one in 2 consecutive windows, but closer to the threshold than with the fixed probe. The test's
-threshold is 3.0 for 2 consecutive windows. Process 3 must be flagged, with
+the same one in 2 consecutive windows, but closer to the threshold than with the fixed probe. CI then flagged a
+healthy worker in the unslowed run, most likely from windows 4 and 8 (no step-12 probe score reached 3: 2.43,
+1.22, 0.39, 0.82; CI's log kept only that window), and here,
+with test_parallel.py running beside it, window 4 gave a healthy worker 8.9. So the first window's single-call
+probe is recorded but not scored (msjax.observe.timing), and the slowed worker is flagged at window 12, after
+two scored windows. The test's threshold is 3.0 for 2 consecutive windows. Process 3 must be flagged, with
 its host and mesh coordinates, in the log, events.jsonl, the report and the heatmap (a red box around its cells).
 
 Unslowed run (the same flags): nobody is flagged, no red box, and every rank's per-step rows are in the run's

@@ -68,6 +68,29 @@ def test_detector_reports_new_and_recovered_ranks():
         StragglerDetector({"probe_s": 0.0}, threshold=1.0, persist=1)
 
 
+def test_an_unscored_window_neither_flags_nor_counts_toward_persistence():
+    """A figure left unscored in a window (the observer's first, single-call probe) adds nothing to its history:
+    a spike there flags nobody even when the next window is slow too, and persistence counts scored windows."""
+    det = StragglerDetector({"probe_s": 0.0}, threshold=3.0, persist=2)
+    rng = np.random.default_rng(5)
+
+    def probe(slow: float) -> np.ndarray:
+        x = 0.02 * (1 + 0.05 * rng.standard_normal(4))
+        x[2] *= slow
+        return x
+
+    first = det.update({"probe_s": probe(20.0)}, step_s=0.1, unscored=("probe_s",))
+    assert first.scores == {} and first.stragglers == []
+    second = det.update({"probe_s": probe(4.0)}, step_s=0.1)
+    assert second.scores["probe_s"][2] > 3.0 and second.stragglers == []  # one scored window of 2
+    third = det.update({"probe_s": probe(4.0)}, step_s=0.1)
+    assert third.new == [2]
+    # Scored, the same first window would have flagged rank 2 one window earlier.
+    eager = StragglerDetector({"probe_s": 0.0}, threshold=3.0, persist=2)
+    eager.update({"probe_s": probe(20.0)}, step_s=0.1)
+    assert eager.update({"probe_s": probe(4.0)}, step_s=0.1).new == [2]
+
+
 def test_mesh_places_give_each_process_its_coordinates():
     # pipeline 2 x data 2 x fsdp 1 x sequence 1 x tensor 2 = 8 devices, 2 per process, tensor innermost.
     devices = np.empty((2, 2, 1, 1, 2), dtype=object)
