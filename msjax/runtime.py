@@ -15,7 +15,8 @@ Both exist because of measurements on a 2-core CPU machine (shared/FIELD_NOTES.m
   28-55 s on the loaded 2-core machine, while process 0 loaded it from the cache).
 
 - Several CPU devices in one process (`--xla_force_host_platform_device_count=N`, as the tests and CPU layout runs
-  use) can deadlock XLA:CPU's in-process collectives: see `size_cpu_thread_pools`.
+  use) can deadlock XLA:CPU's in-process collectives in two ways: see `size_cpu_thread_pools` and
+  `order_cpu_collectives`.
 
 Opt-outs, for a user who wants the plain defaults: `MSJAX_MALLOPT=0` leaves malloc alone; an explicit
 `JAX_COMPILATION_CACHE_DIR` (or `jax.config.update("jax_compilation_cache_dir", ...)` before import) wins, and
@@ -205,11 +206,59 @@ def size_cpu_thread_pools() -> int | None:
     return size
 
 
+# XLA:CPU's scheduler that moves independent work (collectives included) ahead of loops to run it concurrently.
+CPU_CONCURRENT_SCHEDULER = "xla_cpu_enable_concurrency_optimized_scheduler"
+
+
+def order_cpu_collectives() -> bool:
+    """Turns XLA:CPU's concurrency-optimised scheduler off (`--xla_cpu_enable_concurrency_optimized_scheduler=false`
+    appended to `XLA_FLAGS`) when this process asks for several CPU devices, unless the user set that flag.
+    Returns True when it appended the flag.
+
+    Why: XLA:CPU runs a program's thunks as a dataflow graph on its intra-op pool; collectives, and while loops
+    holding collectives, only *start* in program order on every device (a start may just queue the work), they
+    may overlap, and each blocks a thread in a rendezvous until every participant arrives. The
+    concurrency-optimised scheduler (on by default) moves collectives that do not depend on the layer loop ahead
+    of it, to overlap them with it. Seen on a (data 2, sequence 2, tensor 2) mesh of 8 CPU devices, in the
+    gradient program: the loss's resharding of the targets (a collective-permute over all 8 devices) was
+    scheduled before the scanned layers' while loop, whose body all-gathers over the tensor axis; 7 devices
+    waited in the permute, the eighth in the loop's all-gather for its partner, one of the 7, and XLA aborted at
+    its rendezvous timeout (CI lost a worker this way, in `test_layouts_match_single_device`). Why the eighth
+    never reached the permute it started first is not established. With the scheduler off the permute comes
+    after the loop. Measured on the 2-core machine with a second process loading it, that layout's 4-step run
+    repeated for 120 s: scheduler on, the process aborted within 5 runs in each of 4 tries (3 at 16 pool threads,
+    1 at 64); off, 4 tries ran clean (66, 90, 80 and 75 runs). The scheduler changes the order of the program,
+    not what it computes; on fake CPU devices there is no link whose time it could hide (docs/overlap.md). It
+    does change compiled temp memory (the planner's estimate, within 10% of the default's bytes, came out
+    1.12-1.40x those compiled with it off on its 12 test layouts), so the compile-only check whose figures the
+    planner is fitted to (`msjax.planner.compile_check`) compiles in a subprocess that keeps the default. The
+    flag is read per process, not per compilation: `compiler_options` did not change the schedule. One CPU
+    device has no collectives and is left alone; GPU and TPU compilers do not read the flag.
+    """
+    if "order" in _state:
+        return bool(_state["order"])
+    flags = os.environ.get("XLA_FLAGS", "")
+    ordered = cpu_device_count() > 1 and f"--{CPU_CONCURRENT_SCHEDULER}" not in flags
+    if ordered:
+        os.environ["XLA_FLAGS"] = f"{flags} --{CPU_CONCURRENT_SCHEDULER}=false".strip()
+    _state["order"] = ordered
+    return ordered
+
+
+def concurrent_scheduler_on() -> bool:
+    """Whether this process compiles with XLA:CPU's concurrency-optimised scheduler: the last
+    `--xla_cpu_enable_concurrency_optimized_scheduler=` in `XLA_FLAGS` (XLA's default, on, when there is none).
+    `order_cpu_collectives` may have set it here or in a parent process whose environment this one inherited."""
+    values = re.findall(rf"--{CPU_CONCURRENT_SCHEDULER}=(\w+)", os.environ.get("XLA_FLAGS", ""))
+    return not values or values[-1].lower() not in ("false", "0")
+
+
 def setup() -> None:
     """All of the above; called from `msjax/__init__.py` so every entry point (scripts, notebooks, tests) gets
     them. malloc is tuned first, before jax is imported and allocates; the thread pools are sized before jax
     creates its CPU client (on first use, not on import)."""
     tune_malloc()
     size_cpu_thread_pools()
+    order_cpu_collectives()
     enable_compilation_cache()
     cache_on_every_process()

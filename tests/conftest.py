@@ -1,11 +1,12 @@
 """Eight fake CPU devices for every test, so parallel layouts run in one process (set before jax is imported).
 
-The eight fake devices share XLA:CPU's thread pools. With the pools at their default size (one thread per device
-on this machine) the devices' collectives can deadlock, and XLA aborts the process when a rendezvous times out;
-CI lost a worker that way. `import msjax` sizes the pools at two threads per device (msjax/runtime.py,
-`size_cpu_thread_pools`, with the measurement). The tests also raise XLA's rendezvous timeout from 40 s to 300 s,
-so a collective that is merely slow on a loaded machine is not taken for a deadlock; a real one still ends, and
-XLA's message names the collective it waited for.
+The eight fake devices share XLA:CPU's thread pools, and their collectives can deadlock in two ways, after which
+XLA aborts the process when a rendezvous times out (CI lost a worker each way): pools too small for the devices,
+and collectives that XLA's concurrency-optimised scheduler moves ahead of a while loop that holds collectives.
+`import msjax` sizes the pools at two threads per device and turns that scheduler off (msjax/runtime.py,
+`size_cpu_thread_pools` and `order_cpu_collectives`, with the measurements). The tests also raise XLA's
+rendezvous timeout from 40 s to 300 s, so a collective that is merely slow on a loaded machine is not taken for a
+deadlock; a real one still ends, and XLA's message names the collective it waited for.
 
 Most of the suite's time is XLA:CPU compiling small programs (each parallel layout, each subprocess run), and most
 of a compile is LLVM optimising the generated code. The tests compile with `--xla_backend_optimization_level=0`:

@@ -38,6 +38,7 @@ import tempfile
 import time
 from typing import Any, Iterator
 
+from msjax import runtime
 from msjax.config import Config, apply_overrides, flat_keys
 from msjax.planner.layout import AXES, resolve_vocab
 from msjax.planner.memory import analytic_state_bytes
@@ -215,7 +216,10 @@ def compile_check(cfg: Config, sizes: dict[str, int], zero_stage: int = 0,
         local = len(jax.devices()) if "jax" in sys.modules else 0
     except Exception:  # noqa: BLE001 - no usable jax backend here: use the subprocess
         local = 0
-    if local >= n:
+    # The planner's memory model is fitted to steps compiled by XLA:CPU's default scheduler; a process that runs
+    # without it (msjax turns it off with several CPU devices: msjax.runtime.order_cpu_collectives) compiles in a
+    # subprocess that keeps it, as it would with too few devices.
+    if local >= n and runtime.concurrent_scheduler_on():
         out = compile_here(ccfg, csizes, live)
     else:
         out = _compile_subprocess(ccfg, csizes, n, timeout, live)
@@ -230,8 +234,11 @@ def compile_check(cfg: Config, sizes: dict[str, int], zero_stage: int = 0,
 def _compile_subprocess(cfg: Config, sizes: dict[str, int], n: int, timeout: float,
                         live: bool = False) -> dict[str, Any]:
     env = dict(os.environ)
-    flags = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f)
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    flags = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                     if "host_platform_device_count" not in f and runtime.CPU_CONCURRENT_SCHEDULER not in f)
+    # Compiled, never run: XLA:CPU's default scheduler, the one the planner's memory model is fitted to.
+    env["XLA_FLAGS"] = (f"{flags} --xla_force_host_platform_device_count={n}"
+                        f" --{runtime.CPU_CONCURRENT_SCHEDULER}=true").strip()
     env["JAX_PLATFORMS"] = "cpu"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

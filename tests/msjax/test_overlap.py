@@ -6,11 +6,13 @@ and the full gradient pytree at initialisation, float32, within 1e-5, against si
 and parallel blocks) shared by the session.
 """
 
+import json
 import math
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -19,6 +21,7 @@ import pytest
 
 from msjax.config import Config, ConfigError
 from msjax.mesh import make_mesh
+from msjax.runtime import CPU_CONCURRENT_SCHEDULER
 from msjax.train_step import build_train_program
 from tests.msjax.hlo_utils import collectives, dependents, is_matmul, parse
 from tests.msjax.layouts import VOCAB, assert_same, run_layout, tiny_config
@@ -34,6 +37,7 @@ def reference(layout_reference):
     return {block: layout_reference(**{"model.block": block}) for block in ("serial", "parallel")}
 
 
+ROOT = Path(__file__).resolve().parents[2]
 TP = dict(data=2, fsdp=2, tensor=2)
 TP_SP = dict(data=2, sequence=2, tensor=2)
 
@@ -185,19 +189,49 @@ def test_zero2_gathers_each_parameter_once_per_step():
     assert sorted(sorted(i.shapes[0][1]) for i in gathers) == sorted(sorted(s) for s in sharded)
 
 
+# The prefetch tests read the loop body's order as a scheduler that seeks concurrency leaves it: XLA:CPU's
+# concurrency-optimised scheduler, which `import msjax` turns off in processes with several CPU devices (a
+# collective-order deadlock when such programs run: msjax/runtime.py, `order_cpu_collectives`); without it
+# XLA:CPU keeps the body in program order. The flag is process-wide (a per-compile `compiler_options` override
+# did not change the schedule), so the programs are compiled, never run, in one subprocess that sets it. What
+# the order shows is the freedom prefetch gives a scheduler (the gathers feed no matmul of the body), the freedom
+# GPU's latency-hiding scheduler uses.
+_CONCURRENT_HLO = f"""
+import json, os
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --{CPU_CONCURRENT_SCHEDULER}=true"
+import tests.conftest
+from tests.msjax.test_overlap import _program, cfg_for
+out = {{}}
+for prefetch in (True, False):
+    program = _program(cfg_for("serial", dict(fsdp=8), **{{"mesh.fsdp_prefetch": prefetch, "model.num_layers": 3}}))
+    args = (program.abstract_state["params"], program.abstract_batch)
+    out[str(prefetch)] = {{fn: getattr(program, fn).lower(*args).compile().as_text() for fn in ("eval_fn", "grad_fn")}}
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def concurrent_prefetch_hlo() -> dict:
+    """{str(prefetch): {"eval_fn"|"grad_fn": compiled HLO text}} for fsdp=8, 3 scanned layers, compiled with
+    XLA:CPU's concurrency-optimised scheduler on (see above)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", _CONCURRENT_HLO], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def _loop_bodies(comps):
     return [comps[c] for i in comps["ENTRY"].instrs if i.op == "while" for c in i.calls if "body" in c
             or comps[c].instrs and comps[c].instrs[-1].op == "tuple"]
 
 
 @pytest.mark.parametrize("prefetch", [True, False])
-def test_fsdp_prefetch_gathers_the_next_layer_before_this_layers_matmuls(prefetch):
+def test_fsdp_prefetch_gathers_the_next_layer_before_this_layers_matmuls(concurrent_prefetch_hlo, prefetch):
     """fsdp=8, 3 scanned layers, forward program. With prefetch the layer loop's body issues its parameter
     all-gathers before its first matmul and none of its matmuls reads them (they are the next layer's, carried
     to the next iteration); without it the body's matmuls consume the all-gathers of the same iteration."""
-    program = _program(cfg_for("serial", dict(fsdp=8), **{"mesh.fsdp_prefetch": prefetch, "model.num_layers": 3}))
-    comps = parse(program.eval_fn.lower(program.abstract_state["params"], program.abstract_batch).compile()
-                  .as_text())
+    comps = parse(concurrent_prefetch_hlo[str(prefetch)]["eval_fn"])
     bodies = [c for c in comps.values() if any(i.op == "all-gather" for i in c.instrs)
               and any(is_matmul(i, comps) for i in c.instrs) and c is not comps["ENTRY"]]
     assert len(bodies) == 1
@@ -215,15 +249,13 @@ def test_fsdp_prefetch_gathers_the_next_layer_before_this_layers_matmuls(prefetc
 
 
 @pytest.mark.parametrize("prefetch", [True, False])
-def test_fsdp_prefetch_reduce_scatters_each_layers_gradients_in_the_backward_loop(prefetch):
+def test_fsdp_prefetch_reduce_scatters_each_layers_gradients_in_the_backward_loop(concurrent_prefetch_hlo, prefetch):
     """fsdp=8, 3 scanned layers, gradient program. With prefetch the backward layer loop reduce-scatters (over
     all 8 devices) the six weight gradients that the previous iteration produced (the transpose of the forward's
     carried all-gather), ahead of this iteration's matmuls and feeding none of them: the reduction of one layer's
     gradients overlaps the next layer's backward. Without it GSPMD leaves XLA:CPU an all-reduce of the whole
     gradients in the loop (and no reduce-scatter anywhere in it)."""
-    program = _program(cfg_for("serial", dict(fsdp=8), **{"mesh.fsdp_prefetch": prefetch, "model.num_layers": 3}))
-    comps = parse(program.grad_fn.lower(program.abstract_state["params"], program.abstract_batch).compile()
-                  .as_text())
+    comps = parse(concurrent_prefetch_hlo[str(prefetch)]["grad_fn"])
     loops = [c for c in comps.values() if c is not comps["ENTRY"]
              and sum(is_matmul(i, comps) for i in c.instrs) >= 12  # the backward body: 2 x the forward's dots
              and any(i.op in ("reduce-scatter", "all-reduce") for i in c.instrs)]

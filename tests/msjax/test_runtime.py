@@ -181,3 +181,40 @@ def test_cpu_thread_pools_get_two_threads_per_device(env, want):
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == want
+
+
+_ORDER = r"""
+import json, os, msjax
+print(json.dumps(os.environ.get("XLA_FLAGS")))
+"""
+_OFF = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
+@pytest.mark.parametrize("env, want", [
+    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}, f"--xla_force_host_platform_device_count=8 {_OFF}"),
+    ({"JAX_NUM_CPU_DEVICES": "4"}, _OFF),
+    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_cpu_enable_concurrency_optimized_scheduler=true"},
+     "--xla_force_host_platform_device_count=8 --xla_cpu_enable_concurrency_optimized_scheduler=true"),  # the user's
+    ({"XLA_FLAGS": "--xla_backend_optimization_level=0"}, "--xla_backend_optimization_level=0"),  # one device
+    ({}, None),
+])
+def test_several_cpu_devices_get_the_collective_safe_scheduler(env, want):
+    """`import msjax` turns XLA:CPU's concurrency-optimised scheduler off when a process has several CPU devices
+    (a collective-order deadlock otherwise; see `msjax.runtime.order_cpu_collectives`), unless the user chose."""
+    base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    out = subprocess.run([sys.executable, "-c", _ORDER], env={**base, "MSJAX_COMPILATION_CACHE": "0", **env},
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == want
+
+
+@pytest.mark.parametrize("flags, on", [
+    ("", True), ("--xla_backend_optimization_level=0", True), (_OFF, False),
+    (f"{_OFF} --xla_cpu_enable_concurrency_optimized_scheduler=true", True),  # the last one wins, as in XLA
+])
+def test_concurrent_scheduler_on_reads_the_last_flag(monkeypatch, flags, on):
+    """What `msjax.planner.compile_check` asks before compiling in-process (the flag may come from a parent)."""
+    from msjax.runtime import concurrent_scheduler_on
+
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    assert concurrent_scheduler_on() is on
