@@ -227,7 +227,7 @@ def order_cpu_collectives() -> bool:
     never reached the permute it started first is not established. With the scheduler off the permute comes
     after the loop. Measured on the 2-core machine with a second process loading it, that layout's 4-step run
     repeated for 120 s: scheduler on, the process aborted within 5 runs in each of 4 tries (3 at 16 pool threads,
-    1 at 64); off, 4 tries ran clean (66, 90, 80 and 75 runs). The scheduler changes the order of the program,
+    1 at 64); off, 6 tries ran clean (66 to 97 runs each). The scheduler changes the order of the program,
     not what it computes; on fake CPU devices there is no link whose time it could hide (docs/overlap.md). It
     does change compiled temp memory (the planner's estimate, within 10% of the default's bytes, came out
     1.12-1.40x those compiled with it off on its 12 test layouts), so the compile-only check whose figures the
