@@ -17,7 +17,6 @@ the named hosts *before* the comparison, so the check itself finds the fault (no
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -137,17 +136,60 @@ def check_allreduce() -> dict:
             **({} if ok else {"error": f"all-reduce gave {got}, expected {want}"})}
 
 
+@dataclass(frozen=True)
+class DiagnosticsOptions:
+    """`python -m msjax.supervise.diagnostics`'s flags (the supervisor, a SLURM step or a Kubernetes
+    initContainer runs it; a user can too).
+
+    Attributes:
+      host: this host's name, as the report and the control plane name it.
+      rank: this host's index among the hosts diagnosed together (0 .. num-1).
+      num: how many hosts join the cross-process all-reduce (1: local checks and a local all-reduce only).
+      coordinator: host:port of the all-reduce group's jax.distributed coordinator (needed when num > 1).
+      min_flops: expected per-device float32 matmul rate, FLOP/s (0: check_devices' default).
+      timeout: seconds to wait for the other hosts to join the all-reduce.
+      fail_exit: exit 1 when a check fails (a node's own self-check, e.g. a Kubernetes initContainer).
+    """
+
+    host: str = ""
+    rank: int = -1
+    num: int = 0
+    coordinator: str = ""
+    min_flops: float = 0.0
+    timeout: float = 60.0
+    fail_exit: bool = False
+
+    def checked(self) -> "DiagnosticsOptions":
+        """Raises ConfigError naming the flag when a required flag is missing or out of range."""
+        from msjax.config import ConfigError
+
+        if not self.host:
+            raise ConfigError("--host is required (this host's name)")
+        if self.num < 1:
+            raise ConfigError(f"--num={self.num}: allowed is an int >= 1 (the hosts diagnosed together)")
+        if not 0 <= self.rank < self.num:
+            raise ConfigError(f"--rank={self.rank}: allowed is an int in [0, {self.num - 1}] (--num={self.num})")
+        if self.num > 1 and not self.coordinator:
+            raise ConfigError(f"--coordinator is required when --num={self.num} > 1 (host:port)")
+        if self.timeout <= 0:
+            raise ConfigError(f"--timeout={self.timeout:g}: allowed is seconds > 0")
+        return self
+
+
 def _main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="msjax self-check diagnostics for one host (run by the supervisor)")
-    p.add_argument("--host", required=True)
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--num", type=int, required=True)
-    p.add_argument("--coordinator", default="")
-    p.add_argument("--min_flops", type=float, default=0.0)
-    p.add_argument("--timeout", type=float, default=60.0)
-    p.add_argument("--fail_exit", action="store_true", help="exit 1 when a local check fails (a node's own "
-                                                           "self-check, e.g. a Kubernetes initContainer)")
-    a = p.parse_args(argv)
+    from msjax import cli
+
+    def body() -> int:
+        common, opts = cli.parse_options(list(sys.argv[1:] if argv is None else argv), DiagnosticsOptions(),
+                                         prog="python -m msjax.supervise.diagnostics", description=__doc__)
+        cli.setup_logging(common)
+        return _diagnose(opts.checked())
+
+    return cli.main_guard(body)
+
+
+def _diagnose(a: DiagnosticsOptions) -> int:
+    """Runs the local checks, then the all-reduce, printing each result as one `MSJAX_DIAG {json}` line."""
     import jax
 
     joined, join_error = False, None

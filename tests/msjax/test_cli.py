@@ -98,6 +98,25 @@ def test_supervise_help_and_bad_flags():
         assert proc.stderr.startswith("error: ") and named in proc.stderr, proc.stderr
 
 
+def test_diagnostics_parse_with_the_scripts_parser():
+    """`python -m msjax.supervise.diagnostics` (run by the supervisor, SLURM and the Kubernetes initContainer)
+    parses through msjax.cli like every script: --help lists its flags, a bad or missing one is one error line."""
+    def diagnostics(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "msjax.supervise.diagnostics", *args], cwd=REPO,
+                              capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "80"})
+
+    proc = diagnostics("--help")
+    assert proc.returncode == 0 and "--fail_exit" in proc.stdout and "--min_flops" in proc.stdout, proc.stderr
+    for args, named in ((["--rank", "0", "--num", "1"], "--host is required"),
+                        (["--host", "h0", "--rank", "2", "--num", "2", "--coordinator", "x:1"],
+                         "--rank=2: allowed is an int in [0, 1]"),
+                        (["--host", "h0", "--rank", "0", "--num", "2"], "--coordinator is required"),
+                        (["--host", "h0", "--rank", "0", "--num", "1", "--bogus", "1"], "unknown flag --bogus")):
+        proc = diagnostics(*args)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith("error: ") and named in proc.stderr, proc.stderr
+
+
 def test_supervise_flags_split_into_own_faults_and_train_flags():
     """Repeated --inject flags add up (argparse would keep the last); the workers get every other flag as given."""
     from msjax.supervise.cli import parse_flags
