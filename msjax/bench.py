@@ -72,6 +72,60 @@ def benchmark(cfg: Config, steps: int = 20, warmup: int = 3, repeats: int = 3, v
     }
 
 
+def plain_jax_comparison(cfg: Config, steps: int = 50, repeats: int = 6) -> dict[str, Any]:
+    """msjax's train step against `msjax.bench_reference.plain_train_step` (nanoGPT's block in plain JAX) at the
+    same shapes on one device, timed in alternating windows of `steps` steps (`repeats` each, ABAB...), so a
+    drift of the machine's load hits both.
+
+    Args:
+      cfg: a validated single-device config; model.vocab_size 0 takes 50304.
+    Returns:
+      dict with msjax_step_s and plain_step_s (medians, seconds), ratio (msjax / plain, median of the windows'
+      ratios), each window's times, params of both (to show they are the same model size) and model FLOPs.
+    """
+    from msjax.bench_reference import plain_train_step
+
+    mesh = make_mesh(cfg.mesh, jax.devices()[:1])  # the reference has no sharding: compare on one device
+    program = build_train_program(cfg, mesh, vocab_size=cfg.model.vocab_size or 50304)
+    cfg, t = program.config, program.config.train
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.model.vocab_size, (t.global_batch, t.seq_len + 1)).astype(np.int32)
+    batch = {"inputs": jax.device_put(tokens[:, :-1], program.batch_sharding),
+             "targets": jax.device_put(tokens[:, 1:], program.batch_sharding)}
+    plain_step, plain_state, plain_batch = plain_train_step(cfg, cfg.model.padded_vocab())
+    arms = {"msjax": [program.step_fn, program.init_fn(jax.random.key(0)), batch],
+            "plain": [plain_step, plain_state, plain_batch]}
+    times: dict[str, list[float]] = {"msjax": [], "plain": []}
+    for r in range(repeats + 1):  # round 0 compiles and warms both up; it is not timed
+        for name in ("msjax", "plain") if r % 2 else ("plain", "msjax"):
+            fn, state, b = arms[name]
+            t0 = time.perf_counter()
+            for _ in range(steps if r else 3):
+                state, out = fn(state, b)
+            jax.block_until_ready(out)
+            arms[name][1] = state
+            if r:
+                times[name].append((time.perf_counter() - t0) / steps)
+    plain_params = sum(x.size for x in jax.tree.leaves(arms["plain"][1][0]))
+    return {"config": cfg.name, "steps": steps, "repeats": repeats,
+            "msjax_step_s": statistics.median(times["msjax"]), "plain_step_s": statistics.median(times["plain"]),
+            "ratio": statistics.median([a / b for a, b in zip(times["msjax"], times["plain"])]),
+            "msjax_s": times["msjax"], "plain_s": times["plain"], "msjax_params": program.param_count,
+            "plain_params": int(plain_params),
+            "model_flops_per_step": flops_per_token(cfg.model, t.seq_len) * t.global_batch * t.seq_len}
+
+
+def format_plain_table(row: dict[str, Any]) -> str:
+    """One line per step: msjax's and the plain-JAX reference's median step time and the ratio."""
+    lines = ["step                    params    ms/step  (windows)"]
+    for name in ("msjax", "plain"):
+        label = "msjax" if name == "msjax" else "plain JAX (reference)"
+        windows = " ".join(f"{s * 1e3:.1f}" for s in row[f"{name}_s"])
+        lines.append(f"{label:<21} {row[f'{name}_params']:>9,} {row[f'{name}_step_s'] * 1e3:>9.1f}  ({windows})")
+    lines.append(f"msjax / plain (median of window ratios): {row['ratio']:.3f}")
+    return "\n".join(lines)
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     cols = [("config", "{}"), ("devices", "{}"), ("params", "{:,}"), ("global_batch", "{}"), ("seq_len", "{}"),
             ("compile_s", "{:.2f}"), ("step_s", "{:.4f}"), ("tokens_per_s", "{:,.0f}"), ("mfu", "{:.1%}")]

@@ -1,7 +1,8 @@
 """Benchmark a preset on the devices present, printing a table and JSON.
 
 Step mode (default): `python scripts/bench.py --config=gpt_tiny [--steps=20] [--json=out.json] [--train.x=...]`
-times the jitted train step on synthetic tokens (tokens/s, step time, MFU).
+times the jitted train step on synthetic tokens (tokens/s, step time, MFU); with `--plain_jax`, against nanoGPT's
+block written in plain JAX at the same shapes (msjax/bench_reference.py), in alternating windows.
 
 Recipe mode: `python scripts/bench.py --recipe --config=shakespeare_char [--repeats=3]
 [--reference_cmd="python train.py ..." --reference_cwd=DIR] [--json=out.json]` runs the whole
@@ -27,6 +28,8 @@ class BenchOptions:
       repeats: recipe mode: runs of each command, interleaved.
       reference_cmd: recipe mode: a reference recipe's command line (e.g. nanoGPT's train.py), timed beside msjax.
       reference_cwd: recipe mode: the reference command's working directory.
+      plain_jax: step mode: time msjax's step against nanoGPT's block in plain JAX at the same shapes
+        (msjax/bench_reference.py), in alternating windows of --steps steps.
     """
 
     steps: int = 20
@@ -35,6 +38,7 @@ class BenchOptions:
     repeats: int = 1
     reference_cmd: str = ""
     reference_cwd: str = ""
+    plain_jax: bool = False
 
 
 def main(argv: list[str]) -> int:
@@ -53,6 +57,9 @@ def main(argv: list[str]) -> int:
                                           reference_cwd=opts.reference_cwd or None)
             result = {"config": cfg.name, "rows": rows, "summary": bench.recipe_ratios(rows)}
             table = bench.format_recipe_table(rows)
+        elif opts.plain_jax:
+            result = bench.plain_jax_comparison(cfg, steps=opts.steps)
+            table = bench.format_plain_table(result)
         else:
             result = bench.benchmark(cfg, steps=opts.steps)
             table = bench.format_table([result])

@@ -1,0 +1,96 @@
+"""A reference train step for `scripts/bench.py --plain_jax`: nanoGPT's GPT-2 block written in plain JAX + optax.
+
+No logical axis names, no sharding constraints, no NNX: one fused (D, 3D) QKV matmul, (B, H, T, T) attention, tied
+embeddings, AdamW. It computes the same model as msjax's serial block at a config's shapes (same parameter count
+and model FLOPs; its own initialisation), so the two steps' times say how much of the step time is msjax's
+graph and how much is what XLA makes of the model itself on this backend (issue 14's CPU goal: docs/cpu_speed.md).
+It is a yardstick only: nothing in the training stack uses it.
+
+Legend: B batch, T sequence, D model width, H heads, K head dim, F MLP width, V vocabulary, L layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from msjax.config import Config
+
+
+def _init(key: jax.Array, L: int, D: int, F: int, T: int, V: int, std: float) -> dict[str, Any]:
+    keys = iter(jax.random.split(key, 4 * L + 2))
+
+    def normal(*shape):
+        return std * jax.random.normal(next(keys), shape, jnp.float32)
+
+    def norm():
+        return {"scale": jnp.ones((D,)), "bias": jnp.zeros((D,))}
+
+    layers = [{"ln1": norm(), "ln2": norm(),
+               "w_qkv": normal(D, 3 * D), "b_qkv": jnp.zeros((3 * D,)),
+               "w_o": normal(D, D), "b_o": jnp.zeros((D,)),
+               "w_in": normal(D, F), "b_in": jnp.zeros((F,)),
+               "w_out": normal(F, D), "b_out": jnp.zeros((D,))} for _ in range(L)]
+    return {"wte": normal(V, D), "wpe": normal(T, D), "ln_f": norm(), "layers": layers}
+
+
+def _layer_norm(x_btd: jax.Array, p: dict[str, jax.Array], eps: float) -> jax.Array:
+    mean = x_btd.mean(-1, keepdims=True)
+    var = jnp.square(x_btd - mean).mean(-1, keepdims=True)
+    return (x_btd - mean) * jax.lax.rsqrt(var + eps) * p["scale"] + p["bias"]
+
+
+def plain_train_step(cfg: Config, vocab_size: int) -> tuple[Callable, Any, dict[str, jax.Array]]:
+    """The jitted reference step at `cfg`'s shapes (model.*, train.global_batch, train.seq_len, optimizer.lr).
+
+    Args:
+      cfg: a validated config; only the serial block without a sliding window is modelled.
+      vocab_size: the embedding rows V (the config's padded vocabulary, so the FLOPs match).
+    Returns:
+      (step, state, batch): `step(state, batch) -> (state, loss)` (jitted, state donated), a fresh state
+      (params, AdamW state) and a batch of random int32 tokens {"inputs", "targets"}: (B, T).
+    Raises:
+      ValueError: a parallel block or a sliding window (not modelled here).
+    """
+    m, t = cfg.model, cfg.train
+    if m.block != "serial" or m.attention.window is not None:
+        raise ValueError(f"plain_train_step models the serial block without a window; got model.block={m.block!r}, "
+                         f"model.attention.window={m.attention.window}")
+    B, T, D, H, L, F, V = t.global_batch, t.seq_len, m.d_model, m.num_heads, m.num_layers, m.ff_size, vocab_size
+    K = D // H
+    causal_tt = jnp.tril(jnp.ones((T, T), bool))
+
+    def block(x_btd, p):
+        qkv_btd = _layer_norm(x_btd, p["ln1"], m.norm_eps) @ p["w_qkv"] + p["b_qkv"]  # (B, T, 3D)
+        q_bhtk, k_bhtk, v_bhtk = (a.reshape(B, T, H, K).transpose(0, 2, 1, 3) for a in jnp.split(qkv_btd, 3, -1))
+        s_bhts = (q_bhtk @ k_bhtk.swapaxes(-1, -2)) * K**-0.5
+        w_bhts = jax.nn.softmax(jnp.where(causal_tt, s_bhts, -jnp.inf), axis=-1)
+        o_btd = (w_bhts @ v_bhtk).transpose(0, 2, 1, 3).reshape(B, T, D)
+        x_btd = x_btd + o_btd @ p["w_o"] + p["b_o"]
+        h_btf = jax.nn.gelu(_layer_norm(x_btd, p["ln2"], m.norm_eps) @ p["w_in"] + p["b_in"])
+        return x_btd + h_btf @ p["w_out"] + p["b_out"]
+
+    def loss_fn(params, batch):
+        x_btd = params["wte"][batch["inputs"]] + params["wpe"][None]
+        for p in params["layers"]:
+            x_btd = block(x_btd, p)
+        logits_btv = _layer_norm(x_btd, params["ln_f"], m.norm_eps) @ params["wte"].T
+        return optax.softmax_cross_entropy_with_integer_labels(logits_btv, batch["targets"]).mean()
+
+    o = cfg.optimizer  # constant lr, no clipping, no finite check: a floor, not a twin of msjax's optimizer
+    tx = optax.adamw(o.lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
+
+    def step(state, batch):
+        params, opt_state = state
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    params = _init(jax.random.key(0), L, D, F, T, V, m.init_std)
+    k_in, k_out = jax.random.split(jax.random.key(1))
+    batch = {"inputs": jax.random.randint(k_in, (B, T), 0, V, jnp.int32),
+             "targets": jax.random.randint(k_out, (B, T), 0, V, jnp.int32)}
+    return jax.jit(step, donate_argnums=0), (params, tx.init(params)), batch

@@ -1,0 +1,26 @@
+"""bench.py --plain_jax's yardstick: nanoGPT's block in plain JAX is the same model size as msjax's and trains."""
+
+import math
+
+import jax
+import numpy as np
+
+from msjax.bench import plain_jax_comparison
+from msjax.bench_reference import plain_train_step
+from msjax.config import apply_overrides, load_preset
+
+
+def test_plain_step_is_msjax_sized_starts_at_log_v_and_learns():
+    cfg = apply_overrides(load_preset("shakespeare_char"), {"model.vocab_size": 65})
+    row = plain_jax_comparison(cfg, steps=2, repeats=2)
+    assert row["plain_params"] == row["msjax_params"] == 810_752, row  # the same parameters, shape for shape
+    assert row["msjax_step_s"] > 0 and row["plain_step_s"] > 0 and len(row["msjax_s"]) == 2
+    step, state, batch = plain_train_step(cfg, cfg.model.padded_vocab())
+    losses = []
+    for _ in range(30):  # one random batch, memorised
+        state, loss = step(state, batch)
+        losses.append(float(loss))
+    v = cfg.model.padded_vocab()
+    assert abs(losses[0] - math.log(v)) < 0.05, (losses[0], math.log(v))  # small init: near-uniform logits
+    assert losses[-1] < losses[0] - 0.5 and np.all(np.isfinite(losses)), losses
+    assert jax.tree.leaves(state[0])[0].dtype == np.float32
