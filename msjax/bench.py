@@ -82,6 +82,8 @@ def plain_jax_comparison(cfg: Config, steps: int = 50, repeats: int = 6) -> dict
     Returns:
       dict with msjax_step_s and plain_step_s (medians, seconds), ratio (msjax / plain, median of the windows'
       ratios), each window's times, params of both (to show they are the same model size) and model FLOPs.
+    Raises:
+      ValueError: a model the reference does not reproduce (`msjax.bench_reference.plain_train_step`).
     """
     from msjax.bench_reference import plain_train_step
 

@@ -53,12 +53,18 @@ def plain_train_step(cfg: Config, vocab_size: int) -> tuple[Callable, Any, dict[
       (step, state, batch): `step(state, batch) -> (state, loss)` (jitted, state donated), a fresh state
       (params, AdamW state) and a batch of random int32 tokens {"inputs", "targets"}: (B, T).
     Raises:
-      ValueError: a parallel block or a sliding window (not modelled here).
+      ValueError: a model this reference does not reproduce (a parallel block, a sliding window, grouped-query
+        heads, head_dim other than d_model / num_heads, untied embeddings, no biases): its times would not be
+        those of the same model.
     """
     m, t = cfg.model, cfg.train
-    if m.block != "serial" or m.attention.window is not None:
-        raise ValueError(f"plain_train_step models the serial block without a window; got model.block={m.block!r}, "
-                         f"model.attention.window={m.attention.window}")
+    unlike = {"model.block": m.block != "serial", "model.attention.window": m.attention.window is not None,
+              "model.num_kv_heads": m.kv_heads != m.num_heads, "model.head_dim": m.head_size * m.num_heads != m.d_model,
+              "model.tie_embeddings": not m.tie_embeddings, "model.use_bias": not m.use_bias}
+    if any(unlike.values()):
+        raise ValueError(f"plain_train_step models nanoGPT's block (serial, no window, multi-head, head_dim = d_model "
+                         f"/ num_heads, tied embeddings, biases); this config differs in "
+                         f"{', '.join(k for k, v in unlike.items() if v)}")
     B, T, D, H, L, F, V = t.global_batch, t.seq_len, m.d_model, m.num_heads, m.num_layers, m.ff_size, vocab_size
     K = D // H
     causal_tt = jnp.tril(jnp.ones((T, T), bool))

@@ -4,6 +4,7 @@ import math
 
 import jax
 import numpy as np
+import pytest
 
 from msjax.bench import plain_jax_comparison
 from msjax.bench_reference import plain_train_step
@@ -24,3 +25,10 @@ def test_plain_step_is_msjax_sized_starts_at_log_v_and_learns():
     assert abs(losses[0] - math.log(v)) < 0.05, (losses[0], math.log(v))  # small init: near-uniform logits
     assert losses[-1] < losses[0] - 0.5 and np.all(np.isfinite(losses)), losses
     assert jax.tree.leaves(state[0])[0].dtype == np.float32
+
+
+def test_a_model_the_reference_does_not_reproduce_is_refused():
+    cfg = apply_overrides(load_preset("shakespeare_char"), {"model.vocab_size": 65, "model.block": "parallel",
+                                                            "model.tie_embeddings": False})
+    with pytest.raises(ValueError, match="differs in model.block, model.tie_embeddings"):
+        plain_train_step(cfg, cfg.model.padded_vocab())
