@@ -383,10 +383,11 @@ class MemoryReport:
 
     Phases (msjax's step; `grads_in_backward` not None): the activations peak at the start of the backward, when
     few gradients exist yet, and the gradients peak at the optimizer update, when the activations are freed, so
-      total = params + optimizer + max(activations + working + grads_in_backward, grads + update)
+      total = params + optimizer + max(activations + working + grads_in_backward, grads_at_update + update)
     with grads_in_backward the gradient buffers live through the backward (the float32 accumulators a loop
-    carries: gradient accumulation, the pipeline's tick loop) and update the optimizer's float32 update (and
-    any regrouped copy) before it is applied. Measured in the compiled steps' buffer assignment (docs/planner.md).
+    carries: gradient accumulation, the pipeline's tick loop), grads_at_update those still live at the update
+    (None: all of `grads`) and update the optimizer's float32 temporaries (and any regrouped copy) before they are
+    applied. Measured in the compiled steps' buffer assignment and live ranges (docs/planner.md).
     Without phases (the megatron baseline) every part is added.
     """
 
@@ -401,13 +402,26 @@ class MemoryReport:
     in_flight_layers: float
     grads_in_backward: float | None = None
     update: float = 0.0
+    grads_at_update: float | None = None
+
+    @property
+    def backward_peak(self) -> float:
+        """Transient bytes of the backward phase (msjax's step): activations, working memory and the gradient
+        buffers live through the backward."""
+        return self.activations + self.working + (self.grads_in_backward or 0.0)
+
+    @property
+    def update_peak(self) -> float:
+        """Transient bytes of the update phase (msjax's step): the gradients still live at the optimizer update
+        (`grads_at_update`, all of `grads` when None) and the optimizer's temporaries (`update`)."""
+        return (self.grads if self.grads_at_update is None else self.grads_at_update) + self.update
 
     @property
     def transient(self) -> float:
         """Bytes beyond the parameters and optimizer state at the step's peak (the larger phase)."""
         if self.grads_in_backward is None:
             return self.grads + self.activations + self.working
-        return max(self.activations + self.working + self.grads_in_backward, self.grads + self.update)
+        return max(self.backward_peak, self.update_peak)
 
     @property
     def packing(self) -> float:
@@ -591,18 +605,28 @@ def _msjax_pipeline_report(cfg: Config, layout: Layout, stage: StageParams, devi
     # float32 gradients: the accumulators the tick loop carries ((P, V, Lc, ...) and the ends), live through the
     # loop, and the gradients handed to the optimizer in the parameters' own layout
     accumulators = 4.0 * stage_elements
-    grads = (accumulators + 4.0 * elements) / (d if layout.zero_stage >= 2 else 1)
+    zero2 = d if layout.zero_stage >= 2 else 1
+    grads = (accumulators + 4.0 * elements) / zero2
     opt = oe * elements / zero1
-    # the update phase: two more float32 copies of the state (measured: ~4.4 float32 copies of the stage's state
-    # live at the update of the compiled 175B and tiny pp4 LAMB steps, with the two gradient copies above): the
-    # optimizer's update and its new moments before they replace the donated ones; with per-layer parameters the
-    # second is the stacking's gradient (all L layers, zero outside this stage) before its sum over `pipeline`;
-    # with V > 1 or per-layer parameters also the regrouped (P, V, Lc, ...) copy of the stage's layers
+    # The update phase. XLA's live ranges inside the optimizer's update of the compiled pipelined steps
+    # (docs/planner.md, "The pipelined update phase") hold, beyond the parameters and moments, the optimizer's
+    # gradients and at most two float32 copies of the state (its update and the new moments or parameters before
+    # they replace the donated ones; measured 0.3-1.1 copies with AdamW, 0.7-2.0 with LAMB): once unstaged into
+    # those gradients the tick loop's accumulators and the regrouped copy are dead. Per-layer parameters
+    # (scan_layers=False) are modelled so. Stacked layers keep the accumulators and regrouped copy in the update
+    # phase: there the estimate's backward misses most of gpt175b's (pp8 x tp8: 20.5 GB against 48.4 GB live) and
+    # this surplus is what brings the total to XLA's; dropping it alone would call that layout a fit on 80 GB
+    # devices at 68 GiB where XLA's buffers need 78.5 GiB.
     update = 2 * 4.0 * elements / zero1
     regroup = pe * layers * stage.layer_elements if (v > 1 or not cfg.model.scan_layers) else 0.0
     work = remat_working + fsdp_buffers + ends["logits"] + ends["embedding"] + ends["head_table"] + regroup
+    if cfg.model.scan_layers:
+        update, grads_at_update = update + regroup, None
+    else:
+        grads_at_update = 4.0 * elements / zero2
     return MemoryReport(params, grads, opt, acts, work, memory_fraction * device_memory, device_memory, per_layer,
-                        in_flight(p, v, m) * chunk_layers, grads_in_backward=accumulators, update=update + regroup)
+                        in_flight(p, v, m) * chunk_layers, grads_in_backward=accumulators, update=update,
+                        grads_at_update=grads_at_update)
 
 
 def _tied_copy(cfg: Config, layout: Layout) -> int:

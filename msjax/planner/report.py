@@ -73,9 +73,8 @@ def plan_text(plan: Plan) -> str:
         row(f"activations stored ({m.per_layer_activation / 2**20:.1f} MiB per layer, microbatch)", m.activations)
     row("working (layer being recomputed, logits, FSDP gather buffers)", m.working)
     if m.grads_in_backward is not None:
-        backward = m.activations + m.working + m.grads_in_backward
-        phase = "backward" if backward >= m.grads + m.update else "update"
-        row(f"transient peak ({phase}; other phase {_gib(min(backward, m.grads + m.update)).strip()} GiB)",
+        phase = "backward" if m.backward_peak >= m.update_peak else "update"
+        row(f"transient peak ({phase}; other phase {_gib(min(m.backward_peak, m.update_peak)).strip()} GiB)",
             m.transient)
         row(f"XLA heap-packing allowance ({mem.HEAP_PACKING:.0%} of transient)", m.packing)
     add(f"  {'total':58s}{_gib(m.total)}  of {m.capacity / GiB:.1f} GiB usable "
