@@ -302,7 +302,7 @@ def msjax_layer_activation_bytes(cfg: Config, layout: Layout, scanned: bool | No
     if scanned:
         stream, gathered, mlp = (4 if parallel else 8), 0, 6
     else:
-        stream, gathered, mlp = (3 if parallel else 6), (1 if parallel else 2), 3
+        stream, gathered, mlp = (2 if parallel else 4), (1 if parallel else 2), 3
     tok = b * T
     # K and V: local (b, T / c) without context parallelism; gathered whole over `sequence` with it, where XLA
     # also keeps the gathered copy in its pre-transpose layout (3 whole-sequence K/V-width tensors)
