@@ -3,7 +3,7 @@
 Why not autodiff: differentiating `(x - mean) * rsqrt(var + eps) * scale + bias` through `mean` and `var` gives
 XLA a backward it fuses badly on CPU: on the shakespeare_char step (XLA:CPU, jax 0.10.2) the residual stream's
 gradient came out of twelve large loop fusions written in transposed (D, B*T) order, 8.3 of the step's 64 ms of
-op time. The closed form below is one row-wise pass; the same step ran 15-18% faster with it (docs/cpu_speed.md).
+op time. The closed form below is one row-wise pass; the same step ran 0.75x as long with it (docs/cpu_speed.md).
 
 Forward (Ba, Kiros and Hinton 2016, "Layer Normalization", eq. 4), over the last axis of width D:
     xhat = (x - mean(x)) * r,   r = 1 / sqrt(var(x) + eps),   y = xhat * scale + bias
