@@ -10,10 +10,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Allocates and frees a 64 MiB buffer 20 times, touching every page, and prints the minor page faults that took.
-# With glibc defaults each allocation is a fresh mmap (64 MiB > the dynamic mmap threshold's 32 MiB cap) and
-# faults all 16,384 pages in again; with msjax's mallopt the freed block stays in the heap and is reused.
-_FAULTS = r"""
+# glibc malloc/free through ctypes, after `import msjax` when the first argument says so.
+_PREAMBLE = r"""
 import ctypes, resource, sys
 if sys.argv[1] == "msjax":
     import msjax
@@ -21,6 +19,12 @@ libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
+"""
+
+# Allocates and frees a 64 MiB buffer 20 times, touching every page, and prints the minor page faults that took.
+# With glibc defaults each allocation is a fresh mmap (64 MiB > the dynamic mmap threshold's 32 MiB cap) and
+# faults all 16,384 pages in again; with msjax's mallopt the freed block stays in the heap and is reused.
+_FAULTS = _PREAMBLE + r"""
 n = 64 << 20
 def once():
     p = libc.malloc(n)
@@ -37,14 +41,8 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 # The same from a second thread, which glibc serves from a per-thread arena of 64 MiB heaps: a 40 MiB block is
 # kept, and a second 40 MiB block, allocated and freed 20 times, needs a heap of its own; by default glibc unmaps
 # that heap whole each time it falls empty (trim threshold or not) and faults it in again.
-_THREAD_FAULTS = r"""
-import ctypes, resource, sys, threading
-if sys.argv[1] == "msjax":
-    import msjax
-libc = ctypes.CDLL("libc.so.6")
-libc.malloc.restype = ctypes.c_void_p
-libc.malloc.argtypes = [ctypes.c_size_t]
-libc.free.argtypes = [ctypes.c_void_p]
+_THREAD_FAULTS = _PREAMBLE + r"""
+import threading
 n = 40 << 20
 out = []
 def worker():
