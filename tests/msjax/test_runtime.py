@@ -19,22 +19,23 @@ libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
+def faults_of_20_rounds(n):  # allocate n bytes, touch every page, free; once to warm up, then 20 times counted
+    def once():
+        p = libc.malloc(n)
+        ctypes.memset(p, 1, n)
+        libc.free(p)
+    once()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(20):
+        once()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 """
 
 # Allocates and frees a 64 MiB buffer 20 times, touching every page, and prints the minor page faults that took.
 # With glibc defaults each allocation is a fresh mmap (64 MiB > the dynamic mmap threshold's 32 MiB cap) and
 # faults all 16,384 pages in again; with msjax's mallopt the freed block stays in the heap and is reused.
 _FAULTS = _PREAMBLE + r"""
-n = 64 << 20
-def once():
-    p = libc.malloc(n)
-    ctypes.memset(p, 1, n)
-    libc.free(p)
-once()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(20):
-    once()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(faults_of_20_rounds(64 << 20))
 """
 
 
@@ -48,15 +49,7 @@ out = []
 def worker():
     kept = libc.malloc(n)
     ctypes.memset(kept, 1, n)
-    def once():
-        p = libc.malloc(n)
-        ctypes.memset(p, 1, n)
-        libc.free(p)
-    once()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(20):
-        once()
-    out.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    out.append(faults_of_20_rounds(n))
     libc.free(kept)
 t = threading.Thread(target=worker)
 t.start()
