@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from msjax.ops.softmax import softmax
 from msjax.sharding import active_rules, nested_shard_map
 from msjax.sharding_rules import axes as ax
 from msjax.sharding_rules import logical_to_mesh_spec
@@ -141,6 +142,6 @@ def xla_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array, *, wi
     logits = logits * (1.0 / k**0.5)
     i, j = q_offset + jnp.arange(t)[:, None], jnp.arange(s)[None, :]
     visible = (j <= i) if window is None else (j <= i) & (j > i - window)  # (T, S); the diagonal always is
-    weights = jax.nn.softmax(jnp.where(visible, logits, -jnp.inf), axis=-1).astype(v_bshk.dtype)
+    weights = softmax(jnp.where(visible, logits, -jnp.inf)).astype(v_bshk.dtype)
     out = jnp.einsum("bgrts,bsgk->btgrk", weights, v_bshk, preferred_element_type=jnp.float32)
     return out.reshape(b, t, h, k).astype(q_bthk.dtype)

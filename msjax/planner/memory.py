@@ -270,8 +270,7 @@ def msjax_layer_activation_bytes(cfg: Config, layout: Layout, scanned: bool | No
     the step's peak (the start of the backward), for gpt_tiny (unrolled layers) and gpt_125m (scanned layers) on
     fsdp / tensor / sequence / pipeline meshes (docs/planner.md, "What the compiled step holds"). Korthikanti's
     count (`korthikanti_layer_bytes`) is Megatron's hand-written backward with 16-bit dropout masks; autodiff
-    keeps more: the LayerNorm's centred input next to its output, the GeLU's tanh, both the scores and the
-    probabilities. In units of (b x tokens x width) elements of the compute dtype, with the residual stream split
+    keeps more: the LayerNorm's centred input next to its output, the GeLU's tanh. In units of (b x tokens x width) elements of the compute dtype, with the residual stream split
     over (tensor, sequence) (Megatron-SP and context parallelism) and the TP regions over tensor:
       unrolled layers (`scan_layers=False`; XLA fuses the elementwise chains across the layer):
         residual stream (b, T / (t c), D): 6 serial, 3 parallel (layer input, LayerNorm centred input and
@@ -281,11 +280,12 @@ def msjax_layer_activation_bytes(cfg: Config, layout: Layout, scanned: bool | No
           context parallelism (c > 1) the gathered whole-sequence K and V (b, T, kv width / t): 3 (XLA keeps the
           gathered copy in two layouts)
         MLP (b, T / c, F / t): 3 (linear-1 output, the GeLU's tanh, the GeLU output)
-        attention (b, a / t, T / c, T): 2 (scores and probabilities; fused attention keeps a float32 log-sum-exp
-          per query and head instead)
+        attention (b, a / t, T / c, T): 1 (the probabilities: `msjax.ops.softmax`'s backward reads only its
+          output; autodiff of jax.nn.softmax kept the scores too, 2; fused attention keeps a float32
+          log-sum-exp per query and head instead)
       scanned layers (`scan_layers=True`; the scan stores what jax's partial evaluation saves, unfused):
         residual stream 4 per LayerNorm (8 serial, 4 parallel), no gathered copies, Q K V O as above, MLP 6,
-        attention 2.
+        attention 1.
     `scanned` (default `model.scan_layers`): whether the layers run inside a scan of more than one layer; XLA
     removes a loop of one iteration (a pipeline chunk of one layer), so that counts as unrolled.
     Returns:
@@ -316,7 +316,7 @@ def msjax_layer_activation_bytes(cfg: Config, layout: Layout, scanned: bool | No
     if layout.flash:
         acts += 4.0 * tok * m.num_heads / (t * c)
     else:
-        acts += 2 * e * b * m.num_heads / t * (T / c) * T
+        acts += e * b * m.num_heads / t * (T / c) * T
     return acts
 
 
