@@ -280,12 +280,13 @@ def msjax_layer_activation_bytes(cfg: Config, layout: Layout, scanned: bool | No
           context parallelism (c > 1) the gathered whole-sequence K and V (b, T, kv width / t): 3 (XLA keeps the
           gathered copy in two layouts)
         MLP (b, T / c, F / t): 3 (linear-1 output, the GeLU's tanh, the GeLU output)
-        attention (b, a / t, T / c, T): 1 (the probabilities: `msjax.ops.softmax`'s backward reads only its
-          output; autodiff of jax.nn.softmax kept the scores too, 2; fused attention keeps a float32
-          log-sum-exp per query and head instead)
+        attention (b, a / t, T / c, T): 2 (XLA keeps the unnormalised exponentials beside the probabilities
+          even though `msjax.ops.softmax`'s backward reads only its output: gpt_tiny's bound did not move when
+          that backward replaced autodiff's; fused attention keeps a float32 log-sum-exp per query and head)
       scanned layers (`scan_layers=True`; the scan stores what jax's partial evaluation saves, unfused):
         residual stream 4 per LayerNorm (8 serial, 4 parallel), no gathered copies, Q K V O as above, MLP 6,
-        attention 1.
+        attention 1 (the probabilities alone: what `msjax.ops.softmax` saves; autodiff of jax.nn.softmax
+        saved 2).
     `scanned` (default `model.scan_layers`): whether the layers run inside a scan of more than one layer; XLA
     removes a loop of one iteration (a pipeline chunk of one layer), so that counts as unrolled.
     Returns:
@@ -316,7 +317,7 @@ def msjax_layer_activation_bytes(cfg: Config, layout: Layout, scanned: bool | No
     if layout.flash:
         acts += 4.0 * tok * m.num_heads / (t * c)
     else:
-        acts += e * b * m.num_heads / t * (T / c) * T
+        acts += (1 if scanned else 2) * e * b * m.num_heads / t * (T / c) * T
     return acts
 
 
