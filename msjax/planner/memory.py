@@ -280,9 +280,9 @@ def msjax_layer_activation_bytes(cfg: Config, layout: Layout, scanned: bool | No
           context parallelism (c > 1) the gathered whole-sequence K and V (b, T, kv width / t): 3 (XLA keeps the
           gathered copy in two layouts)
         MLP (b, T / c, F / t): 3 (linear-1 output, the GeLU's tanh, the GeLU output)
-        attention (b, a / t, T / c, T): 2 (XLA keeps the unnormalised exponentials beside the probabilities
-          even though `msjax.ops.softmax`'s backward reads only its output: gpt_tiny's bound did not move when
-          that backward replaced autodiff's; fused attention keeps a float32 log-sum-exp per query and head)
+        attention (b, a / t, T / c, T): 2 (the probabilities twice, though `msjax.ops.softmax`'s backward reads
+          them once: XLA's fusions compute them once per consumer shape, (b, a, T, T) and the grouped (b, g, r,
+          T, T), and keeps both; fused attention keeps a float32 log-sum-exp per query and head instead)
       scanned layers (`scan_layers=True`; the scan stores what jax's partial evaluation saves, unfused):
         residual stream 4 per LayerNorm (8 serial, 4 parallel), no gathered copies, Q K V O as above, MLP 6,
         attention 1 (the probabilities alone: what `msjax.ops.softmax` saves; autodiff of jax.nn.softmax
