@@ -270,8 +270,9 @@ def msjax_layer_activation_bytes(cfg: Config, layout: Layout, scanned: bool | No
     the step's peak (the start of the backward), for gpt_tiny (unrolled layers) and gpt_125m (scanned layers) on
     fsdp / tensor / sequence / pipeline meshes (docs/planner.md, "What the compiled step holds"). Korthikanti's
     count (`korthikanti_layer_bytes`) is Megatron's hand-written backward with 16-bit dropout masks; autodiff
-    keeps more: the LayerNorm's centred input next to its output, the GeLU's tanh. In units of (b x tokens x width) elements of the compute dtype, with the residual stream split
-    over (tensor, sequence) (Megatron-SP and context parallelism) and the TP regions over tensor:
+    keeps more: the LayerNorm's centred input next to its output, the GeLU's tanh. In units of (b x tokens x
+    width) elements of the compute dtype, with the residual stream split over (tensor, sequence) (Megatron-SP and
+    context parallelism) and the TP regions over tensor:
       unrolled layers (`scan_layers=False`; XLA fuses the elementwise chains across the layer):
         residual stream (b, T / (t c), D): 6 serial, 3 parallel (layer input, LayerNorm centred input and
           output, the attention-residual sum)
