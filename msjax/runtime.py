@@ -13,7 +13,9 @@ Both exist because of measurements on a 2-core CPU machine (shared/FIELD_NOTES.m
   step). That starts at random well into a run: a shakespeare_char step loop ran 0 faults per step for 1,800
   steps, then 2,215 (a 2000-step job: 22.8 s system time, 8.4 million faults, against 3.7 s and 0.16 million);
   under strace, 45,123 mprotect + 5,487 munmap calls in 2000 steps with the default arenas, 822 + 4,124 (mostly
-  start-up) and 0 faults per step after the first 200 with one arena, at the same step time.
+  start-up) and 0 faults per step after the first 200 with one arena. The one arena's lock cost no step time
+  measurable here (2 cores; shakespeare_char, 100-step windows after the first: 37.0-42.8 ms with one arena,
+  35.5-47.1 ms with the default arenas, 2 alternating processes each; no finer A/B was made).
 - Compiling the train step takes seconds of every run; jax's persistent compilation cache keeps the compiled
   executables in the user's cache directory (XDG), so a repeated run skips most of that.
 - With several CPU processes jax caches only process 0's executables, and no other process ever hits: see
