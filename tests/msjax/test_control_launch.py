@@ -137,10 +137,13 @@ def test_redis_restart_commands_and_sigterm_mid_run(tmp):
             run.wait_for(lambda: {0, 1} <= set(store.heartbeats()) and min(
                 h["step"] for h in store.heartbeats().values()) >= 2, 300, "both ranks training (heartbeats)")
             pids = _pids(run.output)
+            sentinel = store.key("test-sentinel")
+            store.client.set(sentinel, "before the restart")
             srv.kill()
             time.sleep(1.0)
             srv.start()
-            assert store.heartbeats() == {}  # a fresh, empty server
+            # A fresh, empty server. (Not `heartbeats() == {}`: a worker may re-register between start and here.)
+            assert store.client.get(sentinel) is None
             run.wait_for(lambda: {0, 1} <= set(store.heartbeats()), 90, "heartbeats of both ranks after restart")
             store.send_command("checkpoint")
             run.wait_for(lambda: run.output.count("checkpoint command applied") == 2, 120,
