@@ -35,7 +35,7 @@ def benchmark(cfg: Config, steps: int = 20, warmup: int = 3, repeats: int = 3, v
       cfg: a validated config (model.vocab_size 0 takes `vocab_size`, default 50304).
     Returns:
       dict with compile_s, step_s (median seconds per step), tokens_per_s, mfu (model FLOPs over
-      `hardware.mesh_peak_flops`: datasheet peak x devices, or on CPU the measured host rate), peak label,
+      `hardware.mesh_peak_flops`: datasheet peak x devices, or on CPU the best measured host rate), peak label,
       devices and mesh.
     """
     mesh = make_mesh(cfg.mesh)
