@@ -284,7 +284,8 @@ class StepObserver(Hook):
         self.peak, _ = mesh_peak_flops(ctx.mesh.devices.flat)
         with jax.default_device(jax.local_devices(backend="cpu")[0]):  # no work on the accelerators
             sched = lr_schedule(cfg.optimizer, t.steps)
-            self._lr = np.asarray(jax.vmap(sched)(jnp.arange(t.steps)))  # lr of step s is entry s - 1
+            # One jitted program: evaluated op by op, the schedule compiled ~15 tiny programs (~0.45 s of start-up).
+            self._lr = np.asarray(jax.jit(jax.vmap(sched))(jnp.arange(t.steps)))  # lr of step s is entry s - 1
         hosts = self._gather_hosts()
         self.places: dict[int, RankPlace] = mesh_places(ctx.mesh.devices, hosts=hosts)
         ranks = self.run_dir / "ranks"
