@@ -11,7 +11,8 @@ such assertion (median of 5 probes <= 1.25 x budget) failed when another test sh
 import jax
 import pytest
 
-from msjax.observe.timing import PROBE_MAX_CHAIN, PROBE_RESCALE_LIMIT, ComputeProbe, ProbeCost
+from msjax.observe.timing import (PROBE_CALL_S, PROBE_MAX_CHAIN, PROBE_MAX_REPEATS, PROBE_RESCALE_LIMIT,
+                                  ComputeProbe, ProbeCost)
 
 BUDGET = 0.005  # the default observe.probe_budget
 
@@ -40,9 +41,14 @@ def test_the_probe_is_planned_to_its_share_of_the_window_and_follows_measured_ti
     per_call = budget_s / probe.repeats
     assert probe.cost.predict(probe.chain) <= per_call * (1 + 1e-12)  # fits the budget
     assert probe.chain == PROBE_MAX_CHAIN or probe.cost.predict(probe.chain + 1) > per_call  # the longest that fits
-    assert probe.repeats >= 3 and probe.chain >= 3
-    for per_matmul, wall in results:  # seconds per matmul of the median call: it is <= half the whole probe
-        assert 0 < per_matmul * probe.chain <= wall / 2 * (1 + 1e-9)
+    # Several calls (their median is the figure) whenever three calls of one matmul fit the model as rescaled: about
+    # PROBE_CALL_S each. (Not `chain >= 3` outright: the rescaled model follows this machine's load during the test,
+    # and under a burst the budget may hold only chains of 2; that failed once in CI with another test on the cores.)
+    fits_three = 3 * probe.cost.predict(1) <= budget_s
+    assert probe.repeats == (int(min(PROBE_MAX_REPEATS, max(3, budget_s // PROBE_CALL_S))) if fits_three else 1)
+    if probe.repeats >= 3:
+        for per_matmul, wall in results:  # seconds per matmul of the median call: it is <= half the whole probe
+            assert 0 < per_matmul * probe.chain <= wall / 2 * (1 + 1e-9)
 
 
 def test_the_plan_is_the_longest_chain_that_fits_and_says_when_none_does():
