@@ -254,8 +254,8 @@ def mesh_peak_flops(devices) -> tuple[float, str]:
     """(peak FLOP/s of all `devices` together, label): the MFU denominator.
 
     Accelerators: per-device peak times the device count. CPU: the best measured host rate (`cpu_peak_flops`)
-    times the number of processes, whatever the device count, because fake CPU devices (`--xla_force_host_platform_device_count`)
-    share their host's cores.
+    times the number of processes, whatever the device count, because fake CPU devices
+    (`--xla_force_host_platform_device_count`) share their host's cores.
     """
     devices = list(devices)
     peak, label = device_peak_flops(devices[0])
