@@ -40,14 +40,17 @@ The first step observed (compilation) is written but left out of window figures.
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import json
 import math
 import os
 import queue
 import socket
+import tempfile
 import threading
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, Sequence
@@ -94,6 +97,12 @@ PROBE_MAX_REPEATS = 25
 # Per window the probe's cost model follows the measured probe time (median over ranks), by at most this factor
 # either way: a load burst during one probe does not swing the next probe's size by more.
 PROBE_RESCALE_LIMIT = 2.0
+# Processes on one host (a local multi-process run) time their window-end probes one at a time, under a host-wide
+# file lock: run together they compete for the same cores, and whichever the OS serves last looks slow (CI, an
+# unslowed 4-process run on 2 cores beside another test: healthy workers 1 and 2 probed at 3.37 and 2.61 ms per
+# matmul against 0.38 for the others, in consecutive windows, and were flagged). One process per host, the usual
+# multi-host layout, never takes the lock. The most seconds a probe waits for its turn before it runs anyway:
+PROBE_LOCK_TIMEOUT_S = 60.0
 # Figures the straggler detector scores, with the floor of their denominator as a fraction of the median step
 # time (host stalls are ~0 on healthy ranks: without a floor microseconds of noise would make huge ratios).
 SCORED_FIGURES = {"probe_s": 0.0, "host_stall_s": 0.1}
@@ -112,6 +121,32 @@ class MetricsSink(Protocol):
 def _log(msg: str) -> None:
     if jax.process_index() == 0:
         tqdm.write(msg)
+
+
+@contextmanager
+def host_probe_turn(timeout_s: float = PROBE_LOCK_TIMEOUT_S):
+    """Holds this host's probe lock (an exclusive `flock` on a file in the temporary directory) for the block, so
+    that processes sharing the host's cores time their probes one after another. Waits at most `timeout_s` seconds,
+    polling every millisecond; then it logs and runs the block without the lock rather than stall training."""
+    path = Path(tempfile.gettempdir()) / f"msjax-probe-{os.getuid()}.lock"
+    with open(path, "a") as f:
+        deadline = time.monotonic() + timeout_s
+        locked = False
+        while not locked:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked = True
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    tqdm.write(f"observe: process {jax.process_index()} waited {timeout_s:.0f} s for the host's probe "
+                               f"lock {path}; probing without it")
+                    break
+                time.sleep(1e-3)
+        try:
+            yield
+        finally:
+            if locked:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
 
 @dataclass(frozen=True)
@@ -288,6 +323,8 @@ class StepObserver(Hook):
             self._lr = np.asarray(jax.jit(jax.vmap(sched))(jnp.arange(t.steps)))  # lr of step s is entry s - 1
         hosts = self._gather_hosts()
         self.places: dict[int, RankPlace] = mesh_places(ctx.mesh.devices, hosts=hosts)
+        here = self.places[self.rank].host
+        self._shares_host = sum(place.host == here for place in self.places.values()) > 1
         ranks = self.run_dir / "ranks"
         ranks.mkdir(parents=True, exist_ok=True)
         devs = ctx.mesh.devices
@@ -483,7 +520,8 @@ class StepObserver(Hook):
         probe_plan = None
         if self._probe is not None:
             probe_plan = {"size": self._probe.cost.size, "chain": self._probe.chain, "repeats": self._probe.repeats}
-            figures["probe_s"], figures["probe_wall_s"] = self._probe()
+            with host_probe_turn() if self._shares_host else nullcontext():
+                figures["probe_s"], figures["probe_wall_s"] = self._probe()
         else:
             figures["probe_s"] = figures["probe_wall_s"] = 0.0
         t_probe = time.perf_counter()

@@ -65,3 +65,34 @@ def test_a_budget_too_small_for_the_smallest_probe_is_reported(probe):
     assert (probe.repeats, probe.chain) == (1, 1)
     assert probe.plan(3 * probe.cost.predict(1)) and probe.repeats == 3
     assert probe.plan(1.0) and probe.repeats == 25  # a large budget: the most calls, each longer than 4 ms
+
+
+def test_processes_on_one_host_take_turns_to_probe_and_a_stuck_turn_times_out():
+    import threading
+    import time
+
+    from msjax.observe.timing import host_probe_turn
+
+    held, release = threading.Event(), threading.Event()
+
+    def holder():
+        with host_probe_turn():
+            held.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        assert held.wait(10)
+        t0 = time.monotonic()
+        with host_probe_turn(timeout_s=0.3):  # the holder keeps it: this one gives up after 0.3 s and runs anyway
+            waited = time.monotonic() - t0
+        assert 0.3 <= waited < 5.0
+        threading.Timer(0.2, release.set).start()
+        t0 = time.monotonic()
+        with host_probe_turn(timeout_s=10):  # the holder lets go after 0.2 s: this one gets its turn then
+            waited = time.monotonic() - t0
+        assert 0.15 <= waited < 5.0
+    finally:
+        release.set()
+        thread.join(10)
