@@ -127,9 +127,16 @@ def _log(msg: str) -> None:
 def host_probe_turn(timeout_s: float = PROBE_LOCK_TIMEOUT_S):
     """Holds this host's probe lock (an exclusive `flock` on a file in the temporary directory) for the block, so
     that processes sharing the host's cores time their probes one after another. Waits at most `timeout_s` seconds,
-    polling every millisecond; then it logs and runs the block without the lock rather than stall training."""
+    polling every millisecond; then it logs and runs the block without the lock rather than stall training. A lock
+    file that cannot be opened (a read-only temporary directory) runs the block without it too."""
     path = Path(tempfile.gettempdir()) / f"msjax-probe-{os.getuid()}.lock"
-    with open(path, "a") as f:
+    try:
+        f = open(path, "a")
+    except OSError as e:
+        tqdm.write(f"observe: cannot open the host's probe lock {path} ({e.strerror}); probing without it")
+        yield
+        return
+    with f:
         deadline = time.monotonic() + timeout_s
         locked = False
         while not locked:
