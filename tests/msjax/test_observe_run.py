@@ -106,3 +106,39 @@ def test_profile_requested_mid_run_covers_the_steps_and_changes_no_loss(runs):
     assert traced_steps(events[0]["path"]) == [5, 6]
     assert not (plain_dir / "profile").exists()
     assert [r["loss"] for r in _rows(prof_dir)] == [r["loss"] for r in _rows(plain_dir)]
+
+
+class ReadyAtStepEnd(Hook):
+    """Whether each step's loss is already computed when the hooks after the observer see the step (`is_ready`: no
+    wait), and a host sync of its own (float of the loss, before looking) at the steps in `sync_at`."""
+
+    def __init__(self, sync_at: tuple[int, ...]):
+        self.sync_at, self.ready = sync_at, {}
+
+    def on_step_end(self, ctx, step, metrics):
+        if step in self.sync_at:
+            float(metrics["loss"])
+        # the first shard: what a host read (float, np.asarray) waits for; the other devices' replicas may lag
+        self.ready[step] = metrics["loss"].addressable_shards[0].data.is_ready()
+
+
+def test_the_observer_adds_no_host_sync_between_window_ends(tmp_path, small_corpus):
+    """With all per-step metrics on, the loop does not wait for a step before dispatching the next: a step's loss
+    is still being computed when the hooks see the step, except at window ends (the window's one sync) and where a
+    hook syncs on purpose (the control, proving that a sync shows). A per-step sync anywhere before these hooks
+    would make every step ready. The model is sized so a step's compute (~10-20 ms here) outlasts the host's
+    per-step work."""
+    from tests.msjax.conftest import tiny_run_config
+
+    steps, window, sync_at = 16, 8, (12, 13)
+    cfg = tiny_run_config(tmp_path, small_corpus, **{
+        "model.d_model": 128, "model.num_heads": 4, "model.max_seq_len": 64, "train.seq_len": 64,
+        "train.global_batch": 16, "train.steps": steps, "train.eval_every": 0, "train.log_every": 0,
+        "train.sample_tokens": 0, "checkpoint.every": 0, "observe.window": window, "observe.gc_every": 3,
+        "optimizer.decay_steps": steps})
+    hook = ReadyAtStepEnd(sync_at)
+    run(cfg, hooks=[hook])
+    assert len(_rows(tmp_path / "run")) == steps  # every step's row was written, by the watcher thread
+    assert all(hook.ready[s] for s in (window, *sync_at)), sorted(hook.ready.items())
+    free = [s for s in range(2, steps) if s % window and s not in sync_at]  # step 1 compiles
+    assert sum(not hook.ready[s] for s in free) >= len(free) // 2, hook.ready
