@@ -34,7 +34,7 @@ from __future__ import annotations
 from msjax.config import Config
 from msjax.hardware import Hardware
 from msjax.planner.layout import Layout, Link, group_link
-from msjax.planner.memory import _DTYPE_BYTES, StageParams, gathered_kv_bytes, state_bytes_per_element
+from msjax.planner.memory import DTYPE_BYTES, StageParams, gathered_kv_bytes, state_bytes_per_element
 
 
 class Collective:
@@ -98,7 +98,7 @@ def kv_gathers(layout: Layout) -> float:
 def inventory(cfg: Config, layout: Layout, hw: Hardware, stage: StageParams) -> list[Collective]:
     """Every collective of one step on the most loaded device (see module docstring)."""
     m = cfg.model
-    e = _DTYPE_BYTES[m.dtype]
+    e = DTYPE_BYTES[m.dtype]
     pe, ge, _ = state_bytes_per_element(cfg, layout)
     s, b = cfg.train.seq_len, layout.microbatch_size
     p, v, mb, t, sx, f = (layout.pipeline, layout.virtual_stages, layout.microbatches, layout.tensor,

@@ -38,7 +38,7 @@ from msjax.sharding_rules.rules import OPTIMIZER_STATE_RULES
 
 from msjax.planner.layout import Layout
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -136,7 +136,7 @@ def analytic_state_bytes(cfg: Config, vocab: int, sizes: dict[str, int]) -> dict
     split over `pipeline` (L / p per device, `msjax.parallel.pipeline.pipeline_rules`); per-layer parameters and
     the embedding / output end are replicated over it.
     """
-    pb = _DTYPE_BYTES[cfg.model.param_dtype]
+    pb = DTYPE_BYTES[cfg.model.param_dtype]
     L = cfg.model.num_layers
     if sizes.get("pipeline", 1) > 1 and cfg.model.scan_layers:
         L = L // sizes["pipeline"]
@@ -222,7 +222,7 @@ def gathered_kv_bytes(cfg: Config, layout: Layout) -> float:
     part of a layer's activations that the `sequence` axis does not divide.
     """
     m = cfg.model
-    return 2.0 * _DTYPE_BYTES[m.dtype] * layout.microbatch_size * cfg.train.seq_len * m.kv_heads / layout.tensor \
+    return 2.0 * DTYPE_BYTES[m.dtype] * layout.microbatch_size * cfg.train.seq_len * m.kv_heads / layout.tensor \
         * m.head_size
 
 
@@ -244,7 +244,7 @@ def layer_activation_bytes(cfg: Config, layout: Layout, policy: str | None = Non
     policy = policy or layout.remat
     s = cfg.train.seq_len
     b, t, sx = layout.microbatch_size, layout.tensor, layout.sequence
-    e = _DTYPE_BYTES[m.dtype]
+    e = DTYPE_BYTES[m.dtype]
     h, f = m.d_model, m.ff_size
     qw, kvw = m.num_heads * m.head_size, m.kv_heads * m.head_size
     if policy in ("none", "full"):
@@ -295,7 +295,7 @@ def msjax_layer_activation_bytes(cfg: Config, layout: Layout, scanned: bool | No
     """
     m = cfg.model
     scanned = m.scan_layers if scanned is None else scanned
-    e = _DTYPE_BYTES[m.dtype]
+    e = DTYPE_BYTES[m.dtype]
     b, T, t, c = layout.microbatch_size, cfg.train.seq_len, layout.tensor, layout.sequence
     d, f = m.d_model, m.ff_size
     qw, kvw = m.num_heads * m.head_size, m.kv_heads * m.head_size
@@ -339,7 +339,7 @@ def msjax_ends_bytes(cfg: Config, layout: Layout) -> dict[str, float]:
       dict of bytes (floats): logits, embedding, head_table, stream.
     """
     m = cfg.model
-    e, pe = _DTYPE_BYTES[m.dtype], _DTYPE_BYTES[m.param_dtype]
+    e, pe = DTYPE_BYTES[m.dtype], DTYPE_BYTES[m.param_dtype]
     b, T, t, c = layout.microbatch_size, cfg.train.seq_len, layout.tensor, layout.sequence
     V, d = layout.vocab, m.d_model
     out_split = (t if layout.sequence_parallel else 1) * c
@@ -452,7 +452,7 @@ def state_bytes_per_element(cfg: Config, layout: Layout) -> tuple[float, float, 
     """
     if layout.baseline == "megatron":
         return 2.0, 4.0, 12.0
-    pb = _DTYPE_BYTES[cfg.model.param_dtype]
+    pb = DTYPE_BYTES[cfg.model.param_dtype]
     return float(pb), 4.0, 2.0 * pb
 
 
@@ -471,7 +471,7 @@ def memory_report(cfg: Config, layout: Layout, stage: StageParams, device_memory
         return _msjax_report(cfg, layout, stage, device_memory, memory_fraction)
     chunks = in_flight_chunks(p, v, layout.microbatches)
     in_flight_layers = chunks * layers / v
-    e = _DTYPE_BYTES[cfg.model.dtype]
+    e = DTYPE_BYTES[cfg.model.dtype]
     s, b, t = cfg.train.seq_len, layout.microbatch_size, layout.tensor
     logits = 2 * 4 * b * s * layout.vocab / t / layout.sequence
     remat_working = layer_activation_bytes(cfg, layout, "none") if layout.remat != "none" else 0.0
@@ -530,7 +530,7 @@ def fsdp_gathered_bytes(cfg: Config, layout: Layout, stage: StageParams, layers:
     if layout.fsdp == 1 or cfg.mesh.rules == "zero2":
         return 0.0
     n = layers if (not cfg.model.scan_layers and layout.remat == "none") else 2
-    return n * _DTYPE_BYTES[cfg.model.param_dtype] * stage.layer_total / layout.tensor
+    return n * DTYPE_BYTES[cfg.model.param_dtype] * stage.layer_total / layout.tensor
 
 
 def _msjax_report(cfg: Config, layout: Layout, stage: StageParams, device_memory: float,
@@ -583,7 +583,7 @@ def _msjax_pipeline_report(cfg: Config, layout: Layout, stage: StageParams, devi
     layers = cfg.model.num_layers // p
     pe, _, oe = state_bytes_per_element(cfg, layout)
     d = layout.data
-    e = _DTYPE_BYTES[cfg.model.dtype]
+    e = DTYPE_BYTES[cfg.model.dtype]
     s, b, t = cfg.train.seq_len, layout.microbatch_size, layout.tensor
     split = (t if layout.sequence_parallel else 1) * layout.sequence
     x_bytes = e * b * s * cfg.model.d_model / split

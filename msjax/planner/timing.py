@@ -62,7 +62,7 @@ from msjax.hardware import Hardware
 from msjax.planner import comm as comm_mod
 from msjax.planner.layout import Layout
 from msjax.parallel.schedule import bubble_fraction, in_flight
-from msjax.planner.memory import _DTYPE_BYTES, StageParams, in_flight_chunks
+from msjax.planner.memory import DTYPE_BYTES, StageParams, in_flight_chunks
 from msjax.planner.options import (
     ATTENTION_EFFICIENCY, ATTENTION_EFFICIENCY_FA1, FLASH_BACKWARD_FACTOR, HBM_EFFICIENCY, OPTIMIZER_BYTES_PER_PARAM,
     OVERLAP_SLOWDOWN, PlanOptions,
@@ -129,7 +129,7 @@ def layer_times(cfg: Config, layout: Layout, rates: Rates) -> LayerTimes:
     """Times of one layer for one microbatch on the pacing device (see the module docstring)."""
     m = cfg.model
     s, b, t, sx = cfg.train.seq_len, layout.microbatch_size, layout.tensor, layout.sequence
-    e = _DTYPE_BYTES[m.dtype]
+    e = DTYPE_BYTES[m.dtype]
     h, f = m.d_model, m.ff_size
     qw, kvw = m.num_heads * m.head_size, m.kv_heads * m.head_size
     tok = b * s / sx  # tokens (and queries) per member of the sequence axis: its chunk
