@@ -152,3 +152,36 @@ def test_unwritable_cache_dir_is_one_clear_error(tmp_path):
     with pytest.raises(DataError, match=r"data.cache_dir=.*file/sub.* is not writable"):
         prepare_data(DataConfig(paths=(str(tmp_path / "c.txt"),), tokenizer="byte",
                                 cache_dir=str(blocker / "sub")))
+
+
+def test_long_corpora_show_tokenizing_progress_in_bytes(tmp_path, monkeypatch):
+    """A corpus over the progress threshold (64 MiB; lowered here to keep the test small) shows tqdm bars of bytes
+    read, for fitting the tokenizer and for tokenizing, and each bar reaches the corpus size; a smaller one shows
+    none."""
+    import io
+
+    from msjax.data import tokens
+
+    class Terminal(io.StringIO):  # tqdm draws only on a terminal
+        def isatty(self):
+            return True
+
+    corpus = _one_line_corpus(tmp_path / "c.txt", 1)
+    size = corpus.stat().st_size
+    close = tokens._Progress.close
+    for threshold, shown in ((size // 2, True), (size + 1, False)):
+        ends = []
+        monkeypatch.setattr(tokens, "_PROGRESS_MIN_BYTES", threshold)
+        monkeypatch.setattr(tokens._Progress, "close", lambda bar: (ends.append((bar.what, bar.bar.n)), close(bar)))
+        err = Terminal()
+        monkeypatch.setattr(sys, "stderr", err)
+        prepare_data(DataConfig(paths=(str(corpus),), tokenizer="char", cache_dir=str(tmp_path / f"cache{shown}")))
+        monkeypatch.undo()
+        text = err.getvalue()
+        if shown:  # the bars are drawn at 0 and cleared when done (leave=False): their counts are read at close
+            assert f"fitting tokenizer:   0%|          | 0.00/{size / 1e6:.2f}M" in text, text[-500:]
+            assert f"tokenizing:   0%|          | 0.00/{size / 1e6:.2f}M" in text, text[-500:]
+            # a position split fits the tokenizer on the whole file for char (its vocabulary covers every character)
+            assert ends == [("fitting tokenizer", size), ("tokenizing", size)], ends
+        else:
+            assert text == "", text[-500:]
