@@ -81,3 +81,28 @@ def test_empty_directory_is_an_error(tmp_path):
 
     with pytest.raises(ReportError, match="neither metrics.jsonl"):
         write_report(tmp_path)
+
+
+def test_heatmap_has_a_panel_per_stage_with_data_by_tensor_and_a_colour_bar_in_ms(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    from msjax.observe.report import plot_heatmap
+
+    _synthetic_run(tmp_path)
+    saved = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    assert plot_heatmap(load_run(tmp_path), "probe_s", tmp_path / "h.png")
+    (fig,) = saved
+    panels = [ax for ax in fig.axes if ax.get_title().startswith("pipeline stage")]
+    assert [ax.get_title() for ax in panels] == ["pipeline stage 0", "pipeline stage 1"]
+    for s, ax in enumerate(panels):
+        assert (ax.get_xlabel(), ax.get_ylabel()) == ("tensor coordinate", "data coordinate")
+        shown = ax.get_images()[0].get_array()
+        assert shown.shape == (2, 2)  # data x tensor
+        for d in range(2):  # each process's mean probe time (ms) on both of its tensor devices
+            np.testing.assert_allclose(shown[d], 1e3 * per_rank_figure(load_run(tmp_path), "probe_s")[2 * s + d])
+        # the straggler (process 3: stage 1, data 1) is boxed in red
+        boxed = [(p.get_x(), p.get_y()) for p in ax.patches if p.get_edgecolor()[:3] == (1.0, 0.0, 0.0)]
+        assert boxed == ([(-0.5, 0.5), (0.5, 0.5)] if s == 1 else []), boxed
+    bars = [ax for ax in fig.axes if ax not in panels]
+    assert len(bars) == 1 and bars[0].get_ylabel() == "probe (ms)"
