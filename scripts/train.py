@@ -13,8 +13,9 @@ from msjax import cli
 
 
 def main(argv: list[str]) -> int:
-    # `--profile_steps=K:N` is short for `--observe.profile_steps=K:N` (trace steps K..K+N-1).
-    argv = ["--observe." + a[2:] if a.startswith("--profile_steps=") else a for a in argv]
+    # `--profile_steps=K:N` (or `--profile_steps K:N`) is short for `--observe.profile_steps=K:N` (trace steps
+    # K..K+N-1).
+    argv = ["--observe." + a[2:] if a.split("=")[0] == "--profile_steps" else a for a in argv]
 
     def body() -> int:
         cfg, (common,) = cli.parse(argv, prog="train.py", description=__doc__)

@@ -238,7 +238,9 @@ def test_train_unwritable_run_dir_and_cache_dir_are_one_error_line(tmp_path):
 @pytest.mark.slow
 def test_log_every_zero_trains_and_library_messages_reach_the_log(tmp_path):
     """--train.log_every=0 (used to divide by zero) logs only the last step; "tokenized N files" from msjax.data
-    is seen on stderr; --quiet hides it."""
+    is seen on stderr; --quiet hides it; `--profile_steps K:N` traces steps K..K+N-1 from the start."""
+    from msjax.observe import read_events, traced_steps
+
     corpus = tmp_path / "c.txt"
     corpus.write_text((REPO / "msjax" / "config.py").read_text())
     args = ["--config=shakespeare_char", f"--data.paths={corpus}", "--model.num_layers=1", "--model.d_model=32",
@@ -252,9 +254,11 @@ def test_log_every_zero_trains_and_library_messages_reach_the_log(tmp_path):
     assert summary["final_step"] == 3 and summary["train_loss"] is not None
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [3]
-    proc = _script("train.py", *args, f"--train.run_dir={tmp_path / 'run2'}", "--quiet")
+    proc = _script("train.py", *args, f"--train.run_dir={tmp_path / 'run2'}", "--quiet", "--profile_steps", "2:1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "val loss" not in proc.stderr and "msjax:" not in proc.stderr
+    (event,) = read_events(tmp_path / "run2", "profile")
+    assert (event["first_step"], event["last_step"]) == (2, 2) and traced_steps(event["path"]) == [2]
 
 
 def test_recipe_row_of_a_failed_run_keeps_the_error_message():
