@@ -40,7 +40,7 @@ from tests.msjax import fake_slurm
 ROOT = Path(__file__).resolve().parents[2]
 # A heartbeat timeout generous enough for a 2-core machine shared with other jobs (a worker's heartbeat thread can
 # go seconds without CPU while XLA compiles); SIGSTOP detection then takes about TIMEOUT.
-STEPS, EVERY, PERIOD, TIMEOUT = 8, 3, 1.0, 8.0
+STEPS, EVERY, PERIOD, TIMEOUT = 10, 3, 1.0, 8.0
 TOL = 1e-5
 
 
@@ -131,7 +131,11 @@ def reference(tmp_path_factory, small_corpus, cache) -> Path:
 @pytest.mark.slow
 def test_kill_and_sigstop_recover_to_the_uninterrupted_parameters(tmp_path, small_corpus, cache, reference):
     rng = random.Random()
-    kill_step, stop_step = rng.randint(EVERY + 1, STEPS - 2), rng.randint(2 * EVERY + 1, STEPS - 1)
+    # The supervisor injects a fault at its first heartbeat showing the step (one per PERIOD, steps take ~0.7 s
+    # here): up to 2 steps late. The SIGSTOP must land before the loop's last step, or it stops a worker that is
+    # exiting, which the supervisor rightly gives its startup timeout, not the heartbeat timeout (seen once in CI:
+    # stop at 7 injected at 8 = the last step of 8, found 92 s later by the other rank's abort).
+    kill_step, stop_step = rng.randint(EVERY + 1, STEPS - 4), rng.randint(2 * EVERY + 1, STEPS - 3)
     kill_rank, stop_rank = rng.randint(0, 1), rng.randint(0, 1)
     # the SIGSTOP goes into the restarted job (attempt 1)
     code, out, events = _supervise(tmp_path, small_corpus, cache, f"kill:{kill_rank}@{kill_step}",
