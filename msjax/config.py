@@ -1,7 +1,7 @@
 """Typed configuration: the one place defaults live.
 
 A run is described by one frozen `Config` made of sections (model, mesh, pipeline, optimizer, data, train,
-checkpoint).
+checkpoint, storage, supervisor, observe).
 Named presets in `configs/<name>.py` hold an `OVERRIDES` dict of dotted keys that differ from these defaults;
 the command line adds more dotted overrides (`--train.steps=200 --mesh.tensor=2`). Every key and value is
 checked: an unknown key, a value of the wrong type or a value outside its allowed set raises `ConfigError`
@@ -206,19 +206,22 @@ class DataConfig:
     """Corpus, tokenizer and loader.
 
     paths empty: the running interpreter's standard-library sources (real text on every machine with Python).
-    Otherwise `.txt`, `.jsonl` (field `text_field`) or `.parquet` (column `text_field`) files or directories.
+    Otherwise `.txt`, `.jsonl` (field `text_field`) or `.parquet` (column `text_field`) files or directories,
+    local or in object storage (`gs://bucket/prefix`, `s3://bucket/prefix`: streamed, see `storage`).
     cache_dir empty: the token cache lives in the user's cache directory (`$XDG_CACHE_HOME/msjax/tokens`, see
     `msjax.runtime.cache_home`), not in the working directory.
 
     Attributes:
-      paths: corpus files or directories, comma-separated; empty: the standard-library sources.
+      paths: corpus files or directories (local, gs:// or s3://), comma-separated; empty: the standard-library
+        sources.
       text_field: JSON field / parquet column holding the text.
       tokenizer: bpe (byte-level BPE trained on the corpus), byte (UTF-8 bytes) or char (nanoGPT's).
-      tokenizer_path: a HF tokenizer.json to use instead of training one (with tokenizer=bpe).
+      tokenizer_path: a HF tokenizer.json (local, gs:// or s3://) to use instead of training one (with
+        tokenizer=bpe).
       bpe_vocab_size: vocabulary size of the trained BPE.
       val_fraction: share of the corpus held out for validation (by file, else the stream's tail).
       on_decode_error: error (stop, naming file and byte offset) or skip (leave the file out) on invalid UTF-8.
-      cache_dir: token cache directory; empty: $XDG_CACHE_HOME/msjax/tokens.
+      cache_dir: token cache directory (local: the loader memory-maps it); empty: $XDG_CACHE_HOME/msjax/tokens.
       prefetch: batches prepared ahead by the loader thread.
       seed: seed of the batch sampler.
     """
@@ -251,7 +254,8 @@ class TrainConfig:
       log_every: steps between logged metrics (loss, tokens/s, MFU); 0 logs only the last step.
       sample_tokens: tokens sampled at the end; 0 skips sampling.
       sample_temperature: softmax temperature of that sample.
-      run_dir: directory for config, metrics, TensorBoard events and checkpoints.
+      run_dir: local directory for config, metrics, TensorBoard events and (unless checkpoint.dir is set)
+        checkpoints.
       progress: show a progress bar.
     """
 
@@ -279,16 +283,18 @@ class CheckpointConfig:
     stop), written asynchronously. The persistent tier `dir` (default `<run_dir>/checkpoints`) keeps the last
     `keep`; the optional local tier `local_dir` (host RAM such as /dev/shm, or a local disk; "" = none) takes
     each write first and keeps the newest `local_keep` for fast restore, and a background copy moves each
-    checkpoint on to `dir`. `resume` restores the newest verified checkpoint of either tier. `timeout_s` bounds
-    every wait on a checkpoint write (seconds).
+    checkpoint on to `dir`. `dir` may be object storage (`gs://bucket/run1`, `s3://bucket/run1`; see `storage`):
+    checkpoints are then written to `local_dir` (or, without one, a staging directory in the user's cache) and
+    copied up with their integrity record last. `resume` restores the newest verified checkpoint of either tier.
+    `timeout_s` bounds every wait on a checkpoint write (seconds).
 
     Attributes:
-      dir: persistent-tier checkpoint directory; empty: <train.run_dir>/checkpoints.
+      dir: persistent-tier checkpoint directory (local, gs:// or s3://); empty: <train.run_dir>/checkpoints.
       every: steps between checkpoints (one is always written at the end and on a stop).
       keep: checkpoints kept in the persistent tier.
       async_save: write in the background while training goes on.
       resume: continue from the newest verified checkpoint (also --resume).
-      local_dir: local tier (host RAM such as /dev/shm, or a local disk); empty: none.
+      local_dir: local tier (host RAM such as /dev/shm, or a local disk; local paths only); empty: none.
       local_keep: checkpoints kept in the local tier.
       timeout_s: bound on every wait for a checkpoint write, seconds.
       replica_restore: on restore, state replicated over the `data` axis (> 1) is read by one data-parallel
@@ -305,6 +311,26 @@ class CheckpointConfig:
     local_keep: int = 1
     timeout_s: float = 600.0
     replica_restore: bool = True
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """Object storage (msjax.paths): how `gs://` and `s3://` paths in any key (checkpoint.dir, data.paths,
+    data.tokenizer_path) are reached. Credentials come from each backend's own chain (for S3: AWS_ACCESS_KEY_ID and
+    AWS_SECRET_ACCESS_KEY, ~/.aws or an instance role; for GCS: application default credentials).
+
+    Attributes:
+      s3_endpoint: URL of an S3-compatible server (MinIO, Ceph, moto: http://host:port); empty: AWS itself, or
+        the AWS_ENDPOINT_URL environment variable.
+      s3_region: S3 region; empty: AWS_REGION / AWS_DEFAULT_REGION / ~/.aws/config.
+      gcs_endpoint: URL of a GCS-compatible server (an emulator); empty: Google's, or STORAGE_EMULATOR_HOST.
+      timeout_s: bound on connecting to and on each read from object storage, seconds.
+    """
+
+    s3_endpoint: str = ""
+    s3_region: str = ""
+    gcs_endpoint: str = ""
+    timeout_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -412,6 +438,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     observe: ObserveConfig = field(default_factory=ObserveConfig)
     name: str = "default"
@@ -430,6 +457,8 @@ class Config:
         if not (math.isfinite(self.checkpoint.timeout_s) and self.checkpoint.timeout_s > 0):
             raise ConfigError(f"checkpoint.timeout_s={self.checkpoint.timeout_s}: allowed is a finite number of "
                               "seconds > 0")
+        if not (math.isfinite(self.storage.timeout_s) and self.storage.timeout_s > 0):
+            raise ConfigError(f"storage.timeout_s={self.storage.timeout_s}: allowed is a finite number of seconds > 0")
         if t.eval_batches < 0 or t.eval_every < 0 or t.log_every < 0:
             raise ConfigError(f"train.eval_batches={t.eval_batches}, train.eval_every={t.eval_every}, "
                               f"train.log_every={t.log_every}: allowed are integers >= 0 (0 disables)")

@@ -220,9 +220,22 @@ def read_record(step_dir: Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
     try:
-        record = json.loads(path.read_text())
+        text = path.read_text()
     except (OSError, ValueError) as e:
         raise ValueError(f"integrity record {path} is unreadable: {e}") from None
+    return parse_record(text, str(path))
+
+
+def parse_record(text: str, where: str) -> dict[str, Any]:
+    """The record in `text` (read from `where`, named in errors).
+
+    Raises:
+      ValueError: not JSON, or not a record of this format.
+    """
+    try:
+        record = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"integrity record {where} is unreadable: {e}") from None
     if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT or "checksums" not in record:
-        raise ValueError(f"integrity record {path} is not a format-{RECORD_FORMAT} record")
+        raise ValueError(f"integrity record {where} is not a format-{RECORD_FORMAT} record")
     return record

@@ -16,12 +16,18 @@ Restore with `checkpoint.replica_restore` (default) and a mesh with data > 1 ove
 the processes of data-parallel replica 0 read, and Orbax's broadcast gives every replica its copy, bit for bit
 (msjax.checkpoint.replica).
 
-Tiers: with `checkpoint.local_dir` set, Orbax writes there (host RAM such as /dev/shm, or a local disk), the
-local tier keeps `local_keep` checkpoints and the persistent tier (`checkpoint.dir`) the last `keep`. Without
-it, Orbax writes to the persistent tier directly. `restore` takes the newest checkpoint that passes verification
-in either tier (local first at equal steps: faster); a checkpoint that fails (no record, checksum mismatch,
-missing or unreadable file) is reported in one warning line and the next older one is tried. Rotation only
-deletes checkpoints older than the newest `keep` complete ones, so it never deletes the newest verified one.
+Tiers (msjax.checkpoint.tiers): with `checkpoint.local_dir` set, Orbax writes there (host RAM such as /dev/shm,
+or a local disk), the local tier keeps `local_keep` checkpoints and the persistent tier (`checkpoint.dir`) the
+last `keep`. Without it, Orbax writes to a local persistent tier directly; a persistent tier on object storage
+(`gs://`, `s3://`) gets a staging directory in the user's cache as its local tier, since Orbax writes only local
+directories (msjax.paths says why). Copies to object storage write the integrity record last.
+
+Verified means one thing: a checkpoint's integrity record is durable (fsynced in a local tier, its object written
+in an object store), and the record is written only after everything it describes. `latest_verified(dir,
+local_dir)` names the newest such step; `restore` tries exactly that one first, and goes back further only when
+its content fails verification (checksum mismatch, missing or unreadable file), reported in one warning line.
+Rotation only deletes checkpoints older than the newest `keep` recorded ones, so it never deletes the newest
+verified one.
 
 When to save is Orbax's decision (`save_interval_steps` = `checkpoint.every`, and its preemption check through
 jax's preemption sync point); `force` is only for saves the loop was asked for (the last step, a stop, a
@@ -40,6 +46,7 @@ import threading
 import time
 import uuid
 import warnings
+import hashlib
 from pathlib import Path
 from typing import Any, Callable
 
@@ -50,9 +57,12 @@ from orbax.checkpoint import checkpoint_managers as ocp_policies
 from orbax.checkpoint._src.futures import future as ocp_future
 from orbax.checkpoint._src.futures import synchronization as ocp_sync
 
+from msjax import paths
 from msjax.checkpoint import replica
-from msjax.checkpoint.integrity import checksum_state, combine_partials, mismatches, read_record, write_record
+from msjax.checkpoint.integrity import checksum_state, combine_partials, mismatches, write_record
+from msjax.checkpoint.tiers import LocalTier, ObjectTier, make_tier
 from msjax.config import CheckpointConfig, ConfigError
+from msjax.runtime import cache_home
 
 
 _instances = itertools.count()  # Checkpointers made in this process: the same sequence on every process
@@ -69,33 +79,101 @@ class NonFiniteStateError(CheckpointError):
     """The state to be saved holds NaN or Inf; it was not made a checkpoint."""
 
 
-REJECTED_DIR = "rejected"
-_TMP_COPY = ".msjax-copy-tmp-"
+_LOCAL_TIER_WHY = "Orbax writes every checkpoint there first (object storage is the persistent tier, checkpoint.dir)"
 
 
-def checkpoint_dir(cfg: CheckpointConfig, run_dir: str) -> Path:
-    """The absolute persistent checkpoint directory: `checkpoint.dir`, or `<run_dir>/checkpoints`."""
-    return Path(cfg.dir or os.path.join(run_dir, "checkpoints")).expanduser().absolute()
+def checkpoint_dir(cfg: CheckpointConfig, run_dir: str) -> Path | str:
+    """The persistent tier: `checkpoint.dir`, or `<run_dir>/checkpoints`; an absolute local `Path`, or a `gs://` /
+    `s3://` URL (a str).
+
+    Raises:
+      msjax.paths.PathError: an unsupported scheme, or one whose package is missing (names the extra).
+    """
+    if cfg.dir:
+        where = paths.check(cfg.dir, "checkpoint.dir")
+        return where if paths.is_remote(where) else Path(where)
+    return Path(paths.check(os.path.join(run_dir, "checkpoints"), "train.run_dir"))
 
 
 def local_checkpoint_dir(cfg: CheckpointConfig) -> Path | None:
-    """The absolute local-tier directory, or None when there is no local tier."""
-    return Path(cfg.local_dir).expanduser().absolute() if cfg.local_dir else None
-
-
-def ensure_writable(path: Path, key: str = "checkpoint.dir") -> None:
-    """Creates `path` and proves a file can be written there, before any training step runs.
+    """The absolute local-tier directory, or None when there is no local tier.
 
     Raises:
-      ConfigError: naming the config key, the directory and the OS error.
+      msjax.paths.PathError: `checkpoint.local_dir` is a URL.
     """
+    return paths.local(cfg.local_dir, "checkpoint.local_dir", _LOCAL_TIER_WHY) if cfg.local_dir else None
+
+
+def staging_dir(directory: str) -> Path:
+    """The local tier of an object-storage persistent tier `directory` without `checkpoint.local_dir`: a folder in
+    the user's cache named by a hash of the URL, so a restarted run on the same host finds what it wrote."""
+    return cache_home() / "checkpoint-staging" / hashlib.sha256(directory.encode()).hexdigest()[:16]
+
+
+def ensure_writable(path: Path | str, key: str = "checkpoint.dir") -> None:
+    """Creates `path` and proves a file (or object) can be written there, before any training step runs.
+
+    Raises:
+      ConfigError: naming the config key, the directory and the error (OS error, or the object store's).
+    """
+    if paths.is_remote(path):
+        probe = paths.join(path, f".write-probe-{uuid.uuid4().hex}")
+        try:
+            paths.write_bytes(probe, b"ok")
+            paths.remove(probe)
+        except Exception as e:  # noqa: BLE001 - any backend error (no bucket, refused, denied) is the report
+            raise ConfigError(f"{key}={str(path)!r} is not writable ({type(e).__name__}: {e})") from None
+        return
     try:
+        path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".write-probe-{uuid.uuid4().hex}"
         probe.write_bytes(b"ok")
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"{key}={str(path)!r} is not writable ({e.strerror})") from None
+
+
+def _tiers(directory: Path | str, local_directory: Path | None) -> list[LocalTier | ObjectTier]:
+    """The tiers a checkpoint of this persistent `directory` may be in, local first."""
+    if local_directory is None and paths.is_remote(directory):
+        local_directory = staging_dir(os.fspath(directory))
+    local = [LocalTier("local", local_directory)] if local_directory is not None else []
+    return local + [make_tier("persistent", directory)]
+
+
+def _candidates(tiers: list[LocalTier | ObjectTier]) -> list[tuple[int, LocalTier | ObjectTier]]:
+    """Every committed step of the tiers as (step, tier), newest first, the local tier first at equal steps (it
+    restores faster). Includes steps without an integrity record."""
+    out = [(s, i, tier) for i, tier in enumerate(tiers) for s in tier.steps()]
+    return [(s, tier) for s, _, tier in sorted(out, key=lambda c: (-c[0], c[1]))]
+
+
+def _recorded(tier: LocalTier | ObjectTier, step: int) -> dict | None:
+    """The step's record, or None when it has none or an unreadable one."""
+    try:
+        return tier.record(step)
+    except ValueError:
+        return None
+
+
+def latest_verified(directory: Path | str, local_directory: Path | str | None = None) -> int | None:
+    """The newest verified checkpoint's step in either tier, or None: the step `Checkpointer.restore` resumes
+    from, unless that checkpoint's content fails its checksums (then it goes back further and says so).
+
+    Verified means its integrity record is durable: fsynced in a local tier, its object written in an object
+    store; the record is written only after everything it describes, so a step whose write or copy was cut short
+    at any point has none. The one definition for the restore and for any reader (a supervisor).
+
+    Args:
+      directory: the persistent tier (`checkpoint_dir(cfg.checkpoint, run_dir)`): a local path or a URL.
+      local_directory: the local tier (`local_checkpoint_dir(cfg.checkpoint)`), or None.
+    """
+    local = None if local_directory is None else Path(local_directory)
+    for step, tier in _candidates(_tiers(directory, local)):
+        if _recorded(tier, step) is not None:
+            return step
+    return None
 
 
 def _warn(msg: str) -> None:
@@ -129,18 +207,18 @@ logging.getLogger("absl").addFilter(_FILTER)
 warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
 
 
-def _steps(directory: Path) -> list[int]:
-    """Committed step directories (Orbax names them by the step number), newest first."""
-    if not directory.is_dir():
-        return []
-    return sorted((int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir()), reverse=True)
-
-
-def _complete(directory: Path, step: int) -> bool:
-    try:
-        return read_record(directory / str(step)) is not None
-    except ValueError:
-        return False
+def _rotate(tier: LocalTier | ObjectTier, keep: int) -> None:
+    """Deletes the checkpoints of `tier` older than its newest `keep` recorded ones (record first). Steps without
+    a record that are newer than those may be a write in flight and are left alone; so are damaged ones newer
+    than them: rotation never deletes the newest verified checkpoint, whatever else the tier holds."""
+    steps = tier.steps()
+    recorded = [s for s in steps if _recorded(tier, s) is not None]
+    if len(recorded) <= keep:
+        return
+    oldest_kept = recorded[keep - 1]
+    for s in steps:
+        if s < oldest_kept:
+            tier.delete(s)
 
 
 def _any_process(flag: bool) -> bool:
@@ -227,15 +305,18 @@ class Checkpointer:
       ConfigError: a tier directory is not writable.
     """
 
-    def __init__(self, cfg: CheckpointConfig, directory: Path, local_directory: Path | None = None):
+    def __init__(self, cfg: CheckpointConfig, directory: Path | str, local_directory: Path | None = None):
         local_directory = local_directory or local_checkpoint_dir(cfg)
+        self._tier_list = _tiers(directory, local_directory)
+        self.persistent = self._tier_list[-1]
+        self.local = self._tier_list[0] if len(self._tier_list) > 1 else None
         ensure_writable(directory)
-        if local_directory is not None:
-            ensure_writable(local_directory, "checkpoint.local_dir")
+        if self.local is not None:
+            ensure_writable(self.local.root, "checkpoint.local_dir" if local_directory else "staging directory")
         self.cfg = cfg
         self.directory = directory
-        self.local_directory = local_directory
-        self.write_directory = local_directory or directory
+        self.local_directory = self.local.root if self.local is not None else None
+        self.write_directory: Path = self.local_directory or Path(directory)
         # Orbax decides when to save: every `every` steps, and when jax's preemption sync point is reached.
         # Its InitialSavePolicy (save the first step of a run) is left out: the first step is not worth a write.
         policies = [ocp_policies.PreemptionCheckpointingPolicy()]
@@ -246,9 +327,9 @@ class Checkpointer:
             enable_async_checkpointing=cfg.async_save, create=True, cleanup_tmp_directories=True,
             save_decision_policy=ocp_policies.AnySavePolicy(policies))
         self._manager = ocp.CheckpointManager(self.write_directory, options=options)
-        if jax.process_index() == 0:  # copies to the persistent tier cut short by a crash
-            for leftover in directory.glob(f"*{_TMP_COPY}*"):
-                shutil.rmtree(leftover, ignore_errors=True)
+        if jax.process_index() == 0:  # copies into a tier cut short by a crash
+            for tier in self._tier_list:
+                tier.remove_leftovers()
         self._reader = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
         # The step whose write is in flight, the fetch of its checksums, the rest of its record, and Orbax's
         # operation id of the save (to end its threads if it fails).
@@ -265,36 +346,26 @@ class Checkpointer:
 
     # ---- listing ----------------------------------------------------------------------------------------------
 
-    def _tiers(self) -> list[tuple[str, Path]]:
-        tiers = [("local", self.local_directory)] if self.local_directory is not None else []
-        return tiers + [("persistent", self.directory)]
-
-    def candidates(self) -> list[tuple[int, str, Path]]:
-        """Every committed step directory of both tiers as (step, tier, path), newest first, local first at
-        equal steps (it restores faster). Includes directories without an integrity record."""
-        out = [(s, tier, d / str(s)) for tier, d in self._tiers() for s in _steps(d)]
-        order = {"local": 0, "persistent": 1}
-        return sorted(out, key=lambda c: (-c[0], order[c[1]]))
+    def candidates(self) -> list[tuple[int, str, str]]:
+        """Every committed step of both tiers as (step, tier name, path or URL), newest first, local first at
+        equal steps (it restores faster). Includes steps without an integrity record."""
+        return [(s, tier.name, tier.path(s)) for s, tier in _candidates(self._tier_list)]
 
     def latest_step(self) -> int | None:
-        """The newest step with a complete checkpoint (integrity record present) in either tier, or None.
-        Its content is verified by `restore`, which may fall back to an older one."""
-        for step, tier, path in self.candidates():
-            if _complete(path.parent, step):
+        """`latest_verified` of this checkpointer's tiers: the step `restore` tries first."""
+        for step, tier in _candidates(self._tier_list):
+            if _recorded(tier, step) is not None:
                 return step
         return None
 
     def all_steps(self) -> list[int]:
-        """Steps with a complete checkpoint in either tier, oldest first."""
-        return sorted({s for s, _, p in self.candidates() if _complete(p.parent, s)})
+        """Steps with a verified (recorded) checkpoint in either tier, oldest first."""
+        return sorted({s for s, tier in _candidates(self._tier_list) if _recorded(tier, s) is not None})
 
     def newest_record(self) -> dict | None:
-        """The integrity record of the newest complete checkpoint (holds the saved config), or None."""
-        for step, _, path in self.candidates():
-            try:
-                record = read_record(path)
-            except ValueError:
-                continue
+        """The integrity record of the newest verified checkpoint (holds the saved config), or None."""
+        for step, tier in _candidates(self._tier_list):
+            record = _recorded(tier, step)
             if record is not None:
                 return record
         return None
@@ -448,30 +519,14 @@ class Checkpointer:
             raise CheckpointWriteError(f"the checkpoint of step {step} could not be completed in {src}: "
                                        f"{type(e).__name__}: {e}") from None
         self.verified_step = step
-        if self.local_directory is not None:
-            dst = self.directory / str(step)
-            tmp = self.directory / f"{step}{_TMP_COPY}{uuid.uuid4().hex[:8]}"
+        if self.local is not None:
             try:
-                shutil.copytree(src, tmp)
-                os.replace(tmp, dst)
-            except OSError as e:
-                shutil.rmtree(tmp, ignore_errors=True)
+                self.persistent.put(step, src)
+            except Exception as e:  # noqa: BLE001 - OSError, or the object store's own error types
                 raise CheckpointWriteError(f"the checkpoint of step {step} could not be copied to the persistent "
-                                           f"tier {dst}: {type(e).__name__}: {e}") from None
-            self._rotate(self.local_directory, self.cfg.local_keep)
-        self._rotate(self.directory, self.cfg.keep)
-
-    def _rotate(self, directory: Path, keep: int) -> None:
-        """Deletes checkpoints older than the newest `keep` complete ones. Directories without a record that are
-        newer than those may be a write in flight and are left alone."""
-        steps = _steps(directory)
-        complete = [s for s in steps if _complete(directory, s)]
-        if len(complete) <= keep:
-            return
-        oldest_kept = complete[keep - 1]
-        for s in steps:
-            if s < oldest_kept:
-                shutil.rmtree(directory / str(s), ignore_errors=True)
+                                           f"tier {self.persistent.path(step)}: {type(e).__name__}: {e}") from None
+            _rotate(self.local, self.cfg.local_keep)
+        _rotate(self.persistent, self.cfg.keep)
 
     def _reap_worker(self, block: bool) -> None:
         while self._worker_jobs and (block or self._worker_jobs[0][1].done()):
@@ -547,10 +602,11 @@ class Checkpointer:
             # and meet the others in a different collective (seen in a supervised restart: the processes reached
             # the barriers of different discards, and the restart failed).
             multihost_utils.sync_global_devices("msjax-checkpoint-restore-list")
-        for step, tier, path in self.candidates():
+        for step, tier in _candidates(self._tier_list):
+            path = tier.path(step)
             reason = None
             try:
-                record = read_record(path)
+                record = tier.record(step)
             except ValueError as e:
                 record, reason = None, str(e)
             # Each verdict below is agreed by every process before it acts on it: they read the same files, but
@@ -559,14 +615,18 @@ class Checkpointer:
             if _any_process(record is None):
                 if record is None and reason is None:
                     _warn(f"checkpoint {path} has no integrity record (its write was interrupted); skipped")
-                    self._discard(path, None)
+                    self._discard(tier, step, None)
                     tried.append(f"{path}: interrupted write")
                     continue
                 reason = reason or "another process found no valid integrity record"
+            fetched = None
+            if reason is None:
+                t_fetch = time.perf_counter()
+                fetched, reason = self._local_copy(tier, step)
             if reason is None:
                 try:
                     t_read = time.perf_counter()
-                    state, loader = self._read(path, abstract_state, replica_plan)
+                    state, loader = self._read(fetched, abstract_state, replica_plan)
                 except Exception as e:  # noqa: BLE001 - any unreadable file: report one line, try the next
                     root = _os_error(e)
                     text = str(root).strip().splitlines()[0] if str(root).strip() else ""
@@ -577,7 +637,8 @@ class Checkpointer:
                 t_verify = time.perf_counter()
                 bad = (mismatches(record["checksums"], checksum_state(state, check_finite=False)()[0]) if verify
                        else [])
-                self.last_restore_timing = {"read_s": t_verify - t_read, "verify_s": time.perf_counter() - t_verify}
+                self.last_restore_timing = {"fetch_s": t_read - t_fetch, "read_s": t_verify - t_read,
+                                            "verify_s": time.perf_counter() - t_verify}
                 if bad:
                     reason = (f"checksum mismatch in {len(bad)} array(s): {', '.join(bad[:3])}"
                               + (" ..." if len(bad) > 3 else ""))
@@ -591,10 +652,32 @@ class Checkpointer:
                 self._manager.reload()
                 return step, state, loader
             _warn(f"checkpoint {path} failed verification ({reason}); trying the next older one")
-            self._discard(path, reason)
+            if fetched is not None and tier.remote and jax.process_index() == 0:
+                self.local.delete(step)  # the downloaded copy of a damaged checkpoint
+            self._discard(tier, step, reason)
             tried.append(f"{path}: {reason}")
         raise CheckpointError("no checkpoint passes verification"
                               + (": " + "; ".join(tried) if tried else f" (none in {self.directory})"))
+
+    def _local_copy(self, tier: LocalTier | ObjectTier, step: int) -> tuple[Path | None, str | None]:
+        """(a local directory holding the step, None), or (None, why it could not be had). A step on object
+        storage is downloaded by process 0 into the local tier (a complete local checkpoint from then on: its
+        record arrives last); the others wait for it (the local tier is shared by the processes, as Orbax's
+        write directory must be)."""
+        if not tier.remote:
+            return Path(tier.path(step)), None
+        dest = self.local.root / str(step)
+        error = None
+        if jax.process_index() == 0:
+            try:
+                if dest.exists():
+                    self.local.delete(step)
+                tier.local_copy(step, dest)
+            except Exception as e:  # noqa: BLE001 - the object store's error types vary by backend
+                error = f"could not be downloaded to {dest}: {type(e).__name__}: {str(e)[:300]}"
+        if _any_process(error is not None):
+            return None, error or "process 0 could not download it"
+        return dest, None
 
     def _read(self, path: Path, abstract_state: Any, replica_plan: replica.ReplicaPlan | None) -> tuple[Any, dict]:
         """Reads (state, loader position) of one checkpoint: every process its own shards, or, with a replica
@@ -634,18 +717,16 @@ class Checkpointer:
             raise error
         return replica.broadcast(local, abstract_state, replica_plan), loader
 
-    def _discard(self, path: Path, reason: str | None) -> None:
+    def _discard(self, tier: LocalTier | ObjectTier, step: int, reason: str | None) -> None:
         """Moves a failed checkpoint to `<tier>/rejected/<step>-<time>` (kept for inspection), or deletes an
-        interrupted write (`reason` None). Process 0 acts; the others wait for it."""
+        interrupted write (`reason` None); the record goes first either way. Process 0 acts; the others wait."""
         if jax.process_index() == 0:
             if reason is None:
-                shutil.rmtree(path, ignore_errors=True)
+                tier.delete(step)
             else:
-                dest = path.parent / REJECTED_DIR / f"{path.name}-{time.strftime('%Y%m%dT%H%M%S')}"
-                dest.parent.mkdir(exist_ok=True)
-                os.replace(path, dest)
+                tier.reject(step)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
-            multihost_utils.sync_global_devices(f"msjax-checkpoint-discard-{path.name}")
+            multihost_utils.sync_global_devices(f"msjax-checkpoint-discard-{tier.name}-{step}")
         self._manager.reload()

@@ -1,0 +1,322 @@
+"""Paths: the one layer every path msjax takes goes through (checkpoint tiers, the run directory, data files,
+tokenizer files): local paths, `gs://` (Google Cloud Storage) and `s3://` (Amazon S3, and S3-compatible stores
+such as MinIO, Ceph or moto through `storage.s3_endpoint`).
+
+    check("gs://bucket/run1", "checkpoint.dir")    # the path as msjax will use it, or PathError
+    configure(cfg.storage)                          # endpoint, region, timeouts of the object stores
+    with open_read("s3://bucket/corpus/a.jsonl") as f: ...
+
+Rules (each violation is one `PathError` naming the config key, the path and what is allowed):
+- A path with a scheme (`name://`) is a URL: `gs://` and `s3://` are served by fsspec's `gcsfs` and `s3fs`
+  (extras `msjax[gcs]`, `msjax[s3]`), `file://` is a local path; any other scheme, or one whose package is not
+  installed, is an error. A scheme with one slash (`gs:/bucket`) is an error, never a relative local directory
+  `./gs:/bucket`.
+- Keys that must stay local (the token cache, the local checkpoint tier, the run directory, whose metrics are
+  appended as the run goes) refuse URLs with the reason.
+
+Why fsspec, not `etils.epath`: Orbax takes epath paths, and epath itself sends `gs://` and `s3://` to these same
+fsspec filesystems (or to `tf.io.gfile` whenever TensorFlow is installed, which has no `s3://` since TF 2.6), but
+it creates them with no arguments, so an endpoint, region or timeout can only reach them through process-wide
+configuration. fsspec directly takes them per filesystem, streams reads in ranges (`open` with a block size),
+and gives pyarrow a file object for parquet. TensorStore, Orbax's storage layer, has its own `gcs`/`s3` drivers:
+its `s3` driver reaches an S3-compatible server only with an explicit `endpoint` (without one it looks the bucket
+up at AWS and waits there with no timeout), and Orbax 0.12 builds TensorStore specs for local and `gs://` paths
+only (`s3://` is refused as "Checkpoint path should be absolute"). So Orbax only ever sees local directories:
+msjax.checkpoint writes there and copies whole checkpoints to and from object storage through this layer, with
+the integrity record last (msjax.checkpoint.tiers).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Iterator, Sequence
+
+from msjax.config import ConfigError, StorageConfig
+
+
+class PathError(ConfigError):
+    """A path msjax cannot use: an unknown scheme, a scheme whose package is missing, a URL where only a local
+    path is allowed, or an object store that could not be reached. The message names the key and the path."""
+
+
+@dataclass(frozen=True)
+class _Backend:
+    module: str  # the fsspec implementation that serves the scheme
+    extra: str  # msjax's pip extra that installs it
+    protocol: str  # fsspec's protocol name
+
+
+BACKENDS = {"gs": _Backend("gcsfs", "gcs", "gcs"), "s3": _Backend("s3fs", "s3", "s3")}
+_URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*)://(?P<rest>.*)$", re.DOTALL)
+# `gs:/bucket` (one slash, e.g. after os.path.normpath) names a URL, not a relative directory `gs:`.
+_ONE_SLASH = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]+):/(?!/)")
+
+_storage = StorageConfig()
+
+
+def configure(storage: StorageConfig) -> None:
+    """Sets the object-store settings (endpoint, region, timeout) every later call in this process uses."""
+    global _storage
+    _storage = storage
+
+
+def scheme(path: str | os.PathLike) -> str | None:
+    """The URL scheme of `path` in lower case (`"gs"`, `"s3"`, `"file"`, ...), or None for a plain local path."""
+    m = _URL.match(os.fspath(path))
+    return m.group("scheme").lower() if m else None
+
+
+def is_remote(path: str | os.PathLike) -> bool:
+    """Whether `path` names object storage (a `gs://` or `s3://` URL). Does not check the path (see `check`)."""
+    return scheme(path) in BACKENDS
+
+
+def check(path: str | os.PathLike, key: str, *, local_only: str = "") -> str:
+    """The form of `path` msjax uses: an absolute local path (`~` expanded, `file://` removed), or a URL
+    `scheme://bucket/key` without a trailing slash.
+
+    Args:
+      path: as the user gave it.
+      key: the config key or argument it came from (named in errors).
+      local_only: when not empty, URLs are refused, and this text says why (e.g. "the token cache stays local").
+    Raises:
+      PathError: an empty path, an unknown scheme (allowed: local paths, gs://, s3://), a scheme whose package is
+        not installed (names the extra to install), a URL without a bucket, a one-slash URL (`gs:/b`), or a URL
+        where `local_only` refuses them.
+    """
+    raw = os.fspath(path)
+    if not raw:
+        raise PathError(f"{key} is empty: allowed is a local path, gs://bucket/... or s3://bucket/...")
+    m = _URL.match(raw)
+    if m is None:
+        bad = _ONE_SLASH.match(raw)
+        if bad is not None:
+            fixed = f"{bad.group('scheme')}://{raw[bad.end():]}"
+            raise PathError(f"{key}={raw!r} looks like a URL with one slash after '{bad.group('scheme')}:'; "
+                            f"write {fixed!r} (or ./{raw} for a local directory of that name)")
+        return str(Path(raw).expanduser().absolute())
+    name, rest = m.group("scheme").lower(), m.group("rest")
+    if name == "file":
+        return check(rest, key, local_only=local_only)
+    if name not in BACKENDS:
+        raise PathError(f"{key}={raw!r}: scheme '{name}://' is not supported; allowed: a local path, gs:// "
+                        "(Google Cloud Storage), s3:// (Amazon S3 or an S3-compatible store)")
+    if local_only:
+        raise PathError(f"{key}={raw!r} must be a local path: {local_only}")
+    backend = BACKENDS[name]
+    if importlib.util.find_spec(backend.module) is None:
+        raise PathError(f"{key}={raw!r}: {name}:// paths need the package {backend.module}, which is not "
+                        f"installed; install it with: pip install 'msjax[{backend.extra}]'")
+    bucket, _, _ = rest.partition("/")
+    if not bucket:
+        raise PathError(f"{key}={raw!r} names no bucket; allowed: {name}://bucket/path")
+    return f"{name}://{rest.rstrip('/')}"
+
+
+def local(path: str | os.PathLike, key: str, why: str) -> Path:
+    """`check(path, key, local_only=why)` as an absolute `Path`."""
+    return Path(check(path, key, local_only=why))
+
+
+def join(base: str | os.PathLike, *parts: str) -> str:
+    """`base` joined with `parts` by '/' (URLs) or os.path.join (local paths)."""
+    base = os.fspath(base)
+    if scheme(base) is None:
+        return os.path.join(base, *parts)
+    return "/".join([base.rstrip("/"), *(p.strip("/") for p in parts)])
+
+
+def basename(path: str | os.PathLike) -> str:
+    return os.fspath(path).rstrip("/").rsplit("/", 1)[-1]
+
+
+def filesystem(url: str) -> tuple[Any, str]:
+    """(fsspec filesystem, the path inside it) for a `gs://` or `s3://` URL, with `configure`'s settings.
+
+    Credentials come from each package's own chain: for s3fs AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, ~/.aws or
+    an instance role; for gcsfs Google's application default credentials.
+
+    Raises:
+      PathError: `url` is not a gs:// or s3:// URL, or its package is missing.
+    """
+    import fsspec
+
+    name = scheme(url)
+    if name not in BACKENDS:
+        raise PathError(f"{url!r} is not an object-storage URL (gs:// or s3://)")
+    check(url, "path")
+    s = _storage
+    if name == "s3":
+        client: dict[str, Any] = {}
+        if s.s3_endpoint:
+            client["endpoint_url"] = s.s3_endpoint
+        if s.s3_region:
+            client["region_name"] = s.s3_region
+        # botocore's own bounds on every request (its defaults are 60 s and a retry policy of its own); s3fs adds
+        # its retries of throttled and transient errors on top.
+        options = {"client_kwargs": client, "config_kwargs": {
+            "connect_timeout": s.timeout_s, "read_timeout": s.timeout_s,
+            "retries": {"max_attempts": 3, "mode": "standard"}}}
+    else:
+        options = {"endpoint_url": s.gcs_endpoint} if s.gcs_endpoint else {}
+        options["timeout"] = s.timeout_s
+    # No listings cache: a checkpoint tier is listed to find what another process (or a crash) left there, and a
+    # cached listing would hide it.
+    fs = fsspec.filesystem(BACKENDS[name].protocol, use_listings_cache=False, **options)
+    return fs, fs._strip_protocol(url)
+
+
+def _fs(path: str) -> tuple[Any, str]:
+    if is_remote(path):
+        return filesystem(path)
+    from fsspec.implementations.local import LocalFileSystem
+
+    return LocalFileSystem(), check(path, "path")
+
+
+def _url(fs: Any, inner: str, like: str) -> str:
+    """The URL of `inner` (a path inside `fs`) in the scheme of `like`."""
+    name = scheme(like)
+    return f"{name}://{inner}" if name in BACKENDS else inner
+
+
+def exists(path: str) -> bool:
+    fs, p = _fs(path)
+    return fs.exists(p)
+
+
+def is_dir(path: str) -> bool:
+    """Whether `path` is a directory (a local one, or an object-store prefix that holds objects)."""
+    fs, p = _fs(path)
+    return fs.isdir(p)
+
+
+def listdir(path: str) -> list[str]:
+    """The names directly under `path` (files and directories), or [] when it does not exist."""
+    fs, p = _fs(path)
+    try:
+        entries = fs.ls(p, detail=False)
+    except FileNotFoundError:
+        return []
+    return sorted({basename(e) for e in entries if e.rstrip("/") != p.rstrip("/")})
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """One file: its path (URL or absolute local path), size in bytes and a version token that changes when its
+    content is replaced (local: mtime in ns; object stores: the ETag / generation and last-modified time)."""
+
+    path: str
+    size: int
+    version: str
+
+
+def _version(entry: dict) -> str:
+    for key in ("ETag", "etag", "generation", "md5Hash", "crc32c"):
+        if entry.get(key):
+            return f"{key}={str(entry[key]).strip(chr(34))}"
+    for key in ("LastModified", "updated", "mtime"):
+        if entry.get(key):
+            return f"{key}={entry[key]}"
+    return ""
+
+
+def info(path: str) -> FileInfo:
+    """Size and version of one file. Raises FileNotFoundError when it does not exist."""
+    if not is_remote(path):
+        st = os.stat(path)
+        return FileInfo(path, st.st_size, str(st.st_mtime_ns))
+    fs, p = filesystem(path)
+    entry = fs.info(p)
+    if entry.get("type") == "directory":
+        raise IsADirectoryError(path)
+    return FileInfo(path, int(entry["size"]), _version(entry))
+
+
+def walk_files(url: str) -> Iterator[FileInfo]:
+    """Every object under the prefix `url` (recursively), sorted by path. Object stores only."""
+    fs, p = filesystem(url)
+    for inner, entry in sorted(fs.find(p, detail=True, withdirs=False).items()):
+        yield FileInfo(_url(fs, inner, url), int(entry["size"]), _version(entry))
+
+
+def open_read(path: str, block_size: int = 8 << 20) -> IO[bytes]:
+    """A binary file object on `path` that streams: object stores are read in ranges of `block_size` bytes, read
+    ahead, never downloaded whole."""
+    if not is_remote(path):
+        return open(path, "rb")
+    fs, p = filesystem(path)
+    return fs.open(p, "rb", block_size=block_size, cache_type="readahead")
+
+
+def read_bytes(path: str) -> bytes:
+    if not is_remote(path):
+        return Path(path).read_bytes()
+    fs, p = filesystem(path)
+    return fs.cat_file(p)
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    """Writes `data` to `path` whole or not at all: an object store's PUT is atomic (the object appears complete
+    or not at all); a local file is written to a temporary name, fsynced and renamed."""
+    if is_remote(path):
+        fs, p = filesystem(path)
+        fs.pipe_file(p, data)
+        return
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def remove(path: str) -> None:
+    """Deletes one file or object; absent is fine."""
+    fs, p = _fs(path)
+    try:
+        fs.rm_file(p)
+    except FileNotFoundError:
+        pass
+
+
+def remove_tree(path: str) -> None:
+    """Deletes `path` and everything under it; absent is fine."""
+    fs, p = _fs(path)
+    try:
+        fs.rm(p, recursive=True)
+    except FileNotFoundError:
+        pass
+
+
+def upload(files: Sequence[tuple[Path, str]]) -> None:
+    """Copies local files to object-store URLs, several at a time; returns when every object is written."""
+    if not files:
+        return
+    fs, _ = filesystem(files[0][1])
+    fs.put([str(src) for src, _ in files], [filesystem(dst)[1] for _, dst in files])
+
+
+def download(files: Sequence[tuple[str, Path]]) -> None:
+    """Copies object-store URLs to local files (directories made as needed), several at a time."""
+    if not files:
+        return
+    for _, dst in files:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+    fs, _ = filesystem(files[0][0])
+    fs.get([filesystem(src)[1] for src, _ in files], [str(dst) for _, dst in files])
+
+
+def copy(src: str, dst: str) -> None:
+    """Copies one object within the same object store (server side)."""
+    fs, p = filesystem(src)
+    fs.copy(p, filesystem(dst)[1])
