@@ -17,10 +17,10 @@ from typing import Any, Sequence
 import jax
 from tqdm import tqdm
 
-from msjax.checkpoint import Checkpointer, check_resume_config, checkpoint_dir, ensure_writable
-from msjax import distributed
+from msjax.checkpoint import Checkpointer, check_resume_config, checkpoint_dir, ensure_writable, local_checkpoint_dir
+from msjax import distributed, paths
 from msjax.config import Config, ConfigError, to_dict
-from msjax.data import BatchLoader, eval_batches, prepare_data
+from msjax.data import BatchLoader, check_data_paths, eval_batches, prepare_data
 from msjax.flops import flops_per_token
 from msjax.hardware import mesh_peak_flops
 from msjax.faults import NonFiniteStop, StopOnSignal
@@ -67,7 +67,9 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
 
     Raises:
       ConfigError: a config that does not fit the devices or data (mesh size, memory estimate, vocabulary, batch
-        split; the first three checked before anything is read or allocated), an unwritable checkpoint directory,
+        split; the first three checked before anything is read or allocated), a path msjax cannot use
+        (msjax.paths.PathError: an unknown scheme, a missing backend package, a URL for a local-only key), an
+        unwritable checkpoint directory,
         checkpoints already present without `checkpoint.resume`, or a resume whose config differs from the
         checkpoint's in a key that must match (checked before anything is written).
       msjax.data.DataError: missing, empty or undecodable data.
@@ -77,12 +79,20 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
     """
     t_start = time.perf_counter()
     cfg = cfg.validate()
-    check_layout(cfg)  # mesh, divisibility and memory, before any data, directory or compilation
     t = cfg.train
-    run_dir = Path(t.run_dir)
+    # Every path key, before anything is read or written: a scheme msjax does not serve, a missing backend
+    # package or a URL for a local-only key is one PathError naming the key.
+    paths.configure(cfg.storage)
+    run_dir = paths.local(t.run_dir, "train.run_dir", "metrics and TensorBoard events are appended to it as the "
+                          "run goes; put checkpoints on object storage with checkpoint.dir and the corpus with "
+                          "data.paths")
+    check_data_paths(cfg.data)
+    ckpt_dir = checkpoint_dir(cfg.checkpoint, t.run_dir)
+    local_checkpoint_dir(cfg.checkpoint)
+    check_layout(cfg)  # mesh, divisibility and memory, before any data, directory or compilation
     if jax.process_index() == 0:
         ensure_writable(run_dir, "train.run_dir")
-    ckpt = Checkpointer(cfg.checkpoint, checkpoint_dir(cfg.checkpoint, t.run_dir))
+    ckpt = Checkpointer(cfg.checkpoint, ckpt_dir)
     latest = ckpt.latest_step()
     if latest is not None and not cfg.checkpoint.resume:
         raise ConfigError(f"{ckpt.directory} already holds checkpoints (latest step {latest}); pass --resume to "

@@ -5,7 +5,8 @@
     evals = eval_batches(datasets.val, seq_len=T, batch=B, num_batches=n, seed=s, sharding=batch_sharding)
 """
 
-from msjax.data.corpus import (DataError, DataWarning, read_documents, resolve_files, stdlib_corpus_files)
+from msjax.data.corpus import (DataError, DataWarning, check_data_paths, read_documents, resolve_files,
+                               stdlib_corpus_files)
 from msjax.data.loader import BatchLoader, eval_batches
 from msjax.data.tokenizer import (TOKENIZER_FILE, ByteTokenizer, CharTokenizer, HFTokenizer, Tokenizer,
                                   build_tokenizer, load_tokenizer)
@@ -13,6 +14,6 @@ from msjax.data.tokens import Datasets, prepare_data
 
 __all__ = [
     "BatchLoader", "ByteTokenizer", "CharTokenizer", "DataError", "DataWarning", "Datasets", "HFTokenizer",
-    "TOKENIZER_FILE", "Tokenizer", "build_tokenizer", "eval_batches", "load_tokenizer", "prepare_data",
-    "read_documents", "resolve_files", "stdlib_corpus_files",
+    "TOKENIZER_FILE", "Tokenizer", "build_tokenizer", "check_data_paths", "eval_batches", "load_tokenizer",
+    "prepare_data", "read_documents", "resolve_files", "stdlib_corpus_files",
 ]

@@ -2,7 +2,9 @@
 
 A corpus is a list of files. `.txt` and `.py` files are one document each; `.jsonl` files hold one document per
 line (field `text_field`); `.parquet` files one per row (column `text_field`). Nothing here writes to an input
-file: files are opened read-only and read once.
+file: files are opened read-only and read once. Files may be local or in object storage (`gs://bucket/prefix`,
+`s3://bucket/prefix`, through msjax.paths): they are streamed in ranges (a parquet file one row group at a time),
+never downloaded whole.
 
 The train/validation split is by file (Chinchilla/Pile style: no document straddles the two splits): a file goes
 to validation when a stable hash of its path relative to its root is below `val_fraction`. The hash is SHA-256,
@@ -21,8 +23,10 @@ import re
 import sysconfig
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Iterator, Literal, NamedTuple, Sequence
+from pathlib import Path, PurePosixPath
+from typing import IO, Iterator, Literal, NamedTuple, Sequence
+
+from msjax import paths
 
 # Extensions a data path (or a directory under one) may hold. `.py` is read too, but only the standard-library
 # corpus uses it: a user's directory of code is more likely a mistake than a corpus.
@@ -44,12 +48,18 @@ class DataWarning(UserWarning):
 @dataclass(frozen=True)
 class SourceFile:
     """One input file and the root it was found under; `rel` (its POSIX path relative to the root) decides its
-    split, so moving the whole corpus to another directory or machine keeps every file in its split."""
+    split, so moving the whole corpus to another directory or machine keeps every file in its split.
 
-    path: Path
+    path: a local `Path`, or a `gs://` / `s3://` URL (str). mtime_ns: a local file's modification time (0 for an
+    object). version: an object's ETag or generation ("" for a local file); it changes when the object is
+    replaced, as mtime_ns does for a file.
+    """
+
+    path: Path | str
     rel: str
     size: int
     mtime_ns: int
+    version: str = ""
 
 
 def stdlib_corpus_files() -> list[Path]:
@@ -97,15 +107,29 @@ def resolve_files(paths: Sequence[str]) -> list[Path]:
     return sorted({s.path for s in resolve_sources(paths)})
 
 
-def resolve_sources(paths: Sequence[str]) -> list[SourceFile]:
+def resolve_sources(data_paths: Sequence[str]) -> list[SourceFile]:
     """Like `resolve_files`, with each file's root-relative path, size and mtime (used by the split and the
-    cache fingerprint). A file named directly has its parent as root; a file under a directory, that directory."""
-    if not paths:
+    cache fingerprint). A file named directly has its parent as root; a file under a directory, that directory.
+    A `gs://` or `s3://` URL names one object, or a prefix read like a directory.
+
+    Raises:
+      DataError: as `resolve_files`; or a URL whose scheme is not supported or whose package is missing (names the
+        extra to install); or an object store that cannot be listed (names the URL and the store's error).
+    """
+    if not data_paths:
         raise DataError("data.paths is empty; pass files or directories (or leave it empty for the stdlib corpus)")
     allowed = ", ".join(TEXT_SUFFIXES)
-    found: dict[Path, SourceFile] = {}
-    for raw in paths:
-        path = Path(raw).expanduser()
+    found: dict[Path | str, SourceFile] = {}
+    for raw in data_paths:
+        try:
+            checked = paths.check(raw, "data.paths")
+        except paths.PathError as e:
+            raise DataError(str(e)) from None
+        if paths.is_remote(checked):
+            for s in _remote_sources(raw, checked, allowed):
+                found.setdefault(s.path, s)
+            continue
+        path = Path(checked)
         if not path.exists():
             raise DataError(f"data path {raw!r} does not exist")
         path = path.resolve()
@@ -128,6 +152,50 @@ def resolve_sources(paths: Sequence[str]) -> list[SourceFile]:
         for s in sources:
             found.setdefault(s.path, s)
     return sorted(found.values(), key=lambda s: (str(s.path)))
+
+
+def _remote_sources(raw: str, url: str, allowed: str) -> list[SourceFile]:
+    """The corpus files of one object-storage URL (`raw` as given, `url` checked): the object itself, or every
+    object under it as a prefix (names with a component starting with '.' left out, as hidden files are locally)."""
+    try:
+        objects = list(paths.walk_files(url))
+    except FileNotFoundError:
+        objects = []
+    except Exception as e:  # noqa: BLE001 - connection, permission and bucket errors differ by backend
+        raise DataError(f"data path {raw!r} cannot be listed: {type(e).__name__}: {e}") from None
+    if not objects:
+        raise DataError(f"data path {raw!r} does not exist (no object, and no objects under it as a prefix)")
+    if len(objects) == 1 and objects[0].path == url:  # one object named directly
+        suffix = PurePosixPath(url).suffix
+        if suffix not in TEXT_SUFFIXES:
+            raise DataError(f"data path {raw!r} has extension {suffix!r}; allowed: {allowed}")
+        root = url.rsplit("/", 1)[0]
+    else:
+        root = url
+        objects = [o for o in objects if PurePosixPath(o.path).suffix in TEXT_SUFFIXES
+                   and not any(part.startswith(".") for part in o.path[len(root) + 1:].split("/"))]
+        if not objects:
+            raise DataError(f"data path {raw!r} holds no files with an allowed extension ({allowed})")
+    sources = [SourceFile(path=o.path, rel=o.path[len(root) + 1:], size=o.size, mtime_ns=0, version=o.version)
+               for o in objects if o.size > 0]
+    if not sources:
+        raise DataError(f"data path {raw!r}: all its {allowed} files are empty")
+    return sources
+
+
+def check_data_paths(data_cfg) -> None:
+    """Checks the path keys of a `DataConfig` without reading anything: `data.paths` and `data.tokenizer_path`
+    may be local or object storage, `data.cache_dir` must be local.
+
+    Raises:
+      msjax.paths.PathError: naming the key, the path and what is allowed (or the package to install).
+    """
+    for raw in data_cfg.paths:
+        paths.check(raw, "data.paths")
+    if data_cfg.tokenizer_path:
+        paths.check(data_cfg.tokenizer_path, "data.tokenizer_path")
+    if data_cfg.cache_dir:
+        paths.local(data_cfg.cache_dir, "data.cache_dir", "the token cache is memory-mapped by the loader")
 
 
 def corpus_sources(paths: Sequence[str]) -> list[SourceFile]:
@@ -192,8 +260,8 @@ def read_pieces(path: str | os.PathLike, text_field: str = "text",
     never half-read. NUL bytes are valid UTF-8 and are kept as the character U+0000: they are text to every
     tokenizer (char gives them an id, byte and bpe encode the byte 0), never dropped or replaced.
     """
-    path = Path(path)
-    suffix = path.suffix
+    path = path if isinstance(path, str) and paths.is_remote(path) else Path(path)
+    suffix = PurePosixPath(path).suffix
     if suffix in (".txt", ".py", ".jsonl") and on_decode_error == "skip":
         if not _utf8_ok(path):
             return
@@ -232,16 +300,26 @@ def read_documents(path: str | os.PathLike, text_field: str = "text",
             parts = []
 
 
-def _decode_error(path: Path, offset: int, reason: str) -> DataError:
+def _decode_error(path: Path | str, offset: int, reason: str) -> DataError:
     return DataError(f"{path}: not valid UTF-8 at byte offset {offset} ({reason}); fix the file or set "
                      "data.on_decode_error=skip to leave such files out")
 
 
-def _utf8_ok(path: Path) -> bool:
+def _open(path: Path | str) -> IO[bytes]:
+    """A local file, or a streaming reader on an object (msjax.paths.open_read), opened read-only."""
+    try:
+        return paths.open_read(str(path))
+    except (FileNotFoundError, PermissionError):
+        raise
+    except Exception as e:  # noqa: BLE001 - an object store's errors differ by backend
+        raise DataError(f"{path}: cannot be opened: {type(e).__name__}: {e}") from None
+
+
+def _utf8_ok(path: Path | str) -> bool:
     """Streams `path` through a UTF-8 decoder; False (with a DataWarning naming the offset) if it fails."""
     dec = codecs.getincrementaldecoder("utf-8")("strict")
     offset = 0
-    with open(path, "rb") as f:
+    with _open(path) as f:
         while True:
             data = f.read(PIECE_BYTES)
             pending = len(dec.getstate()[0])
@@ -256,12 +334,12 @@ def _utf8_ok(path: Path) -> bool:
             offset += len(data)
 
 
-def _text_pieces(path: Path, piece_bytes: int) -> Iterator[Piece]:
+def _text_pieces(path: Path | str, piece_bytes: int) -> Iterator[Piece]:
     """A .txt/.py file as one document, decoded incrementally (a multi-byte character split between two reads
     is held back by the decoder) and cut by `_cut_point`."""
     dec = codecs.getincrementaldecoder("utf-8")("strict")
     offset, carry, any_text = 0, "", False
-    with open(path, "rb") as f:
+    with _open(path) as f:
         while True:
             data = f.read(piece_bytes)
             pending = len(dec.getstate()[0])
@@ -282,9 +360,9 @@ def _text_pieces(path: Path, piece_bytes: int) -> Iterator[Piece]:
             carry = buf[cut:]
 
 
-def _read_jsonl(path: Path, field: str, piece_bytes: int) -> Iterator[Piece]:
+def _read_jsonl(path: Path | str, field: str, piece_bytes: int) -> Iterator[Piece]:
     offset = 0
-    with open(path, "rb") as f:
+    with _open(path) as f:
         for lineno, raw in enumerate(f, start=1):
             start, offset = offset, offset + len(raw)
             try:
@@ -312,11 +390,12 @@ def _document_pieces(text: str, offset: int, piece_chars: int) -> Iterator[Piece
         yield Piece(p, i == len(pieces) - 1, offset)
 
 
-def _read_parquet(path: Path, column: str, piece_bytes: int) -> Iterator[Piece]:
+def _read_parquet(path: Path | str, column: str, piece_bytes: int) -> Iterator[Piece]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(path)
+    # pyarrow reads a file object by ranges: the footer, then one row group's column chunk at a time.
+    pf = pq.ParquetFile(_open(path))
     names = pf.schema_arrow.names
     if column not in names:
         raise DataError(f"{path}: no column {column!r} (data.text_field); columns: {names}")
@@ -324,7 +403,7 @@ def _read_parquet(path: Path, column: str, piece_bytes: int) -> Iterator[Piece]:
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise DataError(f"{path}: column {column!r} has type {kind}, not string")
     rows, total = 0, max(pf.metadata.num_rows, 1)
-    size = path.stat().st_size
+    size = paths.info(str(path)).size
     for batch in pf.iter_batches(columns=[column], batch_size=8192):
         rows += batch.num_rows
         for value in batch.column(0).to_pylist():

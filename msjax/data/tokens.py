@@ -1,5 +1,8 @@
 """Token cache: the corpus tokenized once into memory-mapped files.
 
+The cache is local (the loader memory-maps it) whatever the corpus' storage: a corpus on object storage is
+streamed from there once, tokenized, and never read again while its objects keep their versions (ETags).
+
 Layout: `<cache_dir>/<fingerprint>/{train.bin, val.bin, meta.json, tokenizer.json}`. The .bin files are flat
 little-endian token ids (uint16 when the vocabulary fits, else uint32), documents concatenated with the
 tokenizer's `eot_id` after each (nanoGPT's `train.bin`/`val.bin`). The fingerprint hashes everything the tokens
@@ -15,6 +18,7 @@ which is never read (and is removed after `_STALE_TMP_S`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -30,6 +34,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from msjax import paths
 from msjax.data.corpus import (DataError, Piece, SourceFile, corpus_sources, read_pieces, split_by_file,
                                 split_text)
 from msjax.data.tokenizer import TOKENIZER_FILE, Tokenizer, build_tokenizer, load_tokenizer
@@ -88,7 +93,8 @@ def fingerprint(data_cfg, sources: list[SourceFile]) -> str:
         add("tokenizer_file", hashlib.sha256(tp.read_bytes()).hexdigest() if tp.is_file() else str(tp))
     add(float(data_cfg.val_fraction), data_cfg.text_field, data_cfg.on_decode_error)
     for s in sources:
-        add(str(s.path), s.rel, s.size, s.mtime_ns)
+        # An object's version (ETag, generation) stands where a file's mtime does; local fingerprints are unchanged.
+        add(str(s.path), s.rel, s.size, s.mtime_ns, *([s.version] if s.version else []))
     kind = "hf" if data_cfg.tokenizer_path else data_cfg.tokenizer
     if kind == "bpe":
         kind = f"bpe{data_cfg.bpe_vocab_size}"
@@ -111,8 +117,13 @@ def prepare_data(data_cfg) -> Datasets:
         `corpus.read_documents`, `tokenizer.build_tokenizer`), or a corpus that yields no tokens.
     """
     sources = corpus_sources(data_cfg.paths)
+    try:
+        cache_root = (paths.local(data_cfg.cache_dir, "data.cache_dir", "the token cache is memory-mapped by the "
+                                  "loader") if data_cfg.cache_dir else cache_home() / "tokens")
+    except paths.PathError as e:
+        raise DataError(str(e)) from None
+    data_cfg = _local_tokenizer_file(data_cfg, cache_root)
     fp = fingerprint(data_cfg, sources)
-    cache_root = Path(data_cfg.cache_dir).expanduser() if data_cfg.cache_dir else cache_home() / "tokens"
     final = cache_root / fp
     opened = _open_cache(final, cache_hit=True)
     if opened is not None:
@@ -143,6 +154,37 @@ def prepare_data(data_cfg) -> Datasets:
     log.info("tokenized %d files in %.1f s: %d train + %d val tokens (%s, %s split) -> %s", m["num_files"],
              m["build_seconds"], m["train_tokens"], m["val_tokens"], m["tokenizer"], m["split"], final)
     return opened
+
+
+def _local_tokenizer_file(data_cfg, cache_root: Path):
+    """`data_cfg` with a `gs://` / `s3://` `tokenizer_path` replaced by a local copy (fetched again on every call:
+    it is small, and the object may have been replaced), so the tokenizer is loaded and fingerprinted from its
+    bytes as a local file is.
+
+    Raises:
+      DataError: the URL is not supported, or the object cannot be read (names it and the store's error).
+    """
+    raw = data_cfg.tokenizer_path
+    if not raw or paths.scheme(raw) is None:
+        return data_cfg
+    try:
+        url = paths.check(raw, "data.tokenizer_path")
+    except paths.PathError as e:
+        raise DataError(str(e)) from None
+    if not paths.is_remote(url):  # file://
+        return dataclasses.replace(data_cfg, tokenizer_path=url)
+    try:
+        data = paths.read_bytes(url)
+    except Exception as e:  # noqa: BLE001 - missing object, refused connection, denied: one line naming the URL
+        raise DataError(f"data.tokenizer_path={raw!r} cannot be read: {type(e).__name__}: {e}") from None
+    local = cache_root / "tokenizers" / f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{paths.basename(url)}"
+    try:
+        local.parent.mkdir(parents=True, exist_ok=True)
+        paths.write_bytes(str(local), data)
+    except OSError as e:
+        raise DataError(f"data.cache_dir={str(cache_root)!r} is not writable ({e.strerror}); set data.cache_dir "
+                        "to a writable directory") from None
+    return dataclasses.replace(data_cfg, tokenizer_path=str(local))
 
 
 @contextlib.contextmanager
