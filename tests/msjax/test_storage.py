@@ -1,0 +1,304 @@
+"""Object storage, against a real S3-compatible server (moto's, tests/msjax/object_store.py): paths with a scheme
+are never local paths; train, save to a bucket, resume bit-identically from it; a flipped byte or a cut upload
+in the bucket's newest checkpoint falls back; a corpus read from the bucket gives the batches of the local files.
+
+Every resume is compared bit for bit with the uninterrupted run (`straight`), which saved to the bucket itself.
+"""
+
+import dataclasses
+import json
+import shutil
+import sysconfig
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from msjax import paths
+from msjax.checkpoint import latest_verified
+from msjax.checkpoint.integrity import RECORD_NAME
+from msjax.config import ConfigError, DataConfig, StorageConfig
+from msjax.data import BatchLoader, DataError, prepare_data
+from msjax.train import run
+from tests.msjax.object_store import S3Server
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    with S3Server() as server:
+        server.make_bucket("ckpt")
+        server.make_bucket("corpus")
+        yield server
+
+
+@pytest.fixture
+def s3(s3_server):
+    """The module's server, with msjax.paths pointed at it (a run() before may have configured other storage)."""
+    paths.configure(s3_server.storage)
+    yield s3_server
+
+
+@pytest.fixture(scope="module")
+def cache():
+    return {}
+
+
+def _leaves(state):
+    return jax.tree.leaves(jax.device_get(state))
+
+
+def _same(a, b) -> None:
+    for x, y in zip(_leaves(a), _leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def _on(s3, **overrides):
+    return {"storage.s3_endpoint": s3.endpoint, "storage.s3_region": s3.storage.s3_region, **overrides}
+
+
+def straight(cache, s3, tmp_path_factory, corpus, make):
+    """The uninterrupted 8-step run, saving checkpoints 4 and 8 to s3://ckpt/straight (local tier in front)."""
+    if "straight" not in cache:
+        root = tmp_path_factory.mktemp("straight")
+        cfg = make(root, corpus, **_on(s3, **{"checkpoint.dir": "s3://ckpt/straight",
+                                               "checkpoint.local_dir": str(root / "local")}))
+        cache["straight"] = run(cfg)
+    return cache["straight"]
+
+
+def _copy_prefix(src: str, dst: str, steps=None) -> None:
+    """Server-side copy of the checkpoints of `src` (all, or `steps`) to the prefix `dst`."""
+    for o in paths.walk_files(src):
+        rel = o.path[len(src) + 1:]
+        if steps is None or int(rel.split("/")[0]) in steps:
+            paths.copy(o.path, f"{dst}/{rel}")
+
+
+# ---- paths with a scheme are never local paths ---------------------------------------------------------------
+
+@pytest.mark.parametrize("key, value, message", [
+    ("checkpoint.dir", "hdfs://namenode/run1", r"scheme 'hdfs://' is not supported; allowed: a local path, gs://"),
+    ("checkpoint.dir", "gs:/my-bucket/run1", r"one slash after 'gs:'; write 'gs://my-bucket/run1'"),
+    ("checkpoint.dir", "s3://", r"names no bucket"),
+    ("data.paths", "ftp://host/corpus.txt", r"scheme 'ftp://' is not supported"),
+    ("data.tokenizer_path", "http://host/tokenizer.json", r"scheme 'http://' is not supported"),
+    ("checkpoint.local_dir", "s3://ckpt/local", r"must be a local path: Orbax writes every checkpoint there"),
+    ("data.cache_dir", "s3://ckpt/tokens", r"must be a local path: the token cache is memory-mapped"),
+    ("train.run_dir", "gs://my-bucket/run1", r"must be a local path: metrics and TensorBoard events"),
+])
+def test_a_path_msjax_cannot_use_is_one_error_before_anything_is_written(tmp_path, small_corpus, make_tiny_config,
+                                                                         monkeypatch, key, value, message):
+    monkeypatch.chdir(tmp_path)
+    cfg = make_tiny_config(tmp_path, small_corpus, **{key: (value,) if key == "data.paths" else value})
+    with pytest.raises(paths.PathError, match=rf"{key}='{value}'.*{message}"):
+        run(cfg)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no ./gs:, no run directory, no cache
+
+
+def test_a_scheme_whose_package_is_missing_names_the_extra_to_install(tmp_path, small_corpus, make_tiny_config,
+                                                                      monkeypatch):
+    """gcsfs and s3fs are both dev dependencies, so the missing one is stood in for by a module name that no
+    package has; the check is the real one (importlib finds no such module)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(paths.BACKENDS, "gs", paths._Backend("msjax_no_such_gcs_module", "gcs", "gcs"))
+    cfg = make_tiny_config(tmp_path, small_corpus, **{"checkpoint.dir": "gs://my-bucket/run1"})
+    with pytest.raises(paths.PathError, match=r"checkpoint.dir='gs://my-bucket/run1': gs:// paths need the "
+                                              r"package msjax_no_such_gcs_module, which is not installed; install "
+                                              r"it with: pip install 'msjax\[gcs\]'"):
+        run(cfg)
+    with pytest.raises(DataError, match=r"pip install 'msjax\[gcs\]'"):
+        prepare_data(DataConfig(paths=("gs://my-bucket/corpus",), cache_dir=str(tmp_path / "c")))
+    assert not (tmp_path / "gs:").exists() and not (tmp_path / "run").exists()
+
+
+def test_file_urls_are_local_paths(tmp_path):
+    assert paths.check(f"file://{tmp_path}/x", "k") == f"{tmp_path}/x"
+    assert paths.check("~/x", "k") == str(Path("~/x").expanduser())
+    assert paths.check("s3://bucket/run1/", "k") == "s3://bucket/run1"
+    assert not paths.is_remote("./gs:/x") and paths.is_remote("gs://b/x")
+
+
+def test_unreachable_or_missing_buckets_are_one_error_naming_the_path(tmp_path, small_corpus, make_tiny_config, s3):
+    cfg = make_tiny_config(tmp_path, small_corpus, **_on(s3, **{"checkpoint.dir": "s3://no-such-bucket/run1"}))
+    with pytest.raises(ConfigError, match=r"checkpoint.dir='s3://no-such-bucket/run1' is not writable "
+                                          r"\(FileNotFoundError: .*bucket does not exist"):
+        run(cfg)
+    with pytest.raises(DataError, match=r"data path 's3://corpus/nothing-here' does not exist"):
+        prepare_data(DataConfig(paths=("s3://corpus/nothing-here",), cache_dir=str(tmp_path / "c")))
+    # Nothing listens on port 9 (discard): a refused connection, reported within storage.timeout_s.
+    paths.configure(StorageConfig(s3_endpoint="http://127.0.0.1:9", s3_region="us-west-2", timeout_s=2))
+    try:
+        with pytest.raises(DataError, match=r"data path 's3://corpus/x' cannot be listed: .*127.0.0.1:9"):
+            prepare_data(DataConfig(paths=("s3://corpus/x",), cache_dir=str(tmp_path / "c")))
+    finally:
+        paths.configure(s3.storage)
+
+
+# ---- checkpoints in a bucket -----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_train_save_to_bucket_resume_bit_identical_from_it(cache, s3, tmp_path_factory, tmp_path, small_corpus,
+                                                           make_tiny_config, caplog):
+    """The straight run saved 4 and 8 to the bucket (local tier in front, its record last). A new machine (an
+    empty local tier) resumes from the bucket's step 4 and ends bit-identical to the straight run."""
+    ref = straight(cache, s3, tmp_path_factory, small_corpus, make_tiny_config)
+    names = {paths.basename(o.path) for o in paths.walk_files("s3://ckpt/straight/8")}
+    assert RECORD_NAME in names and "manifest.ocdbt" in names
+    assert latest_verified("s3://ckpt/straight") == 8 == ref["final_step"]
+    _copy_prefix("s3://ckpt/straight", "s3://ckpt/cut", steps={4})
+    local = tmp_path / "fresh-local"
+    cfg = make_tiny_config(tmp_path, small_corpus, **_on(s3, **{"checkpoint.dir": "s3://ckpt/cut",
+                                                                "checkpoint.local_dir": str(local),
+                                                                "checkpoint.resume": True}))
+    caplog.set_level("INFO", logger="msjax.train")
+    resumed = run(cfg)
+    assert resumed["start_step"] == 4 and "resumed from step 4 (s3://ckpt/cut" in caplog.text
+    _same(ref["state"], resumed["state"])
+    assert latest_verified("s3://ckpt/cut", local) == 8
+    assert sorted(int(p.name) for p in local.iterdir() if p.name.isdigit()) == [8]  # local_keep=1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["flipped_byte", "cut_upload"])
+def test_damaged_newest_bucket_checkpoint_falls_back(cache, s3, tmp_path_factory, tmp_path, small_corpus,
+                                                     make_tiny_config, capfd, damage):
+    """flipped_byte: one bit of a saved parameter inside an object of step 8 (found by the read, whose zstd frame
+    check fails, or by the checksums: the step is moved to rejected/). cut_upload: step 8's objects without its record, what a copy killed before its last PUT
+    leaves (never a candidate: deleted). Either way the resume takes step 4 and ends bit-identical."""
+    ref = straight(cache, s3, tmp_path_factory, small_corpus, make_tiny_config)
+    prefix = f"s3://ckpt/{damage}"
+    _copy_prefix("s3://ckpt/straight", prefix)
+    if damage == "flipped_byte":
+        _flip_parameter_bit(f"{prefix}/8", ref["state"])
+        assert latest_verified(prefix) == 8  # its record is there: only reading it finds the damage
+    else:
+        paths.remove(f"{prefix}/8/{RECORD_NAME}")
+        assert latest_verified(prefix) == 4
+    capfd.readouterr()
+    resumed = run(make_tiny_config(tmp_path, small_corpus, **_on(s3, **{
+        "checkpoint.dir": prefix, "checkpoint.local_dir": str(tmp_path / "local"), "checkpoint.resume": True})))
+    err = capfd.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("warning: checkpoint")]
+    expected = (("failed verification (checksum mismatch", "failed verification (unreadable: ")
+                if damage == "flipped_byte" else ("has no integrity record (its write was interrupted)",))
+    assert len(warnings) == 1 and f"{prefix}/8 " in warnings[0], err
+    assert any(e in warnings[0] for e in expected), err
+    assert resumed["start_step"] == 4
+    _same(ref["state"], resumed["state"])
+    rejected = paths.listdir(f"{prefix}/rejected")
+    assert len(rejected) == (1 if damage == "flipped_byte" else 0) and latest_verified(prefix) == 8
+
+
+def _flip_parameter_bit(step_url: str, state) -> None:
+    """Flips one bit of one float32 of a saved parameter in every object of `step_url` that holds its bytes
+    (randomly initialised float32 chunks do not compress, so they appear verbatim; see test_checkpoint)."""
+    objects = {o.path: paths.read_bytes(o.path) for o in paths.walk_files(step_url)
+               if "/state/" in o.path and "/d/" in o.path}
+    for leaf in jax.tree.leaves(state["params"]):
+        for shard in leaf.addressable_shards:
+            values = np.asarray(shard.data).reshape(-1)[:16]
+            if values.size < 16 or len(np.unique(values)) < 16:
+                continue
+            hits = [(url, data.find(values.tobytes())) for url, data in objects.items()
+                    if data.find(values.tobytes()) >= 0]
+            for url, at in hits:
+                data = bytearray(objects[url])
+                data[at + 17] ^= 0x10
+                paths.write_bytes(url, bytes(data))
+            if hits:
+                return
+    raise AssertionError(f"no saved parameter bytes found verbatim under {step_url}")
+
+
+@pytest.mark.slow
+def test_without_local_dir_a_staging_tier_in_the_cache_fronts_the_bucket(s3, tmp_path, small_corpus,
+                                                                       make_tiny_config, monkeypatch):
+    """checkpoint.dir on object storage and no checkpoint.local_dir: Orbax writes into a staging directory named
+    by the URL under the user's cache, which keeps `local_keep`; the bucket keeps `keep`."""
+    monkeypatch.setenv("MSJAX_CACHE_HOME", str(tmp_path / "msjax-cache"))
+    from msjax.checkpoint import staging_dir
+
+    out = run(make_tiny_config(tmp_path, small_corpus, **_on(s3, **{
+        "checkpoint.dir": "s3://ckpt/staged", "checkpoint.every": 2, "checkpoint.keep": 2})))
+    assert out["checkpoints"] == [6, 8]
+    staged = staging_dir("s3://ckpt/staged")
+    assert staged.is_relative_to(tmp_path / "msjax-cache")
+    assert sorted(p.name for p in staged.iterdir() if p.name.isdigit()) == ["8"]
+    assert [n for n in paths.listdir("s3://ckpt/staged") if n.isdigit()] == ["6", "8"]
+    assert json.loads(paths.read_bytes(f"s3://ckpt/staged/8/{RECORD_NAME}"))["step"] == 8
+
+
+# ---- a corpus in a bucket --------------------------------------------------------------------------------------
+
+def _mixed_corpus(root: Path) -> Path:
+    """Real text in every format: .txt files, a .jsonl with several documents, a .parquet, in two directories."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    (root / "a").mkdir(parents=True)
+    (root / "b").mkdir()
+    for name in ("textwrap.py", "fnmatch.py", "shlex.py"):
+        shutil.copy(stdlib / name, root / "a" / f"{name}.txt")
+    docs = (stdlib / "glob.py").read_text().split("\n\n")
+    with open(root / "b" / "docs.jsonl", "w") as f:
+        for d in docs:
+            f.write(json.dumps({"text": d}) + "\n")
+    rows = (stdlib / "bisect.py").read_text().split("\n\n")
+    pq.write_table(pa.table({"text": rows}), root / "b" / "rows.parquet", row_group_size=4)
+    (root / "b" / ".hidden.txt").write_text("left out locally and in the bucket")
+    return root
+
+
+def _upload_dir(local: Path, url: str) -> None:
+    paths.upload([(p, f"{url}/{p.relative_to(local).as_posix()}") for p in sorted(local.rglob("*")) if p.is_file()])
+
+
+@pytest.mark.parametrize("tokenizer", ["char", "bpe"])
+def test_corpus_from_bucket_gives_the_batches_of_the_local_files(s3, tmp_path, tokenizer):
+    """The same files locally and under s3://corpus/<tokenizer>/: the same split, the same token streams, and the
+    loader's batches are equal step for step; the token cache is written locally."""
+    local = _mixed_corpus(tmp_path / "corpus")
+    url = f"s3://corpus/{tokenizer}"
+    _upload_dir(local, url)
+    cfg = DataConfig(tokenizer=tokenizer, bpe_vocab_size=300, val_fraction=0.3)
+    here = prepare_data(dataclasses.replace(cfg, paths=(str(local),), cache_dir=str(tmp_path / "c1")))
+    there = prepare_data(dataclasses.replace(cfg, paths=(url,), cache_dir=str(tmp_path / "c2")))
+    assert there.meta["cache_path"].startswith(str(tmp_path / "c2")) and not there.meta["cache_hit"]
+    assert (here.meta["split"], here.meta["train_files"], here.meta["val_files"]) == (
+        there.meta["split"], there.meta["train_files"], there.meta["val_files"]) == ("file", 4, 1)
+    np.testing.assert_array_equal(here.train, there.train)
+    np.testing.assert_array_equal(here.val, there.val)
+    a = BatchLoader(here.train, seq_len=16, global_batch=4, seed=3, prefetch=0)
+    b = BatchLoader(there.train, seq_len=16, global_batch=4, seed=3, prefetch=0)
+    for _ in range(5):
+        x, y = next(a), next(b)
+        np.testing.assert_array_equal(x["inputs"], y["inputs"])
+        np.testing.assert_array_equal(x["targets"], y["targets"])
+    a.close()
+    b.close()
+    # A cache hit the second time (nothing read from the bucket); replacing an object invalidates it.
+    assert prepare_data(dataclasses.replace(cfg, paths=(url,), cache_dir=str(tmp_path / "c2"))
+                        ).meta["cache_hit"]
+    paths.write_bytes(f"{url}/a/shlex.py.txt", b"replaced text")
+    assert not prepare_data(dataclasses.replace(cfg, paths=(url,), cache_dir=str(tmp_path / "c2"))
+                            ).meta["cache_hit"]
+
+
+def test_tokenizer_file_from_bucket_equals_the_local_file(s3, tmp_path):
+    from msjax.data.tokenizer import HFTokenizer
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    tok = HFTokenizer.train([(stdlib / "textwrap.py").read_text()], 300)
+    tok.save(tmp_path / "tokenizer.json")
+    paths.write_bytes("s3://corpus/tok/tokenizer.json", (tmp_path / "tokenizer.json").read_bytes())
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    shutil.copy(stdlib / "fnmatch.py", corpus / "fnmatch.txt")
+    here = prepare_data(DataConfig(paths=(str(corpus),), tokenizer_path=str(tmp_path / "tokenizer.json"),
+                                   cache_dir=str(tmp_path / "c1")))
+    there = prepare_data(DataConfig(paths=(str(corpus),), tokenizer_path="s3://corpus/tok/tokenizer.json",
+                                    cache_dir=str(tmp_path / "c2")))
+    assert here.meta["fingerprint"] == there.meta["fingerprint"]  # fingerprinted by the file's bytes
+    np.testing.assert_array_equal(np.concatenate([here.train, here.val]), np.concatenate([there.train, there.val]))
