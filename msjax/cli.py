@@ -310,7 +310,7 @@ def setup_logging(options: CommonOptions | LoggingOptions) -> None:
     level = "WARNING" if options.quiet else "DEBUG" if options.verbose else options.log_level
     logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr, force=True)
     # Libraries that log chattily at INFO (orbax, absl) stay at WARNING unless debugging.
-    for name in ("absl", "orbax", "jax", "tensorstore"):
+    for name in ("absl", "orbax", "jax", "tensorstore", "botocore", "aiobotocore", "s3fs", "gcsfs"):
         logging.getLogger(name).setLevel(logging.DEBUG if level == "DEBUG" else logging.WARNING)
 
 

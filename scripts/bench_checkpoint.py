@@ -1,7 +1,9 @@
-"""Checkpoint benchmark: how long the loop is blocked per checkpoint, restore speed per tier, integrity cost.
+"""Checkpoint benchmark: how long the loop is blocked per checkpoint, restore speed per tier, integrity cost;
+with `--remote`, the same for a persistent tier on object storage; with `--kill_trials`, kill -9 during saves.
 
 python scripts/bench_checkpoint.py [--gib=1.0] [--saves=3] [--restores=3] [--devices=8] [--dir=/tmp/...]
-                                   [--local_dir=/dev/shm/...] [--json PATH]
+                                   [--local_dir=/dev/shm/...] [--remote=moto|s3://bucket/prefix]
+                                   [--s3_endpoint=URL] [--kill_trials=N] [--json PATH]
 
 For a train-state-like pytree of `--gib` GiB of float32 arrays sharded over `--devices` CPU devices:
   blocked_s       the time `Checkpointer.save` blocks the loop (stage 1: device -> host copy, checksum dispatch),
@@ -22,13 +24,31 @@ For a train-state-like pytree of `--gib` GiB of float32 arrays sharded over `--d
                   saved state.
   blocked_*_s     where the blocked time goes (Checkpointer.last_save_timing): waiting for the previous save,
                   dispatching the checksums, Orbax's save call (stage 1).
+  remote_*        with `--remote`: the same state saved with the local tier in front of a persistent tier on object
+                  storage (`moto`: a local S3-compatible server started here, moto's, from the dev extra; or an
+                  `s3://` / `gs://` prefix, reached through `--s3_endpoint` or the environment), in the same run
+                  as the rows above: remote_blocked_s (what the loop waits per save), remote_background_s (write,
+                  record, upload with the record last), remote_restore_s (download into an empty local tier, read,
+                  verify: a new machine's restore), remote_restore_unverified_s, remote_verify_cost and
+                  remote_verify_fraction_of_restore (the integrity check's share of that restore), remote_fetch_s.
+
+Kill -9 during saves (`--kill_trials=N`, N > 0, instead of the timings): N trials, split over three phases of a
+save, each in a fresh directory: a process saves a small state in a loop (`SAVER`), and is killed with SIGKILL as
+soon as this process sees the phase's unfinished directory of a save after the first: `write` (Orbax's temporary
+directory), `commit` (the step's directory before its integrity record), `upload` (the step's prefix in the
+bucket before its record object; a moto server). A trial counts as landed when that step has no record after the
+kill. Then `latest_verified` is asked, a fresh Checkpointer restores, and the table says, per phase, how many
+trials landed mid-write, how often the restored step equalled latest_verified's answer, how often the state was
+bit-identical to what was saved for that step, and how often the unfinished step was restored (must be never).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -50,6 +70,10 @@ class CheckpointBenchOptions:
       devices: fake CPU devices the state is sharded over.
       dir: the persistent tier's directory; empty: a fresh one under /tmp, removed at the end.
       local_dir: the local tier's directory; empty: a fresh one under /dev/shm. Removed at the end either way.
+      remote: also measure a persistent tier on object storage: "moto" (a local S3-compatible server started
+        here) or an s3:// / gs:// prefix (its checkpoints are removed at the end); empty: none.
+      s3_endpoint: the S3-compatible server of an s3:// --remote (empty: AWS, or AWS_ENDPOINT_URL).
+      kill_trials: run this many kill -9 trials instead of the timings (see the module docstring); 0: none.
       json: also write the results as JSON to this path.
     """
 
@@ -59,6 +83,9 @@ class CheckpointBenchOptions:
     devices: int = 8
     dir: str = ""
     local_dir: str = ""
+    remote: str = ""
+    s3_endpoint: str = ""
+    kill_trials: int = 0
     json: str = ""
 
 
@@ -70,14 +97,251 @@ def main(argv: list[str]) -> int:
         for flag, value, ok, allowed in (("--gib", args.gib, args.gib > 0, "> 0"),
                                          ("--saves", args.saves, args.saves >= 2, ">= 2"),
                                          ("--restores", args.restores, args.restores >= 1, ">= 1"),
-                                         ("--devices", args.devices, args.devices >= 1, ">= 1")):
+                                         ("--devices", args.devices, args.devices >= 1, ">= 1"),
+                                         ("--kill_trials", args.kill_trials, args.kill_trials >= 0, ">= 0")):
             if not ok:
                 raise ConfigError(f"{flag}={value}: allowed is {allowed}")
+        if args.remote and args.remote != "moto":
+            from msjax import paths
+
+            if not paths.is_remote(paths.check(args.remote, "--remote")):
+                raise ConfigError(f"--remote={args.remote!r}: allowed is moto, s3://bucket/prefix or "
+                                  "gs://bucket/prefix")
         if args.json:
             cli.check_writable(args.json, "--json")
-        return run(args)
+        return run_kill_trials(args) if args.kill_trials else run(args)
 
     return cli.main_guard(body)
+
+
+# ---- kill -9 during saves ---------------------------------------------------------------------------------------
+
+KILL_PHASES = ("write", "commit", "upload")
+_ORBAX_TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
+
+# The victim: saves `kill_state(k)` for k = 1, 2, ... forever, each save followed by `polls` steps of `step_s`
+# seconds (each ending in Checkpointer.poll, as the loop's steps do). argv: directory, local_dir ("" for none),
+# s3_endpoint, s3_region, size, step_s, polls.
+SAVER = r"""
+import sys, time
+import jax.numpy as jnp
+import numpy as np
+from msjax import paths
+from msjax.checkpoint import Checkpointer
+from msjax.config import CheckpointConfig, StorageConfig
+directory, local, endpoint, region = sys.argv[1:5]
+size, step_s, polls = int(sys.argv[5]), float(sys.argv[6]), int(sys.argv[7])
+paths.configure(StorageConfig(s3_endpoint=endpoint, s3_region=region))
+ckpt = Checkpointer(CheckpointConfig(every=0, keep=2, local_keep=1, timeout_s=120), directory, local or None)
+step = 0
+while True:
+    step += 1
+    w = np.random.default_rng(step).standard_normal(size, dtype=np.float32)
+    ckpt.save(step, {"w": jnp.asarray(w), "step": jnp.int32(step)}, {"step": step}, force=True)
+    for _ in range(polls):
+        time.sleep(step_s)
+        ckpt.poll(step)
+"""
+
+
+def kill_state(step: int, size: int) -> dict:
+    """What SAVER saves at `step` (host arrays): w (size,) float32 from a generator seeded by the step, and the
+    step as int32."""
+    import numpy as np
+
+    return {"w": np.random.default_rng(step).standard_normal(size, dtype=np.float32), "step": np.int32(step)}
+
+
+@dataclasses.dataclass(frozen=True)
+class KillTrial:
+    """One kill: the phase aimed at, the step whose save was seen unfinished, what was seen (a path or URL), and
+    whether the kill landed inside that save (after the kill the step has no integrity record and no later step
+    has one)."""
+
+    phase: str
+    step: int
+    seen: str
+    landed: bool
+
+
+def _unfinished(phase: str, directory: str, local_dir: str, min_step: int) -> tuple[int, str] | None:
+    """(step, what was seen) of a save of step >= `min_step` that is in `phase` and unfinished, else None."""
+    from msjax import paths
+    from msjax.checkpoint.integrity import RECORD_NAME
+
+    if phase == "upload":
+        for name in sorted((n for n in paths.listdir(directory) if n.isdigit()), key=int, reverse=True):
+            where = paths.join(directory, name)
+            if int(name) >= min_step and not paths.exists(paths.join(where, RECORD_NAME)) and paths.listdir(where):
+                return int(name), where
+        return None
+    root = Path(local_dir or directory)
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return None
+    for name in names:
+        m = _ORBAX_TMP.match(name)
+        if phase == "write" and m and int(m.group(1)) >= min_step:
+            return int(m.group(1)), str(root / name)
+        if (phase == "commit" and name.isdigit() and int(name) >= min_step and (root / name).is_dir()
+                and not (root / name / RECORD_NAME).exists()):
+            return int(name), str(root / name)
+    return None
+
+
+def kill_during_save(phase: str, directory: str, local_dir: str = "", s3_endpoint: str = "", s3_region: str = "",
+                     size: int = 1 << 20, min_step: int = 2, step_s: float = 0.05, polls: int = 3,
+                     timeout_s: float = 120.0) -> KillTrial:
+    """Starts SAVER on `directory` (the persistent tier: a fresh local directory, or for `upload` a fresh bucket
+    prefix, with `local_dir` in front), watches for the unfinished directory of `phase` of the save of a step >=
+    `min_step` (>= 2, so an older verified one exists), and sends SIGKILL the moment it is seen.
+
+    Raises:
+      RuntimeError: the saver exited by itself (the end of its stderr in the message).
+      TimeoutError: `phase` was not seen within `timeout_s` seconds (names the phase and directory).
+    """
+    import subprocess
+
+    from msjax.checkpoint.tiers import make_tier
+
+    if phase not in KILL_PHASES:
+        raise ValueError(f"phase={phase!r}: allowed are {KILL_PHASES}")
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "-c", SAVER, directory, local_dir, s3_endpoint, s3_region, str(size),
+                             str(step_s), str(polls)], stdout=subprocess.DEVNULL, stderr=log)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            seen = _unfinished(phase, directory, local_dir, min_step)
+            if seen is not None:
+                proc.kill()
+                break
+            if proc.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"the saver exited with status {proc.returncode} before a {phase} was seen: "
+                                   f"{log.read().decode(errors='replace')[-3000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no unfinished {phase} of a save seen in {directory} within {timeout_s:.0f} s")
+            time.sleep(0.001)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+        log.close()
+    step, where = seen
+    tier = make_tier("persistent", directory if phase == "upload" else Path(local_dir or directory))
+    # Landed inside that save: the step has no record, and no later save completed (rotation could have removed
+    # the step's record otherwise).
+    recorded = [s for s in tier.steps() if tier.record(s) is not None]
+    return KillTrial(phase, step, where, landed=tier.record(step) is None and all(s < step for s in recorded))
+
+
+def run_kill_trials(args: CheckpointBenchOptions) -> int:
+    """`--kill_trials`: the trials, their verification and the table (see the module docstring). Exit status 1
+    when any trial restored an unfinished step, or restored another step than `latest_verified` named, or state
+    that differs from what was saved."""
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1").strip()
+    import jax
+    import numpy as np
+
+    from msjax import paths
+    from msjax.checkpoint import Checkpointer, latest_verified
+    from msjax.config import CheckpointConfig
+
+    size = 1 << 20
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), kill_state(1, size))
+    root = Path(tempfile.mkdtemp(prefix="msjax-bench-kill-", dir="/tmp"))
+    counts = {p: {"trials": 0, "landed": 0, "restored_equals_latest_verified": 0, "bit_identical": 0,
+                  "unfinished_restored": 0} for p in KILL_PHASES}
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(0)
+    try:
+        with _object_store(args.remote or "moto", args.s3_endpoint) as (bucket, storage):
+            for i in range(args.kill_trials):
+                phase = KILL_PHASES[i % len(KILL_PHASES)]
+                remote = phase == "upload"
+                directory = paths.join(bucket, f"kill-{os.getpid()}-{i}") if remote else str(root / str(i))
+                trial = kill_during_save(phase, directory, str(root / f"{i}-local") if remote else "",
+                                         storage.s3_endpoint, storage.s3_region, size,
+                                         min_step=int(rng.integers(2, 6)))
+                # What a new machine (an empty local tier) restores from the persistent tier.
+                fresh = root / f"{i}-fresh" if remote else None
+                answer = latest_verified(directory, fresh)
+                c = Checkpointer(CheckpointConfig(timeout_s=120), directory, fresh)
+                step, state, _ = c.restore(abstract)
+                c.close()
+                expected = kill_state(step, size)
+                row = counts[phase]
+                row["trials"] += 1
+                row["landed"] += trial.landed
+                row["restored_equals_latest_verified"] += step == answer
+                row["bit_identical"] += all(np.array_equal(np.asarray(state[k]), expected[k]) for k in expected)
+                row["unfinished_restored"] += trial.landed and step == trial.step
+                if remote:
+                    paths.remove_tree(directory)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    lines = [f"kill -9 during saves: {args.kill_trials} trials in {time.perf_counter() - t0:.0f} s, load average "
+             f"{os.getloadavg()[0]:.1f}",
+             f"{'phase':<8} {'trials':>7} {'landed':>7} {'restored=latest':>16} {'bit-identical':>14} "
+             f"{'unfinished restored':>20}"]
+    for phase, row in counts.items():
+        lines.append(f"{phase:<8} {row['trials']:>7} {row['landed']:>7} {row['restored_equals_latest_verified']:>16} "
+                     f"{row['bit_identical']:>14} {row['unfinished_restored']:>20}")
+    cli.print_result("\n".join(lines), {"kill_trials": counts, "load_average_1min": os.getloadavg()[0]},
+                     args.json)
+    ok = all(r["restored_equals_latest_verified"] == r["bit_identical"] == r["trials"] and not
+             r["unfinished_restored"] for r in counts.values())
+    return 0 if ok else 1
+
+
+@contextlib.contextmanager
+def _object_store(remote: str, s3_endpoint: str):
+    """(bucket URL, StorageConfig) of `--remote`, with msjax.paths configured for it: "moto" starts moto's
+    S3-compatible server (the dev extra) on a free loopback port with a fresh bucket and stops it at the end; a URL
+    is used as it is."""
+    from msjax import paths
+    from msjax.config import StorageConfig
+
+    if remote != "moto":
+        storage = StorageConfig(s3_endpoint=s3_endpoint)
+        paths.configure(storage)
+        yield remote, storage
+        return
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):  # moto wants them present, whatever their value
+        os.environ.setdefault(key, "msjax-bench")
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"moto's server did not start on 127.0.0.1:{port} within 60 s (exit status "
+                                       f"{proc.poll()}); is the dev extra installed?") from None
+                time.sleep(0.1)
+        storage = StorageConfig(s3_endpoint=f"http://127.0.0.1:{port}", s3_region="us-west-2")
+        paths.configure(storage)
+        fs, _ = paths.filesystem("s3://msjax-bench")
+        fs.mkdir("msjax-bench")
+        yield "s3://msjax-bench", storage
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def run(args: CheckpointBenchOptions) -> int:

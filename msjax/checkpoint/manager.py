@@ -138,7 +138,7 @@ def _tiers(directory: Path | str, local_directory: Path | None) -> list[LocalTie
     """The tiers a checkpoint of this persistent `directory` may be in, local first."""
     if local_directory is None and paths.is_remote(directory):
         local_directory = staging_dir(os.fspath(directory))
-    local = [LocalTier("local", local_directory)] if local_directory is not None else []
+    local = [LocalTier("local", Path(local_directory))] if local_directory is not None else []
     return local + [make_tier("persistent", directory)]
 
 
