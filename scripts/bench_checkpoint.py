@@ -297,6 +297,16 @@ def run_kill_trials(args: CheckpointBenchOptions) -> int:
 
 
 @contextlib.contextmanager
+def _removed(*dirs: Path):
+    """Removes `dirs` when the block ends, however it ends."""
+    try:
+        yield
+    finally:
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+@contextlib.contextmanager
 def _object_store(remote: str, s3_endpoint: str):
     """(bucket URL, StorageConfig) of `--remote`, with msjax.paths configured for it: "moto" starts moto's
     S3-compatible server (the dev extra) on a free loopback port with a fresh bucket and stops it at the end; a URL
@@ -375,9 +385,12 @@ def run(args: CheckpointBenchOptions) -> int:
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
     results: dict = {"state_bytes": nbytes, "devices": len(jax.devices()), "persistent_dir": str(persistent),
                      "local_dir": str(local)}
-    try:
-        # Two tiers, asynchronous: what the loop pays per checkpoint.
-        ckpt = Checkpointer(CheckpointConfig(every=1, keep=2, local_keep=1), persistent, local)
+    remote_local = Path(tempfile.mkdtemp(prefix="msjax-bench-ckpt-", dir="/dev/shm"))
+    store = _object_store(args.remote, args.s3_endpoint) if args.remote else contextlib.nullcontext((None, None))
+    tiers = ("local", "persistent", "remote") if args.remote else ("local", "persistent")
+
+    def timed_saves(ckpt: Checkpointer, state):
+        """(state, blocked s, background s, Checkpointer.last_save_timing) of each of --saves asynchronous saves."""
         blocked, background, parts = [], [], []
         for i in range(1, args.saves + 1):
             state = step_fn(state)
@@ -390,10 +403,24 @@ def run(args: CheckpointBenchOptions) -> int:
             background.append(time.perf_counter() - t1)
             parts.append(ckpt.last_save_timing)
         ckpt.close()
+        return state, blocked, background, parts
+
+    with store as (bucket, _), _removed(local, sync_dir, remote_local, *(() if args.dir else (persistent,))):
+        remote = f"{bucket}/bench-{os.getpid()}" if bucket else None
+        # Two tiers, asynchronous: what the loop pays per checkpoint.
+        state, blocked, background, parts = timed_saves(
+            Checkpointer(CheckpointConfig(every=1, keep=2, local_keep=1), persistent, local), state)
         results.update(blocked_first_s=blocked[0], blocked_s=float(np.mean(blocked[1:])),
                        background_s=float(np.mean(background[1:])))
         for key in parts[-1]:  # where the blocked time goes (Checkpointer.last_save_timing)
             results[f"blocked_{key}"] = float(np.mean([p[key] for p in parts[1:]]))
+        if remote:
+            # The local tier in front of object storage: the upload (record last) runs in the background.
+            results["remote_dir"] = remote
+            state, blocked, background, _ = timed_saves(
+                Checkpointer(CheckpointConfig(every=1, keep=2, local_keep=1), remote, remote_local), state)
+            results.update(remote_blocked_s=float(np.mean(blocked[1:])),
+                           remote_background_s=float(np.mean(background[1:])))
 
         # The same state saved synchronously (Orbax, no async), persistent tier only.
         sync = Checkpointer(CheckpointConfig(every=1, keep=1, async_save=False), sync_dir)
@@ -409,32 +436,38 @@ def run(args: CheckpointBenchOptions) -> int:
 
         # Restores: local tier (newest there), then persistent only; each verified and unverified, interleaved
         # (V U / U V alternately per round) so both see the same load and page cache.
-        def timed_restore(tier: str, verify: bool) -> tuple[float, float, float]:
-            """(wall s, process CPU s, verification s inside it) of one restore, until the arrays are ready."""
+        def timed_restore(tier: str, verify: bool) -> tuple[float, float, float, float]:
+            """(wall s, process CPU s, verification s, download s inside it) of one restore, until the arrays
+            are ready. The remote tier is restored as a new machine would: into an empty local tier."""
+            fresh = Path(tempfile.mkdtemp(prefix="msjax-bench-fresh-", dir="/dev/shm"))
             c = (Checkpointer(CheckpointConfig(keep=2, local_keep=1), persistent, local) if tier == "local"
+                 else Checkpointer(CheckpointConfig(keep=2, local_keep=1), remote, fresh) if tier == "remote"
                  else Checkpointer(CheckpointConfig(keep=2), persistent))
             t0, c0 = time.perf_counter(), time.process_time()
             _, restored, _ = c.restore(abstract, verify=verify)
             jax.block_until_ready(restored)
-            out = time.perf_counter() - t0, time.process_time() - c0, c.last_restore_timing["verify_s"]
+            timing = c.last_restore_timing
+            out = time.perf_counter() - t0, time.process_time() - c0, timing["verify_s"], timing["fetch_s"]
             c.close()
+            shutil.rmtree(fresh, ignore_errors=True)
             return out
 
         # The verification kernels (one per shard shape and device) compiled outside the timings, as the save's
         # were by the first save: a resumed process compiles them once, like every program it runs.
         checksum_state(state, check_finite=False)()
         timed_restore("local", False)  # and Orbax's first restore in this process (its set-up), untimed
-        runs: dict[tuple[str, bool], list[tuple[float, float, float]]] = {}
+        runs: dict[tuple[str, bool], list[tuple[float, float, float, float]]] = {}
         for r in range(args.restores):
-            for tier in ("local", "persistent"):
+            for tier in tiers:
                 for verify in ((True, False) if r % 2 == 0 else (False, True)):
                     runs.setdefault((tier, verify), []).append(timed_restore(tier, verify))
-        for tier in ("local", "persistent"):
+        for tier in tiers:
             med = {v: np.median(np.array(runs[tier, v]), axis=0) for v in (True, False)}
             results[f"restore_{tier}_s"], results[f"restore_{tier}_cpu_s"] = float(med[True][0]), float(med[True][1])
             results[f"restore_{tier}_unverified_s"] = float(med[False][0])
             results[f"restore_{tier}_unverified_cpu_s"] = float(med[False][1])
             results[f"verify_in_restore_{tier}_s"] = float(med[True][2])
+            results[f"fetch_in_restore_{tier}_s"] = float(med[True][3])
             # The cost of integrity checking: what a verified restore takes beyond an unverified one, as a
             # fraction of the unverified restore (wall, and process CPU, the figure load disturbs least).
             results[f"verify_cost_{tier}"] = (results[f"restore_{tier}_s"] / results[f"restore_{tier}_unverified_s"]
@@ -446,9 +479,10 @@ def run(args: CheckpointBenchOptions) -> int:
         t0 = time.perf_counter()
         checksum_state(state, check_finite=False)()  # compiled already by the restores
         results["verify_s"] = time.perf_counter() - t0
-    finally:
-        for d in (local, sync_dir) + (() if args.dir else (persistent,)):
-            shutil.rmtree(d, ignore_errors=True)
+        if remote:
+            from msjax import paths
+
+            paths.remove_tree(remote)
 
     print(f"checkpoint benchmark: {nbytes / 2**30:.2f} GiB state over {len(jax.devices())} CPU devices, "
           f"load average {os.getloadavg()[0]:.1f}")
@@ -456,10 +490,11 @@ def run(args: CheckpointBenchOptions) -> int:
     for key in ("blocked_first_s", "blocked_s", *(k for k in results if k.startswith("blocked_") and
                                                    k.endswith("_s") and k not in ("blocked_first_s", "blocked_s")),
                 "background_s", "sync_save_s", "blocked_fraction_of_sync",
-                *(f"{k}_{tier}{suffix}" for tier in ("local", "persistent") for k, suffix in (
+                *(("remote_blocked_s", "remote_background_s") if args.remote else ()),
+                *(f"{k}_{tier}{suffix}" for tier in tiers for k, suffix in (
                     ("restore", "_s"), ("restore", "_unverified_s"), ("restore", "_cpu_s"),
-                    ("restore", "_unverified_cpu_s"), ("verify_in_restore", "_s"), ("verify_cost", ""),
-                    ("verify_cost_cpu", ""), ("verify_fraction_of_restore", ""))),
+                    ("restore", "_unverified_cpu_s"), ("fetch_in_restore", "_s"), ("verify_in_restore", "_s"),
+                    ("verify_cost", ""), ("verify_cost_cpu", ""), ("verify_fraction_of_restore", ""))),
                 "verify_s"):
         print(f"{key:<40} {results[key]:>10.3f}")
     results["load_average_1min"] = os.getloadavg()[0]

@@ -93,8 +93,7 @@ def test_kill_9_inside_a_save_never_restores_it_and_latest_verified_names_the_re
             # The unfinished save was seen before the kill and had no record after it; the step before it (complete
             # before this save began: a save waits for the previous one's record and copy) is what resumes.
             assert step == trial.step - 1, trial
-            tier_root = directory if remote else str(local if remote else directory)
-            assert str(trial.step) not in paths.listdir(tier_root)  # the interrupted write was deleted
+            assert str(trial.step) not in paths.listdir(directory)  # the interrupted write was deleted
             if remote:
                 # The machine that was killed still has the step complete in its local tier (its record was
                 # written before the upload began): it resumes from there, also bit-identical.
