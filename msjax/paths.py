@@ -162,9 +162,18 @@ def filesystem(url: str) -> tuple[Any, str]:
         options = {"client_kwargs": client, "config_kwargs": {
             "connect_timeout": s.timeout_s, "read_timeout": s.timeout_s,
             "retries": {"max_attempts": 3, "mode": "standard"}}}
+    elif s.gcs_endpoint:
+        # A GCS-compatible server (an emulator) gets no credentials (token "anon": otherwise gcsfs looks for them,
+        # the GCE metadata server included) and gcsfs's plain GCSFileSystem: the default one (gcsfs >= 2025.9)
+        # first asks Google's storage-control gRPC API whether a bucket is zonal, which emulators do not serve
+        # (a 60 s timeout per bucket).
+        from gcsfs.core import GCSFileSystem
+
+        fs = GCSFileSystem(endpoint_url=s.gcs_endpoint, token="anon", timeout=s.timeout_s,
+                           use_listings_cache=False)
+        return fs, fs._strip_protocol(url)
     else:
-        options = {"endpoint_url": s.gcs_endpoint} if s.gcs_endpoint else {}
-        options["timeout"] = s.timeout_s
+        options = {"timeout": s.timeout_s}
     # No listings cache: a checkpoint tier is listed to find what another process (or a crash) left there, and a
     # cached listing would hide it.
     fs = fsspec.filesystem(BACKENDS[name].protocol, use_listings_cache=False, **options)

@@ -1,12 +1,15 @@
-"""A real S3-compatible server for the tests: moto's standalone server (`moto[server]`, the dev extra), on a free
-loopback port, in its own process, stopped when the `with` block ends (or the test fails).
+"""Real object-storage servers for the tests, each in its own process on a free loopback port, stopped when the
+`with` block ends (or the test fails):
 
-    with S3Server() as s3:
-        s3.make_bucket("ckpt")
-        cfg = ... "checkpoint.dir": f"s3://ckpt/run1", "storage.s3_endpoint": s3.endpoint ...
+- `S3Server`: moto's standalone server (`moto[server]`, the dev extra), which speaks the S3 REST protocol.
+- `GCSServer`: gcp-storage-emulator (dev extra), which speaks the GCS JSON API that gcsfs uses.
 
-It speaks the S3 REST protocol over HTTP, so s3fs (msjax's path layer) and any other S3 client talk to it as they
-would to AWS; it keeps everything in memory.
+    with S3Server() as store:
+        bucket = store.make_bucket("ckpt")                      # "s3://ckpt"
+        cfg = ... {"checkpoint.dir": f"{bucket}/run1", **store.overrides()} ...
+
+Both keep everything in memory. Entering configures msjax.paths for this process (and, for S3, sets the
+credentials moto wants in os.environ, restored on exit; subprocesses inherit them).
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from msjax import paths
 from msjax.config import StorageConfig
 
 # Credentials moto accepts (it checks their presence, not their value); s3fs reads them from the environment.
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "msjax-test", "AWS_SECRET_ACCESS_KEY": "msjax-test-secret"}
-REGION = "us-west-2"
+S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "msjax-test", "AWS_SECRET_ACCESS_KEY": "msjax-test-secret"}
+S3_REGION = "us-west-2"  # not us-east-1: s3fs sends a LocationConstraint when it creates a bucket, which that refuses
 
 
 def _free_port() -> int:
@@ -32,43 +35,48 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class S3Server:
-    """moto's server on 127.0.0.1:<free port>. `endpoint` is its URL; `storage` a StorageConfig that reaches it.
-
-    Entering sets the credentials in os.environ (and configures msjax.paths for this process); leaving stops the
-    server (SIGTERM, then SIGKILL after 10 s) and restores the environment.
-    """
+class _Server:
+    scheme = ""
+    name = ""
 
     def __init__(self, start_timeout_s: float = 60.0):
         self.port = _free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.storage = StorageConfig(s3_endpoint=self.endpoint, s3_region=REGION, timeout_s=30.0)
         self.start_timeout_s = start_timeout_s
         self._proc: subprocess.Popen | None = None
+        self._env: dict[str, str] = {}
         self._saved_env: dict[str, str | None] = {}
 
-    def __enter__(self) -> "S3Server":
-        for k, v in CREDENTIALS.items():
+    storage: StorageConfig
+
+    def _command(self) -> list[str]:
+        raise NotImplementedError
+
+    def overrides(self) -> dict[str, object]:
+        """The config keys that point a run at this server."""
+        return {f"storage.{f}": getattr(self.storage, f) for f in ("s3_endpoint", "s3_region", "gcs_endpoint")}
+
+    def __enter__(self):
+        for k, v in self._env.items():
             self._saved_env[k] = os.environ.get(k)
             os.environ[k] = v
         # The server logs every request: to a file, not a pipe nobody drains (a full pipe would stall it).
         self._log = tempfile.TemporaryFile()
-        self._proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                      stdout=subprocess.DEVNULL, stderr=self._log)
+        self._proc = subprocess.Popen(self._command(), stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.start_timeout_s
         while True:
             if self._proc.poll() is not None:
                 self._log.seek(0)
                 err = self._log.read().decode(errors="replace")
                 self.__exit__()
-                raise RuntimeError(f"moto_server exited with status {self._proc.returncode}: {err[-2000:]}")
+                raise RuntimeError(f"{self.name} exited with status {self._proc.returncode}: {err[-2000:]}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=1.0):
                     break
             except OSError:
                 if time.monotonic() > deadline:
                     self.__exit__()
-                    raise TimeoutError(f"moto_server did not accept connections on 127.0.0.1:{self.port} within "
+                    raise TimeoutError(f"{self.name} did not accept connections on 127.0.0.1:{self.port} within "
                                        f"{self.start_timeout_s:.0f} s")
                 time.sleep(0.1)
         paths.configure(self.storage)
@@ -91,13 +99,37 @@ class S3Server:
                 os.environ[k] = v
         paths.configure(StorageConfig())
 
-    def env(self) -> dict[str, str]:
-        """The environment a subprocess needs to reach this server (credentials; the endpoint goes in its config)."""
-        return {**os.environ, **CREDENTIALS}
-
     def make_bucket(self, name: str) -> str:
-        """Creates bucket `name`; returns its URL `s3://name`."""
+        """Creates bucket `name`; returns its URL (`s3://name` or `gs://name`)."""
         paths.configure(self.storage)
-        fs, _ = paths.filesystem(f"s3://{name}")
+        fs, _ = paths.filesystem(f"{self.scheme}://{name}")
         fs.mkdir(name)
-        return f"s3://{name}"
+        return f"{self.scheme}://{name}"
+
+
+class S3Server(_Server):
+    """moto's server; `storage` reaches it (endpoint and region)."""
+
+    scheme, name = "s3", "moto_server"
+
+    def __init__(self, start_timeout_s: float = 60.0):
+        super().__init__(start_timeout_s)
+        self.storage = StorageConfig(s3_endpoint=self.endpoint, s3_region=S3_REGION, timeout_s=30.0)
+        self._env = dict(S3_CREDENTIALS)
+
+    def _command(self) -> list[str]:
+        return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+
+
+class GCSServer(_Server):
+    """gcp-storage-emulator, in memory; `storage` reaches it (msjax.paths then sends no credentials)."""
+
+    scheme, name = "gs", "gcp-storage-emulator"
+
+    def __init__(self, start_timeout_s: float = 60.0):
+        super().__init__(start_timeout_s)
+        self.storage = StorageConfig(gcs_endpoint=self.endpoint, timeout_s=30.0)
+
+    def _command(self) -> list[str]:
+        return [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1", "--port",
+                str(self.port), "--in-memory", "--quiet"]

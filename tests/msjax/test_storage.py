@@ -1,6 +1,7 @@
-"""Object storage, against a real S3-compatible server (moto's, tests/msjax/object_store.py): paths with a scheme
-are never local paths; train, save to a bucket, resume bit-identically from it; a flipped byte or a cut upload
-in the bucket's newest checkpoint falls back; a corpus read from the bucket gives the batches of the local files.
+"""Object storage, against real servers (tests/msjax/object_store.py): moto's S3-compatible server and a GCS
+emulator, every test of a bucket run against each. Paths with a scheme are never local paths; train, save to a
+bucket, resume bit-identically from it; a flipped byte or a cut upload in the bucket's newest checkpoint falls
+back; a corpus read from the bucket gives the batches of the local files.
 
 Every resume is compared bit for bit with the uninterrupted run (`straight`), which saved to the bucket itself.
 """
@@ -21,22 +22,23 @@ from msjax.checkpoint.integrity import RECORD_NAME
 from msjax.config import ConfigError, DataConfig, StorageConfig
 from msjax.data import BatchLoader, DataError, prepare_data
 from msjax.train import run
-from tests.msjax.object_store import S3Server
+from tests.msjax.object_store import GCSServer, S3Server
 
 
-@pytest.fixture(scope="module")
-def s3_server():
-    with S3Server() as server:
+@pytest.fixture(scope="module", params=["s3", "gcs"])
+def store_server(request):
+    with (S3Server() if request.param == "s3" else GCSServer()) as server:
         server.make_bucket("ckpt")
         server.make_bucket("corpus")
         yield server
 
 
 @pytest.fixture
-def s3(s3_server):
-    """The module's server, with msjax.paths pointed at it (a run() before may have configured other storage)."""
-    paths.configure(s3_server.storage)
-    yield s3_server
+def s3(store_server):
+    """The module's server (S3 or GCS), with msjax.paths pointed at it (a run() before may have configured other
+    storage)."""
+    paths.configure(store_server.storage)
+    yield store_server
 
 
 @pytest.fixture(scope="module")
@@ -54,17 +56,18 @@ def _same(a, b) -> None:
 
 
 def _on(s3, **overrides):
-    return {"storage.s3_endpoint": s3.endpoint, "storage.s3_region": s3.storage.s3_region, **overrides}
+    return {**s3.overrides(), **overrides}
 
 
 def straight(cache, s3, tmp_path_factory, corpus, make):
-    """The uninterrupted 8-step run, saving checkpoints 4 and 8 to s3://ckpt/straight (local tier in front)."""
-    if "straight" not in cache:
+    """The uninterrupted 8-step run, saving checkpoints 4 and 8 to <scheme>://ckpt/straight (local tier in
+    front)."""
+    if s3.scheme not in cache:
         root = tmp_path_factory.mktemp("straight")
-        cfg = make(root, corpus, **_on(s3, **{"checkpoint.dir": "s3://ckpt/straight",
+        cfg = make(root, corpus, **_on(s3, **{"checkpoint.dir": f"{s3.scheme}://ckpt/straight",
                                                "checkpoint.local_dir": str(root / "local")}))
-        cache["straight"] = run(cfg)
-    return cache["straight"]
+        cache[s3.scheme] = run(cfg)
+    return cache[s3.scheme]
 
 
 def _copy_prefix(src: str, dst: str, steps=None) -> None:
@@ -120,17 +123,20 @@ def test_file_urls_are_local_paths(tmp_path):
 
 
 def test_unreachable_or_missing_buckets_are_one_error_naming_the_path(tmp_path, small_corpus, make_tiny_config, s3):
-    cfg = make_tiny_config(tmp_path, small_corpus, **_on(s3, **{"checkpoint.dir": "s3://no-such-bucket/run1"}))
-    with pytest.raises(ConfigError, match=r"checkpoint.dir='s3://no-such-bucket/run1' is not writable "
-                                          r"\(FileNotFoundError: .*bucket does not exist"):
+    url = f"{s3.scheme}://no-such-bucket/run1"
+    cfg = make_tiny_config(tmp_path, small_corpus, **_on(s3, **{"checkpoint.dir": url}))
+    with pytest.raises(ConfigError, match=rf"checkpoint.dir='{url}' is not writable \((FileNotFoundError|OSError)"):
         run(cfg)
-    with pytest.raises(DataError, match=r"data path 's3://corpus/nothing-here' does not exist"):
-        prepare_data(DataConfig(paths=("s3://corpus/nothing-here",), cache_dir=str(tmp_path / "c")))
-    # Nothing listens on port 9 (discard): a refused connection, reported within storage.timeout_s.
-    paths.configure(StorageConfig(s3_endpoint="http://127.0.0.1:9", s3_region="us-west-2", timeout_s=2))
+    with pytest.raises(DataError, match=rf"data path '{s3.scheme}://corpus/nothing-here' does not exist"):
+        prepare_data(DataConfig(paths=(f"{s3.scheme}://corpus/nothing-here",), cache_dir=str(tmp_path / "c")))
+    if s3.scheme == "gs":
+        return  # gcsfs retries a refused connection 6 times with backoff (about 33 s here) before it reports it
+    # Nothing listens on port 9 (discard): a refused connection, reported after botocore's and s3fs's retries.
+    dead = "http://127.0.0.1:9"
+    paths.configure(StorageConfig(s3_endpoint=dead, s3_region="us-west-2", timeout_s=2))
     try:
-        with pytest.raises(DataError, match=r"data path 's3://corpus/x' cannot be listed: .*127.0.0.1:9"):
-            prepare_data(DataConfig(paths=("s3://corpus/x",), cache_dir=str(tmp_path / "c")))
+        with pytest.raises(DataError, match=rf"data path '{s3.scheme}://corpus/x' cannot be listed: .*127.0.0.1:9"):
+            prepare_data(DataConfig(paths=(f"{s3.scheme}://corpus/x",), cache_dir=str(tmp_path / "c")))
     finally:
         paths.configure(s3.storage)
 
@@ -143,19 +149,19 @@ def test_train_save_to_bucket_resume_bit_identical_from_it(cache, s3, tmp_path_f
     """The straight run saved 4 and 8 to the bucket (local tier in front, its record last). A new machine (an
     empty local tier) resumes from the bucket's step 4 and ends bit-identical to the straight run."""
     ref = straight(cache, s3, tmp_path_factory, small_corpus, make_tiny_config)
-    names = {paths.basename(o.path) for o in paths.walk_files("s3://ckpt/straight/8")}
+    names = {paths.basename(o.path) for o in paths.walk_files(f"{s3.scheme}://ckpt/straight/8")}
     assert RECORD_NAME in names and "manifest.ocdbt" in names
-    assert latest_verified("s3://ckpt/straight") == 8 == ref["final_step"]
-    _copy_prefix("s3://ckpt/straight", "s3://ckpt/cut", steps={4})
+    assert latest_verified(f"{s3.scheme}://ckpt/straight") == 8 == ref["final_step"]
+    _copy_prefix(f"{s3.scheme}://ckpt/straight", f"{s3.scheme}://ckpt/cut", steps={4})
     local = tmp_path / "fresh-local"
-    cfg = make_tiny_config(tmp_path, small_corpus, **_on(s3, **{"checkpoint.dir": "s3://ckpt/cut",
+    cfg = make_tiny_config(tmp_path, small_corpus, **_on(s3, **{"checkpoint.dir": f"{s3.scheme}://ckpt/cut",
                                                                 "checkpoint.local_dir": str(local),
                                                                 "checkpoint.resume": True}))
     caplog.set_level("INFO", logger="msjax.train")
     resumed = run(cfg)
-    assert resumed["start_step"] == 4 and "resumed from step 4 (s3://ckpt/cut" in caplog.text
+    assert resumed["start_step"] == 4 and f"resumed from step 4 ({s3.scheme}://ckpt/cut" in caplog.text
     _same(ref["state"], resumed["state"])
-    assert latest_verified("s3://ckpt/cut", local) == 8
+    assert latest_verified(f"{s3.scheme}://ckpt/cut", local) == 8
     assert sorted(int(p.name) for p in local.iterdir() if p.name.isdigit()) == [8]  # local_keep=1
 
 
@@ -167,8 +173,8 @@ def test_damaged_newest_bucket_checkpoint_falls_back(cache, s3, tmp_path_factory
     check fails, or by the checksums: the step is moved to rejected/). cut_upload: step 8's objects without its record, what a copy killed before its last PUT
     leaves (never a candidate: deleted). Either way the resume takes step 4 and ends bit-identical."""
     ref = straight(cache, s3, tmp_path_factory, small_corpus, make_tiny_config)
-    prefix = f"s3://ckpt/{damage}"
-    _copy_prefix("s3://ckpt/straight", prefix)
+    prefix = f"{s3.scheme}://ckpt/{damage}"
+    _copy_prefix(f"{s3.scheme}://ckpt/straight", prefix)
     if damage == "flipped_byte":
         _flip_parameter_bit(f"{prefix}/8", ref["state"])
         assert latest_verified(prefix) == 8  # its record is there: only reading it finds the damage
@@ -220,13 +226,13 @@ def test_without_local_dir_a_staging_tier_in_the_cache_fronts_the_bucket(s3, tmp
     from msjax.checkpoint import staging_dir
 
     out = run(make_tiny_config(tmp_path, small_corpus, **_on(s3, **{
-        "checkpoint.dir": "s3://ckpt/staged", "checkpoint.every": 2, "checkpoint.keep": 2})))
+        "checkpoint.dir": f"{s3.scheme}://ckpt/staged", "checkpoint.every": 2, "checkpoint.keep": 2})))
     assert out["checkpoints"] == [6, 8]
-    staged = staging_dir("s3://ckpt/staged")
+    staged = staging_dir(f"{s3.scheme}://ckpt/staged")
     assert staged.is_relative_to(tmp_path / "msjax-cache")
     assert sorted(p.name for p in staged.iterdir() if p.name.isdigit()) == ["8"]
-    assert [n for n in paths.listdir("s3://ckpt/staged") if n.isdigit()] == ["6", "8"]
-    assert json.loads(paths.read_bytes(f"s3://ckpt/staged/8/{RECORD_NAME}"))["step"] == 8
+    assert [n for n in paths.listdir(f"{s3.scheme}://ckpt/staged") if n.isdigit()] == ["6", "8"]
+    assert json.loads(paths.read_bytes(f"{s3.scheme}://ckpt/staged/8/{RECORD_NAME}"))["step"] == 8
 
 
 # ---- a corpus in a bucket --------------------------------------------------------------------------------------
@@ -257,10 +263,10 @@ def _upload_dir(local: Path, url: str) -> None:
 
 @pytest.mark.parametrize("tokenizer", ["char", "bpe"])
 def test_corpus_from_bucket_gives_the_batches_of_the_local_files(s3, tmp_path, tokenizer):
-    """The same files locally and under s3://corpus/<tokenizer>/: the same split, the same token streams, and the
+    """The same files locally and under <scheme>://corpus/<tokenizer>/: the same split, the same token streams, and the
     loader's batches are equal step for step; the token cache is written locally."""
     local = _mixed_corpus(tmp_path / "corpus")
-    url = f"s3://corpus/{tokenizer}"
+    url = f"{s3.scheme}://corpus/{tokenizer}"
     _upload_dir(local, url)
     cfg = DataConfig(tokenizer=tokenizer, bpe_vocab_size=300, val_fraction=0.3)
     here = prepare_data(dataclasses.replace(cfg, paths=(str(local),), cache_dir=str(tmp_path / "c1")))
@@ -292,13 +298,13 @@ def test_tokenizer_file_from_bucket_equals_the_local_file(s3, tmp_path):
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     tok = HFTokenizer.train([(stdlib / "textwrap.py").read_text()], 300)
     tok.save(tmp_path / "tokenizer.json")
-    paths.write_bytes("s3://corpus/tok/tokenizer.json", (tmp_path / "tokenizer.json").read_bytes())
+    paths.write_bytes(f"{s3.scheme}://corpus/tok/tokenizer.json", (tmp_path / "tokenizer.json").read_bytes())
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     shutil.copy(stdlib / "fnmatch.py", corpus / "fnmatch.txt")
     here = prepare_data(DataConfig(paths=(str(corpus),), tokenizer_path=str(tmp_path / "tokenizer.json"),
                                    cache_dir=str(tmp_path / "c1")))
-    there = prepare_data(DataConfig(paths=(str(corpus),), tokenizer_path="s3://corpus/tok/tokenizer.json",
+    there = prepare_data(DataConfig(paths=(str(corpus),), tokenizer_path=f"{s3.scheme}://corpus/tok/tokenizer.json",
                                     cache_dir=str(tmp_path / "c2")))
     assert here.meta["fingerprint"] == there.meta["fingerprint"]  # fingerprinted by the file's bytes
     np.testing.assert_array_equal(np.concatenate([here.train, here.val]), np.concatenate([there.train, there.val]))
