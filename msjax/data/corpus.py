@@ -251,28 +251,52 @@ def split_text(text: str, piece_chars: int = PIECE_BYTES) -> Iterator[str]:
 
 
 def read_pieces(path: str | os.PathLike, text_field: str = "text",
-                on_decode_error: Literal["error", "skip"] = "error", piece_bytes: int = PIECE_BYTES
-                ) -> Iterator[Piece]:
+                on_decode_error: Literal["error", "skip"] = "error", piece_bytes: int = PIECE_BYTES,
+                rows: tuple[int, int] | None = None) -> Iterator[Piece]:
     """Streams the documents of one corpus file as pieces (see `Piece`), in bounded memory for any line length.
 
     Same documents, errors and skipping as `read_documents` (which joins these pieces). With
     on_decode_error='skip' an undecodable file is first checked in a streaming pass, so it is skipped whole and
     never half-read. NUL bytes are valid UTF-8 and are kept as the character U+0000: they are text to every
     tokenizer (char gives them an id, byte and bpe encode the byte 0), never dropped or replaced.
+
+    rows: (a, b) reads only the documents that start at a byte offset of the file in [a, b) (`row_start` says
+    where each kind of document starts), and only the bytes they span: how a multi-process build has each process
+    read its own share (msjax.data.tokens). With rows, on_decode_error='skip' checks only those bytes (the caller
+    agrees with the other processes first, see `utf8_ok`).
     """
     path = path if isinstance(path, str) and paths.is_remote(path) else Path(path)
     suffix = PurePosixPath(path).suffix
     if suffix in (".txt", ".py", ".jsonl") and on_decode_error == "skip":
-        if not _utf8_ok(path):
+        if not utf8_ok(path, rows):
             return
     if suffix in (".txt", ".py"):
-        yield from _text_pieces(path, piece_bytes)
+        if rows is None or rows[0] <= 0 < rows[1]:
+            yield from _text_pieces(path, piece_bytes)
     elif suffix == ".jsonl":
-        yield from _read_jsonl(path, text_field, piece_bytes)
+        yield from _read_jsonl(path, text_field, piece_bytes, rows)
     elif suffix == ".parquet":
-        yield from _read_parquet(path, text_field, piece_bytes)
+        yield from _read_parquet(path, text_field, piece_bytes, rows)
     else:
         raise DataError(f"{path}: unsupported extension {suffix!r}; allowed: {', '.join(READABLE_SUFFIXES)}")
+
+
+def row_start(size: int, index: int, count: int) -> int:
+    """The byte offset at which row group `index` of `count` of a parquet file of `size` bytes counts as starting
+    (for `read_pieces(rows=...)`): evenly spread over the file, the same in every process."""
+    return size * index // count
+
+
+def _aligned_lines(f: IO[bytes], rows: tuple[int, int]) -> int:
+    """Seeks `f` to the first line that starts at an offset >= rows[0] and returns that offset (a line that
+    straddles rows[0] belongs to the share before)."""
+    if rows[0] <= 0:
+        f.seek(0)
+        return 0
+    f.seek(rows[0] - 1)
+    if f.read(1) != b"\n":
+        f.readline()
+    return f.tell()
 
 
 def read_documents(path: str | os.PathLike, text_field: str = "text",
@@ -315,13 +339,25 @@ def _open(path: Path | str) -> IO[bytes]:
         raise DataError(f"{path}: cannot be opened: {type(e).__name__}: {e}") from None
 
 
-def _utf8_ok(path: Path | str) -> bool:
-    """Streams `path` through a UTF-8 decoder; False (with a DataWarning naming the offset) if it fails."""
+def utf8_ok(path: Path | str, rows: tuple[int, int] | None = None) -> bool:
+    """Streams `path` (with `rows`, only the bytes of those rows, as `read_pieces` reads them) through a UTF-8
+    decoder; False (with a DataWarning naming the offset) if it fails."""
     dec = codecs.getincrementaldecoder("utf-8")("strict")
-    offset = 0
+    suffix = PurePosixPath(path).suffix
     with _open(path) as f:
+        offset, end = 0, None
+        if rows is not None and suffix == ".jsonl":
+            offset = _aligned_lines(f, rows)
+            end = rows[1]
+            if offset >= end:  # no line starts in the share
+                return True
+        elif rows is not None and not rows[0] <= 0 < rows[1]:  # a .txt document of another share
+            return True
         while True:
             data = f.read(PIECE_BYTES)
+            if end is not None and offset + len(data) >= end:  # up to the end of the line that starts before `end`
+                cut = data.find(b"\n", max(0, end - offset - 1))
+                data = data if cut < 0 else data[:cut + 1]
             pending = len(dec.getstate()[0])
             try:
                 dec.decode(data, final=not data)
@@ -332,6 +368,8 @@ def _utf8_ok(path: Path | str) -> bool:
             if not data:
                 return True
             offset += len(data)
+            if end is not None and offset >= end and data.endswith(b"\n"):
+                return True
 
 
 def _text_pieces(path: Path | str, piece_bytes: int) -> Iterator[Piece]:
@@ -360,11 +398,18 @@ def _text_pieces(path: Path | str, piece_bytes: int) -> Iterator[Piece]:
             carry = buf[cut:]
 
 
-def _read_jsonl(path: Path | str, field: str, piece_bytes: int) -> Iterator[Piece]:
-    offset = 0
+def _read_jsonl(path: Path | str, field: str, piece_bytes: int, rows: tuple[int, int] | None = None
+                ) -> Iterator[Piece]:
     with _open(path) as f:
-        for lineno, raw in enumerate(f, start=1):
+        offset = _aligned_lines(f, rows) if rows is not None else 0
+        # Line numbers are known when reading from the file's start; a share that starts inside the file names
+        # its lines by byte offset instead.
+        first = 1 if offset == 0 else None
+        for i, raw in enumerate(_lines(f)):
+            if rows is not None and offset >= rows[1]:
+                return
             start, offset = offset, offset + len(raw)
+            lineno = first + i if first else f"(the line at byte {start})"
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -384,31 +429,60 @@ def _read_jsonl(path: Path | str, field: str, piece_bytes: int) -> Iterator[Piec
             yield from _document_pieces(value, offset, piece_bytes)
 
 
+def _lines(f: IO[bytes]) -> Iterator[bytes]:
+    """The lines of `f` from its position (each with its newline, the last maybe without), read in pieces of
+    PIECE_BYTES. Why not `for line in f`: fsspec's remote files implement readline as a read of a whole block
+    (8 MiB) and a seek back, per line; and a line longer than a piece is joined once, not grown piece by piece."""
+    parts: list[bytes] = []
+    while True:
+        data = f.read(PIECE_BYTES)
+        if not data:
+            if parts:
+                yield b"".join(parts)
+            return
+        start = 0
+        while True:
+            nl = data.find(b"\n", start)
+            if nl < 0:
+                parts.append(data[start:])
+                break
+            parts.append(data[start:nl + 1])
+            yield b"".join(parts)
+            parts = []
+            start = nl + 1
+
+
 def _document_pieces(text: str, offset: int, piece_chars: int) -> Iterator[Piece]:
     pieces = list(split_text(text, piece_chars)) if len(text) > piece_chars else ([text] if text else [])
     for i, p in enumerate(pieces):
         yield Piece(p, i == len(pieces) - 1, offset)
 
 
-def _read_parquet(path: Path | str, column: str, piece_bytes: int) -> Iterator[Piece]:
+def _read_parquet(path: Path | str, column: str, piece_bytes: int, rows: tuple[int, int] | None = None
+                  ) -> Iterator[Piece]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    # pyarrow reads a file object by ranges: the footer, then one row group's column chunk at a time.
-    pf = pq.ParquetFile(_open(path))
-    names = pf.schema_arrow.names
-    if column not in names:
-        raise DataError(f"{path}: no column {column!r} (data.text_field); columns: {names}")
-    kind = pf.schema_arrow.field(column).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise DataError(f"{path}: column {column!r} has type {kind}, not string")
-    rows, total = 0, max(pf.metadata.num_rows, 1)
     size = paths.info(str(path)).size
-    for batch in pf.iter_batches(columns=[column], batch_size=8192):
-        rows += batch.num_rows
-        for value in batch.column(0).to_pylist():
-            if value:
-                yield from _document_pieces(value, size * rows // total, piece_bytes)
+    # pyarrow reads a file object by ranges: the footer, then one row group's column chunk at a time.
+    with _open(path) as f:
+        pf = pq.ParquetFile(f)
+        names = pf.schema_arrow.names
+        if column not in names:
+            raise DataError(f"{path}: no column {column!r} (data.text_field); columns: {names}")
+        kind = pf.schema_arrow.field(column).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise DataError(f"{path}: column {column!r} has type {kind}, not string")
+        groups = [g for g in range(pf.num_row_groups)
+                  if rows is None or rows[0] <= row_start(size, g, pf.num_row_groups) < rows[1]]
+        if not groups:
+            return
+        done, total = 0, max(pf.metadata.num_rows, 1)
+        for batch in pf.iter_batches(columns=[column], batch_size=8192, row_groups=groups):
+            done += batch.num_rows
+            for value in batch.column(0).to_pylist():
+                if value:
+                    yield from _document_pieces(value, size * done // total, piece_bytes)
 
 
 def is_validation(rel: str, val_fraction: float) -> bool:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -29,14 +30,14 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Iterable, Iterator
 
 import numpy as np
 
 from msjax import paths
 from msjax.data.corpus import (DataError, Piece, SourceFile, corpus_sources, read_pieces, split_by_file,
-                                split_text)
+                                split_text, utf8_ok)
 from msjax.data.tokenizer import TOKENIZER_FILE, Tokenizer, build_tokenizer, load_tokenizer
 from msjax.runtime import cache_home
 
@@ -104,9 +105,13 @@ def fingerprint(data_cfg, sources: list[SourceFile]) -> str:
 def prepare_data(data_cfg) -> Datasets:
     """Tokenizes the corpus of `data_cfg` into the token cache (once), and opens the cached splits.
 
-    Runs on every host/process; each reads its input files at most once, and not at all on a cache hit. Empty
-    `data.paths` means the standard-library corpus. The split is by file (`corpus.split_by_file`) or, when that
-    leaves a split empty, by position: the last `val_fraction` of the token stream is validation.
+    Runs on every host/process; each reads its input files at most once, and not at all on a cache hit. In a
+    multi-process run (jax.distributed initialised) every process must call it at the same point: unless all of
+    them have the cache, they build it together, each reading only its own rows of the corpus (a contiguous
+    1/process_count of its bytes, aligned to documents, `_build_shared`), and exchange the token ids, so every
+    process's cache is byte for byte what one process would write. Empty `data.paths` means the standard-library
+    corpus. The split is by file (`corpus.split_by_file`) or, when that leaves a split empty, by position: the
+    last `val_fraction` of the token stream is validation.
 
     Args:
       data_cfg: `DataConfig`.
@@ -126,7 +131,11 @@ def prepare_data(data_cfg) -> Datasets:
     fp = fingerprint(data_cfg, sources)
     final = cache_root / fp
     opened = _open_cache(final, cache_hit=True)
-    if opened is not None:
+    group = _Group.current(fp)
+    # Several processes build together (each reading its own rows) unless every one of them has the cache; every
+    # process takes part in this agreement, hit or not.
+    hits = [opened is not None] if group is None else group.gather(b"1" if opened is not None else b"", "hit")
+    if opened is not None and all(hits):
         return opened
     try:
         cache_root.mkdir(parents=True, exist_ok=True)
@@ -139,7 +148,7 @@ def prepare_data(data_cfg) -> Datasets:
     try:
         with _sigterm_as_interrupt():
             t0 = time.perf_counter()
-            meta = _build(data_cfg, sources, tmp)
+            meta = _build(data_cfg, sources, tmp) if group is None else _build_shared(data_cfg, sources, tmp, group)
             meta.update(fingerprint=fp, build_seconds=round(time.perf_counter() - t0, 3))
             (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
             _publish(tmp, final)
@@ -349,6 +358,29 @@ def _fit_texts(sources: Iterable[SourceFile], data_cfg, progress: _Progress, byt
             yield from split_text(piece.text, _FIT_PIECE_CHARS)
 
 
+def _fit_tokenizer(data_cfg, sources: list[SourceFile], split, out: Path, skipped: frozenset = frozenset()
+                   ) -> Tokenizer:
+    """Fits the char or bpe tokenizer on the text a single process fits it on (all of it for char; the train
+    files, or about the first (1 - val_fraction) of the bytes in a position split, for bpe), leaving out the
+    files in `skipped` (undecodable, with on_decode_error='skip')."""
+    train_src = split[0] if split is not None else sources
+    if data_cfg.tokenizer == "char":
+        # The char vocabulary must cover every character we encode (nanoGPT builds it from all the text).
+        fit_src, budget = sources, None
+    elif split is not None:
+        fit_src, budget = train_src, None
+    else:
+        # A position split: fit on about the first (1 - val_fraction) of the text, so that validation text
+        # never shapes the vocabulary (measured in bytes of the file, cut at a piece boundary).
+        fit_src, budget = sources, int(sum(s.size for s in sources) * (1.0 - data_cfg.val_fraction))
+    fit_src = [s for s in fit_src if str(s.path) not in skipped]
+    bar = _Progress("fitting tokenizer", sum(s.size for s in fit_src))
+    try:
+        return build_tokenizer(data_cfg, _fit_texts(fit_src, data_cfg, bar, budget), out)
+    finally:
+        bar.close()
+
+
 def _build(data_cfg, sources: list[SourceFile], out: Path) -> dict[str, Any]:
     """Tokenizes `sources` into `out`. Streams: every pass reads the files piece by piece (`corpus.read_pieces`),
     so memory stays bounded by the piece size whatever the corpus' size or line length; a tokenizer that needs
@@ -358,20 +390,7 @@ def _build(data_cfg, sources: list[SourceFile], out: Path) -> dict[str, Any]:
     total = sum(s.size for s in sources)
     train_src, val_src = (split[0], split[1]) if split else (sources, [])
     if _needs_fitting(data_cfg):
-        if data_cfg.tokenizer == "char":
-            # The char vocabulary must cover every character we encode (nanoGPT builds it from all the text).
-            fit_src, budget = sources, None
-        elif split is not None:
-            fit_src, budget = train_src, None
-        else:
-            # A position split: fit on about the first (1 - val_fraction) of the text, so that validation text
-            # never shapes the vocabulary (measured in bytes of the file, cut at a piece boundary).
-            fit_src, budget = sources, int(sum(s.size for s in sources) * (1.0 - data_cfg.val_fraction))
-        bar = _Progress("fitting tokenizer", sum(s.size for s in fit_src))
-        try:
-            tokenizer = build_tokenizer(data_cfg, _fit_texts(fit_src, data_cfg, bar, budget), out)
-        finally:
-            bar.close()
+        tokenizer = _fit_tokenizer(data_cfg, sources, split, out)
     else:
         tokenizer = build_tokenizer(data_cfg, (), out)
     tokenizer.save(out / TOKENIZER_FILE)
@@ -387,6 +406,13 @@ def _build(data_cfg, sources: list[SourceFile], out: Path) -> dict[str, Any]:
     if n_train + n_val == 0:
         raise DataError(f"data.paths={list(data_cfg.paths)!r}: the corpus holds no text (all documents empty "
                         "or skipped)")
+    return _meta(data_cfg, tokenizer, dtype, mode, sources, split, (n_train, d_train, n_val, d_val), total)
+
+
+def _meta(data_cfg, tokenizer: Tokenizer, dtype: np.dtype, mode: str, sources: list[SourceFile], split,
+          counts: tuple[int, int, int, int], total: int, shared_by: int = 1) -> dict[str, Any]:
+    """meta.json of a build; counts: (train tokens, train documents, val tokens, val documents)."""
+    n_train, d_train, n_val, d_val = counts
     return {
         "format_version": FORMAT_VERSION,
         "tokenizer": tokenizer.name,
@@ -404,7 +430,196 @@ def _build(data_cfg, sources: list[SourceFile], out: Path) -> dict[str, Any]:
         "val_tokens": n_val,
         "corpus_bytes": total,
         "paths": list(data_cfg.paths) or ["<stdlib>"],
+        "processes": shared_by,  # how many processes shared the reading (each its own rows)
     }
+
+
+# ---- a build shared by the processes of a multi-process run ------------------------------------------------------
+
+# The longest wait for the other processes at one point of a shared build (seconds): a process may tokenize its
+# share for hours on a large corpus, so the bound is generous; the coordination service's error names the point.
+_SHARE_WAIT_S = 12 * 3600
+# Bytes of token ids each process sends per exchange round (one all-gather of this many bytes per process).
+_EXCHANGE_BYTES = 64 << 20
+_rounds = itertools.count()  # names of the coordination barriers: unique within a jax.distributed session
+
+
+class _Group:
+    """The processes of a multi-process run (jax.distributed), sharing one build: each reads its own share of
+    the corpus, and the token ids are exchanged so that every process ends with the same cache.
+
+    Every method is collective: each process calls it at the same point. Before every all-gather the processes
+    meet at a coordination-service barrier (a long, named wait) so that none enters the collective while another
+    still reads; a CPU collective gives up on a peer that is late by more than its own short timeout."""
+
+    def __init__(self, fingerprint: str):
+        import jax
+
+        self.index, self.count, self.fp = jax.process_index(), jax.process_count(), fingerprint
+
+    @staticmethod
+    def current(fingerprint: str) -> "_Group | None":
+        """The group of a multi-process run, or None in a single process (jax.distributed not initialised, or one
+        process)."""
+        import jax
+
+        if not jax.distributed.is_initialized() or jax.process_count() == 1:
+            return None
+        return _Group(fingerprint)
+
+    def _meet(self, what: str) -> None:
+        from jax._src import distributed as jax_distributed  # jax has no public barrier outside collectives
+
+        jax_distributed.global_state.client.wait_at_barrier(f"msjax_tokens_{self.fp}_{next(_rounds)}_{what}",
+                                                            int(_SHARE_WAIT_S * 1000))
+
+    def gather(self, data: bytes, what: str) -> list[bytes]:
+        """Every process's `data`, in process order."""
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        self._meet(what)
+        sizes = np.asarray(multihost_utils.process_allgather(np.array([len(data)], np.int32))).reshape(-1)
+        width = max(int(sizes.max()), 1)
+        buf = np.zeros(width, np.uint8)
+        buf[:len(data)] = np.frombuffer(data, np.uint8)
+        got = np.asarray(multihost_utils.process_allgather(buf)).reshape(self.count, width)
+        return [got[q, :int(sizes[q])].tobytes() for q in range(self.count)]
+
+    def agree(self, error: DataError | None, what: str) -> None:
+        """Raises on every process when `error` is set on any (the first one's message, naming its process)."""
+        messages = self.gather(str(error).encode() if error is not None else b"", what)
+        for q, m in enumerate(messages):
+            if m:
+                if error is not None and q == self.index:
+                    raise error
+                raise DataError(f"process {q} of the shared tokenization failed: {m.decode()}")
+
+    def exchange(self, part: Path, out: Path) -> int:
+        """Writes every process's `part` (raw bytes), in process order, into `out`; returns this process's byte
+        offset in it. Rounds of at most `_EXCHANGE_BYTES` per process, so memory stays bounded."""
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        sizes = [int.from_bytes(b, "little") for b in self.gather(part.stat().st_size.to_bytes(8, "little"),
+                                                                    f"{out.stem}_sizes")]
+        starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        rounds = -(-max(sizes) // _EXCHANGE_BYTES)
+        with open(part, "rb") as src, open(out, "wb") as dst:
+            dst.truncate(int(starts[-1]))
+            for r in range(rounds):
+                mine = np.zeros(_EXCHANGE_BYTES, np.uint8)
+                chunk = src.read(_EXCHANGE_BYTES)
+                mine[:len(chunk)] = np.frombuffer(chunk, np.uint8)
+                self._meet(f"{out.stem}_round{r}")
+                got = np.asarray(multihost_utils.process_allgather(mine)).reshape(self.count, _EXCHANGE_BYTES)
+                for q in range(self.count):
+                    valid = min(max(sizes[q] - r * _EXCHANGE_BYTES, 0), _EXCHANGE_BYTES)
+                    if valid:
+                        dst.seek(int(starts[q]) + r * _EXCHANGE_BYTES)
+                        dst.write(got[q, :valid].tobytes())
+        return int(starts[self.index])
+
+
+def _share(files: list[SourceFile], index: int, count: int) -> dict[Path | str, tuple[int, int]]:
+    """Process `index` of `count`'s rows: with the files laid end to end in order, the byte range
+    [index * total / count, (index + 1) * total / count); per file that range intersects, the file offsets
+    (a, b) of the rows it owns (`corpus.read_pieces(rows=...)`: those that start there)."""
+    total = sum(s.size for s in files)
+    lo, hi = total * index // count, total * (index + 1) // count
+    out, base = {}, 0
+    for s in files:
+        a, b = max(lo - base, 0), min(hi - base, s.size)
+        if a < b:
+            out[s.path] = (a, b)
+        base += s.size
+    return out
+
+
+def _build_shared(data_cfg, sources: list[SourceFile], out: Path, group: _Group) -> dict[str, Any]:
+    """`_build` shared by the processes of `group`: the same files, split and tokenizer, but each process reads
+    only its own rows (`_share`), tokenizes them into part files, and the parts are exchanged so that every
+    process writes the same train.bin / val.bin as a single process would, byte for byte.
+
+    A tokenizer fitted on the corpus: `char` from the union of every process's characters (each reads its own
+    rows); `bpe` by process 0 alone, on exactly the text a single process fits on (HF's BPE trainer cannot merge
+    partial fits), sent to the others. Every error on any process is raised on all of them."""
+    split = split_by_file(sources, data_cfg.val_fraction)
+    mode = "file" if split is not None else "position"
+    train_src, val_src = (split[0], split[1]) if split else (sources, [])
+    rows = _share(train_src + val_src, group.index, group.count)
+    error: DataError | None = None
+    bad: set[str] = set()
+    if data_cfg.on_decode_error == "skip":  # a file is skipped whole when any process finds bad bytes in its rows
+        try:
+            bad = {str(p) for p, r in rows.items() if PurePosixPath(str(p)).suffix != ".parquet"
+                   and not utf8_ok(p, r)}
+        except DataError as e:
+            error = e
+        bad = set().union(*(json.loads(b) for b in group.gather(json.dumps(sorted(bad)).encode(), "utf8")))
+    train_src = [s for s in train_src if str(s.path) not in bad]
+    val_src = [s for s in val_src if str(s.path) not in bad]
+    mine = [s for s in train_src + val_src if s.path in rows]
+    own = dataclasses.replace(data_cfg, on_decode_error="error")
+
+    def own_pieces(files: list[SourceFile], progress: _Progress | None = None) -> Iterator[Piece]:
+        for s in files:
+            if s.path in rows:
+                last = 0
+                for piece in read_pieces(s.path, own.text_field, "error", rows=rows[s.path]):
+                    if progress is not None:
+                        progress.update(max(piece.offset - last, 0))
+                        last = piece.offset
+                    yield piece
+
+    tokenizer, encoded = None, b""
+    if error is None:
+        try:
+            if _needs_fitting(data_cfg) and data_cfg.tokenizer == "char":
+                chars: set[str] = set()
+                for piece in own_pieces(mine):
+                    chars.update(piece.text)
+                encoded = "".join(sorted(chars)).encode("utf-8", "surrogatepass")
+            elif _needs_fitting(data_cfg) and group.index == 0:
+                tokenizer = _fit_tokenizer(data_cfg, sources, split, out, frozenset(bad))
+        except DataError as e:
+            error = e
+    group.agree(error, "fit")
+    if _needs_fitting(data_cfg) and data_cfg.tokenizer == "char":
+        every = "".join(b.decode("utf-8", "surrogatepass") for b in group.gather(encoded, "chars"))
+        tokenizer = build_tokenizer(data_cfg, [every], out)  # sorted(set(...)): the single process' vocabulary
+    elif _needs_fitting(data_cfg):
+        if group.index == 0:
+            tokenizer.save(out / TOKENIZER_FILE)
+        fitted = group.gather((out / TOKENIZER_FILE).read_bytes() if group.index == 0 else b"", "bpe")[0]
+        (out / TOKENIZER_FILE).write_bytes(fitted)
+        tokenizer = load_tokenizer(out / TOKENIZER_FILE)
+    else:
+        tokenizer = build_tokenizer(data_cfg, (), out)
+    tokenizer.save(out / TOKENIZER_FILE)
+    dtype = token_dtype(tokenizer.vocab_size)
+    counts = [0, 0, 0, 0]
+    bar = _Progress("tokenizing (this process' share)", sum(b - a for a, b in rows.values()))
+    try:
+        counts[0], counts[1] = _write_tokens(tokenizer, own_pieces(train_src, bar), out / "part-train.bin", dtype)
+        counts[2], counts[3] = _write_tokens(tokenizer, own_pieces(val_src, bar), out / "part-val.bin", dtype)
+    except DataError as e:
+        error = e
+    finally:
+        bar.close()
+    group.agree(error, "tokenize")
+    totals = [sum(c) for c in zip(*(json.loads(b) for b in group.gather(json.dumps(counts).encode(), "counts")))]
+    n_train, d_train, n_val, d_val = totals
+    for name in ("train", "val"):
+        group.exchange(out / f"part-{name}.bin", out / f"{name}.bin")
+        (out / f"part-{name}.bin").unlink()
+    if mode == "position":
+        n_train, n_val = _split_tail(out / "train.bin", out / "val.bin", n_train, data_cfg.val_fraction, dtype)
+    if n_train + n_val == 0:
+        raise DataError(f"data.paths={list(data_cfg.paths)!r}: the corpus holds no text (all documents empty "
+                        "or skipped)")
+    return _meta(data_cfg, tokenizer, dtype, mode, sources, split, (n_train, d_train, n_val, d_val),
+                 sum(s.size for s in sources), shared_by=group.count)
 
 
 def _split_tail(train: Path, val: Path, n: int, val_fraction: float, dtype: np.dtype) -> tuple[int, int]:

@@ -535,3 +535,36 @@ def test_multiprocess_global_batch_equals_reference(token_file):
     for p, (stdout, stderr) in zip(procs, outs):
         assert p.returncode == 0, stderr[-3000:]
         assert "OK" in stdout and " 2 4" in stdout
+
+
+def test_row_shares_read_every_document_once_in_order(tmp_path):
+    """`read_pieces(rows=(a, b))` over consecutive shares of a file, cut at random byte offsets (in a line, in a
+    multi-byte character, on a row group's start), gives every document of the file exactly once and in order:
+    what a multi-process build relies on (msjax.data.tokens._build_shared)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from msjax.data.corpus import read_documents, read_pieces
+
+    rng = np.random.default_rng(7)
+    words = ["naïve", "日本", "king", "\n", "x" * 30, "é"]
+    docs = [" ".join(rng.choice(words, int(rng.integers(1, 40))).tolist()) for _ in range(60)]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in docs),
+                                      encoding="utf-8")
+    pq.write_table(pa.table({"text": docs}), tmp_path / "b.parquet", row_group_size=7)
+    (tmp_path / "c.txt").write_text(docs[0], encoding="utf-8")
+    for name in ("a.jsonl", "b.parquet", "c.txt"):
+        path = tmp_path / name
+        whole = list(read_documents(path))
+        size = path.stat().st_size
+        for shares in (1, 2, 3, 7):
+            cuts = [0, *sorted(rng.integers(1, size, shares - 1).tolist()), size]
+            got = []
+            for a, b in zip(cuts, cuts[1:]):
+                parts = []
+                for piece in read_pieces(path, rows=(a, b)):
+                    parts.append(piece.text)
+                    if piece.end:
+                        got.append("".join(parts))
+                        parts = []
+            assert got == whole, (name, cuts)

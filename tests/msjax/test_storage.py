@@ -308,3 +308,104 @@ def test_tokenizer_file_from_bucket_equals_the_local_file(s3, tmp_path):
                                     cache_dir=str(tmp_path / "c2")))
     assert here.meta["fingerprint"] == there.meta["fingerprint"]  # fingerprinted by the file's bytes
     np.testing.assert_array_equal(np.concatenate([here.train, here.val]), np.concatenate([there.train, there.val]))
+
+
+# ---- several processes: each reads only its own rows ----------------------------------------------------------
+
+_SHARED_BUILD = r"""
+import hashlib, json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+import jax
+pid, port, url, cache, storage = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], json.loads(sys.argv[5])
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid, initialization_timeout=120)
+from msjax import paths
+from msjax.config import DataConfig, StorageConfig
+from msjax.data import prepare_data
+paths.configure(StorageConfig(**storage))
+consumed = {}
+open_read = paths.open_read
+
+def spy(path, block_size=8 << 20):  # counts the bytes the readers take from each object (a spy: the read is real)
+    f = open_read(path, block_size)
+    read = f.read
+    def counted(n=-1):
+        data = read(n)
+        consumed[path] = consumed.get(path, 0) + len(data)
+        return data
+    f.read = counted
+    return f
+
+paths.open_read = spy
+out = {}
+for tokenizer in ("char", "bpe"):
+    consumed.clear()
+    ds = prepare_data(DataConfig(paths=(url,), tokenizer=tokenizer, bpe_vocab_size=300, val_fraction=0.3,
+                                 cache_dir=f"{cache}/p{pid}"))
+    out[tokenizer] = {"read": dict(consumed), "processes": ds.meta["processes"],
+                      "train": hashlib.sha256(ds.train.tobytes()).hexdigest(),
+                      "val": hashlib.sha256(ds.val.tobytes()).hexdigest()}
+print(json.dumps(out), flush=True)
+jax.distributed.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_each_read_only_their_own_rows_and_build_the_one_process_cache(s3, tmp_path):
+    """Two jax processes tokenize a corpus in the bucket together (separate cache directories, as on two hosts):
+    each reads only the objects of its half of the corpus' bytes (the one object that straddles the middle is
+    read by both, each its own lines), and each ends with the token files one process builds alone, byte for
+    byte: with a char vocabulary made from both halves' characters, and with a BPE fitted by process 0."""
+    import hashlib
+    import socket
+    import subprocess
+    import sys
+
+    local = _mixed_corpus(tmp_path / "corpus")
+    url = f"{s3.scheme}://corpus/shared"
+    _upload_dir(local, url)
+    alone = {}
+    for tokenizer in ("char", "bpe"):
+        ds = prepare_data(DataConfig(paths=(url,), tokenizer=tokenizer, bpe_vocab_size=300, val_fraction=0.3,
+                                     cache_dir=str(tmp_path / "alone")))
+        alone[tokenizer] = (hashlib.sha256(ds.train.tobytes()).hexdigest(),
+                            hashlib.sha256(ds.val.tobytes()).hexdigest())
+        assert ds.meta["processes"] == 1
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    storage = json.dumps(dataclasses.asdict(s3.storage))
+    repo = Path(__file__).resolve().parents[2]
+    procs = [subprocess.Popen([sys.executable, "-c", _SHARED_BUILD, str(i), str(port), url, str(tmp_path / "c"),
+                               storage], cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    try:
+        outs = []
+        for p in procs:
+            out, err = p.communicate(timeout=300)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    sizes = {o.path: o.size for o in paths.walk_files(url) if not paths.basename(o.path).startswith(".")}
+    total = sum(sizes.values())
+    for tokenizer in ("char", "bpe"):
+        for pid in range(2):
+            got = outs[pid][tokenizer]
+            assert got["processes"] == 2 and (got["train"], got["val"]) == alone[tokenizer], (pid, tokenizer)
+    # Which objects each process read. char: every process reads its own rows twice (characters, then tokens).
+    # bpe: process 1 reads its own rows once; process 0 fits the BPE on all the training text, as one process
+    # does (HF's trainer cannot merge partial fits), and tokenizes its own rows.
+    char = [outs[pid]["char"]["read"] for pid in range(2)]
+    straddling = set(char[0]) & set(char[1])
+    assert len(straddling) <= 1 and set(char[0]) | set(char[1]) == set(sizes), char
+    for pid in range(2):
+        for p, n in char[pid].items():
+            # pyarrow reads a parquet file's footer (a speculative read of up to 64 KiB at its end) before its
+            # row groups; text and JSON lines are read exactly once per pass.
+            bound = 2 * sizes[p] + (2 * (64 << 10) if p.endswith(".parquet") else 0)
+            assert n <= bound and (p in straddling or p.endswith(".parquet") or n == 2 * sizes[p]), (pid, p, n)
+    bpe = [outs[pid]["bpe"]["read"] for pid in range(2)]
+    assert set(bpe[1]) == set(char[1]) and all(n <= char[1][p] / 2 + (64 << 10) for p, n in bpe[1].items())
