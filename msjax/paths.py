@@ -325,6 +325,40 @@ def download(files: Sequence[tuple[str, Path]]) -> None:
     fs.get([filesystem(src)[1] for src, _ in files], [str(dst) for _, dst in files])
 
 
+def local_copy(path: str, dest_root: Path) -> Path:
+    """A local path with the content of `path`: `path` itself when it is local; for an object or a prefix
+    (a directory, e.g. a Hugging Face model directory or a tokenizer.json), a copy under
+    `dest_root/<hash of the URL>/`, where only objects whose version changed since the last copy are fetched.
+
+    Raises:
+      FileNotFoundError: nothing exists at `path`.
+    """
+    import hashlib
+    import json
+
+    if not is_remote(path):
+        if not os.path.exists(path):
+            raise FileNotFoundError(path)
+        return Path(path)
+    objects = list(walk_files(path))
+    if not objects:
+        raise FileNotFoundError(path)
+    single = len(objects) == 1 and objects[0].path == path
+    root = dest_root / hashlib.sha256(path.encode()).hexdigest()[:16]
+    versions_file = root / ".versions.json"
+    try:
+        versions = json.loads(versions_file.read_text())
+    except (OSError, ValueError):
+        versions = {}
+    wanted = {o.path: (root / basename(o.path) if single else root / o.path[len(path) + 1:]) for o in objects}
+    stale = [(o.path, wanted[o.path]) for o in objects
+             if versions.get(o.path) != o.version or not wanted[o.path].exists()]
+    download(stale)
+    root.mkdir(parents=True, exist_ok=True)
+    write_bytes(str(versions_file), json.dumps({o.path: o.version for o in objects}).encode())
+    return wanted[path] if single else root
+
+
 def copy(src: str, dst: str) -> None:
     """Copies one object within the same object store (server side)."""
     fs, p = filesystem(src)

@@ -112,6 +112,9 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
         data.tokenizer.save(str(run_dir / "tokenizer.json"))
+        if paths.is_remote(ckpt_dir):  # beside the checkpoints too: the bucket alone describes and decodes them
+            for name in ("config.json", "tokenizer.json"):
+                paths.write_bytes(paths.join(ckpt_dir, name), (run_dir / name).read_bytes())
     phases.mark("prepared")
 
     loader_state = None

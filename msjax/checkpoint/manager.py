@@ -221,6 +221,21 @@ def _rotate(tier: LocalTier | ObjectTier, keep: int) -> None:
             tier.delete(s)
 
 
+_barriers = itertools.count()  # coordination barriers of this process: names unique within a jax.distributed session
+
+
+def _meet(what: str, timeout_s: float) -> None:
+    """Waits (at most `timeout_s`) until every process of a multi-process run arrives here, at a coordination
+    service barrier rather than in a collective: CPU collectives give up on a peer that is late by more than their
+    own short timeout, and process 0 may be downloading or moving a checkpoint for minutes meanwhile."""
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed as jax_distributed  # jax has no public barrier outside collectives
+
+    jax_distributed.global_state.client.wait_at_barrier(f"msjax_checkpoint_{next(_barriers)}_{what}",
+                                                        int(timeout_s * 1000))
+
+
 def _any_process(flag: bool) -> bool:
     """True when `flag` is true on any process: one small all-gather in a multi-process run (every process must
     call it at the same point), `flag` itself otherwise."""
@@ -675,6 +690,7 @@ class Checkpointer:
                 tier.local_copy(step, dest)
             except Exception as e:  # noqa: BLE001 - the object store's error types vary by backend
                 error = f"could not be downloaded to {dest}: {type(e).__name__}: {str(e)[:300]}"
+        _meet(f"download_{step}", self.cfg.timeout_s)
         if _any_process(error is not None):
             return None, error or "process 0 could not download it"
         return dest, None
@@ -725,8 +741,5 @@ class Checkpointer:
                 tier.delete(step)
             else:
                 tier.reject(step)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices(f"msjax-checkpoint-discard-{tier.name}-{step}")
+        _meet(f"discard_{tier.name}_{step}", self.cfg.timeout_s)
         self._manager.reload()

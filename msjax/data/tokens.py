@@ -166,12 +166,12 @@ def prepare_data(data_cfg) -> Datasets:
 
 
 def _local_tokenizer_file(data_cfg, cache_root: Path):
-    """`data_cfg` with a `gs://` / `s3://` `tokenizer_path` replaced by a local copy (fetched again on every call:
-    it is small, and the object may have been replaced), so the tokenizer is loaded and fingerprinted from its
-    bytes as a local file is.
+    """`data_cfg` with a `gs://` / `s3://` `tokenizer_path` (a tokenizer.json, or a directory holding one)
+    replaced by a local copy under the token cache (msjax.paths.local_copy: refetched when the object changed),
+    so the tokenizer is loaded and fingerprinted from its bytes as a local file is.
 
     Raises:
-      DataError: the URL is not supported, or the object cannot be read (names it and the store's error).
+      DataError: the URL is not supported, or nothing can be read there (names it and the store's error).
     """
     raw = data_cfg.tokenizer_path
     if not raw or paths.scheme(raw) is None:
@@ -183,16 +183,15 @@ def _local_tokenizer_file(data_cfg, cache_root: Path):
     if not paths.is_remote(url):  # file://
         return dataclasses.replace(data_cfg, tokenizer_path=url)
     try:
-        data = paths.read_bytes(url)
-    except Exception as e:  # noqa: BLE001 - missing object, refused connection, denied: one line naming the URL
-        raise DataError(f"data.tokenizer_path={raw!r} cannot be read: {type(e).__name__}: {e}") from None
-    local = cache_root / "tokenizers" / f"{hashlib.sha256(url.encode()).hexdigest()[:16]}-{paths.basename(url)}"
-    try:
-        local.parent.mkdir(parents=True, exist_ok=True)
-        paths.write_bytes(str(local), data)
+        local = paths.local_copy(url, cache_root / "tokenizers")
     except OSError as e:
-        raise DataError(f"data.cache_dir={str(cache_root)!r} is not writable ({e.strerror}); set data.cache_dir "
-                        "to a writable directory") from None
+        if isinstance(e, FileNotFoundError):
+            raise DataError(f"data.tokenizer_path={raw!r} does not exist") from None
+        raise DataError(f"data.tokenizer_path={raw!r} cannot be copied to {cache_root} ({e})") from None
+    except Exception as e:  # noqa: BLE001 - refused connection, denied: one line naming the URL
+        raise DataError(f"data.tokenizer_path={raw!r} cannot be read: {type(e).__name__}: {e}") from None
+    if local.is_dir():
+        local = local / TOKENIZER_FILE
     return dataclasses.replace(data_cfg, tokenizer_path=str(local))
 
 

@@ -74,7 +74,8 @@ def _copy_prefix(src: str, dst: str, steps=None) -> None:
     """Server-side copy of the checkpoints of `src` (all, or `steps`) to the prefix `dst`."""
     for o in paths.walk_files(src):
         rel = o.path[len(src) + 1:]
-        if steps is None or int(rel.split("/")[0]) in steps:
+        top = rel.split("/")[0]
+        if steps is None or (top.isdigit() and int(top) in steps):
             paths.copy(o.path, f"{dst}/{rel}")
 
 
@@ -152,6 +153,10 @@ def test_train_save_to_bucket_resume_bit_identical_from_it(cache, s3, tmp_path_f
     names = {paths.basename(o.path) for o in paths.walk_files(f"{s3.scheme}://ckpt/straight/8")}
     assert RECORD_NAME in names and "manifest.ocdbt" in names
     assert latest_verified(f"{s3.scheme}://ckpt/straight") == 8 == ref["final_step"]
+    # The run's config and tokenizer beside its checkpoints: the bucket alone describes and decodes them.
+    saved = json.loads(paths.read_bytes(f"{s3.scheme}://ckpt/straight/config.json"))
+    assert saved["checkpoint"]["dir"] == f"{s3.scheme}://ckpt/straight" and saved["model"]["d_model"] == 32
+    assert json.loads(paths.read_bytes(f"{s3.scheme}://ckpt/straight/tokenizer.json"))
     _copy_prefix(f"{s3.scheme}://ckpt/straight", f"{s3.scheme}://ckpt/cut", steps={4})
     local = tmp_path / "fresh-local"
     cfg = make_tiny_config(tmp_path, small_corpus, **_on(s3, **{"checkpoint.dir": f"{s3.scheme}://ckpt/cut",
@@ -292,6 +297,25 @@ def test_corpus_from_bucket_gives_the_batches_of_the_local_files(s3, tmp_path, t
                             ).meta["cache_hit"]
 
 
+def test_local_copy_of_an_object_or_a_prefix_fetches_only_what_changed(s3, tmp_path):
+    """msjax.paths.local_copy (how a tokenizer file or a model directory in a bucket is handed to libraries that
+    read local files): a prefix becomes a directory, an object a file; a second call fetches nothing unchanged;
+    a replaced object is fetched again; nothing there is FileNotFoundError."""
+    prefix = f"{s3.scheme}://corpus/model"
+    paths.write_bytes(f"{prefix}/config.json", b'{"n": 1}')
+    paths.write_bytes(f"{prefix}/weights/a.bin", b"\x00" * 1000)
+    d = paths.local_copy(prefix, tmp_path / "copies")
+    assert (d / "config.json").read_bytes() == b'{"n": 1}' and (d / "weights" / "a.bin").stat().st_size == 1000
+    before = (d / "weights" / "a.bin").stat().st_mtime_ns
+    paths.write_bytes(f"{prefix}/config.json", b'{"n": 2}')
+    assert paths.local_copy(prefix, tmp_path / "copies") == d
+    assert (d / "config.json").read_bytes() == b'{"n": 2}' and (d / "weights" / "a.bin").stat().st_mtime_ns == before
+    one = paths.local_copy(f"{prefix}/config.json", tmp_path / "copies")
+    assert one.name == "config.json" and one.read_bytes() == b'{"n": 2}'
+    with pytest.raises(FileNotFoundError):
+        paths.local_copy(f"{prefix}/nothing", tmp_path / "copies")
+
+
 def test_tokenizer_file_from_bucket_equals_the_local_file(s3, tmp_path):
     from msjax.data.tokenizer import HFTokenizer
 
@@ -304,10 +328,11 @@ def test_tokenizer_file_from_bucket_equals_the_local_file(s3, tmp_path):
     shutil.copy(stdlib / "fnmatch.py", corpus / "fnmatch.txt")
     here = prepare_data(DataConfig(paths=(str(corpus),), tokenizer_path=str(tmp_path / "tokenizer.json"),
                                    cache_dir=str(tmp_path / "c1")))
-    there = prepare_data(DataConfig(paths=(str(corpus),), tokenizer_path=f"{s3.scheme}://corpus/tok/tokenizer.json",
-                                    cache_dir=str(tmp_path / "c2")))
-    assert here.meta["fingerprint"] == there.meta["fingerprint"]  # fingerprinted by the file's bytes
-    np.testing.assert_array_equal(np.concatenate([here.train, here.val]), np.concatenate([there.train, there.val]))
+    for where in (f"{s3.scheme}://corpus/tok/tokenizer.json", f"{s3.scheme}://corpus/tok"):  # a file, a directory
+        there = prepare_data(DataConfig(paths=(str(corpus),), tokenizer_path=where, cache_dir=str(tmp_path / "c2")))
+        assert here.meta["fingerprint"] == there.meta["fingerprint"]  # fingerprinted by the file's bytes
+        np.testing.assert_array_equal(np.concatenate([here.train, here.val]),
+                                      np.concatenate([there.train, there.val]))
 
 
 # ---- several processes: each reads only its own rows ----------------------------------------------------------
