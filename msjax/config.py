@@ -17,6 +17,7 @@ import dataclasses
 import importlib
 import math
 import pkgutil
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -25,6 +26,59 @@ from typing import Any, Literal, Mapping, Sequence
 
 class ConfigError(ValueError):
     """A preset, key or value the configuration does not accept; the message names it and what is allowed."""
+
+
+# ---- path values: what a path key may hold (msjax.paths reads and writes them) --------------------------------
+
+# Object stores msjax.paths serves; any other scheme is refused.
+OBJECT_STORE_SCHEMES = ("gs", "s3")
+# Path keys that must stay local, and why (named in the error). The other path keys (checkpoint.dir, data.paths,
+# data.tokenizer_path) may be local paths or object-storage URLs.
+LOCAL_PATH_KEYS = {
+    "train.run_dir": "metrics and TensorBoard events are appended to it as the run goes; put checkpoints on object "
+                     "storage with checkpoint.dir and the corpus with data.paths",
+    "checkpoint.local_dir": "Orbax writes every checkpoint there first (object storage is the persistent tier, "
+                            "checkpoint.dir)",
+    "data.cache_dir": "the token cache is memory-mapped by the loader",
+}
+_URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*)://(?P<rest>.*)$", re.DOTALL)
+# `gs:/bucket` (one slash, e.g. after os.path.normpath) names a URL, not a relative directory `gs:`.
+_ONE_SLASH = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]+):/(?!/)")
+
+
+def url_scheme(value: str) -> str | None:
+    """The scheme of a path value in lower case (`"gs"`, `"s3"`, `"file"`, ...), or None for a plain local path."""
+    m = _URL.match(value)
+    return m.group("scheme").lower() if m else None
+
+
+def check_path_value(value: str, key: str) -> None:
+    """Checks the form of a path value for `key`, reading nothing: a scheme other than gs://, s3:// and file://,
+    a URL for a key in LOCAL_PATH_KEYS, a URL without a bucket, or a one-slash URL (`gs:/bucket`, which a
+    filesystem would take for a relative directory) is refused. (msjax.paths.check adds whether the scheme's
+    package is installed.)
+
+    Raises:
+      ConfigError: naming the key, the value and what is allowed.
+    """
+    m = _URL.match(value)
+    if m is None:
+        bad = _ONE_SLASH.match(value)
+        if bad is not None:
+            fixed = f"{bad.group('scheme')}://{value[bad.end():]}"
+            raise ConfigError(f"{key}={value!r} looks like a URL with one slash after '{bad.group('scheme')}:'; "
+                              f"write {fixed!r} (or ./{value} for a local directory of that name)")
+        return
+    scheme, rest = m.group("scheme").lower(), m.group("rest")
+    if scheme == "file":
+        return check_path_value(rest, key)
+    if scheme not in OBJECT_STORE_SCHEMES:
+        raise ConfigError(f"{key}={value!r}: scheme '{scheme}://' is not supported; allowed: a local path, gs:// "
+                          "(Google Cloud Storage), s3:// (Amazon S3 or an S3-compatible store)")
+    if key in LOCAL_PATH_KEYS:
+        raise ConfigError(f"{key}={value!r} must be a local path: {LOCAL_PATH_KEYS[key]}")
+    if not rest.partition("/")[0]:
+        raise ConfigError(f"{key}={value!r} names no bucket; allowed: {scheme}://bucket/path")
 
 
 @dataclass(frozen=True)
@@ -457,6 +511,12 @@ class Config:
         if not (math.isfinite(self.checkpoint.timeout_s) and self.checkpoint.timeout_s > 0):
             raise ConfigError(f"checkpoint.timeout_s={self.checkpoint.timeout_s}: allowed is a finite number of "
                               "seconds > 0")
+        for key in ("train.run_dir", "checkpoint.dir", "checkpoint.local_dir", "data.tokenizer_path",
+                    "data.cache_dir"):
+            if get_key(self, key):
+                check_path_value(get_key(self, key), key)
+        for value in self.data.paths:
+            check_path_value(value, "data.paths")
         if not (math.isfinite(self.storage.timeout_s) and self.storage.timeout_s > 0):
             raise ConfigError(f"storage.timeout_s={self.storage.timeout_s}: allowed is a finite number of seconds > 0")
         if t.eval_batches < 0 or t.eval_every < 0 or t.log_every < 0:

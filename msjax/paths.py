@@ -30,31 +30,27 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Iterator, Sequence
 
-from msjax.config import ConfigError, StorageConfig
+from msjax.config import LOCAL_PATH_KEYS, ConfigError, StorageConfig, check_path_value, url_scheme
 
 
 class PathError(ConfigError):
     """A path msjax cannot use: an unknown scheme, a scheme whose package is missing, a URL where only a local
-    path is allowed, or an object store that could not be reached. The message names the key and the path."""
+    path is allowed. The message names the key and the path."""
 
 
 @dataclass(frozen=True)
-class _Backend:
+class Backend:
     module: str  # the fsspec implementation that serves the scheme
     extra: str  # msjax's pip extra that installs it
     protocol: str  # fsspec's protocol name
 
 
-BACKENDS = {"gs": _Backend("gcsfs", "gcs", "gcs"), "s3": _Backend("s3fs", "s3", "s3")}
-_URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*)://(?P<rest>.*)$", re.DOTALL)
-# `gs:/bucket` (one slash, e.g. after os.path.normpath) names a URL, not a relative directory `gs:`.
-_ONE_SLASH = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]+):/(?!/)")
+BACKENDS = {"gs": Backend("gcsfs", "gcs", "gcs"), "s3": Backend("s3fs", "s3", "s3")}
 
 _storage = StorageConfig()
 
@@ -67,8 +63,7 @@ def configure(storage: StorageConfig) -> None:
 
 def scheme(path: str | os.PathLike) -> str | None:
     """The URL scheme of `path` in lower case (`"gs"`, `"s3"`, `"file"`, ...), or None for a plain local path."""
-    m = _URL.match(os.fspath(path))
-    return m.group("scheme").lower() if m else None
+    return url_scheme(os.fspath(path))
 
 
 def is_remote(path: str | os.PathLike) -> bool:
@@ -82,45 +77,39 @@ def check(path: str | os.PathLike, key: str, *, local_only: str = "") -> str:
 
     Args:
       path: as the user gave it.
-      key: the config key or argument it came from (named in errors).
-      local_only: when not empty, URLs are refused, and this text says why (e.g. "the token cache stays local").
+      key: the config key or argument it came from (named in errors); a key of msjax.config.LOCAL_PATH_KEYS
+        refuses URLs with the reason given there.
+      local_only: for other callers: when not empty, URLs are refused, and this text says why.
     Raises:
-      PathError: an empty path, an unknown scheme (allowed: local paths, gs://, s3://), a scheme whose package is
-        not installed (names the extra to install), a URL without a bucket, a one-slash URL (`gs:/b`), or a URL
-        where `local_only` refuses them.
+      PathError: an empty path, the forms msjax.config.check_path_value refuses (an unknown scheme, a URL for a
+        local-only key or without a bucket, a one-slash URL), a URL where `local_only` refuses them, or a scheme
+        whose package is not installed (names the extra to install).
     """
     raw = os.fspath(path)
     if not raw:
         raise PathError(f"{key} is empty: allowed is a local path, gs://bucket/... or s3://bucket/...")
-    m = _URL.match(raw)
-    if m is None:
-        bad = _ONE_SLASH.match(raw)
-        if bad is not None:
-            fixed = f"{bad.group('scheme')}://{raw[bad.end():]}"
-            raise PathError(f"{key}={raw!r} looks like a URL with one slash after '{bad.group('scheme')}:'; "
-                            f"write {fixed!r} (or ./{raw} for a local directory of that name)")
+    try:
+        check_path_value(raw, key)
+    except ConfigError as e:
+        raise PathError(str(e)) from None
+    name = scheme(raw)
+    if name is None:
         return str(Path(raw).expanduser().absolute())
-    name, rest = m.group("scheme").lower(), m.group("rest")
+    rest = raw.split("://", 1)[1]
     if name == "file":
         return check(rest, key, local_only=local_only)
-    if name not in BACKENDS:
-        raise PathError(f"{key}={raw!r}: scheme '{name}://' is not supported; allowed: a local path, gs:// "
-                        "(Google Cloud Storage), s3:// (Amazon S3 or an S3-compatible store)")
     if local_only:
         raise PathError(f"{key}={raw!r} must be a local path: {local_only}")
     backend = BACKENDS[name]
     if importlib.util.find_spec(backend.module) is None:
         raise PathError(f"{key}={raw!r}: {name}:// paths need the package {backend.module}, which is not "
                         f"installed; install it with: pip install 'msjax[{backend.extra}]'")
-    bucket, _, _ = rest.partition("/")
-    if not bucket:
-        raise PathError(f"{key}={raw!r} names no bucket; allowed: {name}://bucket/path")
     return f"{name}://{rest.rstrip('/')}"
 
 
-def local(path: str | os.PathLike, key: str, why: str) -> Path:
-    """`check(path, key, local_only=why)` as an absolute `Path`."""
-    return Path(check(path, key, local_only=why))
+def local(path: str | os.PathLike, key: str) -> Path:
+    """`check(path, key)` for a key of msjax.config.LOCAL_PATH_KEYS, as an absolute `Path`."""
+    return Path(check(path, key, local_only=LOCAL_PATH_KEYS.get(key, "")))
 
 
 def join(base: str | os.PathLike, *parts: str) -> str:

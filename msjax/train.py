@@ -83,9 +83,7 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
     # Every path key, before anything is read or written: a scheme msjax does not serve, a missing backend
     # package or a URL for a local-only key is one PathError naming the key.
     paths.configure(cfg.storage)
-    run_dir = paths.local(t.run_dir, "train.run_dir", "metrics and TensorBoard events are appended to it as the "
-                          "run goes; put checkpoints on object storage with checkpoint.dir and the corpus with "
-                          "data.paths")
+    run_dir = paths.local(t.run_dir, "train.run_dir")
     check_data_paths(cfg.data)
     ckpt_dir = checkpoint_dir(cfg.checkpoint, t.run_dir)
     local_checkpoint_dir(cfg.checkpoint)

@@ -79,9 +79,6 @@ class NonFiniteStateError(CheckpointError):
     """The state to be saved holds NaN or Inf; it was not made a checkpoint."""
 
 
-_LOCAL_TIER_WHY = "Orbax writes every checkpoint there first (object storage is the persistent tier, checkpoint.dir)"
-
-
 def checkpoint_dir(cfg: CheckpointConfig, run_dir: str) -> Path | str:
     """The persistent tier: `checkpoint.dir`, or `<run_dir>/checkpoints`; an absolute local `Path`, or a `gs://` /
     `s3://` URL (a str).
@@ -101,7 +98,7 @@ def local_checkpoint_dir(cfg: CheckpointConfig) -> Path | None:
     Raises:
       msjax.paths.PathError: `checkpoint.local_dir` is a URL.
     """
-    return paths.local(cfg.local_dir, "checkpoint.local_dir", _LOCAL_TIER_WHY) if cfg.local_dir else None
+    return paths.local(cfg.local_dir, "checkpoint.local_dir") if cfg.local_dir else None
 
 
 def staging_dir(directory: str) -> Path:

@@ -195,7 +195,7 @@ def check_data_paths(data_cfg) -> None:
     if data_cfg.tokenizer_path:
         paths.check(data_cfg.tokenizer_path, "data.tokenizer_path")
     if data_cfg.cache_dir:
-        paths.local(data_cfg.cache_dir, "data.cache_dir", "the token cache is memory-mapped by the loader")
+        paths.local(data_cfg.cache_dir, "data.cache_dir")
 
 
 def corpus_sources(paths: Sequence[str]) -> list[SourceFile]:

@@ -123,8 +123,8 @@ def prepare_data(data_cfg) -> Datasets:
     """
     sources = corpus_sources(data_cfg.paths)
     try:
-        cache_root = (paths.local(data_cfg.cache_dir, "data.cache_dir", "the token cache is memory-mapped by the "
-                                  "loader") if data_cfg.cache_dir else cache_home() / "tokens")
+        cache_root = (paths.local(data_cfg.cache_dir, "data.cache_dir") if data_cfg.cache_dir
+                      else cache_home() / "tokens")
     except paths.PathError as e:
         raise DataError(str(e)) from None
     data_cfg = _local_tokenizer_file(data_cfg, cache_root)

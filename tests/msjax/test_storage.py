@@ -19,7 +19,7 @@ import pytest
 from msjax import paths
 from msjax.checkpoint import latest_verified
 from msjax.checkpoint.integrity import RECORD_NAME
-from msjax.config import ConfigError, DataConfig, StorageConfig
+from msjax.config import ConfigError, DataConfig, StorageConfig, apply_overrides
 from msjax.data import BatchLoader, DataError, prepare_data
 from msjax.train import run
 from tests.msjax.object_store import GCSServer, S3Server
@@ -93,11 +93,30 @@ def _copy_prefix(src: str, dst: str, steps=None) -> None:
 ])
 def test_a_path_msjax_cannot_use_is_one_error_before_anything_is_written(tmp_path, small_corpus, make_tiny_config,
                                                                          monkeypatch, key, value, message):
+    """Refused when the config is validated (every script validates it first, so a supervisor or launcher never
+    makes `./gs:/...` either), and by run() for a config built without validation."""
     monkeypatch.chdir(tmp_path)
-    cfg = make_tiny_config(tmp_path, small_corpus, **{key: (value,) if key == "data.paths" else value})
-    with pytest.raises(paths.PathError, match=rf"{key}='{value}'.*{message}"):
-        run(cfg)
+    override = {key: (value,) if key == "data.paths" else value}
+    with pytest.raises(ConfigError, match=rf"{key}='{value}'.*{message}"):
+        make_tiny_config(tmp_path, small_corpus, **override)
+    unchecked = apply_overrides(make_tiny_config(tmp_path, small_corpus), override)
+    with pytest.raises(ConfigError, match=rf"{key}='{value}'.*{message}"):
+        run(unchecked)
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no ./gs:, no run directory, no cache
+
+
+def test_train_script_refuses_a_one_slash_url_and_makes_no_directory(tmp_path):
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, str(repo / "scripts" / "train.py"), "--checkpoint.dir=gs:/my-bucket/run1",
+                          f"--train.run_dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == (
+        "error: checkpoint.dir='gs:/my-bucket/run1' looks like a URL with one slash after 'gs:'; write "
+        "'gs://my-bucket/run1' (or ./gs:/my-bucket/run1 for a local directory of that name)"), out.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_scheme_whose_package_is_missing_names_the_extra_to_install(tmp_path, small_corpus, make_tiny_config,
@@ -105,7 +124,7 @@ def test_a_scheme_whose_package_is_missing_names_the_extra_to_install(tmp_path, 
     """gcsfs and s3fs are both dev dependencies, so the missing one is stood in for by a module name that no
     package has; the check is the real one (importlib finds no such module)."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setitem(paths.BACKENDS, "gs", paths._Backend("msjax_no_such_gcs_module", "gcs", "gcs"))
+    monkeypatch.setitem(paths.BACKENDS, "gs", paths.Backend("msjax_no_such_gcs_module", "gcs", "gcs"))
     cfg = make_tiny_config(tmp_path, small_corpus, **{"checkpoint.dir": "gs://my-bucket/run1"})
     with pytest.raises(paths.PathError, match=r"checkpoint.dir='gs://my-bucket/run1': gs:// paths need the "
                                               r"package msjax_no_such_gcs_module, which is not installed; install "
