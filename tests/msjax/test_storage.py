@@ -453,3 +453,72 @@ def test_two_processes_each_read_only_their_own_rows_and_build_the_one_process_c
             assert n <= bound and (p in straddling or p.endswith(".parquet") or n == 2 * sizes[p]), (pid, p, n)
     bpe = [outs[pid]["bpe"]["read"] for pid in range(2)]
     assert set(bpe[1]) == set(char[1]) and all(n <= char[1][p] / 2 + (64 << 10) for p, n in bpe[1].items())
+
+
+_TWO_PROCESS_BUCKET = r"""
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+from pathlib import Path
+import jax, numpy as np
+from jax.experimental import multihost_utils
+from msjax import paths
+from msjax.checkpoint import Checkpointer, latest_verified
+from msjax.checkpoint.integrity import RECORD_NAME
+from msjax.config import CheckpointConfig, StorageConfig
+pid, port, url, local, fresh, storage = (int(sys.argv[1]), sys.argv[2], sys.argv[3], Path(sys.argv[4]),
+                                        Path(sys.argv[5]), json.loads(sys.argv[6]))
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid, initialization_timeout=120)
+paths.configure(StorageConfig(**storage))
+mesh = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+w = np.random.default_rng(0).normal(size=(8, 16)).astype(np.float32)
+state = lambda k: {"w": jax.make_array_from_process_local_data(spec, k * w[pid * 4:(pid + 1) * 4])}
+cfg = CheckpointConfig(every=0, async_save=False, timeout_s=60)
+ckpt = Checkpointer(cfg, url, local)
+for step in (2, 4):
+    ckpt.save(step, state(step), {"pos": step}, force=True)
+ckpt.wait()
+ckpt.close()
+multihost_utils.sync_global_devices("saved")
+if pid == 0:  # step 4's upload "was cut short": its record object never landed
+    paths.remove(f"{url}/4/{RECORD_NAME}")
+multihost_utils.sync_global_devices("record removed")
+answer = latest_verified(url, fresh)
+restorer = Checkpointer(cfg, url, fresh)  # a new machine: an empty local tier, shared by both processes
+step, restored, loader = restorer.restore({"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=spec)})
+error = np.abs(np.asarray(multihost_utils.process_allgather(restored["w"], tiled=True)) - step * w).max()
+print(json.dumps({"step": step, "answer": answer, "pos": loader["pos"], "error": float(error)}), flush=True)
+jax.distributed.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_save_to_a_bucket_and_restore_from_it(s3, tmp_path):
+    """2 processes (2 devices each) save steps 2 and 4 through a shared local tier to the bucket; step 4's record
+    object is then removed (an upload cut short). On a new machine (an empty local tier) both name step 2 with
+    latest_verified, process 0 downloads it while the other waits, and both restore it exactly."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"{s3.scheme}://ckpt/two-processes"
+    args = [url, str(tmp_path / "local"), str(tmp_path / "fresh"), json.dumps(dataclasses.asdict(s3.storage))]
+    repo = Path(__file__).resolve().parents[2]
+    procs = [subprocess.Popen([sys.executable, "-c", _TWO_PROCESS_BUCKET, str(i), str(port), *args], cwd=repo,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        outs = []
+        for p in procs:
+            out, err = p.communicate(timeout=180)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert outs == [{"step": 2, "answer": 2, "pos": 2, "error": 0.0}] * 2, outs
+    assert [n for n in paths.listdir(url) if n.isdigit()] == ["2"]  # the cut upload was deleted
