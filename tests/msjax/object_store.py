@@ -1,7 +1,7 @@
 """Real object-storage servers for the tests, each in its own process on a free loopback port, stopped when the
 `with` block ends (or the test fails):
 
-- `S3Server`: moto's standalone server (`moto[server]`, the dev extra), which speaks the S3 REST protocol.
+- `S3Server`: moto's standalone server (`python -m moto.server`, the dev extra), which speaks the S3 REST protocol.
 - `GCSServer`: gcp-storage-emulator (dev extra), which speaks the GCS JSON API that gcsfs uses.
 
     with S3Server() as store:
