@@ -13,6 +13,8 @@ Rules (each violation is one `PathError` naming the config key, the path and wha
   `./gs:/bucket`.
 - Keys that must stay local (the token cache, the local checkpoint tier, the run directory, whose metrics are
   appended as the run goes) refuse URLs with the reason.
+The form of a value is msjax.config's (`check_path_value`, run whenever a config is validated, so no script
+or launcher ever acts on a refused path); `check` adds whether the scheme's package is installed.
 
 Why fsspec, not `etils.epath`: Orbax takes epath paths, and epath itself sends `gs://` and `s3://` to these same
 fsspec filesystems (or to `tf.io.gfile` whenever TensorFlow is installed, which has no `s3://` since TF 2.6), but
@@ -45,6 +47,8 @@ class PathError(ConfigError):
 
 @dataclass(frozen=True)
 class Backend:
+    """The package that serves a URL scheme."""
+
     module: str  # the fsspec implementation that serves the scheme
     extra: str  # msjax's pip extra that installs it
     protocol: str  # fsspec's protocol name

@@ -311,10 +311,11 @@ class Checkpointer:
     Args:
       cfg: checkpoint config (`every`, `keep`, `local_dir`, `local_keep`, `async_save`, `timeout_s`,
         `replica_restore`).
-      directory: the persistent tier (see `checkpoint_dir`).
-      local_directory: the local tier, or None (default: from `cfg.local_dir`).
+      directory: the persistent tier (see `checkpoint_dir`): a local directory, or a gs:// / s3:// URL.
+      local_directory: the local tier, or None (default: from `cfg.local_dir`; with an object-storage
+        `directory` and no local tier, `staging_dir(directory)`).
     Raises:
-      ConfigError: a tier directory is not writable.
+      ConfigError: a tier directory is not writable (or a bucket not reachable).
     """
 
     def __init__(self, cfg: CheckpointConfig, directory: Path | str, local_directory: Path | None = None):
