@@ -2,7 +2,7 @@
 
 A run is described by one frozen `Config` made of sections (model, mesh, pipeline, optimizer, data, train,
 checkpoint).
-Named presets in `configs/<name>.py` hold an `OVERRIDES` dict of dotted keys that differ from these defaults;
+Named presets in `msjax/configs/<name>.py` hold an `OVERRIDES` dict of dotted keys that differ from these defaults;
 the command line adds more dotted overrides (`--train.steps=200 --mesh.tensor=2`). Every key and value is
 checked: an unknown key, a value of the wrong type or a value outside its allowed set raises `ConfigError`
 naming the key and what is allowed (the Levanter/draccus and torchtitan way of doing configs).
@@ -681,7 +681,7 @@ def preset_names() -> list[str]:
 
 
 def load_preset(name: str) -> Config:
-    """The preset `configs/<name>.py` applied to the defaults, validated. Raises ConfigError if unknown."""
+    """The preset `msjax/configs/<name>.py` applied to the defaults, validated. Raises ConfigError if unknown."""
     names = preset_names()
     if name not in names:
         raise ConfigError(f"unknown preset --config={name!r}; allowed: {', '.join(names)}")

@@ -1,7 +1,7 @@
 """Train a GPT: `python scripts/train.py --config=gpt_tiny [--train.steps=200 --mesh.tensor=2 ... --resume]`.
 
 Flags -> config -> msjax.train.run. Every field of msjax/config.py is a dotted flag (`--help` lists them);
-presets live in configs/.
+presets live in msjax/configs/.
 """
 
 import json

@@ -7,31 +7,19 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = ("msjax", "configs", "sharding_rules", "pallas_kernels")
 
 
-def _setuptools() -> dict:
-    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-
-
-def _folder_of(package: str, package_dir: dict[str, str]) -> Path:
-    """The folder setuptools builds `package` from: the longest package-dir prefix, then the rest as folders."""
-    parts = package.split(".")
-    for k in range(len(parts), 0, -1):
-        prefix = ".".join(parts[:k])
-        if prefix in package_dir:
-            return ROOT / package_dir[prefix] / Path(*parts[k:])
-    return ROOT / Path(*parts)
-
-
-def test_every_package_folder_is_installed_under_msjax_and_nothing_else_is_top_level():
-    cfg = _setuptools()
-    listed = {_folder_of(p, cfg["package-dir"]).resolve(): p for p in cfg["packages"]}
-    on_disk = {init.parent.resolve() for folder in FOLDERS for init in (ROOT / folder).rglob("__init__.py")}
-    missing = sorted(str(d.relative_to(ROOT)) for d in on_disk - set(listed))
-    assert not missing, f"package folders not listed in pyproject's [tool.setuptools] packages: {missing}"
-    assert all(folder.is_dir() for folder in listed), "a listed package has no folder"
-    assert {p.split(".")[0] for p in cfg["packages"]} == {"msjax"}
+def test_the_import_tree_is_the_file_tree():
+    """Every folder of msjax/ that holds Python files is a regular package (an __init__.py), found by the build's
+    `packages.find`, and no other top-level package is built: the design card's configs/, sharding_rules/ and
+    pallas_kernels/ live under msjax/, so the source tree never lacks a folder that an install has."""
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert find["include"] == ["msjax", "msjax.*"]
+    folders = {p.parent for p in (ROOT / "msjax").rglob("*.py") if "__pycache__" not in p.parts}
+    missing = sorted(str(d.relative_to(ROOT)) for d in folders if not (d / "__init__.py").is_file())
+    assert not missing, f"folders of msjax/ with Python files but no __init__.py (not packaged): {missing}"
+    for name in ("configs", "sharding_rules", "pallas_kernels"):
+        assert (ROOT / "msjax" / name / "__init__.py").is_file() and not (ROOT / name).exists(), name
 
 
 def test_installed_names_import_from_any_directory_without_path_edits(tmp_path):
