@@ -7,6 +7,10 @@ diagnostic), and what each cost.
 
 Faults go in this order, one per attempt, each a random 3-8 steps after the attempt resumed: K kills, K stops,
 then K diagnostic failures (the first K-1 replaced by spare hosts, the last one re-planned onto the hosts left).
+The supervisor runs in this process with a `FaultInjector` as its watcher: it signals a worker's process (its pid
+from the heartbeat) once the worker reports the step; a diagnostic failure is SIGABRT (the way XLA's or a driver's
+checks end a process on a faulty device) plus the host marked unhealthy for the site health check the run is
+given (`supervisor.health_check`), so its self-checks fail.
 Prints a table per fault (detection latency, in seconds and heartbeat periods; recovery time = fault to the
 first kept step after restart; the restart's start-up and compile time; steps recomputed) and the run's
 effective training time, plus its extrapolation to one fault every 5 minutes:
@@ -24,6 +28,9 @@ import dataclasses
 import json
 import os
 import random
+import resource
+import shlex
+import signal
 import sys
 import tempfile
 import time
@@ -98,13 +105,63 @@ def main(argv: list[str]) -> int:
     return cli.main_guard(body)
 
 
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """A fault to inject: `kind` (kill: SIGKILL; stop: SIGSTOP, a hang; diag: SIGABRT and the host's health check
+    failing) into worker `rank` of attempt `attempt`, `after` steps past the step the attempt resumed from."""
+
+    kind: str
+    rank: int
+    after: int
+    attempt: int
+
+
+class FaultInjector:
+    """The supervisor's watcher (msjax.supervise.supervisor.Progress) that injects `faults` into local workers.
+
+    Args:
+      faults: what to inject, each once.
+      unhealthy_dir: where a `diag` fault marks its host unhealthy (the file `unhealthy-HOST`, which the run's
+        health check, `health_check_command(unhealthy_dir)`, looks for).
+    """
+
+    def __init__(self, faults: list[Fault], unhealthy_dir: Path):
+        self.pending = list(faults)
+        self.unhealthy_dir = Path(unhealthy_dir)
+
+    def __call__(self, progress) -> None:
+        for f in list(self.pending):
+            beat = progress.beats.get(f.rank)
+            if f.attempt != progress.attempt or beat is None or beat.get("step") is None:
+                continue
+            if f.rank >= len(progress.workers) or progress.workers[f.rank].proc.poll() is not None:
+                continue
+            if beat["step"] < (beat.get("start_step") or 0) + f.after:
+                continue
+            self.pending.remove(f)
+            host = progress.workers[f.rank].host
+            if f.kind == "diag":
+                self.unhealthy_dir.mkdir(parents=True, exist_ok=True)
+                (self.unhealthy_dir / f"unhealthy-{host}").touch()
+                resource.prlimit(beat["pid"], resource.RLIMIT_CORE, (0, 0))  # an abort that leaves no core file
+            os.kill(beat["pid"], {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "diag": signal.SIGABRT}[f.kind])
+            progress.emit("fault_injected", fault=f.kind, rank=f.rank, host=host, step=beat["step"],
+                          attempt=progress.attempt)
+            print(f"[bench] injected {f.kind} into rank {f.rank} ({host}) at step {beat['step']}", flush=True)
+
+
+def health_check_command(unhealthy_dir: Path) -> str:
+    """A site health check that fails on a host marked unhealthy in `unhealthy_dir`."""
+    return f'test ! -e {shlex.quote(str(unhealthy_dir))}/unhealthy-"$MSJAX_HOST"'
+
+
 def supervised_run(cfg: Config, common: cli.CommonOptions, own: RecoveryBenchOptions
-                   ) -> tuple[Config, list[str], list[str], int]:
+                   ) -> tuple[Config, list[str], list[Fault], int]:
     """The run to supervise, from `cfg` (DEFAULTS and the user's config flags) and the bench's flags.
 
     Returns:
-      (the run's config, with train.run_dir, train.steps, the spares and the restart budget set; the command
-      line of `python -m msjax.supervise` (msjax.supervise.cli.main) that runs it; the fault specs; the seed).
+      (the run's config, with train.run_dir, train.steps, the spares, the restart budget and the health check set;
+      its train flags; the faults; the seed).
     Raises:
       ConfigError: the run's config does not validate.
     """
@@ -113,40 +170,37 @@ def supervised_run(cfg: Config, common: cli.CommonOptions, own: RecoveryBenchOpt
     seed = own.seed if own.seed >= 0 else random.randrange(1 << 30)
     rng = random.Random(seed)
     kinds = [kind for kind in KINDS if kind in own.kinds for _ in range(k)]
-    faults = [f"{kind}:{rng.randrange(own.hosts)}@+{rng.randint(3, 8)}#{attempt}"
-              for attempt, kind in enumerate(kinds)]
-    overrides = {}
-    shakespeare = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
-    if cfg.data.paths == preset.data.paths and shakespeare.exists():  # small and char-level: quick to tokenize
-        overrides["data.paths"] = (str(shakespeare),)
+    faults = [Fault(kind, rng.randrange(own.hosts), rng.randint(3, 8), attempt) for attempt, kind in enumerate(kinds)]
     given_run_dir = cfg.train.run_dir != preset.train.run_dir
     run_dir = Path(cfg.train.run_dir if given_run_dir else tempfile.mkdtemp(prefix="bench_recovery_")) / "run"
-    overrides.update({"train.run_dir": str(run_dir), "train.steps": own.steps, "supervisor.spares": k - 1,
-                      "supervisor.restart_budget": len(kinds) + 2, "optimizer.decay_steps": own.steps})
+    overrides = {"train.run_dir": str(run_dir), "train.steps": own.steps, "supervisor.spares": k - 1,
+                 "supervisor.restart_budget": len(kinds) + 2, "optimizer.decay_steps": own.steps,
+                 "supervisor.health_check": health_check_command(run_dir.parent / "health")}
     cfg = apply_overrides(cfg, overrides).validate()
     logging_flags = [f"--{name}={flag_value(getattr(common, name))}" for name in ("log_level", "quiet", "verbose")
                      if getattr(common, name) != getattr(cli.CommonOptions(), name)]
-    argv = [f"--hosts={own.hosts}", f"--devices_per_host={own.devices_per_host}", f"--inject={','.join(faults)}",
-            f"--config={common.config}", *config_flags(cfg, preset), *logging_flags]
-    return cfg, argv, faults, seed
+    return cfg, [f"--config={common.config}", *config_flags(cfg, preset), *logging_flags], faults, seed
 
 
 def run(cfg: Config, common: cli.CommonOptions, own: RecoveryBenchOptions) -> int:
     """The benchmark (see the module docstring) on `cfg` (DEFAULTS and the user's config flags); returns the exit
     status: 0 when the supervised run finished, 1 otherwise."""
-    from msjax.supervise import cli as supervise_cli
+    from msjax.launch.cli import new_run_id, run_supervised
+    from msjax.launch.options import LaunchOptions
     from msjax.supervise.events import RECOVERY_PHASES, effective_time, fault_figures, read_events, recovery_phases
 
-    cfg, argv_sup, faults, seed = supervised_run(cfg, common, own)
+    cfg, train_flags, faults, seed = supervised_run(cfg, common, own)
     run_dir = Path(cfg.train.run_dir)
     if own.compile_cache:
         # jax reads its config from JAX_* variables; the workers inherit them.
         os.environ.update(JAX_COMPILATION_CACHE_DIR=own.compile_cache,
                           JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                           JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
-    print(f"bench_recovery: seed {seed}, faults {' '.join(faults)}, run dir {run_dir}", flush=True)
+    print(f"bench_recovery: seed {seed}, faults {faults}, run dir {run_dir}", flush=True)
+    opts = LaunchOptions(num_processes=own.hosts, devices_per_process=own.devices_per_host, supervise=True)
     t0 = time.time()
-    code = supervise_cli.main(argv_sup)
+    code = run_supervised(opts, cfg, new_run_id("bench"), train_flags,
+                          watchers=[FaultInjector(faults, run_dir.parent / "health")])
     wall = time.time() - t0
     events = read_events(run_dir / "events.jsonl")
     figures = fault_figures(events)
