@@ -107,13 +107,17 @@ def main(argv: list[str]) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
-    """A fault to inject: `kind` (kill: SIGKILL; stop: SIGSTOP, a hang; diag: SIGABRT and the host's health check
-    failing) into worker `rank` of attempt `attempt`, `after` steps past the step the attempt resumed from."""
+    """A fault to inject: `kind` into worker `rank` of attempt `attempt` (None: of every attempt, a fault loop),
+    `after` steps past the step the attempt resumed from. Kinds: kill (SIGKILL), stop (SIGSTOP, a hang), diag
+    (SIGABRT and the host's health check failing), term (SIGTERM, a preemption notice: the job saves and stops)."""
 
     kind: str
     rank: int
     after: int
-    attempt: int
+    attempt: int | None
+
+
+SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "diag": signal.SIGABRT, "term": signal.SIGTERM}
 
 
 class FaultInjector:
@@ -127,24 +131,29 @@ class FaultInjector:
 
     def __init__(self, faults: list[Fault], unhealthy_dir: Path):
         self.pending = list(faults)
+        self.done: set = set()
         self.unhealthy_dir = Path(unhealthy_dir)
 
     def __call__(self, progress) -> None:
         for f in list(self.pending):
             beat = progress.beats.get(f.rank)
-            if f.attempt != progress.attempt or beat is None or beat.get("step") is None:
+            if f.attempt not in (None, progress.attempt) or beat is None or beat.get("step") is None:
+                continue
+            if (f, progress.attempt) in self.done:
                 continue
             if f.rank >= len(progress.workers) or progress.workers[f.rank].proc.poll() is not None:
                 continue
             if beat["step"] < (beat.get("start_step") or 0) + f.after:
                 continue
-            self.pending.remove(f)
+            self.done.add((f, progress.attempt))
+            if f.attempt is not None:
+                self.pending.remove(f)
             host = progress.workers[f.rank].host
             if f.kind == "diag":
                 self.unhealthy_dir.mkdir(parents=True, exist_ok=True)
                 (self.unhealthy_dir / f"unhealthy-{host}").touch()
                 resource.prlimit(beat["pid"], resource.RLIMIT_CORE, (0, 0))  # an abort that leaves no core file
-            os.kill(beat["pid"], {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "diag": signal.SIGABRT}[f.kind])
+            os.kill(beat["pid"], SIGNALS[f.kind])
             progress.emit("fault_injected", fault=f.kind, rank=f.rank, host=host, step=beat["step"],
                           attempt=progress.attempt)
             print(f"[bench] injected {f.kind} into rank {f.rank} ({host}) at step {beat['step']}", flush=True)

@@ -18,6 +18,13 @@ the loop never waits on Redis and no step adds a host sync. Every `period_s` it:
 The first step's beat goes out at once (the supervisor's recovery time ends when it sees every worker's first
 step); a non-finite loss at a logging step is reported (`Store.report`).
 
+Signals, with several processes: SIGTERM or SIGINT to any worker (a scheduler's preemption of one pod or task, a
+step's scancel) becomes a stop command naming the signal, sent by this thread (never from the signal handler), so
+every process stops after the same step, saves and exits 128 + the signal (msjax.train.main): one process
+stopping alone would leave the others waiting in a collective. A second signal exits at once with that status.
+(jax's own preemption service, which this replaces for a worker of a control plane, needs every process to see
+the signal: one worker's notice did not stop the others.) With one process msjax.faults.StopOnSignal does it.
+
 Commands must take effect at the same step on every process, or an SPMD job deadlocks (one process would save
 or stop while another steps). With one process the thread applies them to `LoopControl` at once. With several,
 rank 0's queue is broadcast to all processes at logging steps (`on_log`, where the loop has just read the loss,
@@ -43,6 +50,7 @@ import atexit
 import logging
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -98,6 +106,9 @@ class ControlPlaneHook(Hook):
         self._thread: threading.Thread | None = None
         self._ctx: RunContext | None = None
         self._ckpt_dir = None
+        self._signal: int | None = None  # a signal received, to be sent as a stop command (several processes)
+        self._signal_sent = False
+        self._previous: dict[int, Any] = {}
         from msjax.control.metrics import RedisMetricsSink
 
         self.metrics = RedisMetricsSink(self.store)
@@ -117,6 +128,8 @@ class ControlPlaneHook(Hook):
         self._safe(lambda: self.store.post_event("loop_start", rank=self.rank, step=ctx.start_step,
                                                  generation=self.generation))
         self._safe(self._beat)  # the supervisor learns the restore step at once
+        if self.world > 1 and threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         if self._thread is None:
             self._stop.clear()
             self._thread = threading.Thread(target=self._serve, name=f"msjax-control-rank{self.rank}", daemon=True)
@@ -145,7 +158,22 @@ class ControlPlaneHook(Hook):
         decided = np.asarray(multihost_utils.broadcast_one_to_all(mine))
         self._apply(ctx, decided, step)
 
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self._signal is not None:
+            sys.stderr.write(f"msjax: rank {self.rank}: second signal ({name}): exiting now without waiting for the "
+                             "checkpoint\n")
+            sys.stderr.flush()
+            os._exit(128 + signum)
+        sys.stderr.write(f"msjax: rank {self.rank}: {name} received: every process finishes the same step, saves, "
+                         "then exits (send it again to exit at once)\n")
+        sys.stderr.flush()
+        self._signal = signum  # sent as a stop command by the control thread within a period
+
     def on_end(self, ctx: RunContext, error: BaseException | None) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
         self._publish_checkpoint()
         self._safe(lambda: self.store.post_event("loop_end", rank=self.rank, step=self.step,
                                                  error=None if error is None else repr(error)[:500]))
@@ -263,6 +291,9 @@ class ControlPlaneHook(Hook):
                             self._queue(command)
                 elif self._stop.wait(self.period_s):
                     break
+                if self._signal is not None and not self._signal_sent:
+                    self.store.send_command("stop", signal=self._signal, source=f"rank {self.rank}")
+                    self._signal_sent = True
                 if self._beat():
                     # Our members record was gone: Redis restarted (it keeps nothing on disk).
                     self.reconnects += 1
@@ -311,8 +342,6 @@ class ControlPlaneHook(Hook):
 
 
 def _signal_name(sig: int) -> str:
-    import signal
-
     try:
         return signal.Signals(sig).name
     except ValueError:
