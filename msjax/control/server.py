@@ -229,7 +229,12 @@ class _PortTaken(Exception):
 def main(argv: list[str] | None = None) -> int:
     """`msjax-redis [redis-server flags]`: runs `redis_server_binary()` in this process's place with the flags
     given (a cluster job's Redis, started on its first node; msjax.launch.slurm). Returns 2 with one `error:` line
-    when no binary is found."""
+    when no binary is found.
+
+    The server runs with SIGTERM, SIGINT and SIGHUP blocked (a blocked signal stays pending across exec, and
+    redis-server does not unblock it): a scheduler's preemption notice goes to every step of a job at once, and
+    the workers stop through this server (their stop command), so it must outlive them; the job's end kills it
+    (SLURM's SIGKILL after KillWait, or the batch script's)."""
     import sys
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -238,5 +243,6 @@ def main(argv: list[str] | None = None) -> int:
     except ControlError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
     os.execv(binary, [binary, *argv])
     return 0  # not reached: execv replaced this process

@@ -107,7 +107,8 @@ def spec(opts: LaunchOptions, cfg: Config, run_id: str, train_flags: Sequence[st
         supervisor = ([f"--num_processes={opts.num_processes}",
                        *opts.flags("devices_per_process", "accelerator", "device_kind", "rdzv_timeout_s",
                                    "srun_args")] if opts.supervise else [])
-        return sbatch_script(opts, run_id, train_flags, spares=cfg.supervisor.spares, supervisor=supervisor).render()
+        return sbatch_script(opts, run_id, train_flags, cfg.train.run_dir, spares=cfg.supervisor.spares,
+                             supervisor=supervisor).render()
     from msjax.launch import k8s
 
     return k8s.render(k8s.manifest(opts, run_id, train_flags, cfg if opts.supervise else None), run_id)

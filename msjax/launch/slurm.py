@@ -74,12 +74,16 @@ TASK_ENV = ('export MSJAX_RANK="$SLURM_PROCID" MSJAX_HOST="${SLURMD_NODENAME:-$(
 # Runs one worker task: "$@" is the worker command. The wrapper stays the task's main process so that it can print
 # the worker's exit code; it forwards SIGTERM to the worker (scancel signals every process of the step, srun the
 # wrapper: either way the worker gets it).
+# With MSJAX_TASK_STATUS set (a folder every node sees), it also writes its exit status there (rank<R>): srun's
+# own status is the largest of its tasks' and a task srun killed reads like one stopped by a signal, so only the
+# tasks' own statuses tell a job that stopped resumably from one that failed.
 TASK_WRAPPER = TASK_ENV + r"""
 echo "MSJAX_TASK start $SLURM_PROCID $MSJAX_HOST ${SLURM_JOB_ID:-0} ${SLURM_STEP_ID:-0}"
 "$@" & child=$!
 trap 'kill -TERM $child 2>/dev/null' TERM
 while :; do wait $child; rc=$?; kill -0 $child 2>/dev/null || break; done
 echo "MSJAX_TASK exit $SLURM_PROCID $rc"
+if [ -n "${MSJAX_TASK_STATUS:-}" ]; then echo "$rc" > "$MSJAX_TASK_STATUS/rank$SLURM_PROCID"; fi
 exit $rc
 """
 _TASK_LINE = re.compile(r"MSJAX_TASK (start|exit) (\d+) (\S+)(?: (\S+) (\S+))?")
@@ -98,7 +102,8 @@ class SlurmScript:
       nodes: nodes the allocation asks for.
       directives: the #SBATCH options, in order.
       setup: shell text run first (the user's setup block).
-      body: the commands after Redis is up: the worker step or the supervisor, then the requeue rule.
+      body: the commands after Redis is up: the worker step or the supervisor; they leave the job's exit status in
+        `status` and whether it stopped resumably (1) or not (0) in `resumable`, for the requeue rule.
     """
 
     run_id: str
@@ -117,12 +122,14 @@ class SlurmScript:
         lines += [
             'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
             f"REDIS_PORT={REDIS_PORT}",
-            "REDIS_PASSWORD=$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \\n')",
-            "# Redis lives as long as the job: started on the first node, killed on exit.",
+            "# The password: the submitter's MSJAX_REDIS_PASSWORD (to watch the run's Redis), else a fresh one.",
+            "REDIS_PASSWORD=\"${MSJAX_REDIS_PASSWORD:-$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \\n')}\"",
+            "# Redis lives as long as the job: started on the first node (deaf to SIGTERM: a preemption notice goes",
+            "# to every step, and the workers stop through Redis), killed on exit.",
             'srun --nodes=1 --ntasks=1 -w "$HEAD_NODE" --overlap msjax-redis --port "$REDIS_PORT" --bind 0.0.0.0 '
             '--requirepass "$REDIS_PASSWORD" --save "" --appendonly no --maxclients 20000 --tcp-backlog 4096 &',
             "REDIS_PID=$!",
-            "trap 'kill $REDIS_PID 2>/dev/null || true' EXIT",
+            "trap 'kill -KILL $REDIS_PID 2>/dev/null || true' EXIT",
             'export MSJAX_REDIS_URL="redis://${HEAD_NODE}:${REDIS_PORT}/0"',
             'export MSJAX_REDIS_PASSWORD="$REDIS_PASSWORD"',
             f'export MSJAX_RUN_ID="{self.run_id}-${{SLURM_JOB_ID}}"',
@@ -140,9 +147,8 @@ class SlurmScript:
             "trap 'echo \"msjax: SIGTERM: waiting for the step to save\"' TERM",
             "set +e",
             *self.body,
-            "status=$?",
             "set -e",
-            f"if [[ \" {' '.join(map(str, RESUMABLE))} \" == *\" $status \"* ]]; then",
+            'if [ "$resumable" = 1 ]; then',
             '  echo "msjax: stopped before the end (status $status), resumable: requeueing job $SLURM_JOB_ID"',
             '  scontrol requeue "$SLURM_JOB_ID"',
             "fi",
@@ -151,7 +157,7 @@ class SlurmScript:
         return "\n".join(lines) + "\n"
 
 
-def sbatch_script(opts: LaunchOptions, run_id: str, train_flags: Sequence[str], spares: int = 0,
+def sbatch_script(opts: LaunchOptions, run_id: str, train_flags: Sequence[str], run_dir: str, spares: int = 0,
                   supervisor: Sequence[str] = ()) -> SlurmScript:
     """The job's script as data (see the module docstring).
 
@@ -159,6 +165,7 @@ def sbatch_script(opts: LaunchOptions, run_id: str, train_flags: Sequence[str], 
       opts: the launch options (num_processes nodes, devices_per_process each, the slurm flags).
       run_id: the run's id.
       train_flags: the workers' train flags.
+      run_dir: the run's directory (train.run_dir; the tasks' exit statuses go to its logs/ folder).
       spares: extra nodes the allocation holds for the supervisor (supervisor.spares).
       supervisor: the supervisor's own flags (`msjax-supervise` options) when the job is supervised; empty: the
         script runs the worker step itself.
@@ -168,7 +175,7 @@ def sbatch_script(opts: LaunchOptions, run_id: str, train_flags: Sequence[str], 
     nodes = opts.num_processes + (spares if supervisor else 0)
     d = [f"--job-name={opts.name}", f"--nodes={nodes}", "--ntasks-per-node=1",
          f"--cpus-per-task={opts.cpus_per_process}", f"--time={opts.time_limit}", f"--output={opts.name}-%j.out",
-         "--requeue"]
+         "--open-mode=append", "--requeue"]  # append: a requeued job's output follows its first run's
     if supervisor:
         d.append("--no-kill")
     if opts.accelerator == "gpu":
@@ -191,6 +198,7 @@ def sbatch_script(opts: LaunchOptions, run_id: str, train_flags: Sequence[str], 
     else:
         d_env = []
     srun_extra = "".join(f" {shlex.quote(a)}" for a in opts.srun_args)
+    resumable = " ".join(map(str, RESUMABLE))
     if supervisor:
         body = [
             *d_env,
@@ -201,16 +209,30 @@ def sbatch_script(opts: LaunchOptions, run_id: str, train_flags: Sequence[str], 
             'NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd, -)',
             "msjax-supervise --backend=slurm --nodes=\"$NODES\" --run_id=\"$MSJAX_RUN_ID\" "
             + " ".join(shlex.quote(a) for a in supervisor) + f" -- {flags} \"${{RESUME[@]}}\"",
+            "status=$?",
+            f'resumable=0; if [[ " {resumable} " == *" $status "* ]]; then resumable=1; fi',
         ]
     else:
-        task = shlex.quote(TASK_ENV + '; exec "$@"')
+        status_dir = shlex.quote(str(Path(run_dir) / "logs")) + '/"slurm-$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}"'
         body = [
             *d_env,
-            "# One task per node; the rank is the task's SLURM_PROCID (srun numbers tasks in node order), so rank 0",
-            "# and JAX's coordinator run on the first node of the allocation, beside Redis.",
+            'export MSJAX_NUM_PROCESSES="$SLURM_NNODES"',
+            f"export MSJAX_TASK_STATUS={status_dir}",
+            'mkdir -p "$MSJAX_TASK_STATUS"',
+            "# One task per node, each under this wrapper: its rank is the task's SLURM_PROCID (srun numbers tasks in",
+            "# node order), so rank 0 and JAX's coordinator run on the first node of the allocation, beside Redis.",
+            f"TASK_WRAPPER={shlex.quote(TASK_WRAPPER)}",
             f'srun --nodes="$SLURM_NNODES" --ntasks="$SLURM_NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 '
-            f"--label{srun_extra} bash -c {task} msjax-worker msjax-train "
-            f'{flags} "${{RESUME[@]}}"',
+            f'--label{srun_extra} bash -c "$TASK_WRAPPER" msjax-worker msjax-train {flags} "${{RESUME[@]}}"',
+            "status=$?",
+            "# Stopped resumably only when every task said so itself (MSJAX_TASK_STATUS: srun's status cannot tell).",
+            "resumable=0",
+            'if [ "$status" != 0 ]; then',
+            "  resumable=1",
+            '  for ((r = 0; r < SLURM_NNODES; r++)); do',
+            f'    [[ " {resumable} " == *" $(cat "$MSJAX_TASK_STATUS/rank$r" 2>/dev/null) "* ]] || resumable=0',
+            "  done",
+            "fi",
         ]
     return SlurmScript(run_id, nodes, tuple(d), setup, tuple(body))
 
@@ -280,8 +302,8 @@ class SlurmBackend:
     Args:
       train_flags: the training command line, passed to every worker.
       nodes: the allocation's nodes in SLURM's order (`scontrol show hostnames $SLURM_JOB_NODELIST`).
-      log_dir: where each step's output goes (attempt<K>.step.log, split into attempt<K>.rank<R>.log;
-        diag_<host>.log).
+      log_dir: where each step's output goes (attempt<K>.step.log, its srun command line first, split into
+        attempt<K>.rank<R>.log; diag_<host>.log).
       router: where the workers' output reaches the supervisor's own output.
       cpu_devices: CPU devices each worker gets (XLA_FLAGS); 0 leaves the device setup alone (GPU nodes).
       env: base environment of the steps (default: this process's); srun passes it to every task.
@@ -318,12 +340,14 @@ class SlurmBackend:
                       rdzv_timeout_s=self.rdzv_timeout_s, cpu_devices=self.cpu_devices)
         cmd = [*self._srun(hosts, True), "bash", "-c", TASK_WRAPPER, "_", sys.executable, "-m", "msjax.train",
                *flags]
+        step_log = self.log_dir / f"attempt{attempt}.step.log"
+        step_log.parent.mkdir(parents=True, exist_ok=True)
+        step_log.write_text("# " + " ".join(shlex.quote(a) for a in cmd[:cmd.index("bash")]) + " ...\n")
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent)
         step = _Step(proc)
         logs = {rank: self.log_dir / f"attempt{attempt}.rank{rank}.log" for rank in range(len(hosts))}
-        step.pump = self.router.pump_labelled(proc.stdout, self.log_dir / f"attempt{attempt}.step.log",
-                                              lambda rank: logs[rank], step.on_line)
+        step.pump = self.router.pump_labelled(proc.stdout, step_log, lambda rank: logs[rank], step.on_line)
         self._steps.append(step)
         now = time.time()
         return [Worker(rank, host, _StepTask(step, rank), now, logs[rank],

@@ -208,15 +208,23 @@ def test_slurm_script(tmp_path, capsys):
     words = shlex.split(step)
     assert "--container-image=nvcr.io/x:1" in words and "--kill-on-bad-exit=1" in words and "--label" in words
     i = words.index("msjax-worker")
-    assert words[i + 1:] == ["msjax-train", *FLAGS, "${RESUME[@]}"]
-    # the task wrapper fixes each task's rank to its SLURM_PROCID (rank 0, JAX's coordinator, on the first node):
-    # run it as srun would, with `env` as the command
-    ran = subprocess.run(["bash", "-c", words[i - 1], "msjax-worker", "env"], capture_output=True, text=True,
-                         env={"SLURM_PROCID": "3", "SLURMD_NODENAME": "n3", "PATH": "/bin:/usr/bin"})
+    assert words[i - 2:i] == ["-c", "$TASK_WRAPPER"] and words[i + 1:] == ["msjax-train", *FLAGS, "${RESUME[@]}"]
+    assert 'export MSJAX_NUM_PROCESSES="$SLURM_NNODES"' in lines
+    # the task wrapper fixes each task's rank to its SLURM_PROCID (rank 0, JAX's coordinator, on the first node)
+    # and records its own exit status: run it as srun would, with `env` (then `exit 143`) as the command
+    (wrapper,) = shlex.split(re.search(r"^TASK_WRAPPER=('(?:[^']|'\"'\"')*')$", script, re.M).group(1))
+    task_env = {"SLURM_PROCID": "3", "SLURMD_NODENAME": "n3", "PATH": "/bin:/usr/bin",
+                "MSJAX_TASK_STATUS": str(tmp_path)}
+    ran = subprocess.run(["bash", "-c", wrapper, "msjax-worker", "env"], capture_output=True, text=True, env=task_env)
     assert ran.returncode == 0 and {"MSJAX_RANK=3", "MSJAX_HOST=n3"} <= set(ran.stdout.splitlines()), ran
+    stopped = subprocess.run(["bash", "-c", wrapper, "msjax-worker", "bash", "-c", "exit 143"], env=task_env)
+    assert stopped.returncode == 143 and (tmp_path / "rank3").read_text().strip() == "143"
     # requeued (SLURM_RESTART_COUNT > 0): --resume; a resumable stop (75, 130, 143): requeue itself
     assert 'RESUME=(); if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then RESUME=(--resume); fi' in lines
-    assert 'if [[ " 75 130 143 " == *" $status "* ]]; then' in lines and '  scontrol requeue "$SLURM_JOB_ID"' in lines
+    # requeued only when every task stopped resumably itself (srun's own status cannot tell: a task it killed reads
+    # like one stopped by SIGTERM)
+    assert '    [[ " 75 130 143 " == *" $(cat "$MSJAX_TASK_STATUS/rank$r" 2>/dev/null) "* ]] || resumable=0' in lines
+    assert 'if [ "$resumable" = 1 ]; then' in lines and '  scontrol requeue "$SLURM_JOB_ID"' in lines
 
 
 def test_slurm_supervised_script_runs_the_supervisor_with_spares_and_no_kill(tmp_path, capsys):
@@ -232,6 +240,7 @@ def test_slurm_supervised_script_runs_the_supervisor_with_spares_and_no_kill(tmp
     assert words[:4] == ["msjax-supervise", "--backend=slurm", "--nodes=$NODES", "--run_id=$MSJAX_RUN_ID"]
     assert {"--num_processes=2", "--devices_per_process=2", "--accelerator=none"} <= set(words[:words.index("--")])
     assert words[words.index("--") + 1:] == [*FLAGS, "--supervisor.spares=1", "${RESUME[@]}"]
+    assert 'resumable=0; if [[ " 75 130 143 " == *" $status "* ]]; then resumable=1; fi' in lines
     assert lines.index(ctl) > lines.index('export MSJAX_REDIS_URL="redis://${HEAD_NODE}:${REDIS_PORT}/0"')
 
 
