@@ -5,9 +5,10 @@ SIGTERM (a preemption notice, a scheduler's kill) or SIGINT (Ctrl-C): the first 
 current step; the loop then saves, waits for the checkpoint to be complete and returns, and the train command
 exits with 128 + the signal number (130 for SIGINT, 143 for SIGTERM: stopped, resumable with --resume; never 0,
 which means finished). A second signal exits at once with the same status: a checkpoint in flight then has no
-integrity record and is never taken for complete (msjax.checkpoint). In a multi-process run the handlers are not installed: one process stopping
-alone would hang the others in a collective. Under a launcher, the control plane's hook relays the signal as a
-stop command every process applies after the same step (msjax.control.hook); otherwise jax's preemption service
+integrity record and is never taken for complete (msjax.checkpoint). In a multi-process run the handlers are not
+installed: one process stopping alone would hang the others in a collective. Under a launcher, the control plane's
+hook relays the signal as a stop command every process applies after the same step (msjax.control.hook);
+otherwise jax's preemption service
 takes SIGTERM and the processes stop at the step it agrees on (`Checkpointer.reached_preemption`).
 
 Non-finite loss or gradient norm: the update is never applied (optax.apply_if_finite in msjax.optim); with

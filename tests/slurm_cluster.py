@@ -112,7 +112,7 @@ class SlurmCluster:
             key.write_bytes(secrets.token_bytes(1024))
         key.chmod(0o400)
         self.root.chmod(0o755)  # munged checks that its socket's folder is not writable by others
-        hosts = [f"127.0.0.1 localhost", f"{self.controller_addr} {socket.gethostname()}"]
+        hosts = ["127.0.0.1 localhost", f"{self.controller_addr} {socket.gethostname()}"]
         hosts += [f"{self.addr(n)} {n}" for n in self.nodes]
         (self.root / "hosts").write_text("\n".join(hosts) + "\n")
         ports = 17000 + int(self.tag, 16) % 2000 * 2

@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from msjax.config import Config
 from msjax.control.server import die_with_parent
@@ -46,7 +46,7 @@ from msjax.launch.env import job_env, worker_env
 from msjax.launch.options import LaunchOptions
 from msjax.launch.output import Router, log_shows_lost_service
 from msjax.supervise.detect import STOPPED_EXITS, describe_exit
-from msjax.supervise.diagnostics import Checks, HostDiagnosis, command, diagnoses
+from msjax.supervise.diagnostics import Checks, HostDiagnosis, command, diagnoses, passed_local
 from msjax.supervise.supervisor import Worker
 
 
@@ -355,21 +355,52 @@ class LocalBackend:
         from msjax.control.server import free_port
 
         env = {k: v for k, v in self._base_env().items() if not k.startswith("JAX_")}
-        coordinator = f"127.0.0.1:{free_port()}"
         t0 = time.monotonic()
-        procs = [subprocess.Popen(command(checks, host, rank, len(hosts), coordinator), env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  text=True, start_new_session=True, preexec_fn=die_with_parent)
-                 for rank, host in enumerate(hosts)]
-        outputs = []
-        for proc in procs:
-            try:
-                text, _ = proc.communicate(timeout=max(0.1, checks.timeout_s - (time.monotonic() - t0)))
-            except subprocess.TimeoutExpired:
-                _signal_group(proc, signal.SIGKILL)
-                text, _ = proc.communicate()
-            outputs.append(text or "")
-        for proc in procs:  # a hung peer may still hold its group open after its sibling timed out
-            _signal_group(proc, signal.SIGKILL)
-            proc.wait()
+        outputs = self_checks(hosts, checks, env, lambda argv, host: argv, lambda host: f"127.0.0.1:{free_port()}")
         return diagnoses(hosts, outputs, checks.timeout_s, time.monotonic() - t0, self.log_dir)
+
+
+def self_checks(hosts: Sequence[str], checks: Checks, env: dict[str, str],
+                on_host: Callable[[list[str], str], list[str]], coordinator: Callable[[str], str]) -> list[str]:
+    """The self-checks of `hosts` in two rounds; returns each host's output (both rounds).
+
+    Round 1: every host's local checks alone (the site health check, matmul correctness and speed): a host whose
+    check cannot even start (a dead node) is found at once and holds no one else back. Round 2: the cross-host
+    all-reduce among the hosts that passed round 1, in the time left. `on_host(argv, host)` turns a check's command
+    into the one that runs it on `host` (srun on SLURM, itself here); `coordinator(host)` gives the host:port of the
+    all-reduce's service on `host`."""
+    t0 = time.monotonic()
+    outputs = run_checks([on_host(command(checks, host), host) for host in hosts], env, checks.timeout_s)
+    passed = [i for i, out in enumerate(outputs) if passed_local(out)]
+    if len(passed) > 1:
+        address = coordinator(hosts[passed[0]])
+        group = run_checks([on_host(command(checks, hosts[i], rank, len(passed), address, allreduce_only=True),
+                                    hosts[i]) for rank, i in enumerate(passed)],
+                           env, max(1.0, checks.timeout_s - (time.monotonic() - t0)))
+        for i, out in zip(passed, group):
+            outputs[i] += out
+    return outputs
+
+
+def run_checks(argvs: Sequence[Sequence[str]], env: dict[str, str], timeout_s: float) -> list[str]:
+    """Runs one self-check process per host (`argvs`, in order; each `python -m msjax.supervise.diagnostics ...`,
+    directly or through srun) and returns each one's output, once all have ended or `timeout_s` has passed (then
+    what is left is killed, its whole process group)."""
+    t0 = time.monotonic()
+    procs = [subprocess.Popen(list(argv), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL, text=True, start_new_session=True, preexec_fn=die_with_parent)
+             for argv in argvs]
+    outputs: list[list[str]] = [[] for _ in procs]
+    readers = [threading.Thread(target=lambda p=p, out=out: out.extend(iter(p.stdout.readline, "")), daemon=True)
+               for p, out in zip(procs, outputs)]
+    for t in readers:
+        t.start()
+
+    while any(p.poll() is None for p in procs) and time.monotonic() - t0 < timeout_s:
+        time.sleep(0.05)
+    for p in procs:  # past the timeout, or a hung peer still holding its group open
+        _signal_group(p, signal.SIGKILL)
+        p.wait()
+    for t in readers:
+        t.join(timeout=5)
+    return ["".join(out) for out in outputs]

@@ -60,10 +60,11 @@ from typing import Sequence
 from msjax.control.server import die_with_parent
 from msjax.control.store import EXIT_REQUESTED
 from msjax.launch.env import job_env
+from msjax.launch.local import self_checks
 from msjax.launch.options import LaunchOptions
 from msjax.launch.output import Router, log_shows_lost_service
 from msjax.supervise.detect import STOPPED_EXITS
-from msjax.supervise.diagnostics import Checks, HostDiagnosis, command, diagnoses
+from msjax.supervise.diagnostics import Checks, HostDiagnosis, diagnoses
 from msjax.supervise.supervisor import Worker
 
 REDIS_PORT = 6379
@@ -148,7 +149,8 @@ class SlurmScript:
             "set +e",
             *self.body,
             "set -e",
-            'if [ "$resumable" = 1 ]; then',
+            "# ... and only while the job runs on: a job being cancelled (scancel) or out of time is not requeued.",
+            'if [ "$resumable" = 1 ] && scontrol show job "$SLURM_JOB_ID" | grep -q "JobState=RUNNING"; then',
             '  echo "msjax: stopped before the end (status $status), resumable: requeueing job $SLURM_JOB_ID"',
             '  scontrol requeue "$SLURM_JOB_ID"',
             "fi",
@@ -324,12 +326,15 @@ class SlurmBackend:
         self.rdzv_timeout_s, self.srun_args = rdzv_timeout_s, list(srun_args)
         self.srun, self.scancel = srun, scancel
         self._steps: list[_Step] = []
+        self._scancels: list[subprocess.Popen] = []
 
     def _srun(self, hosts: Sequence[str], kill_on_bad_exit: bool) -> list[str]:
         n = len(hosts)
         others = [x for x in self.nodes if x not in hosts]
+        # --overlap: a failed attempt's step may still be completing (until SLURM marks a dead node down) and hold
+        # the CPUs of the live nodes, whose tasks are gone; the next attempt must not wait for it
         return [self.srun, f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", f"--nodelist={','.join(hosts)}",
-                *([f"--exclude={','.join(others)}"] if others else []), "--label",
+                *([f"--exclude={','.join(others)}"] if others else []), "--label", "--overlap",
                 f"--kill-on-bad-exit={int(kill_on_bad_exit)}", *self.srun_args]
 
     def launch(self, attempt: int, hosts: Sequence[str], overrides: dict, resume: bool, redis_url: str,
@@ -354,10 +359,13 @@ class SlurmBackend:
                        peer_lost=lambda p=logs[rank]: log_shows_lost_service(p)) for rank, host in enumerate(hosts)]
 
     def _scancel(self, job_step: str, sig: str) -> None:
+        """`scancel --signal=SIG JOB.STEP`, not waited for: with a node down, slurmctld may take seconds to answer,
+        and the stop goes on (its SIGKILL to srun) whatever scancel does. Reaped by `stop`."""
         try:
-            subprocess.run([self.scancel, f"--signal={sig}", job_step], stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
+            self._scancels.append(subprocess.Popen([self.scancel, f"--signal={sig}", job_step],
+                                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                                   start_new_session=True))
+        except OSError:
             pass
 
     def stop(self, workers: Sequence[Worker], grace_s: float) -> dict:
@@ -391,39 +399,38 @@ class SlurmBackend:
             if s.pump is not None:
                 s.pump.join(timeout=5)
         self._steps = [s for s in self._steps if s not in steps]
+        self._scancels = [p for p in self._scancels if p.poll() is None]  # the others reaped
         return {"terminated": sum(len(v) for v in live.values()) - killed, "killed": killed}
 
+    def close(self) -> None:
+        """Waits for the scancel commands still running (at most 30 s each), so none is left behind."""
+        for p in self._scancels:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self._scancels = []
+
     def diagnose(self, hosts: Sequence[str], checks: Checks) -> list[HostDiagnosis]:
-        """The self-checks as one srun step per node (rank i on hosts[i], whose all-reduce is coordinated on
-        hosts[0]): a node SLURM cannot start a task on (its slurmd gone) fails alone, with srun's error as its
-        output, and the others still answer. A step still running at the timeout is killed."""
+        """The self-checks as srun steps, one per node and round (msjax.launch.local.self_checks): a node SLURM
+        cannot start a task on (its slurmd gone) fails alone, with srun's error as its output, and the others
+        still answer. A step still running at the timeout is killed."""
         from msjax.control.server import free_port
 
         env = job_env(self.env, redis_url=self.env.get("MSJAX_REDIS_URL", ""), run_id="diagnostics",
                       num_processes=len(hosts), rdzv_timeout_s=self.rdzv_timeout_s, cpu_devices=self.cpu_devices)
         env = {k: v for k, v in env.items() if not k.startswith(("JAX_", "MSJAX_RUN", "MSJAX_NUM"))}
-        coordinator = f"{hosts[0]}:{free_port('')}"
         t0 = time.monotonic()
-        procs = []
-        for rank, host in enumerate(hosts):
-            check = command(checks, host, rank, len(hosts), coordinator if len(hosts) > 1 else "")
-            cmd = [self.srun, "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--kill-on-bad-exit=0",
-                   *self.srun_args, *check]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, text=True, start_new_session=True,
-                                          preexec_fn=die_with_parent))
-        outputs = []
-        for proc in procs:
-            try:
-                text, _ = proc.communicate(timeout=max(0.1, checks.timeout_s - (time.monotonic() - t0)))
-            except subprocess.TimeoutExpired:
-                _signal(proc, signal.SIGTERM)  # srun forwards it to the step's task
-                try:
-                    text, _ = proc.communicate(timeout=5)
-                except subprocess.TimeoutExpired:
-                    _signal(proc, signal.SIGKILL)
-                    text, _ = proc.communicate()
-            outputs.append(text or "")
+
+        def on_host(argv: list[str], host: str) -> list[str]:
+            # --overlap: the failed step may still be completing (a dead node's task is only given up once SLURM
+            # marks the node down) and hold the live nodes' CPUs; --immediate: a node SLURM cannot give a step
+            # fails at once instead of srun waiting for it
+            return [self.srun, "--nodes=1", "--ntasks=1", f"--nodelist={host}", "--overlap", "--immediate=10",
+                    "--kill-on-bad-exit=0", *self.srun_args, *argv]
+
+        outputs = self_checks(hosts, checks, env, on_host, lambda host: f"{host}:{free_port('')}")
         return diagnoses(hosts, outputs, checks.timeout_s, time.monotonic() - t0, self.log_dir)
 
 

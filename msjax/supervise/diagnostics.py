@@ -11,9 +11,10 @@ not waited on; the launcher's backend starts it: a local subprocess, an srun ste
   2. matmul speed: the best of a few timed products against the expected per-device rate (`min_flops`).
   3. a cross-process all-reduce: a psum over every device of every host (jax.distributed, its own coordinator),
      checked against the exact sum; hosts that cannot join within the timeout are reported.
-The local result (0-2) is printed as one JSON line before the all-reduce starts, so a hang in the all-reduce
-still leaves the local verdict. `diagnoses` reads the verdicts back from each host's output; the backend kills
-whatever has not finished by the timeout.
+Each result is one `MSJAX_DIAG {json}` line; `diagnoses` reads the verdicts back from each host's output. The
+launcher's backends run two rounds (`command(..., round=...)`): the local checks (0-2) of every host, each alone,
+then the all-reduce among the hosts that passed, so that a host that cannot even start (a dead node) is found at
+once and holds nobody's local verdict back; whatever has not finished by the timeout is killed.
 """
 
 from __future__ import annotations
@@ -156,17 +157,28 @@ class Checks:
     health_check: str = ""
 
 
-def command(checks: Checks, host: str, rank: int, num: int, coordinator: str = "", python: str = sys.executable,
-            fail_exit: bool = False) -> list[str]:
-    """The command line that runs the self-checks of host `host` (rank `rank` of the `num` hosts diagnosed
-    together; `coordinator` host:port hosts their all-reduce's jax.distributed service when num > 1)."""
+def command(checks: Checks, host: str, rank: int = 0, num: int = 1, coordinator: str = "",
+            python: str = sys.executable, fail_exit: bool = False, allreduce_only: bool = False) -> list[str]:
+    """The command line that runs the self-checks of host `host`: alone (num 1: the local checks and a local
+    all-reduce), or as rank `rank` of the `num` hosts of an all-reduce whose jax.distributed service `coordinator`
+    (host:port) hosts, with `allreduce_only` (their local checks ran before)."""
     argv = [python, "-m", "msjax.supervise.diagnostics", "--host", host, "--rank", str(rank), "--num", str(num),
             "--min_flops", str(checks.min_flops), "--timeout", str(max(1.0, checks.timeout_s - 5))]
     if coordinator:
         argv += ["--coordinator", coordinator]
-    if checks.health_check:
+    if checks.health_check and not allreduce_only:
         argv += ["--health_check", checks.health_check]
-    return argv + (["--fail_exit"] if fail_exit else [])
+    return argv + (["--allreduce_only"] if allreduce_only else []) + (["--fail_exit"] if fail_exit else [])
+
+
+def passed_local(output: str) -> bool:
+    """Whether a host's output holds a passing local verdict."""
+    for line in output.splitlines():
+        if line.startswith("MSJAX_DIAG "):
+            rec = json.loads(line[len("MSJAX_DIAG "):])
+            if rec.get("phase") == "local":
+                return bool(rec.get("ok"))
+    return False
 
 
 @dataclass(frozen=True)
@@ -183,6 +195,7 @@ class DiagnosticsOptions:
       timeout: seconds to wait for the other hosts to join the all-reduce (and for the health check).
       health_check: a shell command run first (`sh -c`, with MSJAX_HOST set to --host); a non-zero exit fails the
         host (a site's node health check); empty: none.
+      allreduce_only: only join the all-reduce group (the local checks ran before, in their own round).
       fail_exit: exit 1 when a check fails (a node's own self-check, e.g. a Kubernetes initContainer).
     """
 
@@ -193,6 +206,7 @@ class DiagnosticsOptions:
     min_flops: float = 0.0
     timeout: float = 60.0
     health_check: str = ""
+    allreduce_only: bool = False
     fail_exit: bool = False
 
     def checked(self) -> "DiagnosticsOptions":
@@ -236,12 +250,15 @@ def _diagnose(a: DiagnosticsOptions) -> int:
             joined = True
         except Exception as e:  # noqa: BLE001 - reported, and the local checks still run
             join_error = f"could not join the all-reduce group within {a.timeout:g} s: {e!r}"
-    local = check_devices(a.host, a.rank, a.min_flops)
-    if a.health_check:
-        failed = health_check(a.health_check, a.host, a.timeout)
-        if failed:
-            local["ok"], local["reasons"] = False, [failed, *local["reasons"]]
-    print("MSJAX_DIAG " + json.dumps({"phase": "local", **local}), flush=True)
+    if a.allreduce_only:
+        local = {"ok": True, "reasons": []}
+    else:
+        local = check_devices(a.host, a.rank, a.min_flops)
+        if a.health_check:
+            failed = health_check(a.health_check, a.host, a.timeout)
+            if failed:
+                local["ok"], local["reasons"] = False, [failed, *local["reasons"]]
+        print("MSJAX_DIAG " + json.dumps({"phase": "local", **local}), flush=True)
     if a.num > 1:
         result = check_allreduce() if joined else {"ok": False, "error": join_error}
     else:
@@ -292,8 +309,8 @@ def diagnoses(hosts: Sequence[str], outputs: Sequence[str], timeout_s: float, se
         local = phases.get("local")
         if local is None:
             tail = out.strip().splitlines()[-1:] or [""]
-            results.append(HostDiagnosis(host, rank, False, [f"no answer within {timeout_s:g} s (last output: "
-                                                             f"{tail[0][-200:]!r})"], seconds=seconds))
+            why = f"its self-check gave no verdict within the {timeout_s:g} s limit (last output: {tail[0][-200:]!r})"
+            results.append(HostDiagnosis(host, rank, False, [why], seconds=seconds))
             continue
         reasons = list(local["reasons"])
         allreduce = phases.get("allreduce")

@@ -96,7 +96,8 @@ def test_supervise_help_and_bad_flags(capsys):
                                                                  "'k8s'"),
                         (["--num_processes=0"], "--num_processes=0: must be >= 1"),
                         (["--num_processes=1", "--sbatch"], "flag --sbatch needs a value"),
-                        (["--backend=k8s", "--num_processes=1", "--", "--mesh.data=1"], "--backend=k8s needs --run_id")):
+                        (["--backend=k8s", "--num_processes=1", "--", "--mesh.data=1"],
+                         "--backend=k8s needs --run_id")):
         assert supervise(args) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("error: ") and named in err, err

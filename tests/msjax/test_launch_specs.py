@@ -21,7 +21,6 @@ import subprocess
 import pytest
 import yaml
 
-from msjax.config import load_preset
 from msjax.launch import cli as launch_cli
 
 FLAGS = ["--config=gpt_tiny", "--train.steps=300", "--mesh.data=-1", "--mesh.tensor=2", "--train.global_batch=64",
@@ -224,7 +223,8 @@ def test_slurm_script(tmp_path, capsys):
     # requeued only when every task stopped resumably itself (srun's own status cannot tell: a task it killed reads
     # like one stopped by SIGTERM)
     assert '    [[ " 75 130 143 " == *" $(cat "$MSJAX_TASK_STATUS/rank$r" 2>/dev/null) "* ]] || resumable=0' in lines
-    assert 'if [ "$resumable" = 1 ]; then' in lines and '  scontrol requeue "$SLURM_JOB_ID"' in lines
+    assert 'if [ "$resumable" = 1 ] && scontrol show job "$SLURM_JOB_ID" | grep -q "JobState=RUNNING"; then' in lines
+    assert '  scontrol requeue "$SLURM_JOB_ID"' in lines
 
 
 def test_slurm_supervised_script_runs_the_supervisor_with_spares_and_no_kill(tmp_path, capsys):
@@ -251,7 +251,7 @@ def test_a_job_that_cannot_run_is_refused_before_anything_is_written_or_started(
     over it and a model too large for the devices."""
     out = tmp_path / "spec"
     common = [f"--backend={backend}", "--num_processes=2", "--devices_per_process=1", "--accelerator=none",
-              "--image=x", f"--output={out}", f"--redis_port=1"]  # port 1: a local run would fail to start Redis
+              "--image=x", f"--output={out}", "--redis_port=1"]  # port 1: a local run would fail to start Redis
     code, stdout, err = _launch(capsys, *common, flags=["--mesh.data=4", f"--train.run_dir={tmp_path / 'run'}"])
     assert code == 2 and stdout == "", (stdout, err)
     assert err.startswith("error: gpt_tiny: mesh pipeline=1 x data=4") and "but 2 are present" in err, err

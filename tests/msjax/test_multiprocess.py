@@ -1,5 +1,5 @@
-"""Multi-host on one machine: two jax.distributed processes with 4 CPU devices each train through
-`python -m msjax.train` (the train command) on a layout that spans both (pipeline 2 x data 2 x tensor 2), with global arrays built per
+"""Multi-host on one machine: two jax.distributed processes with 4 CPU devices each train through the train command
+(`python -m msjax.train`) on a layout that spans both (pipeline 2 x data 2 x tensor 2), with global arrays built per
 process and Orbax checkpoints written by both; they resume (one data-parallel replica reads, the other gets the
 state by broadcast) and match one process with 8 devices: validation and training losses within 1e-5, and the
 final parameters (#9's multi-process proof)."""

@@ -23,7 +23,8 @@ from msjax.control.store import Store, env_connect
 from msjax.control.worker import WorkerContext
 from msjax.hooks import LoopControl, RunContext
 rank = int(sys.argv[1])
-worker = WorkerContext(Store(env_connect(), "k8s-test"), Assignment(rank, 3, "h:1", 0), "0-0", f"w{rank}", f"node-{rank}")
+worker = WorkerContext(Store(env_connect(), "k8s-test"), Assignment(rank, 3, "h:1", 0), "0-0", f"w{rank}",
+                       f"node-{rank}")
 hook = ControlPlaneHook(worker, period_s=0.1, ttl_s=5.0)
 hook.on_start(RunContext(Config(), Path("/nonexistent"), None, None, 0, LoopControl()))
 time.sleep(60)
