@@ -330,7 +330,7 @@ class SupervisorConfig:
     diagnose_after_kill: run them also when every failed worker was killed by SIGKILL/SIGTERM/SIGINT (the OOM
       killer, an operator; msjax.supervise.detect.needs_diagnosis), which points at no device.
     standby: keep a warm standby worker per host (jax and the stack imported) for restarts (local backend;
-      msjax.supervise.standby).
+      msjax.launch.standby).
     diagnose_timeout_s: the diagnostics' time limit (a host that does not answer in time fails).
     diag_min_matmul_flops: the per-device matmul rate below which a host fails its speed check, FLOP/s; 0 takes
       0.1 x the catalogue peak on accelerators and 1e9 on CPU.
