@@ -23,7 +23,7 @@ The script, built from `LaunchOptions` as data (`SlurmScript`), never patched af
 
 `SlurmBackend` (the supervisor's WorkerBackend inside the allocation):
     worker step:  srun --nodes=N --ntasks=N --ntasks-per-node=1 --nodelist=HOSTS [--exclude=OTHERS] --label
-                       --kill-on-bad-exit=1 [srun_args] bash -c TASK_WRAPPER _ PYTHON -m msjax.train <flags>
+                       --overlap --kill-on-bad-exit=0 [srun_args] bash -c TASK_WRAPPER _ PYTHON -m msjax.train <flags>
     self-checks:  one srun step per node (-w NODE), so a node whose slurmd is gone fails alone
     stop:         scancel --signal=TERM JOB.STEP (and CONT, for a stopped task), SIGKILL after the grace period
 Each task runs under `TASK_WRAPPER`, which gives the worker its rank (SLURM_PROCID) and host (SLURMD_NODENAME)
@@ -343,7 +343,10 @@ class SlurmBackend:
         flags = self.train_flags + [f"--{k}={v}" for k, v in overrides.items()] + (["--resume"] if resume else [])
         env = job_env(self.env, redis_url=redis_url, run_id=run_id, num_processes=len(hosts),
                       rdzv_timeout_s=self.rdzv_timeout_s, cpu_devices=self.cpu_devices)
-        cmd = [*self._srun(hosts, True), "bash", "-c", TASK_WRAPPER, "_", sys.executable, "-m", "msjax.train",
+        # --kill-on-bad-exit=0: when a worker dies, the supervisor itself asks the others to leave (each says why
+        # in one line and exits 75, read as "left because a peer died"); srun killing them would make them look
+        # stopped by a signal of their own
+        cmd = [*self._srun(hosts, False), "bash", "-c", TASK_WRAPPER, "_", sys.executable, "-m", "msjax.train",
                *flags]
         step_log = self.log_dir / f"attempt{attempt}.step.log"
         step_log.parent.mkdir(parents=True, exist_ok=True)

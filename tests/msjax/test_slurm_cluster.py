@@ -235,8 +235,15 @@ def test_sbatch_trains_across_two_nodes_and_a_requeued_job_resumes(cluster, tmp_
     assert beat["pid"] in cluster.node_pids("node2")  # rank 1 runs in node2's namespace
     # a preemption notice to the job's step: every worker saves after the same step, exits 143; the script requeues
     job.sh("scancel", "--signal=TERM", job.id)
-    job.wait(lambda: job.info("Restarts") == "1", 120, "the requeue")
-    job.sh("scontrol", "update", f"JobId={job.id}", "StartTime=now")  # SLURM holds a requeued job ~2 min
+    job.wait(lambda: job.info("Restarts") == "1" and job.state() == "PENDING", 120, "the requeue")
+
+    def started() -> bool:  # SLURM holds a requeued job about 2 minutes (its BeginTime): start it now
+        if job.state() == "PENDING":
+            job.sh("scontrol", "update", f"JobId={job.id}", "StartTime=now")
+            return False
+        return True
+
+    job.wait(started, 120, "the requeued job to start")
     assert job.finish() == "COMPLETED", job.output()[-5000:]
     out = job.output()
     assert "msjax: stopped before the end (status 143), resumable: requeueing job" in out, out[-5000:]
