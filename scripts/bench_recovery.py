@@ -232,6 +232,7 @@ def run_slurm(cfg: Config, common: cli.CommonOptions, own: RecoveryBenchOptions)
     and Redis), each a random 3-8 steps after the attempt resumed. Returns 0 when the run finished."""
     import importlib.util
     import subprocess
+    import sysconfig
 
     from msjax.control.store import Store, connect
     from msjax.supervise.events import read_events
@@ -256,6 +257,7 @@ def run_slurm(cfg: Config, common: cli.CommonOptions, own: RecoveryBenchOptions)
     cluster = slurm_cluster.SlurmCluster(run_dir.parent / "slurm", nodes=own.hosts + 1).up()
     password, run_id = secrets.token_hex(8), f"bench-{secrets.token_hex(3)}"
     env = {k: v for k, v in cluster.env.items() if not k.startswith(("XLA_", "MSJAX_"))}
+    env["PATH"] = f"{sysconfig.get_paths()['scripts']}{os.pathsep}{env['PATH']}"  # msjax's commands, for sbatch
     env["MSJAX_REDIS_PASSWORD"] = password
     if own.compile_cache:
         env.update(JAX_COMPILATION_CACHE_DIR=own.compile_cache, JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")

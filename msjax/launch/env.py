@@ -37,9 +37,10 @@ def job_env(base: dict[str, str], *, redis_url: str, run_id: str, num_processes:
     return env
 
 
-def worker_env(job: dict[str, str], *, rank: int, host: str, advertise_host: str) -> dict[str, str]:
+def worker_env(job: dict[str, str], *, rank: int, host: str, advertise_host: str,
+               worker_id: str | None = None) -> dict[str, str]:
     """One worker's environment: the job's (`job_env`) plus its fixed rank (so the launcher's, the control plane's
-    and jax's numbering is one), the host it runs on as the launcher names it (its identity across restarts too)
-    and the address its peers reach it on."""
-    return {**job, "MSJAX_RANK": str(rank), "MSJAX_HOST": host, "MSJAX_WORKER_ID": host,
+    and jax's numbering is one), the host it runs on as the launcher names it, its identity across restarts
+    (`worker_id`; default: the host) and the address its peers reach it on."""
+    return {**job, "MSJAX_RANK": str(rank), "MSJAX_HOST": host, "MSJAX_WORKER_ID": worker_id or host,
             "MSJAX_ADVERTISE_HOST": advertise_host}

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -173,7 +174,10 @@ def run(opts: LaunchOptions, cfg: Config, run_id: str, train_flags: Sequence[str
             job = job_env(dict(os.environ), redis_url=url, run_id=run_id, num_processes=opts.num_processes,
                           rdzv_timeout_s=opts.rdzv_timeout_s, cpu_devices=opts.devices_per_process)
             for rank in range(opts.num_processes):
-                env = worker_env(job, rank=rank, host=f"host{rank}", advertise_host="127.0.0.1")
+                # every worker runs on this machine: its host is the machine's (the supervisor's local backend
+                # names logical hosts instead, host0, host1, ..., which it can exclude and replace)
+                env = worker_env(job, rank=rank, host=socket.gethostname(), advertise_host="127.0.0.1",
+                                 worker_id=f"local-{rank}")
                 group.start(rank, train_command(train_flags), env, log_dir / f"rank{rank}.log")
             router.say(f"[launch] {opts.num_processes} workers started; their logs: {log_dir}/rank*.log")
             return _watch(opts, cfg, group, store, server, router, signals)

@@ -97,6 +97,8 @@ class Job:
         self.cluster, self.tmp = cluster, tmp
         self.run_id = f"t{time.monotonic_ns() % 10**8}"
         env = {k: v for k, v in cluster.env.items() if not k.startswith(("XLA_", "JAX_", "MSJAX_"))}
+        # msjax's commands first on PATH, as an activated virtualenv has them (sbatch passes the environment on)
+        env["PATH"] = f"{sysconfig.get_paths()['scripts']}{os.pathsep}{env['PATH']}"
         env = {**env, "MSJAX_REDIS_PASSWORD": PASSWORD, "JAX_COMPILATION_CACHE_DIR": str(cache),
                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1", "PYTHONUNBUFFERED": "1"}
         done = subprocess.run([sys.executable, "-m", "msjax.launch", "--backend=slurm", "--num_processes=2",
