@@ -172,7 +172,8 @@ def test_kill_9_during_saves_never_restores_a_partial_checkpoint(tmp_path, small
 def test_the_train_command_exits_128_plus_the_signal_after_saving(tmp_path, small_corpus, jax_cache, sig):
     """`python -m msjax.train` stopped by a signal: it finishes the step, saves, says so and exits 128 + the signal
     (143, 130), never 0 (0 means finished: a shell's `train && next_step`, or a Kubernetes pod taken for
-    succeeded, must not mistake an interrupted run for a finished one); --resume then finishes it with 0."""
+    succeeded, must not mistake an interrupted run for a finished one); --resume then finishes it with 0 (after
+    SIGTERM)."""
     run_dir = tmp_path / "run"
     flags = ["--config=gpt_tiny", "--model.num_layers=2", "--model.d_model=32", "--model.num_heads=2",
              "--model.max_seq_len=32", f"--data.paths={small_corpus}", "--data.tokenizer=char",
@@ -195,6 +196,8 @@ def test_the_train_command_exits_128_plus_the_signal_after_saving(tmp_path, smal
     assert summary["stop_reason"] == f"received {sig.name}" and summary["stop_signal"] == sig
     assert summary["checkpoints"] == [summary["final_step"]] and summary["final_step"] < STEPS
     assert f"{sig.name} received: finishing the step, saving" in stderr
+    if sig != signal.SIGTERM:
+        return  # resuming is the same after either signal: once is enough for the suite's time
     done = subprocess.run([sys.executable, "-m", "msjax.train", *flags, "--resume"], capture_output=True, text=True,
                           env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
