@@ -59,9 +59,8 @@ def test_a_worker_aborted_because_a_peer_died_is_one_line(tmp_path):
     for rank in (0, 1):
         shown, logged = _route(tmp_path, rank, b"step 4\n" + ABORT)
         assert logged.endswith(ABORT)  # the stack stays in the log file
-        lines = shown.splitlines()
-        assert lines[-1] == f"[rank {rank}] {LOST_SERVICE_LINE}" and "@" not in shown and "F1125" not in shown
-        assert lines.count(f"[rank {rank}] {LOST_SERVICE_LINE}") == 1
+        # the glog lines leading up to the abort, its fatal line and its stack: one line (rank 0's progress stays)
+        assert shown.splitlines() == ["[rank 0] step 4"] * (rank == 0) + [f"[rank {rank}] {LOST_SERVICE_LINE}"]
     assert lost_distributed_service(ABORT.decode()) and not lost_distributed_service("step 4\nerror: disk full\n")
     # a worker's own SIGTERM notice from jax's preemption notifier is no peer's death
     shown, _ = _route(tmp_path, 1, b"W1125 14:11:07.960591   31752 preemption_notifier.cc:90] SIGTERM caught\n")
