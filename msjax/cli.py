@@ -36,7 +36,7 @@ class CommonOptions:
     """Flags every script has.
 
     Attributes:
-      config: the preset in configs/ whose values are the defaults of every other flag.
+      config: the preset in msjax/configs/ whose values are the defaults of every other flag.
       resume: shorthand for --checkpoint.resume=true (continue from the latest checkpoint).
       log_level: messages at this level and above are shown (DEBUG, INFO, WARNING, ERROR).
       quiet: only warnings and errors (same as --log_level=WARNING).
@@ -303,12 +303,26 @@ def parse_options(argv: Sequence[str], *options: Any, prog: str | None = None,
     return tuple(type(o)(**{f.name: getattr(flags, f.name) for f in dataclasses.fields(o)}) for o in options)
 
 
+class _LevelFormatter(logging.Formatter):
+    """The message alone, with `warning: ` or `error: ` before it from WARNING up: the words the scripts' own
+    one-line errors start with, so a reader (or a launcher showing other ranks' warnings and errors, msjax.launch)
+    tells them from progress."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        if record.levelno >= logging.ERROR:
+            return "error: " + text
+        return "warning: " + text if record.levelno >= logging.WARNING else text
+
+
 def setup_logging(options: CommonOptions | LoggingOptions) -> None:
     """Configures the root logger once for a script: one stream handler on stderr at the level the flags ask for
-    (`--quiet` WARNING, `--verbose` DEBUG, else `--log_level`). The training loop routes these records around
+    (`--quiet` WARNING, `--verbose` DEBUG, else `--log_level`); warnings and errors start with `warning: ` and
+    `error: `. The training loop routes these records around
     its progress bar (`tqdm.contrib.logging.logging_redirect_tqdm`)."""
     level = "WARNING" if options.quiet else "DEBUG" if options.verbose else options.log_level
-    logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr, force=True)
+    logging.basicConfig(level=level, stream=sys.stderr, force=True)
+    logging.getLogger().handlers[0].setFormatter(_LevelFormatter())
     # Libraries that log chattily at INFO (orbax, absl) stay at WARNING unless debugging.
     for name in ("absl", "orbax", "jax", "tensorstore", "botocore", "aiobotocore", "s3fs", "gcsfs"):
         logging.getLogger(name).setLevel(logging.DEBUG if level == "DEBUG" else logging.WARNING)

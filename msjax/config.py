@@ -392,8 +392,9 @@ class SupervisorConfig:
     """The supervisor that watches a multi-process run and heals it (`msjax.supervise`): heartbeats, failure
     detection, self-check diagnostics, restarts within a budget with exponential backoff, re-planning.
 
-    enabled: `scripts/launch.py` runs the job under the supervisor. Times are seconds.
-    heartbeat_period_s: how often each worker sends a heartbeat (its step, with a TTL of the timeout).
+    A launcher runs a job under the supervisor with `msjax-launch --supervise` (msjax.launch). Times are seconds.
+    heartbeat_period_s: how often each worker sends its heartbeat (its step, with a TTL of the timeout; the one
+      heartbeat of msjax.control.hook, supervised or not).
     heartbeat_timeout_s: a worker whose last heartbeat is older than this is failed (a hang, SIGSTOP).
     startup_timeout_s: a worker that has sent no heartbeat this long after its start is failed.
     stall_timeout_s: a worker whose step has not advanced this long while another's did is failed, and so is
@@ -403,22 +404,25 @@ class SupervisorConfig:
     backoff_s, backoff_max_s: delay before a restart is min(backoff_s * 2**k, backoff_max_s), k the failures in a
       row before it (0-based; an attempt that trained resets k, as Kubernetes' CrashLoopBackOff does).
     stop_grace_s: after SIGTERM, how long workers get to save and exit before SIGKILL (when a worker is dead, hung
-      or stalled the others cannot step or save: 1 s at most then, msjax.supervise.supervisor.stop_grace).
+      or stalled the others cannot step or save: one heartbeat period and a half second at most then,
+      msjax.supervise.supervisor.stop_grace).
     diagnose: run the self-checks on every host after a failure and exclude the hosts that fail.
     diagnose_after_kill: run them also when every failed worker was killed by SIGKILL/SIGTERM/SIGINT (the OOM
       killer, an operator; msjax.supervise.detect.needs_diagnosis), which points at no device.
     standby: keep a warm standby worker per host (jax and the stack imported) for restarts (local backend;
-      msjax.supervise.standby).
+      msjax.launch.standby).
     diagnose_timeout_s: the diagnostics' time limit (a host that does not answer in time fails).
     diag_min_matmul_flops: the per-device matmul rate below which a host fails its speed check, FLOP/s; 0 takes
       0.1 x the catalogue peak on accelerators and 1e9 on CPU.
+    health_check: a site's own node health check, run on every host with the self-checks (a shell command, e.g.
+      `nhc` or the script a SLURM site runs as HealthCheckProgram; MSJAX_HOST names the host): a non-zero exit
+      fails the host; empty: none.
     spares: extra hosts held back to replace excluded ones (local backend: extra processes).
     replan: when hosts are excluded and no spare is left, re-plan the same global batch onto the devices left.
     replan_hardware: the planner's hardware model for re-planning ("" : the catalogue entry of the devices,
       a100-80g as a stand-in on CPU).
     """
 
-    enabled: bool = False
     heartbeat_period_s: float = 1.0
     heartbeat_timeout_s: float = 5.0
     startup_timeout_s: float = 300.0
@@ -432,6 +436,7 @@ class SupervisorConfig:
     standby: bool = True
     diagnose_timeout_s: float = 120.0
     diag_min_matmul_flops: float = 0.0
+    health_check: str = ""
     spares: int = 0
     replan: bool = True
     replan_hardware: str = ""
@@ -770,7 +775,7 @@ def preset_names() -> list[str]:
 
 
 def load_preset(name: str) -> Config:
-    """The preset `configs/<name>.py` applied to the defaults, validated. Raises ConfigError if unknown."""
+    """The preset `msjax/configs/<name>.py` applied to the defaults, validated. Raises ConfigError if unknown."""
     names = preset_names()
     if name not in names:
         raise ConfigError(f"unknown preset --config={name!r}; allowed: {', '.join(names)}")

@@ -1,11 +1,11 @@
 """Joining JAX's multi-controller runtime (`jax.distributed`) when this process is one of several.
 
-Three ways in, tried in this order:
-  1. MSJAX_REDIS_URL set (msjax's own launcher, `scripts/launch.py`, for local processes, Kubernetes or SLURM):
-     rendezvous through Redis in O(1) round trips per worker (`msjax.control.worker`), then initialize.
-  2. JAX_COORDINATOR_ADDRESS=host:port with JAX_NUM_PROCESSES and JAX_PROCESS_ID, set by hand or by a launcher
+msjax's own launchers (msjax.launch: local processes, Kubernetes, SLURM) set MSJAX_REDIS_URL: their workers join
+through Redis in O(1) round trips per worker (`msjax.control.worker.join_from_env`, called by the train command,
+msjax.train.main), which initializes jax.distributed itself. Otherwise `initialize` tries, in this order:
+  1. JAX_COORDINATOR_ADDRESS=host:port with JAX_NUM_PROCESSES and JAX_PROCESS_ID, set by hand or by a launcher
      msjax does not know.
-  3. SLURM (`srun`) or Open MPI variables: JAX's own cluster detection reads them.
+  2. SLURM (`srun`) or Open MPI variables: JAX's own cluster detection reads them.
 A plain single process has none of them and is left alone (and imports nothing that needs Redis).
 """
 
@@ -22,16 +22,10 @@ def initialize() -> bool:
     """Calls `jax.distributed.initialize` when a multi-process launch is detected; returns whether it did.
 
     A plain single process (no launcher variables) is left alone, so the same entry point serves a laptop and a
-    cluster. Raises ValueError when JAX_COORDINATOR_ADDRESS is set without JAX_NUM_PROCESSES/JAX_PROCESS_ID;
-    msjax.control.ControlError / RendezvousError when the Redis rendezvous fails (unreachable, refused password,
-    late or duplicate worker, timeout).
+    cluster. Raises ValueError when JAX_COORDINATOR_ADDRESS is set without JAX_NUM_PROCESSES/JAX_PROCESS_ID.
     """
     if jax.distributed.is_initialized():
         return True
-    if os.environ.get("MSJAX_REDIS_URL"):
-        from msjax.control.worker import join_from_env
-
-        return join_from_env().assignment.world_size > 1
     if os.environ.get("JAX_COORDINATOR_ADDRESS"):
         try:
             n, i = int(os.environ["JAX_NUM_PROCESSES"]), int(os.environ["JAX_PROCESS_ID"])

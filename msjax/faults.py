@@ -2,11 +2,14 @@
 `train.nonfinite=stop` policy.
 
 SIGTERM (a preemption notice, a scheduler's kill) or SIGINT (Ctrl-C): the first asks the loop to stop after the
-current step; the loop then saves, waits for the checkpoint to be complete and returns (exit 0). A second signal
-exits at once with 128 + signal number: a checkpoint in flight then has no integrity record and is never taken
-for complete (msjax.checkpoint). In a multi-process run the handlers are not installed: one process stopping
-alone would hang the others in a collective, so jax's preemption service takes SIGTERM and every process stops
-at the step it agrees on (`Checkpointer.reached_preemption`, read by the loop).
+current step; the loop then saves, waits for the checkpoint to be complete and returns, and the train command
+exits with 128 + the signal number (130 for SIGINT, 143 for SIGTERM: stopped, resumable with --resume; never 0,
+which means finished). A second signal exits at once with the same status: a checkpoint in flight then has no
+integrity record and is never taken for complete (msjax.checkpoint). In a multi-process run the handlers are not
+installed: one process stopping alone would hang the others in a collective. Under a launcher, the control plane's
+hook relays the signal as a stop command every process applies after the same step (msjax.control.hook);
+otherwise jax's preemption service
+takes SIGTERM and the processes stop at the step it agrees on (`Checkpointer.reached_preemption`).
 
 Non-finite loss or gradient norm: the update is never applied (optax.apply_if_finite in msjax.optim); with
 `train.nonfinite=skip` the loop goes on and counts it (`skipped`), with `stop` `NonFiniteStop` ends the run with
@@ -65,7 +68,7 @@ class StopOnSignal(Hook):
         sys.stderr.write(f"msjax: {name} received: finishing the step, saving, then exiting "
                          f"(send it again to exit at once)\n")
         sys.stderr.flush()
-        self._control.request_stop(f"received {name}")
+        self._control.request_stop(f"received {name}", signal=signum)
 
     def on_end(self, ctx: RunContext, error: BaseException | None) -> None:
         for s, handler in self._previous.items():

@@ -23,6 +23,8 @@ class LoopControl:
 
     Attributes (read them through the methods below):
       stop_reason: why the loop should stop after the current step (it saves first), or None.
+      stop_signal: the signal number behind the stop (received, or relayed by a launcher), or None: the train
+        command then exits with 128 + it (msjax.train.main).
       checkpoint_requested: save at the end of the current step even if it is not a checkpoint step.
       profile_request: (first_step, num_steps) of a profiler trace to capture, or None.
     """
@@ -30,14 +32,15 @@ class LoopControl:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.stop_reason: str | None = None
+        self.stop_signal: int | None = None
         self.checkpoint_requested = False
         self.profile_request: tuple[int, int] | None = None
 
-    def request_stop(self, reason: str) -> None:
-        """Ask the loop to finish its step, save, and return. The first reason given is kept."""
+    def request_stop(self, reason: str, signal: int | None = None) -> None:
+        """Ask the loop to finish its step, save, and return. The first reason (and its signal) given is kept."""
         with self._lock:
             if self.stop_reason is None:
-                self.stop_reason = reason
+                self.stop_reason, self.stop_signal = reason, signal
 
     def request_checkpoint(self) -> None:
         with self._lock:

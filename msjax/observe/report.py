@@ -15,6 +15,8 @@ one.
 
 from __future__ import annotations
 
+import dataclasses
+
 import html
 import json
 from pathlib import Path
@@ -291,3 +293,52 @@ def _html(run_dir: Path, run: dict[str, Any], images: list[tuple[str, str]]) -> 
            f"<th>slowdown vs others' median</th></tr>{table}</table>" if strag else "<p>none flagged</p>")
         + "".join(f"<h2>{html.escape(t)}</h2><img src='{f}' alt='{html.escape(t)}'>" for f, t in images)
         + "</body></html>\n")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportOptions:
+    """The report command's flags; RUN_DIR, the run directory to draw, is its one positional argument.
+
+    Attributes:
+      out: the directory for the PNGs and index.html; empty: RUN_DIR/report/.
+    """
+
+    out: str = ""
+
+
+_TAKES_VALUE = ("--out", "--log_level")  # flags that may take their value as the next argument
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The report command (`msjax-report RUN_DIR [--out=DIR]`, scripts/report.py): writes `write_report`'s
+    pictures and prints the index.html path. Returns 0, or 2 after one `error: ...` line (a bad flag, no run)."""
+    import sys
+
+    from msjax import cli
+    from msjax.config import ConfigError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+
+    def body() -> int:
+        flags, run_dirs, rest = [], [], list(argv)
+        while rest:
+            arg = rest.pop(0)
+            if not arg.startswith("-"):
+                run_dirs.append(arg)
+                continue
+            flags.append(arg)
+            if arg in _TAKES_VALUE and rest:
+                flags.append(rest.pop(0))
+        common, opts = cli.parse_options(flags, ReportOptions(), prog="msjax-report RUN_DIR",
+                                         description=main.__doc__)
+        cli.setup_logging(common)
+        if len(run_dirs) != 1:
+            raise ConfigError(f"report takes one RUN_DIR (a run directory); got {run_dirs or 'none'}")
+        try:
+            index = write_report(run_dirs[0], opts.out or None)
+        except ReportError as e:
+            raise ConfigError(str(e)) from None
+        print(index)
+        return 0
+
+    return cli.main_guard(body)

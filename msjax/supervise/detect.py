@@ -5,7 +5,14 @@ The supervisor's loop fills a `WorkerState` per worker from the process table (e
 of them testable with made-up times.
 
 Rules (MegaScale sec. 5.1: heartbeats with process status; ByteRobust: hang detection by stalled progress):
-  exit        the process ended with a non-zero code or a signal.
+  peer_lost   the process left because another worker died, not by a fault of its own: it exited with
+              EXIT_REQUESTED (75: the train command's status for "stopped because a peer failed or the job is
+              being restarted"), or jax's distributed runtime aborted it because another task died
+              (`WorkerState.peer_lost`, from its output). Never blamed while another failure explains it
+              (`blame`).
+  stopped     the process exited with 128 + SIGTERM or SIGINT: it was stopped by a signal from outside (a
+              scheduler's preemption, an eviction), saved and left: resumable, not a failure of its host.
+  exit        the process ended with any other non-zero code or a signal.
   heartbeat   no heartbeat for `heartbeat_timeout` seconds (a hang, SIGSTOP, a dead host), or none at all within
               `startup_timeout` seconds of the start (or of the loop's end, for a worker that is exiting).
   nonfinite   the worker reported a non-finite loss.
@@ -19,6 +26,11 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass
 from typing import Sequence
+
+from msjax.control.store import EXIT_REQUESTED
+
+# Exit statuses of a worker stopped by a signal after saving (msjax.train.main): resumable.
+STOPPED_EXITS = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 
 
 @dataclass(frozen=True)
@@ -35,6 +47,7 @@ class WorkerState:
       step_changed_at: when `step` last changed (or the first beat's time).
       nonfinite: (step, loss) of a reported non-finite loss, or None.
       loop_done: its newest heartbeat said the training loop is over (it is saving, sampling, shutting down).
+      peer_lost: its output shows jax's distributed runtime ended it because another task died.
     """
 
     rank: int
@@ -46,11 +59,13 @@ class WorkerState:
     step_changed_at: float | None = None
     nonfinite: tuple[int, float] | None = None
     loop_done: bool = False
+    peer_lost: bool = False
 
 
 @dataclass(frozen=True)
 class Failure:
-    """One detected failure: which worker, which rule (`kind`: exit / heartbeat / nonfinite / stalled), why."""
+    """One detected failure: which worker, which rule (`kind`: peer_lost / stopped / exit / heartbeat / nonfinite /
+    stalled), why."""
 
     rank: int
     host: str
@@ -61,8 +76,19 @@ class Failure:
         return {"rank": self.rank, "host": self.host, "kind": self.kind, "detail": self.detail}
 
 
+def blame(failures: Sequence[Failure]) -> list[Failure]:
+    """The failures that explain the others: every one but the `peer_lost` ones (workers that left because another
+    died). Empty when all of them are `peer_lost`: the worker that died has not shown yet (its node's processes
+    are gone without an exit status; its heartbeat expires within the timeout), and the caller waits for it."""
+    return [f for f in failures if f.kind != "peer_lost"]
+
+
 def describe_exit(code: int) -> str:
-    """'exit code 3' or 'killed by SIGKILL' for a Popen returncode."""
+    """'exit code 3', 'killed by SIGKILL' or 'stopped by SIGTERM (exit code 143)' for a Popen returncode."""
+    if code in STOPPED_EXITS:
+        return f"stopped by {signal.Signals(code - 128).name} (exit code {code})"
+    if code == EXIT_REQUESTED:
+        return f"left because a peer failed (exit code {code})"
     if code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"
@@ -94,7 +120,12 @@ def detect_failures(workers: Sequence[WorkerState], now: float, *, heartbeat_tim
     for w in sorted(workers, key=lambda w: w.rank):
         failure = None
         if w.exit_code is not None:
-            if w.exit_code != 0:
+            if w.exit_code == EXIT_REQUESTED or (w.exit_code != 0 and w.peer_lost):
+                failure = ("peer_lost", describe_exit(w.exit_code) if w.exit_code == EXIT_REQUESTED else
+                           f"{describe_exit(w.exit_code)}: jax's distributed runtime ended it (another task died)")
+            elif w.exit_code in STOPPED_EXITS:
+                failure = ("stopped", describe_exit(w.exit_code))
+            elif w.exit_code != 0:
                 failure = ("exit", describe_exit(w.exit_code))
         elif w.nonfinite is not None:
             failure = ("nonfinite", f"non-finite loss {w.nonfinite[1]} reported at step {w.nonfinite[0]}")
@@ -130,11 +161,14 @@ OUTSIDE_SIGNALS = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT)
 
 def needs_diagnosis(failures: Sequence[Failure], exit_codes: dict[int, int | None]) -> bool:
     """Whether the failures could be a host's fault, so the self-checks should run before the restart: False only
-    when every failure is a worker that exited by one of OUTSIDE_SIGNALS (Popen returncode -SIG in `exit_codes`,
-    by rank), which the self-checks would only cost time on (a whole self-check round: a process start, jax's
-    import and a cross-host all-reduce, per restart)."""
-    return any(f.kind != "exit" or (exit_codes.get(f.rank) or 0) >= 0
-               or signal.Signals(-exit_codes[f.rank]) not in OUTSIDE_SIGNALS for f in failures)
+    when every failure is a worker stopped from outside: one that exited by one of OUTSIDE_SIGNALS (Popen
+    returncode -SIG in `exit_codes`, by rank) or that saved and left on one (`stopped`), which the self-checks would
+    only cost time on (a whole self-check round: a process start, jax's import and a cross-host all-reduce, per
+    restart)."""
+    return any(f.kind not in ("exit", "stopped")
+               or (f.kind == "exit" and ((exit_codes.get(f.rank) or 0) >= 0
+                                         or signal.Signals(-exit_codes[f.rank]) not in OUTSIDE_SIGNALS))
+               for f in failures)
 
 
 def finished(workers: Sequence[WorkerState]) -> bool:

@@ -1,18 +1,20 @@
 """Self-check diagnostics per host (MegaScale sec. 5.2): run after a failure, before restarting, to find the
 host to exclude.
 
-Each host runs, in a subprocess of its own (so a hang is killed, not waited on):
+Each host runs `python -m msjax.supervise.diagnostics` (`command`), in a process of its own (so a hang is killed,
+not waited on; the launcher's backend starts it: a local subprocess, an srun step):
+  0. the site's own health check, when `supervisor.health_check` names one (a shell command such as LBNL's NHC,
+     the script a SLURM site runs as its HealthCheckProgram): a non-zero exit fails the host;
   1. matmul correctness: on every local device, a float32 (n x n) @ (n x n) product of random matrices (seeded per
      host and device) against a NumPy float64 reference; fails when max|C - C_ref| / max|C_ref| > `MATMUL_RTOL`.
      Computed at `Precision.HIGHEST` so a GPU's TF32 default is not taken for a fault.
   2. matmul speed: the best of a few timed products against the expected per-device rate (`min_flops`).
   3. a cross-process all-reduce: a psum over every device of every host (jax.distributed, its own coordinator),
      checked against the exact sum; hosts that cannot join within the timeout are reported.
-The local result (1, 2) is printed as one JSON line before the all-reduce starts, so a hang in the all-reduce
-still leaves the local verdict. The supervisor kills whatever has not finished by the timeout.
-
-Test-only setting: MSJAX_TEST_FAIL_DIAGNOSTIC=<host or rank>[,...] corrupts one element of the matmul result on
-the named hosts *before* the comparison, so the check itself finds the fault (nothing is hard-coded to fail).
+Each result is one `MSJAX_DIAG {json}` line; `diagnoses` reads the verdicts back from each host's output. The
+launcher's backends run two rounds (`command(..., round=...)`): the local checks (0-2) of every host, each alone,
+then the all-reduce among the hosts that passed, so that a host that cannot even start (a dead node) is found at
+once and holds nobody's local verdict back; whatever has not finished by the timeout is killed.
 """
 
 from __future__ import annotations
@@ -29,8 +31,6 @@ from typing import Sequence
 MATMUL_RTOL = 1e-4
 MATMUL_N = 256
 SPEED_N = 512
-TEST_FAIL_ENV = "MSJAX_TEST_FAIL_DIAGNOSTIC"
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -60,15 +60,11 @@ class HostDiagnosis:
         return dict(self.__dict__)
 
 
-def _failing_hosts() -> set[str]:
-    return {x.strip() for x in os.environ.get(TEST_FAIL_ENV, "").split(",") if x.strip()}
-
-
 def check_devices(host: str, rank: int, min_flops: float) -> dict:
     """Matmul correctness and speed on every local device of this process (steps 1 and 2 above).
 
     Args:
-      host, rank: this host's name and rank (the test-only setting matches either).
+      host, rank: this host's name and rank (the rank seeds the random matrices).
       min_flops: expected per-device FLOP/s; 0 takes 0.1 x the catalogue peak, or 1e9 on CPU.
     Returns:
       {"host", "rank", "device_kind", "devices": [...], "ok", "reasons"}.
@@ -84,7 +80,6 @@ def check_devices(host: str, rank: int, min_flops: float) -> dict:
     if not min_flops:
         hw = for_device_kind(kind)
         min_flops = 0.1 * hw.peak_flops if hw is not None else 1e9
-    corrupt = host in _failing_hosts() or str(rank) in _failing_hosts()
     matmul = jax.jit(lambda a, b: jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST))
     out, reasons = [], []
     for i, d in enumerate(devices):
@@ -92,9 +87,6 @@ def check_devices(host: str, rank: int, min_flops: float) -> dict:
         a = rng.standard_normal((MATMUL_N, MATMUL_N), dtype=np.float32)
         b = rng.standard_normal((MATMUL_N, MATMUL_N), dtype=np.float32)
         c = np.asarray(matmul(jax.device_put(a, d), jax.device_put(b, d)))
-        if corrupt and i == 0:
-            c = c.copy()
-            c[0, 0] += 1.0  # test-only: a wrong element, as a faulty unit would produce
         ref = a.astype(np.float64) @ b.astype(np.float64)
         err = float(np.max(np.abs(c - ref)) / np.max(np.abs(ref)))
         x = jax.device_put(rng.standard_normal((SPEED_N, SPEED_N), dtype=np.float32), d)
@@ -136,6 +128,59 @@ def check_allreduce() -> dict:
             **({} if ok else {"error": f"all-reduce gave {got}, expected {want}"})}
 
 
+def health_check(command: str, host: str, timeout_s: float) -> str | None:
+    """Runs the site's health check `command` (`sh -c`, MSJAX_HOST=host in its environment); returns why it failed
+    (its exit status and last output line, or the timeout), or None when it exited 0."""
+    try:
+        done = subprocess.run(["sh", "-c", command], env={**os.environ, "MSJAX_HOST": host}, capture_output=True,
+                              text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return f"health check {command!r} did not finish within {timeout_s:g} s"
+    if done.returncode == 0:
+        return None
+    last = (done.stdout + done.stderr).strip().splitlines()[-1:] or [""]
+    return f"health check {command!r} exited with status {done.returncode}: {last[0][-200:]}"
+
+
+@dataclass(frozen=True)
+class Checks:
+    """What the self-checks ask of every host (the supervisor fills it from `supervisor.*`).
+
+    Attributes:
+      timeout_s: the diagnostics' time limit, seconds (a host that has not answered by then fails).
+      min_flops: expected per-device matmul rate, FLOP/s (0: check_devices' default).
+      health_check: the site's health check command, or "".
+    """
+
+    timeout_s: float
+    min_flops: float = 0.0
+    health_check: str = ""
+
+
+def command(checks: Checks, host: str, rank: int = 0, num: int = 1, coordinator: str = "",
+            python: str = sys.executable, fail_exit: bool = False, allreduce_only: bool = False) -> list[str]:
+    """The command line that runs the self-checks of host `host`: alone (num 1: the local checks and a local
+    all-reduce), or as rank `rank` of the `num` hosts of an all-reduce whose jax.distributed service `coordinator`
+    (host:port) hosts, with `allreduce_only` (their local checks ran before)."""
+    argv = [python, "-m", "msjax.supervise.diagnostics", "--host", host, "--rank", str(rank), "--num", str(num),
+            "--min_flops", str(checks.min_flops), "--timeout", str(max(1.0, checks.timeout_s - 5))]
+    if coordinator:
+        argv += ["--coordinator", coordinator]
+    if checks.health_check and not allreduce_only:
+        argv += ["--health_check", checks.health_check]
+    return argv + (["--allreduce_only"] if allreduce_only else []) + (["--fail_exit"] if fail_exit else [])
+
+
+def passed_local(output: str) -> bool:
+    """Whether a host's output holds a passing local verdict."""
+    for line in output.splitlines():
+        if line.startswith("MSJAX_DIAG "):
+            rec = json.loads(line[len("MSJAX_DIAG "):])
+            if rec.get("phase") == "local":
+                return bool(rec.get("ok"))
+    return False
+
+
 @dataclass(frozen=True)
 class DiagnosticsOptions:
     """`python -m msjax.supervise.diagnostics`'s flags (the supervisor, a SLURM step or a Kubernetes
@@ -147,7 +192,10 @@ class DiagnosticsOptions:
       num: how many hosts join the cross-process all-reduce (1: local checks and a local all-reduce only).
       coordinator: host:port of the all-reduce group's jax.distributed coordinator (needed when num > 1).
       min_flops: expected per-device float32 matmul rate, FLOP/s (0: check_devices' default).
-      timeout: seconds to wait for the other hosts to join the all-reduce.
+      timeout: seconds to wait for the other hosts to join the all-reduce (and for the health check).
+      health_check: a shell command run first (`sh -c`, with MSJAX_HOST set to --host); a non-zero exit fails the
+        host (a site's node health check); empty: none.
+      allreduce_only: only join the all-reduce group (the local checks ran before, in their own round).
       fail_exit: exit 1 when a check fails (a node's own self-check, e.g. a Kubernetes initContainer).
     """
 
@@ -157,6 +205,8 @@ class DiagnosticsOptions:
     coordinator: str = ""
     min_flops: float = 0.0
     timeout: float = 60.0
+    health_check: str = ""
+    allreduce_only: bool = False
     fail_exit: bool = False
 
     def checked(self) -> "DiagnosticsOptions":
@@ -200,8 +250,15 @@ def _diagnose(a: DiagnosticsOptions) -> int:
             joined = True
         except Exception as e:  # noqa: BLE001 - reported, and the local checks still run
             join_error = f"could not join the all-reduce group within {a.timeout:g} s: {e!r}"
-    local = check_devices(a.host, a.rank, a.min_flops)
-    print("MSJAX_DIAG " + json.dumps({"phase": "local", **local}), flush=True)
+    if a.allreduce_only:
+        local = {"ok": True, "reasons": []}
+    else:
+        local = check_devices(a.host, a.rank, a.min_flops)
+        if a.health_check:
+            failed = health_check(a.health_check, a.host, a.timeout)
+            if failed:
+                local["ok"], local["reasons"] = False, [failed, *local["reasons"]]
+        print("MSJAX_DIAG " + json.dumps({"phase": "local", **local}), flush=True)
     if a.num > 1:
         result = check_allreduce() if joined else {"ok": False, "error": join_error}
     else:
@@ -228,50 +285,6 @@ def _report_excluded(host: str, reason: str) -> None:
         print(f"msjax diagnostics: could not report {host} to the control plane: {e!r}", file=sys.stderr)
 
 
-def diagnose_local(hosts: Sequence[str], env: dict[str, str], timeout_s: float, min_flops: float = 0.0,
-                   log_dir: Path | None = None) -> list[HostDiagnosis]:
-    """Runs the self-checks for `hosts` as local subprocesses (one per host, `env` giving each its devices) and
-    returns one HostDiagnosis per host, in order.
-
-    Every subprocess is killed (its whole process group) once `timeout_s` has passed; a host with no local
-    result by then fails with "no answer within ... s".
-
-    Args:
-      hosts: host names; host i runs as rank i.
-      env: the environment of each subprocess (XLA_FLAGS for the device count, the test-only setting).
-      timeout_s: the whole diagnostic's time limit, seconds.
-      min_flops: expected per-device matmul rate (0: the default of `check_devices`).
-      log_dir: where each host's output goes (diag_<host>.log); None keeps it in memory only.
-    """
-    from msjax.control.server import die_with_parent, free_port
-
-    coordinator = f"127.0.0.1:{free_port()}"
-    n = len(hosts)
-    procs = []
-    t0 = time.monotonic()
-    for rank, host in enumerate(hosts):
-        cmd = [sys.executable, "-m", "msjax.supervise.diagnostics", "--host", host, "--rank", str(rank),
-               "--num", str(n), "--coordinator", coordinator, "--min_flops", str(min_flops),
-               "--timeout", str(max(1.0, timeout_s - 5))]
-        child_env = {k: v for k, v in env.items() if not k.startswith("JAX_")}
-        child_env["PYTHONPATH"] = os.pathsep.join([str(ROOT), child_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        procs.append(subprocess.Popen(cmd, cwd=str(ROOT), env=child_env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-                                      start_new_session=True, preexec_fn=die_with_parent))
-    outputs = []
-    for proc in procs:
-        remaining = max(0.1, timeout_s - (time.monotonic() - t0))
-        try:
-            out, _ = proc.communicate(timeout=remaining)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            out, _ = proc.communicate()
-        outputs.append(out or "")
-    for p in procs:  # a hung peer may still hold the group open after its sibling timed out
-        _kill_group(p)
-    return diagnoses(hosts, outputs, timeout_s, time.monotonic() - t0, log_dir)
-
-
 def diagnoses(hosts: Sequence[str], outputs: Sequence[str], timeout_s: float, seconds: float,
               log_dir: Path | None = None) -> list[HostDiagnosis]:
     """One HostDiagnosis per host from each host's diagnostic output (its `MSJAX_DIAG {json}` lines), however
@@ -296,8 +309,8 @@ def diagnoses(hosts: Sequence[str], outputs: Sequence[str], timeout_s: float, se
         local = phases.get("local")
         if local is None:
             tail = out.strip().splitlines()[-1:] or [""]
-            results.append(HostDiagnosis(host, rank, False, [f"no answer within {timeout_s:g} s (last output: "
-                                                             f"{tail[0][-200:]!r})"], seconds=seconds))
+            why = f"its self-check gave no verdict within the {timeout_s:g} s limit (last output: {tail[0][-200:]!r})"
+            results.append(HostDiagnosis(host, rank, False, [why], seconds=seconds))
             continue
         reasons = list(local["reasons"])
         allreduce = phases.get("allreduce")
@@ -313,17 +326,6 @@ def diagnoses(hosts: Sequence[str], outputs: Sequence[str], timeout_s: float, se
                 r.reasons.append("did not finish the cross-process all-reduce that the other hosts finished"
                                  + (f": {r.allreduce['error']}" if r.allreduce and "error" in r.allreduce else ""))
     return results
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    import signal
-
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
 
 
 if __name__ == "__main__":

@@ -8,9 +8,11 @@ flushed as it is written (a supervisor that dies leaves a readable log), and als
   launch           attempt k started (hosts, restore step known later, overrides).
   worker_start     a worker's first heartbeat (rank, start_step: the step it resumed from).
   first_step       every worker of an attempt has dispatched its first step (attempt, step: the lowest).
-  worker_phases    a worker's start-up timestamps (attempt, rank, phases: msjax.supervise.phases).
-  fault_injected   a test/benchmark fault was injected (fault kind, rank, step).
-  detected         failures found (each: rank, host, kind, detail).
+  worker_phases    a worker's start-up timestamps (attempt, rank, phases: msjax.control.phases).
+  fault_injected   a fault was injected (fault kind, rank, step), written by a watcher that injects them (a
+                   benchmark's or a test's: msjax.supervise.supervisor.Progress.emit).
+  detected         failures found and blamed (each: rank, host, kind, detail), and `collateral`: the workers that
+                   left because of them (msjax.supervise.detect.blame).
   stopped          the job was stopped (how many workers took SIGTERM, SIGKILL).
   diagnosed        the self-checks' result per host.
   excluded         a host left the job (reason).

@@ -74,7 +74,7 @@ def test_every_script_has_help(script, flag):
     ("bench_recovery.py", ["--hosts=1"], "--hosts=1: allowed is >= 2"),
     ("launch.py", ["--backend=local", "--accelerator=fpga", "--"], "accelerator='fpga': allowed is one of 'gpu', "),
     ("launch.py", ["--backend=local", "--num_processes=2", "--", "--train.stepz=3"],
-     "train.py flags: unknown config key 'train.stepz'"),
+     "train flags: unknown config key 'train.stepz'"),
 ])
 def test_a_bad_flag_of_a_script_is_one_error_line(script, args, named):
     """Caught before any work starts (no backend, no Redis, no child process): one `error:` line, status 2."""
@@ -83,19 +83,24 @@ def test_a_bad_flag_of_a_script_is_one_error_line(script, args, named):
     assert proc.stderr.startswith("error: ") and named in proc.stderr, proc.stderr
 
 
-def test_supervise_help_and_bad_flags():
-    def supervise(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "msjax.supervise", *args], cwd=REPO, capture_output=True,
-                              text=True, timeout=300, env={**os.environ, "COLUMNS": "80"})
+def test_supervise_help_and_bad_flags(capsys):
+    """`msjax-supervise` (msjax.launch.cli.supervise) takes the launcher's flags: --help lists them, a bad one is one
+    error line before anything starts."""
+    from msjax.launch.cli import supervise
 
-    proc = supervise("--help")
-    assert proc.returncode == 0 and "--inject" in proc.stdout and "--train.steps" in proc.stdout, proc.stderr
-    for args, named in ((["--inject=boom"], "--inject: fault 'boom': allowed is KIND:RANK@"),
-                        (["--backend=ssh"], "backend='ssh': allowed is one of 'local', 'slurm', 'k8s'"),
-                        (["--hosts=0"], "--hosts=0"), (["--inject"], "flag --inject needs a value")):
-        proc = supervise(*args)
-        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-        assert proc.stderr.startswith("error: ") and named in proc.stderr, proc.stderr
+    with pytest.raises(SystemExit) as done:
+        supervise(["--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and "--num_processes" in out and "--devices_per_process" in out and "--nodes" in out
+    for args, named in ((["--backend=ssh", "--num_processes=1"], "backend='ssh': allowed is one of 'local', 'slurm', "
+                                                                 "'k8s'"),
+                        (["--num_processes=0"], "--num_processes=0: must be >= 1"),
+                        (["--num_processes=1", "--sbatch"], "flag --sbatch needs a value"),
+                        (["--backend=k8s", "--num_processes=1", "--", "--mesh.data=1"],
+                         "--backend=k8s needs --run_id")):
+        assert supervise(args) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: ") and named in err, err
 
 
 def test_diagnostics_parse_with_the_scripts_parser():
@@ -117,27 +122,21 @@ def test_diagnostics_parse_with_the_scripts_parser():
         assert proc.stderr.startswith("error: ") and named in proc.stderr, proc.stderr
 
 
-def test_supervise_flags_split_into_own_faults_and_train_flags():
-    """Repeated --inject flags add up (argparse would keep the last); the workers get every other flag as given."""
-    from msjax.supervise.cli import parse_flags
-
-    opts, faults, train = parse_flags(["--backend=slurm", "--nodes=n1,n2,n3", "--hosts", "2", "--train.steps=3",
-                                       "--inject=kill:1@40", "--resume", "--inject", "stop:0@+5#1", "--mesh.data",
-                                       "2", "--run_id=r"])
-    assert (opts.backend, opts.nodes, opts.hosts, opts.run_id) == ("slurm", ("n1", "n2", "n3"), 2, "r")
-    assert [(f.kind, f.rank, f.step, f.attempt, f.relative) for f in faults] == [("kill", 1, 40, 0, False),
-                                                                                ("stop", 0, 5, 1, True)]
-    assert train == ["--train.steps=3", "--resume", "--mesh.data", "2"]
-
-
 def test_launch_parses_its_flags_then_the_train_flags():
-    from msjax.control.launch import parse
+    """One options type for every launcher; repeatable flags (--sbatch, --srun_args) keep every value whole (an
+    sbatch option may hold commas); the train flags after `--` are parsed (and checked) too."""
+    from msjax.launch.options import LaunchOptions, parse
 
-    common, args, cfg, train = parse(["--backend=slurm", "--num_processes", "4", "--supervise", "--quiet",
-                                      "--output", "job.sbatch", "--", "--train.steps=3", "--resume"])
-    assert (args.backend, args.num_processes, args.supervise, args.output, common.quiet) == (
+    common, opts, cfg, train = parse(["--backend=slurm", "--num_processes", "4", "--supervise", "--quiet",
+                                      "--output", "job.sbatch", "--sbatch=--mail-type=END,FAIL", "--sbatch",
+                                      "--constraint=a100", "--nodes=n1,n2", "--", "--train.steps=3", "--resume"])
+    assert (opts.backend, opts.num_processes, opts.supervise, opts.output, common.quiet) == (
         "slurm", 4, True, "job.sbatch", True)
+    assert opts.sbatch == ("--mail-type=END,FAIL", "--constraint=a100") and opts.nodes == ("n1", "n2")
     assert cfg.train.steps == 3 and cfg.checkpoint.resume and train == ["--train.steps=3", "--resume"]
+    assert opts.flags("num_processes", "sbatch", "accelerator") == [
+        "--num_processes=4", "--sbatch=--mail-type=END,FAIL", "--sbatch=--constraint=a100"]
+    assert LaunchOptions().devices_per_process == 1
     with pytest.raises(ConfigError, match=r"--num_processes=0: must be >= 1"):
         parse(["--backend=local", "--", "--train.steps=3"])
 
@@ -159,10 +158,8 @@ def test_bench_parallel_rows_parse_the_users_flags_with_the_layout_winning():
 
 
 def test_bench_recovery_hands_its_config_to_the_supervisor_unchanged(tmp_path):
-    """DEFAULTS under the user's flags; the run's config goes to msjax.supervise as flags that parse back to it
-    (tuples, None, bools and floats round-trip through msjax.config.coerce)."""
-    from msjax.supervise.cli import parse_flags
-
+    """DEFAULTS under the user's flags; the run's config goes to the supervised workers as train flags that parse
+    back to it (tuples, None, bools and floats round-trip through msjax.config.coerce)."""
     module = _load_script("bench_recovery.py")
     for tp, value in ((tuple[str, ...], ("a.txt", "b.txt")), (tuple[str, ...], ()), (int | None, None),
                       (int | None, 16), (bool, True), (bool, False), (float, 2.5), (float, 1e-5), (int, -1),
@@ -173,11 +170,11 @@ def test_bench_recovery_hands_its_config_to_the_supervisor_unchanged(tmp_path):
             "--mesh.fsdp=1", "--quiet", "--seed=3", "--kinds=stop,kill", "--faults_per_kind=2"]
     cfg, (common, own) = cli.parse([*defaults, *user], module.RecoveryBenchOptions(), validate=False)
     assert (cfg.model.d_model, cfg.mesh.fsdp, cfg.train.progress) == (64, 1, False)  # a default, the user's
-    run_cfg, argv, faults, seed = module.supervised_run(cfg, common, own)
-    assert seed == 3 and [f.split(":")[0] for f in faults] == ["kill", "kill", "stop", "stop"]
+    run_cfg, train, faults, seed = module.supervised_run(cfg, common, own)
+    assert seed == 3 and [f.kind for f in faults] == ["kill", "kill", "stop", "stop"]
+    assert [f.attempt for f in faults] == [0, 1, 2, 3] and all(0 <= f.rank < own.hosts for f in faults)
     assert run_cfg.train.run_dir == str(tmp_path / "run") and run_cfg.supervisor.spares == 1
-    opts, parsed_faults, train = parse_flags(argv)
-    assert (opts.hosts, opts.devices_per_host, len(parsed_faults)) == (2, 2, 4)
+    assert "unhealthy-" in run_cfg.supervisor.health_check  # how a diag fault fails its host's self-check
     back, (back_common,) = cli.parse(train)
     assert back == run_cfg and back_common.quiet
     assert back.data.paths == ("a.txt", "b.txt") and back.model.attention.window == 16 and back.checkpoint.resume

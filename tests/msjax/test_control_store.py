@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,6 +22,7 @@ from msjax.control.rendezvous import Assignment, join_protocol, rendezvous, run_
 from msjax.control.resp import RespConnection, RespError
 from msjax.control.server import RedisServer
 from msjax.control.store import Store, connect
+from msjax.control.worker import WorkerContext
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -198,10 +198,19 @@ def test_fixed_ranks_put_the_coordinator_on_rank_0_whatever_the_arrival_order(se
 def test_store_run_state(server, client):
     store = Store(client, "state")
     assert store.restart_count() == 0
-    store.heartbeat(3, ttl_s=0.3, step=17)
-    assert store.heartbeats()[3]["step"] == 17
+    assert store.heartbeat(3, 0.3, {"step": 17, "boot": "b3"}) == (False, None)
+    assert store.heartbeats()[3]["step"] == 17 and store.heartbeats([3, 4]) == {3: {"step": 17, "boot": "b3"}}
     time.sleep(0.5)
     assert 3 not in store.heartbeats()  # expired: a dead rank
+    # one heartbeat carries the exit request of its process (boot token), and re-creates a lost members record
+    store.request_exit(["b3", ""], "rank 0 (host0) failed")
+    assert store.heartbeat(3, 5, {"step": 18, "boot": "b3"}, member={"host": "h3"}) == (True, "rank 0 (host0) failed")
+    assert store.heartbeat(3, 5, {"step": 19, "boot": "other"}, member={"host": "h3"}) == (False, None)
+    store.clear_heartbeats([3])
+    assert store.heartbeats() == {}
+    store.report(1, "nonfinite", step=4, loss="nan")
+    assert [(r["rank"], r["kind"], r["step"]) for r in store.reports()] == [(1, "nonfinite", 4)]
+    assert store.reports(1) == []
     store.set_checkpoint("persistent", 20, "/ckpt/20")
     store.set_checkpoint("persistent", 10, "/ckpt/10")  # older: ignored
     store.set_checkpoint("local", 30, "/local/30")
@@ -234,8 +243,9 @@ def test_command_channel_reaches_loop_control(server, client):
     from msjax.hooks import LoopControl, RunContext
 
     store = Store(client, "hook")
-    worker = SimpleNamespace(store=store, assignment=Assignment(0, 1, "h:1", 0), commands_after="0-0")
-    hook = ControlPlaneHook(worker, interval_s=0.1, ttl_s=5)
+    worker = WorkerContext(store=store, assignment=Assignment(0, 1, "h:1", 0), commands_after="0-0",
+                           worker_id="w0", host="h0")
+    hook = ControlPlaneHook(worker, period_s=0.1, ttl_s=5)
     ctx = RunContext(config=Config(name="t"), run_dir=Path("/nonexistent"), mesh=None, program=None,
                      start_step=0, control=LoopControl())
     hook.on_start(ctx)
@@ -253,11 +263,13 @@ def test_command_channel_reaches_loop_control(server, client):
         store.send_command("stop")
         while time.monotonic() < deadline and ctx.control.stop_reason is None:
             time.sleep(0.02)
-        assert ctx.control.stop_reason == "control plane: stop command"
-        assert store.heartbeats()[0]["step"] == 7
+        assert ctx.control.stop_reason == "control plane: stop command" and ctx.control.stop_signal is None
+        beat = store.heartbeats()[0]
+        assert (beat["step"], beat["start_step"], beat["state"], beat["host"]) == (7, 0, "running", "h0")
     finally:
         hook.on_end(ctx, None)
-    assert 0 not in store.heartbeats()
+    assert store.heartbeats()[0]["state"] == "finished"  # beating on until the process exits (close)
+    hook.close()
     assert [e["kind"] for e in store.events()][-2:] == ["loop_start", "loop_end"]
 
 
@@ -265,7 +277,7 @@ def test_client_survives_a_redis_restart():
     """Kill Redis, start it again on the same port: the next command waits through the backoff and succeeds."""
     with RedisServer() as srv:
         store = Store(connect(srv.url), "restart")
-        store.heartbeat(0, 10, step=1)
+        store.heartbeat(0, 10, {"step": 1})
         srv.kill()
         result = {}
         t = threading.Thread(target=lambda: result.setdefault("id", store.post_event("after_restart")))

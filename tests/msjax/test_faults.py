@@ -166,3 +166,39 @@ def test_kill_9_during_saves_never_restores_a_partial_checkpoint(tmp_path, small
         resumed = _resume(tmp, small_corpus, jax_cache)
         print(f"trial {trial}: killed near step {step}, resumed from step {resumed['summary']['start_step']}")
         assert resumed["digest"] == reference_digest, (trial, step)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_the_train_command_exits_128_plus_the_signal_after_saving(tmp_path, small_corpus, jax_cache, sig):
+    """`python -m msjax.train` stopped by a signal: it finishes the step, saves, says so and exits 128 + the signal
+    (143, 130), never 0 (0 means finished: a shell's `train && next_step`, or a Kubernetes pod taken for
+    succeeded, must not mistake an interrupted run for a finished one); --resume then finishes it with 0 (after
+    SIGTERM)."""
+    run_dir = tmp_path / "run"
+    flags = ["--config=gpt_tiny", "--model.num_layers=2", "--model.d_model=32", "--model.num_heads=2",
+             "--model.max_seq_len=32", f"--data.paths={small_corpus}", "--data.tokenizer=char",
+             "--train.seq_len=32", "--train.global_batch=8", "--train.eval_every=0", "--train.sample_tokens=0",
+             "--train.progress=false", "--train.log_every=1", f"--train.run_dir={run_dir}",
+             "--checkpoint.every=1000", "--mesh.data=1", f"--train.steps={STEPS}",
+             f"--optimizer.decay_steps={STEPS}"]
+    env = {**_env(jax_cache), "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    proc = subprocess.Popen([sys.executable, "-m", "msjax.train", *flags], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 240
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 3):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, (proc.returncode, stderr[-2000:])
+    summary = json.loads(stdout.strip().splitlines()[-1])
+    assert summary["stop_reason"] == f"received {sig.name}" and summary["stop_signal"] == sig
+    assert summary["checkpoints"] == [summary["final_step"]] and summary["final_step"] < STEPS
+    assert f"{sig.name} received: finishing the step, saving" in stderr
+    if sig != signal.SIGTERM:
+        return  # resuming is the same after either signal: once is enough for the suite's time
+    done = subprocess.run([sys.executable, "-m", "msjax.train", *flags, "--resume"], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1])["start_step"] == summary["final_step"]

@@ -1,5 +1,5 @@
-"""Multi-host on one machine: two jax.distributed processes with 4 CPU devices each train through
-scripts/train.py on a layout that spans both (pipeline 2 x data 2 x tensor 2), with global arrays built per
+"""Multi-host on one machine: two jax.distributed processes with 4 CPU devices each train through the train command
+(`python -m msjax.train`) on a layout that spans both (pipeline 2 x data 2 x tensor 2), with global arrays built per
 process and Orbax checkpoints written by both; they resume (one data-parallel replica reads, the other gets the
 state by broadcast) and match one process with 8 devices: validation and training losses within 1e-5, and the
 final parameters (#9's multi-process proof)."""
@@ -45,13 +45,13 @@ def _env(devices: int, **extra) -> dict:
 
 
 def _report(stdout: str) -> dict | None:
-    """The JSON summary line scripts/train.py prints (other lines are progress and gloo's connection log)."""
+    """The JSON summary line the train command prints (other lines are progress and gloo's connection log)."""
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
     return json.loads(lines[-1]) if lines else None
 
 
 def _single(tmp: Path, corpus: Path, steps: int, resume: bool = False) -> dict:
-    proc = subprocess.run([sys.executable, "scripts/train.py", *_flags(tmp, corpus, steps, resume)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "msjax.train", *_flags(tmp, corpus, steps, resume)], cwd=ROOT,
                           env=_env(8), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return _report(proc.stdout)
@@ -59,7 +59,7 @@ def _single(tmp: Path, corpus: Path, steps: int, resume: bool = False) -> dict:
 
 def _two_processes(tmp: Path, corpus: Path, steps: int, resume: bool = False) -> dict:
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "scripts/train.py", *_flags(tmp, corpus, steps, resume)], cwd=ROOT,
+    procs = [subprocess.Popen([sys.executable, "-m", "msjax.train", *_flags(tmp, corpus, steps, resume)], cwd=ROOT,
                               env=_env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
                                        JAX_PROCESS_ID=str(i)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]

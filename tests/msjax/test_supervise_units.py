@@ -1,4 +1,4 @@
-"""The supervisor's pure parts: failure detection rules, restart policy, fault specs, and the figures read off an
+"""The supervisor's pure parts: failure detection rules and blame, restart policy, and the figures read off an
 event log (detection latency, recovery time, effective training time), on made-up times."""
 
 import json
@@ -7,10 +7,9 @@ import signal
 import pytest
 
 from msjax.config import Config, ConfigError, apply_overrides
-from msjax.supervise.detect import Failure, WorkerState, detect_failures, finished, needs_diagnosis
+from msjax.supervise.detect import Failure, WorkerState, blame, detect_failures, finished, needs_diagnosis
 from msjax.supervise.events import EventLog, effective_time, fault_figures, read_events, recovery_phases
 from msjax.supervise.policy import RestartBudgetExhausted, RestartPolicy
-from msjax.supervise.supervisor import Fault
 
 T = dict(heartbeat_timeout=3.0, startup_timeout=30.0, stall_timeout=5.0)
 
@@ -24,10 +23,28 @@ def test_healthy_workers_have_no_failures():
     assert detect_failures([_w(0), _w(1)], now=100.0, **T) == []
 
 
-@pytest.mark.parametrize("code, text", [(-9, "killed by SIGKILL"), (-15, "killed by SIGTERM"), (3, "exit code 3")])
-def test_nonzero_exit_is_a_failure(code, text):
+@pytest.mark.parametrize("code, kind, text", [
+    (-9, "exit", "killed by SIGKILL"), (-15, "exit", "killed by SIGTERM"), (3, "exit", "exit code 3"),
+    (143, "stopped", "stopped by SIGTERM (exit code 143)"), (130, "stopped", "stopped by SIGINT (exit code 130)"),
+    (75, "peer_lost", "left because a peer failed (exit code 75)")])
+def test_nonzero_exit_is_a_failure_of_its_kind(code, kind, text):
     (f,) = detect_failures([_w(0), _w(1, exit_code=code)], now=100.0, **T)
-    assert (f.rank, f.kind, f.detail) == (1, "exit", text)
+    assert (f.rank, f.kind, f.detail) == (1, kind, text)
+
+
+def test_the_dead_worker_is_blamed_not_the_ones_that_left_because_of_it():
+    """A survivor that left because its peer died (status 75, or jax's runtime aborting it: `peer_lost`) is never
+    blamed while the peer's own failure shows; alone, nothing is blamed yet (the caller waits for the peer)."""
+    survivor = _w(0, exit_code=75)
+    aborted = _w(1, exit_code=-6, peer_lost=True)
+    dead = _w(2, last_beat=90.0)  # a node failure: no exit status, its heartbeat expired
+    failures = detect_failures([survivor, aborted, dead], now=100.0, **T)
+    assert [(f.rank, f.kind) for f in failures] == [(0, "peer_lost"), (1, "peer_lost"), (2, "heartbeat")]
+    assert [f.rank for f in blame(failures)] == [2]
+    assert blame(detect_failures([survivor, aborted, _w(2)], now=100.0, **T)) == []
+    # an abort whose output does not show the distributed runtime's verdict is the worker's own failure
+    (own,) = detect_failures([_w(0), _w(1, exit_code=-6)], now=100.0, **T)
+    assert own.kind == "exit" and blame([own]) == [own]
 
 
 def test_exit_zero_is_not_a_failure_and_all_zero_is_finished():
@@ -93,15 +110,6 @@ def test_backoff_starts_over_after_an_attempt_that_trained():
         p.next_restart("a", trained=True)  # the budget still counts every restart
 
 
-def test_fault_specs():
-    assert Fault.parse("kill:1@5") == Fault("kill", 1, 5, 0)
-    assert Fault.parse("stop:0@9#1") == Fault("stop", 0, 9, 1)
-    assert Fault.parse("diag:1@0#*") == Fault("diag", 1, 0, None)
-    assert Fault.parse("kill:0@+4#2") == Fault("kill", 0, 4, 2, relative=True)
-    with pytest.raises(ValueError, match=r"allowed is KIND:RANK@\[\+\]STEP"):
-        Fault.parse("boom:1@5")
-
-
 def test_supervisor_config_is_checked():
     with pytest.raises(ConfigError, match="supervisor.heartbeat_timeout_s=1.0 must be longer"):
         apply_overrides(Config(), {"supervisor.heartbeat_timeout_s": 1.0}).validate()
@@ -162,6 +170,8 @@ def test_self_checks_are_skipped_only_when_every_failure_is_a_kill_from_outside(
     assert needs_diagnosis(exit_, {0: kill, 1: 1})  # an error exit
     assert needs_diagnosis([Failure(0, "h0", "exit", "restarted")], {0: None})  # exit code unknown
     assert needs_diagnosis([exit_[0], Failure(1, "h1", "heartbeat", "silent")], {0: kill, 1: None})  # a hang
+    # a worker that saved and left on a preemption's SIGTERM (143): stopped from outside, not a device
+    assert not needs_diagnosis([Failure(0, "h0", "stopped", "stopped by SIGTERM")], {0: 143})
 
 
 def test_recovery_phases_split_the_recovery_time_in_order():
@@ -269,29 +279,47 @@ def test_flagged_straggler_reaches_the_next_restarts_excluded_hosts(tmp_path):
 
 
 def test_the_first_step_is_beaten_at_once_later_steps_at_the_period():
-    """The supervisor's recovery time ends when it sees every worker's first step: the heartbeat sends that step
-    at once instead of at the next period (here 1 hour, so only the immediate beats can arrive)."""
-    from msjax.supervise.heartbeat import HeartbeatHook
+    """The supervisor's recovery time ends when it sees every worker's first step: the one heartbeat
+    (msjax.control.hook) sends the restore step at the loop's start and the first step at once, instead of at the
+    next period (here 1 hour, so only the immediate beats can arrive); after the loop it says the loop is over."""
+    from pathlib import Path
+    from types import SimpleNamespace
 
-    class Store:
+    from msjax.control.hook import ControlPlaneHook
+    from msjax.control.rendezvous import Assignment
+    from msjax.control.worker import WorkerContext
+    from msjax.hooks import LoopControl, RunContext
+
+    class Store:  # the Store methods the hook calls, recording the beats
         def __init__(self):
             self.beats = []
 
-        def beat(self, rank, payload, ttl_s):
-            self.beats.append(payload)
+        def heartbeat(self, rank, ttl_s, beat, member=None):
+            self.beats.append(beat)
+            return False, None
+
+        def post_event(self, kind, **fields):
+            pass
+
+        def publish_metrics(self, rows):
+            pass
 
     store = Store()
-    hook = HeartbeatHook(store, rank=1, host="host1", period_s=3600.0, ttl_s=7200.0)
+    hook = ControlPlaneHook(WorkerContext(store, Assignment(1, 2, "h:1", 0), "0-0", "host1", "host1"),
+                            period_s=3600.0, ttl_s=7200.0)
+    ctx = RunContext(config=Config(), run_dir=Path("/nonexistent"), mesh=None, program=None, start_step=40,
+                     control=LoopControl())
+    hook.on_start(ctx)
     try:
-        hook.start(start_step=40)
-        assert [b["step"] for b in store.beats] == [40]
-        hook.on_step_end(None, 41, {})
+        assert [b["step"] for b in store.beats] == [40] and store.beats[0]["start_step"] == 40
+        hook.on_step_end(ctx, 41, {})
         assert [b["step"] for b in store.beats] == [40, 41]
         assert store.beats[-1]["state"] == "running" and "first_step" in store.beats[-1]["phases"]
-        hook.on_step_end(None, 42, {})
-        hook.on_step_end(None, 43, {})
+        hook.on_step_end(ctx, 42, SimpleNamespace())
+        hook.on_step_end(ctx, 43, {})
         assert [b["step"] for b in store.beats] == [40, 41]  # later steps wait for the period
-        assert [b["seq"] for b in store.beats] == [1, 2]
+        assert [b["seq"] for b in store.beats] == [1, 2] and store.beats[0]["host"] == "host1"
+        hook.on_end(ctx, None)
+        assert store.beats[-1]["step"] == 43 and store.beats[-1]["state"] == "finished"
     finally:
-        hook.stop()
-    assert store.beats[-1]["step"] == 43 and store.beats[-1]["state"] == "finished"
+        hook.close()

@@ -1,7 +1,9 @@
-"""scripts/launch.py with real processes and a real Redis: two workers of 4 CPU devices each train shakespeare_char
-on a mesh spanning both (data 2 x tensor 4) and log the same losses as one process with 8 devices; the run
-survives Redis being killed and restarted, obeys checkpoint/stop commands (a launcher SIGTERM becomes a stop
-command), and leaves nothing running. Bad URLs, passwords and ports are one clear error each."""
+"""The local launcher (`python -m msjax.launch`, msjax.launch.local) with real processes and a real Redis: two
+workers of 4 CPU devices each train shakespeare_char on a mesh spanning both (data 2 x tensor 4) and log the same
+losses as one process with 8 devices; the run survives Redis being killed and restarted, obeys checkpoint/stop
+commands (a launcher SIGTERM becomes a stop command naming it: the workers save and exit 143, and so does the
+launcher), and leaves nothing running. The terminal shows rank 0's lines; every rank's are in
+<run_dir>/logs/rank<R>.log. Bad URLs, passwords and ports are one clear error each."""
 
 import json
 import os
@@ -55,7 +57,7 @@ def _reference(tmp: Path, steps: int) -> dict[int, float]:
         if n >= steps:
             return {s: v for s, v in losses.items() if s <= steps}
     run = f"ref{steps}"
-    proc = subprocess.run([sys.executable, "scripts/train.py", *_flags(tmp, run, steps)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "msjax.train", *_flags(tmp, run, steps)], cwd=ROOT,
                           env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"), capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -78,9 +80,16 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _pids(output: str) -> list[int]:
-    """Worker pids (from each worker's `msjax.control: rank R of N (..., pid P, ...)` line) and the Redis pid."""
-    pids = [int(p) for p in re.findall(r"msjax\.control: rank \d+ of \d+ \(worker \S+ pid (\d+)", output)]
+def _logs(run_dir: Path) -> str:
+    """Every rank's log (<run_dir>/logs/rank<R>.log), one after the other."""
+    return "".join(p.read_text(errors="replace") for p in sorted((run_dir / "logs").glob("rank*.log")))
+
+
+def _pids(output: str, run_dir: Path) -> list[int]:
+    """Worker pids (from each worker's `msjax.control: rank R of N (..., pid P, ...)` line in its log) and the
+    Redis pid (from the launcher's line)."""
+    logs = _logs(run_dir) if (run_dir / "logs").is_dir() else ""
+    pids = [int(p) for p in re.findall(r"msjax\.control: rank \d+ of \d+ \(worker \S+ pid (\d+)", logs)]
     pids += [int(p) for p in re.findall(r"\[launch\] Redis \S+ \(pid (\d+)\)", output)]
     return pids
 
@@ -94,7 +103,7 @@ class _Launch:
     """A launch.py process whose output lines are collected by a thread (so waits can look for lines)."""
 
     def __init__(self, args: list[str]):
-        self.proc = subprocess.Popen([sys.executable, "scripts/launch.py", *args], cwd=ROOT, env=_env(),
+        self.proc = subprocess.Popen([sys.executable, "-m", "msjax.launch", *args], cwd=ROOT, env=_env(),
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
@@ -136,7 +145,7 @@ def test_redis_restart_commands_and_sigterm_mid_run(tmp):
             store = Store(connect(srv.url), "restart-test")
             run.wait_for(lambda: {0, 1} <= set(store.heartbeats()) and min(
                 h["step"] for h in store.heartbeats().values()) >= 2, 300, "both ranks training (heartbeats)")
-            pids = _pids(run.output)
+            pids = _pids(run.output, tmp / "restart")
             sentinel = store.key("test-sentinel")
             store.client.set(sentinel, "before the restart")
             srv.kill()
@@ -146,7 +155,7 @@ def test_redis_restart_commands_and_sigterm_mid_run(tmp):
             assert store.client.get(sentinel) is None
             run.wait_for(lambda: {0, 1} <= set(store.heartbeats()), 90, "heartbeats of both ranks after restart")
             store.send_command("checkpoint")
-            run.wait_for(lambda: run.output.count("checkpoint command applied") == 2, 120,
+            run.wait_for(lambda: _logs(tmp / "restart").count("checkpoint command applied") == 2, 120,
                          "the checkpoint command on both ranks")
             run.proc.send_signal(signal.SIGTERM)
             code = run.finish()
@@ -154,9 +163,13 @@ def test_redis_restart_commands_and_sigterm_mid_run(tmp):
             if run.proc.poll() is None:
                 run.proc.kill()
         out = run.output
+        logs = _logs(tmp / "restart")
     assert code == 128 + signal.SIGTERM, out[-4000:]
     assert "[launch] SIGTERM: stop command sent" in out
-    assert out.count("re-registered with a restarted Redis") == 2, out[-4000:]
+    # each worker saved, said why it stopped, and exited with the relayed signal's status: stopped, resumable
+    assert "[launch] interrupted (SIGTERM); worker exit statuses [143, 143]" in out, out[-4000:]
+    assert logs.count("re-registered with a restarted Redis") == 2, logs[-4000:]
+    out = logs
     ckpt_steps = set(int(s) for s in re.findall(r"checkpoint command applied at step (\d+)", out))
     stop_steps = set(int(s) for s in re.findall(r"stop command applied at step (\d+)", out))
     assert len(ckpt_steps) == 1 and len(stop_steps) == 1, out[-4000:]  # the same step on both ranks
@@ -177,9 +190,12 @@ def test_two_processes_match_one_and_leave_nothing_running(tmp):
     code = run.finish()
     out = run.output
     assert code == 0, out[-4000:]
-    assert re.search(r"^\[rank 0\] ", out, re.M) and re.search(r"^\[rank 1\] ", out, re.M)
+    # the terminal: rank 0's lines (its JSON summary among them), none of rank 1's (no warning, no error); both
+    # ranks' whole output in their log files
+    assert re.search(r"^\[rank 0\] \{\"val_loss\"", out, re.M) and not re.search(r"^\[rank 1\] ", out, re.M), out
+    assert "msjax.control: rank 1 of 2" in (tmp / "two" / "logs" / "rank1.log").read_text()
     assert "[launch] all 2 workers finished" in out
-    pids = _pids(out)
+    pids = _pids(out, tmp / "two")
     assert len(pids) == 3 and not any(_alive(p) for p in pids), pids  # two workers and the private Redis
     _assert_same_losses(_losses(tmp / "two"), _reference(tmp, steps), steps)
 
@@ -198,10 +214,11 @@ def test_launcher_errors_are_clear_and_start_nothing(tmp):
             cases.append(([f"--redis_port={port}"], f"port {port} on 127.0.0.1 is already in use"))
             cases.append((["--num_processes=0"], "--num_processes=0: must be >= 1"))
             for extra, message in cases:
-                args = ["--backend=local", "--num_processes=2", *extra, "--", *_flags(tmp, "never", 2)]
+                args = ["--backend=local", "--num_processes=2", "--devices_per_process=4", *extra, "--",
+                        *_flags(tmp, "never", 2)]
                 if extra[0].startswith("--num_processes"):
                     args.remove("--num_processes=2")
-                proc = subprocess.run([sys.executable, "scripts/launch.py", *args], cwd=ROOT, env=_env(),
+                proc = subprocess.run([sys.executable, "-m", "msjax.launch", *args], cwd=ROOT, env=_env(),
                                       capture_output=True, text=True, timeout=60)
                 assert proc.returncode == 2 and proc.stderr.startswith("error: ") and message in proc.stderr, \
                     (extra, proc.stdout, proc.stderr)
@@ -213,7 +230,7 @@ def test_worker_with_a_wrong_password_is_one_error(tmp):
     with RedisServer() as srv:
         env = _env(MSJAX_REDIS_URL=srv.url.replace(srv.password, "wrong"), MSJAX_RUN_ID="pw",
                    MSJAX_NUM_PROCESSES="2", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-        proc = subprocess.run([sys.executable, "scripts/train.py", *_flags(tmp, "pw", 2)], cwd=ROOT, env=env,
+        proc = subprocess.run([sys.executable, "-m", "msjax.train", *_flags(tmp, "pw", 2)], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("error: Redis at redis://:***@127.0.0.1:")
@@ -226,8 +243,9 @@ def test_sigkilled_launcher_leaves_no_orphans(tmp):
     run = _Launch(["--backend=local", "--num_processes=2", "--devices_per_process=4", "--",
                    *_flags(tmp, "orphans", 100_000)])
     try:
-        run.wait_for(lambda: len(_pids(run.output)) == 3, 300, "both workers' rank lines and the Redis line")
-        pids = _pids(run.output)
+        run.wait_for(lambda: len(_pids(run.output, tmp / "orphans")) == 3, 300,
+                     "both workers' rank lines and the Redis line")
+        pids = _pids(run.output, tmp / "orphans")
         assert all(_alive(p) for p in pids)
         run.proc.send_signal(signal.SIGKILL)
         run.finish(30)

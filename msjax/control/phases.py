@@ -1,16 +1,16 @@
 """Start-up phase timestamps of a worker process, for the supervisor's recovery breakdown (where a restart's time
 goes: process start, imports, rendezvous, jax.distributed, data and program, restore, the first step's compile).
 
-`mark(name)` records the wall time (time.time(), seconds) of the first call per name; the heartbeat sends
-`marks()` (msjax.supervise.heartbeat) and the supervisor writes them once per worker and attempt as a
+`mark(name)` records the wall time (time.time(), seconds) of the first call per name; the worker's heartbeat
+sends `marks()` (msjax.control.hook) and the supervisor writes them once per worker and attempt as a
 `worker_phases` event. Marks, in order:
   process_start   the process's start (psutil: the kernel's process creation time)
-  imports         scripts/train.py has imported jax and the stack
+  imports         the train command has imported jax and the stack (msjax.train.main)
   rendezvous      the Redis rendezvous gave this worker its rank (msjax.control.worker)
-  distributed     jax.distributed is initialised (scripts/train.py)
+  distributed     jax.distributed is initialised (msjax.control.worker, msjax.train.main)
   prepared        data prepared, mesh and train program built (msjax.train.run)
   restored        state restored from the newest verified checkpoint, or initialised (msjax.train.run)
-  first_step      the first step has been dispatched, i.e. compiled (HeartbeatHook.on_step_end)
+  first_step      the first step has been dispatched, i.e. compiled (ControlPlaneHook.on_step_end)
 Costs one dict write per mark; nothing when nobody reads them.
 """
 

@@ -1,5 +1,0 @@
-import sys
-
-from msjax.supervise.cli import main
-
-sys.exit(main())
