@@ -36,7 +36,7 @@ class CommonOptions:
     """Flags every script has.
 
     Attributes:
-      config: the preset in msjax/configs/ whose values are the defaults of every other flag.
+      config: the preset in configs/ whose values are the defaults of every other flag.
       resume: shorthand for --checkpoint.resume=true (continue from the latest checkpoint).
       log_level: messages at this level and above are shown (DEBUG, INFO, WARNING, ERROR).
       quiet: only warnings and errors (same as --log_level=WARNING).

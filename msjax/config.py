@@ -775,7 +775,7 @@ def preset_names() -> list[str]:
 
 
 def load_preset(name: str) -> Config:
-    """The preset `msjax/configs/<name>.py` applied to the defaults, validated. Raises ConfigError if unknown."""
+    """The preset `configs/<name>.py` applied to the defaults, validated. Raises ConfigError if unknown."""
     names = preset_names()
     if name not in names:
         raise ConfigError(f"unknown preset --config={name!r}; allowed: {', '.join(names)}")

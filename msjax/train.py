@@ -247,7 +247,7 @@ def summary_json(summary: dict[str, Any]) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     """The train command: `msjax-train --config=gpt_tiny [--train.steps=200 --mesh.tensor=2 ... --resume]` (also
     `python -m msjax.train` and scripts/train.py). Flags -> config -> `run`; every field of msjax/config.py is a
-    dotted flag (`--help` lists them), presets live in msjax/configs/. Under a launcher (MSJAX_REDIS_URL set) it
+    dotted flag (`--help` lists them), presets live in configs/. Under a launcher (MSJAX_REDIS_URL set) it
     joins the run's control plane first (msjax.control.worker) and runs with its hook.
 
     Returns the exit status:

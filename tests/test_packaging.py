@@ -19,15 +19,19 @@ COMMANDS = ("msjax-train", "msjax-launch", "msjax-supervise", "msjax-plan", "msj
 
 def test_the_import_tree_is_the_file_tree():
     """Every folder of msjax/ that holds Python files is a regular package (an __init__.py), found by the build's
-    `packages.find`, and no other top-level package is built: the design card's configs/, sharding_rules/ and
-    pallas_kernels/ live under msjax/, so the source tree never lacks a folder that an install has."""
+    `packages.find`, and no other top-level package is built. The design card's top-level configs/,
+    sharding_rules/ and pallas_kernels/ are the files' one home; msjax/<name> is a relative link to each, so the
+    source tree's msjax/ holds every subpackage an install has (run from the repository root, it shadows an
+    installed copy with the same tree) and the wheel carries them as msjax.<name>."""
     find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
     assert find["include"] == ["msjax", "msjax.*"]
     folders = {p.parent for p in (ROOT / "msjax").rglob("*.py") if "__pycache__" not in p.parts}
     missing = sorted(str(d.relative_to(ROOT)) for d in folders if not (d / "__init__.py").is_file())
     assert not missing, f"folders of msjax/ with Python files but no __init__.py (not packaged): {missing}"
     for name in ("configs", "sharding_rules", "pallas_kernels"):
-        assert (ROOT / "msjax" / name / "__init__.py").is_file() and not (ROOT / name).exists(), name
+        link = ROOT / "msjax" / name
+        assert link.is_symlink() and link.readlink() == Path("..") / name, name
+        assert (ROOT / name / "__init__.py").is_file(), name
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert sorted(scripts) == sorted(COMMANDS)
 
@@ -43,8 +47,8 @@ def installed(tmp_path_factory) -> Path:
     reads in a site directory, never in a path a .pth adds)."""
     tmp = tmp_path_factory.mktemp("wheel")
     src = tmp / "src"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__",
-                                                             ".pytest_cache", "runs"))
+    shutil.copytree(ROOT, src, symlinks=True,
+                    ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", ".pytest_cache", "runs"))
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp / "dist"),
                             str(src)], capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stderr[-3000:]
