@@ -44,11 +44,17 @@ class AttentionConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Decoder-only GPT (Radford et al. 2019; Brown et al. 2020), serial or parallel blocks (GPT-J, PaLM).
+    """Decoder-only transformer: GPT-2/3 (Radford et al. 2019; Brown et al. 2020) or Llama-style (Touvron et al.
+    2023), serial or parallel blocks (GPT-J, PaLM).
+
+    GPT-2 is the default: learned positions, LayerNorm, GeLU MLP, biases, tied embeddings. Llama is
+    `position=rope`, `norm=rmsnorm`, `mlp=swiglu`, `use_bias=false`, `tie_embeddings=false` with grouped-query
+    heads (`num_kv_heads`); any mix of the two is allowed.
 
     vocab_size 0 takes the tokenizer's vocabulary; the embedding is padded up to a multiple of `vocab_multiple`
-    so the vocab axis shards evenly and matmuls stay aligned. `num_kv_heads`, `head_dim` and `d_ff` of 0 take
-    `num_heads`, `d_model // num_heads` and `4 * d_model`.
+    so the vocab axis shards evenly and matmuls stay aligned (padding rows start at zero and stay zero: their
+    logits are masked, so they get no gradient). `num_kv_heads`, `head_dim` and `d_ff` of 0 take `num_heads`,
+    `d_model // num_heads` and `4 * d_model` (set `d_ff` for SwiGLU: Llama uses about 8/3 d_model).
 
     Attributes:
       vocab_size: vocabulary size V; 0 takes the tokenizer's.
@@ -59,11 +65,18 @@ class ModelConfig:
       num_kv_heads: key/value heads (grouped-query attention); 0 means num_heads.
       head_dim: head dimension K; 0 means d_model // num_heads.
       d_ff: MLP width F; 0 means 4 * d_model.
-      max_seq_len: learned positions (the longest train.seq_len allowed).
+      max_seq_len: the longest sequence: rows of the learned position table, or RoPE's trained context (the
+        longest train.seq_len, prompt + generated tokens allowed).
       block: serial (GPT-2) or parallel (GPT-J/PaLM: attention and MLP from the same norm, summed).
+      position: learned (GPT-2: a (max_seq_len, D) table added to the token embedding) or rope (rotary
+        embeddings of queries and keys, Su et al. 2021; Llama).
+      rope_base: RoPE's frequency base theta (Llama 2: 10000, Llama 3: 500000).
+      norm: layernorm (Ba et al. 2016; GPT-2) or rmsnorm (Zhang and Sennrich 2019; Llama; no offset).
+      mlp: gelu (two matrices, tanh-approximated GeLU as GPT-2) or swiglu (three matrices, down(silu(gate x) *
+        up x); Shazeer 2020; Llama).
       tie_embeddings: the output projection reuses the token embedding.
-      use_bias: biases in linear layers and norms.
-      norm_eps: LayerNorm epsilon.
+      use_bias: biases in linear layers, and LayerNorm's offset (RMSNorm has none).
+      norm_eps: the norms' epsilon.
       init_std: standard deviation of the normal weight initialisation.
       remat: activation recomputation policy of each block (jax.checkpoint).
       scan_layers: one jax.lax.scan over stacked layers (fast compile) instead of a Python loop.
@@ -82,6 +95,10 @@ class ModelConfig:
     d_ff: int = 0
     max_seq_len: int = 256
     block: Literal["serial", "parallel"] = "serial"
+    position: Literal["learned", "rope"] = "learned"
+    rope_base: float = 10000.0
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    mlp: Literal["gelu", "swiglu"] = "gelu"
     tie_embeddings: bool = True
     use_bias: bool = True
     norm_eps: float = 1e-5
@@ -439,6 +456,13 @@ class Config:
         if not m.head_dim and m.d_model % m.num_heads:
             raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.num_heads={m.num_heads} "
                               "(or set model.head_dim)")
+        if m.position == "rope" and m.head_size % 2:
+            raise ConfigError(f"model.position='rope' rotates pairs of head dimensions; the head dimension "
+                              f"{m.head_size} is odd (set model.head_dim, or model.d_model / model.num_heads, even)")
+        if not (math.isfinite(m.rope_base) and m.rope_base > 1.0):
+            raise ConfigError(f"model.rope_base={m.rope_base}: allowed is a finite number > 1 (e.g. 10000)")
+        if not (math.isfinite(m.norm_eps) and m.norm_eps > 0):
+            raise ConfigError(f"model.norm_eps={m.norm_eps}: allowed is a finite number > 0")
         if a.window is not None and a.window < 1:
             raise ConfigError(f"model.attention.window={a.window}: allowed is an integer >= 1, or None for full "
                               "causal attention")

@@ -9,7 +9,7 @@ import optax
 from msjax.config import OptimizerConfig
 
 # Matmul weights take weight decay; norms, biases and embeddings do not (Radford et al. 2019; nanoGPT; Megatron).
-DECAYED = frozenset({"wq", "wk", "wv", "wo", "w_in", "w_out", "lm_head"})
+DECAYED = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_in", "w_out", "lm_head"})
 
 
 def decay_mask(params: dict) -> dict:
