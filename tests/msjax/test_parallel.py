@@ -11,7 +11,7 @@ import pytest
 from msjax.config import ConfigError
 from msjax.mesh import make_mesh
 from msjax.train_step import build_train_program
-from tests.msjax.layouts import TOL, VOCAB, assert_same, run_layout, tiny_config
+from tests.msjax.layouts import LLAMA, TOL, VOCAB, assert_same, run_layout, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -19,12 +19,6 @@ def tokens(layout_tokens):
     return layout_tokens
 
 
-# Llama-style: 16 query heads of 4 share 8 key/value heads (8: the tensor=8 layout splits them); d_ff 96 (SwiGLU's
-# three matrices); the rest as BASE (window 12 of 32, so RoPE meets the sliding window and the sequence-split
-# positions of context parallelism).
-LLAMA = {"model.position": "rope", "model.rope_base": 500.0, "model.norm": "rmsnorm", "model.mlp": "swiglu",
-         "model.use_bias": False, "model.tie_embeddings": False, "model.num_heads": 16, "model.num_kv_heads": 8,
-         "model.d_ff": 96}
 MODELS = {"gpt": {}, "llama": LLAMA}
 
 
