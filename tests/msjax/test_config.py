@@ -1,11 +1,14 @@
 import dataclasses
 
+import jax
+
 import pytest
 
 from msjax.config import Config, ConfigError, apply_overrides, flat_keys, load_preset, parse_args, preset_names
 from msjax.mesh import make_mesh, resolve_axis_sizes
 
-EXPECTED_PRESETS = {"gpt_tiny", "shakespeare_char", "gpt_125m", "gpt_1_3b", "gpt_13b", "gpt175b", "gpt530b"}
+EXPECTED_PRESETS = {"gpt_tiny", "shakespeare_char", "gpt_125m", "gpt_1_3b", "gpt_13b", "gpt175b", "gpt530b",
+                    "llama_tiny", "llama3_8b", "llama3_70b"}
 
 
 @pytest.mark.parametrize("name", preset_names())
@@ -24,6 +27,20 @@ def test_megascale_shapes():
     assert (c530.model.num_layers, c530.model.d_model, c530.model.num_heads) == (105, 20480, 160)
     for c in (c175, c530):
         assert (c.train.seq_len, c.model.vocab_size, c.optimizer.name) == (2048, 64000, "lamb")
+
+
+def test_llama3_shapes():
+    """Llama 3 (Meta 2024, Table 3): parameter counts 8.03B and 70.6B from the model's own inventory."""
+    from msjax.model import abstract_model
+
+    for name, shape, params in (("llama3_8b", (32, 4096, 32, 8, 14336), 8.03e9),
+                                ("llama3_70b", (80, 8192, 64, 8, 28672), 70.55e9)):
+        m = load_preset(name).model
+        assert (m.num_layers, m.d_model, m.num_heads, m.num_kv_heads, m.d_ff) == shape
+        assert (m.position, m.norm, m.mlp, m.use_bias, m.tie_embeddings) == ("rope", "rmsnorm", "swiglu", False, False)
+        assert (m.rope_base, m.vocab_size, m.max_seq_len) == (500000.0, 128256, 8192)
+        count = sum(x.size for x in jax.tree.leaves(abstract_model(m)[1]))
+        assert count == pytest.approx(params, rel=2e-3), (name, count)
 
 
 def test_presets_override_only_what_differs():
