@@ -1,7 +1,6 @@
 import dataclasses
 
 import jax
-
 import pytest
 
 from msjax.config import Config, ConfigError, apply_overrides, flat_keys, load_preset, parse_args, preset_names
