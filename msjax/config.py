@@ -3,7 +3,9 @@
 A run is described by one frozen `Config` made of sections (model, mesh, pipeline, optimizer, data, train,
 checkpoint).
 Named presets in `configs/<name>.py` hold an `OVERRIDES` dict of dotted keys that differ from these defaults;
-the command line adds more dotted overrides (`--train.steps=200 --mesh.tensor=2`). Every key and value is
+`--config` also takes a path to a preset file of the same form anywhere, or to a YAML or JSON file of keys (nested
+sections or dotted keys), a run directory's own `config.json` included (`load_preset`); the command line adds more
+dotted overrides (`--train.steps=200 --mesh.tensor=2`). Every key and value is
 checked: an unknown key, a value of the wrong type or a value outside its allowed set raises `ConfigError`
 naming the key and what is allowed (the Levanter/draccus and torchtitan way of doing configs).
 
@@ -15,11 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
+import json
 import math
+import os
 import pkgutil
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
 
@@ -704,14 +710,91 @@ def preset_names() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(configs.__path__) if not m.name.startswith("_"))
 
 
+CONFIG_FILE_SUFFIXES = (".py", ".yaml", ".yml", ".json")
+
+
 def load_preset(name: str) -> Config:
-    """The preset `configs/<name>.py` applied to the defaults, validated. Raises ConfigError if unknown."""
-    names = preset_names()
-    if name not in names:
-        raise ConfigError(f"unknown preset --config={name!r}; allowed: {', '.join(names)}")
-    module = importlib.import_module(f"msjax.configs.{name}")
-    cfg = apply_overrides(Config(name=name), module.OVERRIDES)
-    return cfg
+    """The config `--config=name` stands for: a preset `configs/<name>.py` applied to the defaults, or a file.
+
+    Files (anything with a path separator or one of `CONFIG_FILE_SUFFIXES`, or a directory holding
+    `config.json`):
+      .py: a preset file like those in configs/ (`OVERRIDES`: a dict of dotted keys); the run is named after the
+        file.
+      .json, .yaml/.yml: a mapping of keys, as nested sections (`{"model": {"d_model": 64}}`) or dotted keys
+        (`{"model.d_model": 64}`), applied to the defaults; `name` names the run (else the file's name). A run
+        directory's `config.json` (every key, written by the run) reproduces that run exactly.
+    Not validated (flags may still change it; `Config.validate` comes after).
+
+    Raises:
+      ConfigError: an unknown preset name (naming the allowed ones), a missing or unreadable file, a file that is
+        not a mapping of keys, or an unknown key or bad value in it (naming the file and the key).
+    """
+    path = Path(name).expanduser()
+    is_file = path.suffix in CONFIG_FILE_SUFFIXES or "/" in name or os.sep in name or path.is_dir()
+    if not is_file:
+        names = preset_names()
+        if name not in names:
+            raise ConfigError(f"unknown preset --config={name!r}; allowed: {', '.join(names)}, or a path to a "
+                              f"{', '.join(CONFIG_FILE_SUFFIXES)} file (a run directory's config.json reproduces "
+                              "that run)")
+        module = importlib.import_module(f"msjax.configs.{name}")
+        return apply_overrides(Config(name=name), module.OVERRIDES)
+    if path.is_dir() and (path / "config.json").is_file():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"--config={name!r}: no such file")
+    if path.suffix not in CONFIG_FILE_SUFFIXES:
+        raise ConfigError(f"--config={name!r}: allowed file types are {', '.join(CONFIG_FILE_SUFFIXES)}")
+    overrides = _read_config_file(path)
+    run_name = overrides.pop("name", path.parent.name if path.name == "config.json" else path.stem)
+    try:
+        return apply_overrides(Config(name=str(run_name)), overrides)
+    except ConfigError as e:
+        raise ConfigError(f"--config={name!r}: {e}") from None
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    """The dotted overrides a config file holds (see `load_preset`)."""
+    if path.suffix == ".py":
+        spec = importlib.util.spec_from_file_location(f"msjax_config_file_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:  # noqa: BLE001 - any error in the user's file: name the file and the error
+            raise ConfigError(f"--config={str(path)!r}: the preset file failed to run: {type(e).__name__}: {e}"
+                              ) from None
+        doc = getattr(module, "OVERRIDES", None)
+        if not isinstance(doc, dict):
+            raise ConfigError(f"--config={str(path)!r}: a preset file defines OVERRIDES, a dict of dotted keys "
+                              "(like the files in configs/)")
+        return dict(doc)
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix == ".json":
+            doc = json.loads(text)
+        else:
+            import yaml  # PyYAML, a dependency already (the Kubernetes manifest)
+
+            doc = yaml.safe_load(text)
+    except (json.JSONDecodeError, ValueError) as e:
+        raise ConfigError(f"--config={str(path)!r}: not valid {path.suffix[1:].upper()}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - yaml.YAMLError and its subclasses
+        raise ConfigError(f"--config={str(path)!r}: not valid YAML: {e}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"--config={str(path)!r}: the file must hold a mapping of config keys (sections or "
+                          f"dotted keys), not a {type(doc).__name__}")
+    return _dotted(doc)
+
+
+def _dotted(doc: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested sections -> dotted keys (`{"model": {"d_model": 64}}` -> `{"model.d_model": 64}`); dotted keys kept."""
+    out: dict[str, Any] = {}
+    for key, value in doc.items():
+        if isinstance(value, Mapping):
+            out.update(_dotted(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def config_from_flags(pairs: Sequence[tuple[str, str]], default_preset: str = "gpt_tiny") -> Config:

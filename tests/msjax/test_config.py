@@ -1,4 +1,6 @@
 import dataclasses
+import importlib
+import json
 
 import jax
 import pytest
@@ -103,3 +105,69 @@ def test_mesh_size_must_match_devices():
     assert resolve_axis_sizes(apply_overrides(Config(), {"mesh.tensor": 2}).mesh, 8)["data"] == 4
     mesh = make_mesh(apply_overrides(Config(), {"mesh.fsdp": 2, "mesh.tensor": 2}).mesh)
     assert dict(mesh.shape) == {"pipeline": 1, "data": 2, "fsdp": 2, "sequence": 1, "tensor": 2}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --config=PATH: preset files, YAML, JSON, a run directory's config.json.
+
+
+def test_config_files_of_every_kind_give_the_same_config(tmp_path):
+    from msjax.config import to_dict
+
+    want = apply_overrides(load_preset("gpt_tiny"), {"model.num_layers": 3, "model.attention.window": 16,
+                                                     "data.paths": ("a.txt", "b.txt"), "train.progress": False})
+    (tmp_path / "mine.py").write_text("from msjax.configs.gpt_tiny import OVERRIDES as BASE\n"
+                                      "OVERRIDES = {**BASE, 'model.num_layers': 3, 'model.attention.window': 16,\n"
+                                      "             'data.paths': ('a.txt', 'b.txt'), 'train.progress': False}\n")
+    (tmp_path / "mine.yaml").write_text("model:\n  num_layers: 3\n  attention: {window: 16}\n"
+                                        "data.paths: [a.txt, b.txt]\ntrain: {progress: false}\n" + "".join(
+        f"{k}: {v!r}\n" for k, v in importlib.import_module("msjax.configs.gpt_tiny").OVERRIDES.items()
+        if k != "model.num_layers"))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(to_dict(dataclasses.replace(want, name="gpt_tiny")), indent=2))
+    for spec in (tmp_path / "mine.py", tmp_path / "mine.yaml", run / "config.json", run):
+        cfg, _ = parse_args([f"--config={spec}"])
+        assert dataclasses.replace(cfg, name="x") == dataclasses.replace(want, name="x").validate(), spec
+    assert parse_args([f"--config={tmp_path / 'mine.py'}"])[0].name == "mine"
+    assert parse_args([f"--config={run}"])[0].name == "gpt_tiny"  # the run's own name
+    # flags still override the file
+    cfg, _ = parse_args([f"--config={run / 'config.json'}", "--model.num_layers=5", "--train.steps=9"])
+    assert (cfg.model.num_layers, cfg.train.steps, cfg.model.attention.window) == (5, 9, 16)
+
+
+def test_a_run_config_json_reproduces_the_run_exactly(tmp_path):
+    """Every key a run wrote (its vocabulary size filled in, non-default values everywhere) reads back equal."""
+    from msjax.config import to_dict
+
+    saved = apply_overrides(load_preset("llama_tiny"), {
+        "model.vocab_size": 4099, "model.rope_base": 1234.5, "optimizer.name": "lamb", "mesh.tensor": 2,
+        "data.paths": ("x.txt",), "model.attention.window": None, "checkpoint.local_dir": "/dev/shm/x"})
+    (tmp_path / "config.json").write_text(json.dumps(to_dict(saved), indent=2))
+    assert load_preset(str(tmp_path / "config.json")) == saved
+
+
+@pytest.mark.parametrize("content, suffix, needle", [
+    ("model:\n  d_modle: 3\n", ".yaml", "unknown config key 'model.d_modle'"),
+    ('{"train": {"steps": "many"}}', ".json", "train.steps='many': allowed is int"),
+    ("[1, 2]", ".json", "must hold a mapping of config keys"),
+    ("{bad json", ".json", "not valid JSON"),
+    ("model: [\n", ".yaml", "not valid YAML"),
+    ("X = 1\n", ".py", "a preset file defines OVERRIDES"),
+    ("raise RuntimeError('boom')\n", ".py", "failed to run: RuntimeError: boom"),
+    ("OVERRIDES = {'model.block': 'diagonal'}\n", ".py", "model.block='diagonal': allowed is one of"),
+])
+def test_bad_config_files_name_the_file_and_the_problem(tmp_path, content, suffix, needle):
+    path = tmp_path / f"bad{suffix}"
+    path.write_text(content)
+    with pytest.raises(ConfigError) as e:
+        parse_args([f"--config={path}"])
+    assert needle in str(e.value) and str(path) in str(e.value), str(e.value)
+
+
+def test_missing_config_file_and_wrong_type_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        parse_args([f"--config={tmp_path / 'nope.yaml'}"])
+    (tmp_path / "c.toml").write_text("")
+    with pytest.raises(ConfigError, match=r"allowed file types are \.py, \.yaml, \.yml, \.json"):
+        parse_args([f"--config={tmp_path / 'c.toml'}"])
