@@ -171,3 +171,25 @@ def test_missing_config_file_and_wrong_type_are_named(tmp_path):
     (tmp_path / "c.toml").write_text("")
     with pytest.raises(ConfigError, match=r"allowed file types are \.py, \.yaml, \.yml, \.json"):
         parse_args([f"--config={tmp_path / 'c.toml'}"])
+
+
+def test_shakespeare_char_runs_from_any_directory(tmp_path):
+    """The preset's corpus ships inside the package: a run from an empty directory finds it (nothing beside the
+    checkout is needed) and trains on its 1,115,394 bytes."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    corpus = Path(load_preset("shakespeare_char").data.paths[0])
+    assert corpus.is_file() and corpus.stat().st_size == 1_115_394
+    assert Path(load_preset("shakespeare_char").data.paths[0]).is_absolute()
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "MSJAX_CACHE_HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "train.py"), "--config=shakespeare_char",
+                           "--train.steps=2", "--train.eval_every=0", "--train.eval_batches=1",
+                           "--train.sample_tokens=0", "--train.progress=false", "--train.run_dir=run"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert meta["data"]["paths"] == [str(corpus)] and meta["model"]["vocab_size"] == 65  # nanoGPT's 65 characters
