@@ -28,11 +28,13 @@ from msjax.hooks import Hook, Hooks, LoopControl, RunContext
 from msjax.mesh import make_mesh
 from msjax.metrics import MetricsWriter
 from msjax.observe import loop_hooks
+from msjax.parallel.pipeline import pipeline_rules
 from msjax.parallel.schedule import pipeline_summary
 from msjax.planner.preflight import check_layout
+from msjax.sharding_rules import RULE_SETS
 from msjax.supervise import phases
 from msjax.parallel import xla_flags
-from msjax.sample import generate
+from msjax.generate import Generator
 from msjax.train_step import TrainProgram, build_train_program
 
 
@@ -214,8 +216,11 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
         tok = data.tokenizer
         prompt = [tok.eot_id] if tok.eot_id is not None else tok.encode("\n").tolist()
         key = jax.random.wrap_key_data(state["rng"])
-        ids = generate(program.graphdef, state["params"], prompt, t.sample_tokens, t.seq_len,
-                       t.sample_temperature, key)
+        # KV-cached decoding on the training mesh; past model.max_seq_len the context rolls (msjax.generate).
+        generator = Generator(cfg.model, program.graphdef, state["params"], mesh,
+                              pipeline_rules(RULE_SETS[cfg.mesh.rules], mesh.shape["pipeline"]))
+        ids = generator.generate([prompt], t.sample_tokens, temperature=t.sample_temperature, seed=key,
+                                 rolling=True)[0]
         summary["sample"] = tok.decode(ids)
         _log("---- sample ----\n" + summary["sample"] + "\n----------------")
     summary["state"] = state
