@@ -265,6 +265,44 @@ class LoadedRun:
     load_s: float = 0.0
 
 
+def restore_params(run_dir: str | Path, cfg: Config, devices: Sequence[jax.Device] | None = None
+                   ) -> tuple[Any, int, dict]:
+    """(train program, step, parameters) of a run's newest verified checkpoint, restored onto the mesh of `cfg`
+    (any mesh: Orbax reshards). The whole train state is read and verified (the checkpoint's checksums cover it);
+    the optimizer state is dropped before returning.
+
+    Raises:
+      ConfigError: a mesh that does not fit the devices.
+      msjax.checkpoint.CheckpointError: no checkpoint, or none passes verification.
+    """
+    from msjax.checkpoint import CheckpointError, Checkpointer, checkpoint_dir
+    from msjax.mesh import make_mesh
+    from msjax.train_step import build_train_program
+
+    mesh = make_mesh(cfg.mesh, devices)
+    program = build_train_program(cfg, mesh)
+    ckpt = Checkpointer(cfg.checkpoint, checkpoint_dir(cfg.checkpoint, str(run_dir)))
+    try:
+        if ckpt.latest_step() is None:
+            raise CheckpointError(f"no complete checkpoint in {ckpt.directory}")
+        step, state, _ = ckpt.restore(program.abstract_state)
+    finally:
+        ckpt.close()
+    return program, step, state["params"]
+
+
+def run_config(run_dir: str | Path, overrides: dict[str, Any] | None = None) -> Config:
+    """A run directory's config.json with dotted `overrides`, validated. Raises ConfigError when there is none,
+    or when the run never set its vocabulary."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.json").is_file():
+        raise ConfigError(f"--run_dir={str(run_dir)!r} has no config.json (not a run directory)")
+    cfg = apply_overrides(load_preset(str(run_dir / "config.json")), overrides or {}).validate()
+    if cfg.model.vocab_size < 1:
+        raise ConfigError(f"{run_dir}/config.json: model.vocab_size is 0 (the run never started)")
+    return cfg
+
+
 def load_run(run_dir: str | Path, overrides: dict[str, Any] | None = None, config: Config | None = None,
              devices: Sequence[jax.Device] | None = None) -> LoadedRun:
     """Restores a run's newest verified checkpoint onto a mesh, for generation.
@@ -280,38 +318,17 @@ def load_run(run_dir: str | Path, overrides: dict[str, Any] | None = None, confi
       ConfigError: no config.json, a config or mesh that does not fit the devices.
       msjax.checkpoint.CheckpointError: no checkpoint passes verification.
     """
-    from msjax.checkpoint import Checkpointer, checkpoint_dir
     from msjax.data import load_tokenizer
-    from msjax.mesh import make_mesh
     from msjax.parallel.pipeline import pipeline_rules
-    from msjax.train_step import build_train_program
 
     t0 = time.perf_counter()
     run_dir = Path(run_dir)
-    if config is None:
-        if not (run_dir / "config.json").is_file():
-            raise ConfigError(f"--run_dir={str(run_dir)!r} has no config.json (not a run directory)")
-        config = load_preset(str(run_dir / "config.json"))
-    cfg = apply_overrides(config, overrides or {}).validate()
-    if cfg.model.vocab_size < 1:
-        raise ConfigError(f"{run_dir}/config.json: model.vocab_size is 0 (the run never started)")
-    mesh = make_mesh(cfg.mesh, devices)
-    program = build_train_program(cfg, mesh)
-    ckpt = Checkpointer(cfg.checkpoint, checkpoint_dir(cfg.checkpoint, str(run_dir)))
-    try:
-        if ckpt.latest_step() is None:
-            from msjax.checkpoint import CheckpointError
-
-            raise CheckpointError(f"no complete checkpoint in {ckpt.directory}")
-        step, state, _ = ckpt.restore(program.abstract_state)
-    finally:
-        ckpt.close()
-    params = state["params"]
-    del state
-    rules = pipeline_rules(RULE_SETS[cfg.mesh.rules], mesh.shape[ax.PIPELINE])
+    cfg = run_config(run_dir, overrides) if config is None else apply_overrides(config, overrides or {}).validate()
+    program, step, params = restore_params(run_dir, cfg, devices)
+    rules = pipeline_rules(RULE_SETS[cfg.mesh.rules], program.mesh.shape[ax.PIPELINE])
     tok_path = run_dir / "tokenizer.json"
     tokenizer = load_tokenizer(tok_path) if tok_path.is_file() else None
-    generator = Generator(program.config.model, program.graphdef, params, mesh, rules)
+    generator = Generator(program.config.model, program.graphdef, params, program.mesh, rules)
     return LoadedRun(program.config, step, generator, tokenizer, run_dir, time.perf_counter() - t0)
 
 
