@@ -33,6 +33,10 @@ class ConfigError(ValueError):
     """A preset, key or value the configuration does not accept; the message names it and what is allowed."""
 
 
+# The metrics sinks `train.loggers` may name (msjax.metrics).
+LOGGERS = ("jsonl", "tensorboard", "wandb")
+
+
 @dataclass(frozen=True)
 class AttentionConfig:
     """Causal self-attention.
@@ -276,6 +280,10 @@ class TrainConfig:
       sample_temperature: softmax temperature of that sample.
       run_dir: directory for config, metrics, TensorBoard events and checkpoints.
       progress: show a progress bar.
+      loggers: where the loop's metrics go (loss, grad norm, learning rate, tokens/s, MFU, validation loss), any of
+        jsonl (<run_dir>/metrics.jsonl), tensorboard (<run_dir>/tb) and wandb (Weights & Biases: `pip install
+        msjax[wandb]`; project from $WANDB_PROJECT, default "msjax"; $WANDB_MODE=offline works without an
+        account), comma-separated.
     """
 
     steps: int = 1000
@@ -290,6 +298,7 @@ class TrainConfig:
     sample_temperature: float = 0.8
     run_dir: str = "runs/default"
     progress: bool = True
+    loggers: tuple[str, ...] = ("jsonl", "tensorboard")
     # A step whose loss or gradient norm is not finite never updates the state (msjax.faults): `skip` goes on
     # with the next batch and counts it (metric `skipped`); `stop` ends the run with an error, leaving the newest
     # verified checkpoint as the point `--resume` rolls back to.
@@ -475,6 +484,10 @@ class Config:
         if t.seq_len > m.max_seq_len:
             raise ConfigError(f"train.seq_len={t.seq_len} is longer than the model's positions "
                               f"(model.max_seq_len={m.max_seq_len})")
+        unknown = [name for name in t.loggers if name not in LOGGERS]
+        if unknown:
+            raise ConfigError(f"train.loggers={','.join(t.loggers)}: unknown {', '.join(map(repr, unknown))}; allowed: "
+                              f"{', '.join(LOGGERS)} (comma-separated, any of them)")
         if t.global_batch % t.microbatches:
             raise ConfigError(f"train.global_batch={t.global_batch} must be divisible by train.microbatches="
                               f"{t.microbatches}")

@@ -28,6 +28,7 @@ from msjax.hooks import Hook, Hooks, LoopControl, RunContext
 from msjax.mesh import make_mesh
 from msjax.metrics import MetricsWriter
 from msjax.observe import loop_hooks
+from msjax.optim import learning_rates
 from msjax.parallel.pipeline import pipeline_rules
 from msjax.parallel.schedule import pipeline_summary
 from msjax.planner.preflight import check_layout
@@ -134,7 +135,8 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
         _log(pipeline_summary(mesh.shape["pipeline"], cfg.pipeline.virtual_stages, cfg.pipeline.microbatches))
     _log(xla_flags.describe())
 
-    writer = MetricsWriter(run_dir, start_step=start_step)
+    writer = MetricsWriter(run_dir, start_step=start_step, loggers=t.loggers, name=cfg.name, config=to_dict(cfg))
+    lrs = learning_rates(cfg.optimizer, t.steps)  # lr of step s at s - 1, logged with the loss
     control = control or LoopControl()
     fault_hooks = [StopOnSignal(), *([NonFiniteStop()] if t.nonfinite == "stop" else [])]
     hook = Hooks([*fault_hooks, *loop_hooks(cfg), *hooks])
@@ -171,8 +173,8 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
                 mfu = tok_s / tokens_per_step * step_flops / peak
                 last_log_step, last_log_time = step, now
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", mfu=f"{mfu:.1%}")
-                scalars = {"loss": loss, "grad_norm": grad_norm, "tokens_per_s": tok_s, "mfu": mfu,
-                           "skipped": int(metrics["skipped"])}
+                scalars = {"loss": loss, "grad_norm": grad_norm, "lr": float(lrs[step - 1]), "tokens_per_s": tok_s,
+                           "mfu": mfu, "skipped": int(metrics["skipped"])}
                 writer.write(step, scalars)
                 hook.on_log(ctx, step, scalars)
                 summary.update(tokens_per_s=tok_s, mfu=mfu)
