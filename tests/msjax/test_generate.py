@@ -214,3 +214,18 @@ def test_generate_script_errors_are_one_line(trained_run, flags, needle):
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]  # (after the checkpoint restore's INFO lines, when it got there)
     assert last.startswith("error: ") and needle in last, proc.stderr[-2000:]
+
+
+def test_generation_benchmark_runs_and_both_modes_agree(tmp_path):
+    """scripts/bench_generate.py --smoke: the table and JSON, both modes timed, the same tokens from both."""
+    out = tmp_path / "bench.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    proc = subprocess.run([sys.executable, "scripts/bench_generate.py", "--smoke", "--repeats=1",
+                           "--model.attention.window=4", f"--json={out}"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["same_tokens"] is True and "tokens/s" in proc.stdout
+    assert {(r["batch"], r["mode"]) for r in doc["rows"]} == {(b, m) for b in (1, 2) for m in ("kv_cache", "recompute")}
+    assert all(r["tokens_per_s"] > 0 and r["cache_slots"] == 4 for r in doc["rows"])  # the window's ring of 4 slots
