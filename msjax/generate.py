@@ -23,9 +23,7 @@ last max_seq_len / 2 tokens become the new prompt (their positions start again a
 from __future__ import annotations
 
 import contextlib
-import logging
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -40,8 +38,6 @@ from msjax.sample import check_sampling, sample_logits
 from msjax.sharding import use_rules
 from msjax.sharding_rules import RULE_SETS, Rules
 from msjax.sharding_rules import axes as ax
-
-log = logging.getLogger(__name__)
 
 # Rows are checked for a stop token every this many decoded tokens (a host sync), to end the loop early.
 STOP_CHECK_EVERY = 8
@@ -262,7 +258,6 @@ class LoadedRun:
     generator: Generator
     tokenizer: Any
     run_dir: Path
-    load_s: float = 0.0
 
 
 def restore_params(run_dir: str | Path, cfg: Config, devices: Sequence[jax.Device] | None = None
@@ -321,7 +316,6 @@ def load_run(run_dir: str | Path, overrides: dict[str, Any] | None = None, confi
     from msjax.data import load_tokenizer
     from msjax.parallel.pipeline import pipeline_rules
 
-    t0 = time.perf_counter()
     run_dir = Path(run_dir)
     cfg = run_config(run_dir, overrides) if config is None else apply_overrides(config, overrides or {}).validate()
     program, step, params = restore_params(run_dir, cfg, devices)
@@ -329,7 +323,7 @@ def load_run(run_dir: str | Path, overrides: dict[str, Any] | None = None, confi
     tok_path = run_dir / "tokenizer.json"
     tokenizer = load_tokenizer(tok_path) if tok_path.is_file() else None
     generator = Generator(program.config.model, program.graphdef, params, program.mesh, rules)
-    return LoadedRun(program.config, step, generator, tokenizer, run_dir, time.perf_counter() - t0)
+    return LoadedRun(program.config, step, generator, tokenizer, run_dir)
 
 
 @dataclass
@@ -340,7 +334,6 @@ class Completion:
     prompt_ids: list[int]
     generated_ids: list[int]
     text: str
-    extra: dict = field(default_factory=dict)
 
 
 def encode_prompt(tokenizer: Any, text: str) -> list[int]:

@@ -28,6 +28,7 @@ slot p mod S) and the longest sequence otherwise.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -226,31 +227,27 @@ class Block(nnx.Module):
         self.ln2 = None if self.parallel else Norm(cfg, rngs)
         self.mlp = MLP(cfg, rngs)
 
-    def _residual(self, x_btd: jax.Array, attend) -> jax.Array:
+    def _residual(self, x_btd: jax.Array, attend) -> tuple[jax.Array, Any]:
+        """The block's residual structure around `attend`: (B, T, D) -> ((B, T, D) out, what attend returned
+        beside its output (the KV cache when decoding))."""
         if self.parallel:
             h_btd = self.ln1(x_btd)
-            return x_btd + attend(h_btd) + self.mlp(h_btd)
-        x_btd = x_btd + attend(self.ln1(x_btd))
-        x_btd = constrain(x_btd, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED))
-        return x_btd + self.mlp(self.ln2(x_btd))
+            y_btd, aux = attend(h_btd)
+            return x_btd + y_btd + self.mlp(h_btd), aux
+        y_btd, aux = attend(self.ln1(x_btd))
+        x_btd = constrain(x_btd + y_btd, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED))
+        return x_btd + self.mlp(self.ln2(x_btd)), aux
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         x_btd = constrain(x_btd, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED))
         if overlap.active().tp == "collective_matmul":  # the same math, tensor-parallel rings by hand
             return collective_matmul.block(self, x_btd)
-        return self._residual(x_btd, self.attn)
+        return self._residual(x_btd, lambda h_btd: (self.attn(h_btd), None))[0]
 
     def decode(self, x_btd: jax.Array, positions_bt: jax.Array, cache: "LayerCache", write: "CacheWrite"
                ) -> tuple[jax.Array, "LayerCache"]:
         """The layer on T new tokens against its KV cache (`Attention.decode`); returns (B, T, D) and the cache."""
-        new = []
-
-        def attend(h_btd):
-            y_btd, layer_cache = self.attn.decode(h_btd, positions_bt, cache, write)
-            new.append(layer_cache)
-            return y_btd
-
-        return self._residual(x_btd, attend), new[0]
+        return self._residual(x_btd, lambda h_btd: self.attn.decode(h_btd, positions_bt, cache, write))
 
 
 @jax.tree_util.register_dataclass

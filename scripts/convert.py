@@ -70,7 +70,7 @@ def main(argv: list[str]) -> int:
     def body() -> int:
         run_dir = _flag(argv, "run_dir")
         exporting = "--to_hf" in argv or any(a.startswith("--to_hf=") and a != "--to_hf=false" for a in argv)
-        if exporting == bool(_flag(argv, "from_hf")):
+        if exporting == bool(_flag(argv, "from_hf")) and "--help" not in argv:
             raise ConfigError("give exactly one of --from_hf=DIR (import) and --to_hf (export)")
         # --to_hf: the run's own config.json gives every config flag its default (flags lay it out on a mesh).
         default = f"{run_dir}/config.json" if exporting and run_dir else "gpt_tiny"

@@ -212,7 +212,7 @@ def _pad_rows(v_pad: int) -> Callable[[Any], Any]:
 
 def rules(arch: str, cfg: ModelConfig) -> list[Rule]:
     """Every tensor of `arch` for the msjax model `cfg`, model-level tensors first, then layer by layer."""
-    d, h, g, k, f, v = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_size, cfg.ff_size, cfg.vocab_size
+    d, h, g, k, v = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_size, cfg.vocab_size
     v_pad = cfg.padded_vocab()
     pad = _pad_rows(v_pad)
     out: list[Rule] = []
