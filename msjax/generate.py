@@ -6,8 +6,9 @@
 
 Decoding with the cache (default) runs the prompts once (prefill: a batch of prompts of different lengths,
 right-padded, in one forward pass that also fills the cache), then one token per step against the cache
-(`msjax.model.GPT.decode`). With a sliding window the cache is a ring of W slots per layer, so its memory is
-O(W), not O(sequence). `cache=False` recomputes the whole sequence for every new token (the reference the cached
+(`msjax.model.GPT.decode`). The cache holds model.max_seq_len positions per layer (so one compiled decode step
+serves every prompt length); with a sliding window it is a ring of W slots per layer, so its memory is O(W), not
+O(sequence). `cache=False` recomputes the whole sequence for every new token (the reference the cached
 path is tested against, and the baseline of scripts/bench_generate.py).
 
 Layouts: the parameters keep the sharding they were restored with (any mesh: `load_run` takes mesh overrides) and
@@ -23,6 +24,7 @@ last max_seq_len / 2 tokens become the new prompt (their positions start again a
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -41,6 +43,8 @@ from msjax.sharding_rules import axes as ax
 
 # Rows are checked for a stop token every this many decoded tokens (a host sync), to end the loop early.
 STOP_CHECK_EVERY = 8
+# Token buffers are padded to a multiple of this many positions (fewer distinct shapes to compile).
+PAD_TO = 16
 
 
 def decode_rules(rules: Rules) -> Rules:
@@ -175,17 +179,20 @@ class Generator:
         """`new` tokens after each context (each context + new <= max_seq_len); updates `stopped`."""
         rows = len(contexts)
         lengths = np.array([len(c) for c in contexts], np.int32)
+        # Widths rounded up to a multiple of PAD_TO, so prompts of nearby lengths share one compiled program (padding
+        # is never attended: it sits after each row's last real token).
         if cache:  # the prompts, right-padded
-            width = int(lengths.max())
+            width = _round_up(int(lengths.max()), PAD_TO)
         else:  # room for every token of the chunk, in whole sequence shards of the training layout
-            width = min(-(-(int(lengths.max()) + new) // self.seq_multiple) * self.seq_multiple, self.cfg.max_seq_len)
+            width = _round_up(int(lengths.max()) + new, math.lcm(PAD_TO, self.seq_multiple))
+        width = min(width, self.cfg.max_seq_len)
         buf = np.zeros((rows, width), np.int32)
         for r, c in enumerate(contexts):
             buf[r, :len(c)] = c
         tokens: list[jax.Array] = []
         if cache:
             token, kv = self._prefill(self.params, self._put(buf), self._put(lengths),
-                                      jax.random.fold_in(key, first_step), max_len=int(lengths.max()) + new,
+                                      jax.random.fold_in(key, first_step), max_len=self.cfg.max_seq_len,
                                       **settings)
             tokens.append(token)
             pos = self._put(lengths)
@@ -222,6 +229,10 @@ class Generator:
         if self._replicated is None:
             return jnp.asarray(x)
         return jax.make_array_from_callback(x.shape, self._replicated, lambda index: x[index])
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def _host(x: jax.Array) -> np.ndarray:

@@ -98,7 +98,7 @@ def main(argv: list[str]) -> int:
                     seconds.append(time.perf_counter() - t0)
                 timing[cached] = statistics.median(seconds)
             same &= outputs[True] == outputs[False]
-            slots = cache_slots(model, prompt_len + new_tokens)
+            slots = cache_slots(model, model.max_seq_len)  # msjax.generate's cache: the whole context, or the ring
             cache_bytes = 2 * model.num_layers * b * slots * model.kv_heads * model.head_size * np.dtype(
                 model.dtype).itemsize
             for cached in (True, False):

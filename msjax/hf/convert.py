@@ -23,6 +23,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import time
 import uuid
@@ -209,6 +210,15 @@ def load_hf_params(reader: SafetensorsReader, arch: str, cfg: Config, abstract_p
 # Directories that appear whole or not at all.
 
 
+def local_path(path: str | Path, flag: str) -> Path:
+    """`path` as a local path; raises HFConversionError for a URL or any `scheme://` path (conversion reads and
+    writes local directories: download a model first, copy the result after)."""
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", str(path)):
+        raise HFConversionError(f"{flag}={str(path)!r} is a URL; conversion reads and writes local directories "
+                                "(get a model with `huggingface-cli download NAME --local-dir DIR`)")
+    return Path(path)
+
+
 def _fresh_target(path: Path, flag: str) -> Path:
     """A temporary sibling of `path` to build into; raises HFConversionError when `path` exists and is not an
     empty directory (nothing is overwritten)."""
@@ -265,7 +275,7 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path, base: Config | None = Non
     from msjax.train_step import build_train_program
 
     t0 = time.perf_counter()
-    hf_dir, run_dir = Path(hf_dir), Path(run_dir)
+    hf_dir, run_dir = local_path(hf_dir, "--from_hf"), local_path(run_dir, "--run_dir")
     if not hf_dir.is_dir():
         raise HFConversionError(f"--from_hf={str(hf_dir)!r} is not a directory (download one with "
                                 "`huggingface-cli download NAME --local-dir DIR`)")
@@ -418,7 +428,7 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, overrides: dict[str, Any
     t0 = time.perf_counter()
     if dtype not in ("float32", "bfloat16"):
         raise HFConversionError(f"--dtype={dtype!r}: allowed: 'float32', 'bfloat16'")
-    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    run_dir, out_dir = local_path(run_dir, "--run_dir"), local_path(out_dir, "--out")
     cfg = run_config(run_dir, overrides) if config is None else apply_overrides(config, overrides or {}).validate()
     arch = architecture_for(cfg.model)
     tok_path = run_dir / "tokenizer.json"

@@ -193,3 +193,20 @@ def test_shakespeare_char_runs_from_any_directory(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     meta = json.loads((tmp_path / "run" / "config.json").read_text())
     assert meta["data"]["paths"] == [str(corpus)] and meta["model"]["vocab_size"] == 65  # nanoGPT's 65 characters
+
+
+def test_resume_check_reads_configs_saved_before_the_new_keys():
+    """A checkpoint saved before model.position/norm/mlp/rope_base and train.loggers existed resumes with their
+    defaults; a saved Llama block still may not resume as a GPT one; the loggers may change on resume."""
+    from msjax.checkpoint.resume import config_differences
+    from msjax.config import to_dict
+
+    cfg = load_preset("gpt_tiny")
+    saved = json.loads(json.dumps(to_dict(cfg)))
+    for key in ("position", "norm", "mlp", "rope_base"):
+        del saved["model"][key]
+    del saved["train"]["loggers"]
+    assert config_differences(saved, cfg) == []
+    assert config_differences(saved, apply_overrides(cfg, {"train.loggers": ("wandb",)})) == []
+    saved["model"]["mlp"] = "swiglu"
+    assert config_differences(saved, cfg) == ["model.mlp: 'swiglu' -> 'gelu'"]

@@ -196,10 +196,6 @@ def test_generate_script_writes_json_and_any_mesh_agrees(trained_run, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(two.read_text())["results"] == doc["results"]  # tensor-parallel, uncached: the same tokens
     assert json.loads(two.read_text())["mesh"]["tensor"] == 2
-    # sampled: the seed decides
-    a, b = (_script(f"--run_dir={trained_run}", "--prompt=x = ", "--max_new_tokens=12", "--temperature=1.0",
-                    "--top_k=20", f"--seed={s}", "--mesh.data=1", "--mesh.fsdp=1", "--mesh.tensor=1") for s in (1, 1))
-    assert a.returncode == 0 and a.stdout == b.stdout
 
 
 @pytest.mark.parametrize("flags, needle", [

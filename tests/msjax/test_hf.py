@@ -81,12 +81,20 @@ def _random_hf_model(kind: str, seed: int = 0):
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory, tokenizer_file) -> dict:
     """Each random model saved by `save_pretrained` (safetensors) with the tokenizer, as a user's download."""
+    from tokenizers import Tokenizer, processors
+
     out = {}
     for kind in MODELS:
         d = tmp_path_factory.mktemp(f"hf-{kind}")
         model = _random_hf_model(kind)
         model.save_pretrained(d)
-        shutil.copy(tokenizer_file, d / "tokenizer.json")
+        tok = Tokenizer.from_file(str(tokenizer_file))
+        if kind.startswith("llama"):  # a begin-of-text token the tokenizer's post-processor adds, as Llama's does
+            tok.add_special_tokens(["<|begin_of_text|>"])
+            bos = tok.token_to_id("<|begin_of_text|>")
+            tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                               special_tokens=[("<|begin_of_text|>", bos)])
+        tok.save(str(d / "tokenizer.json"))
         (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
                                                              "eos_token": "<|endoftext|>"}))
         out[kind] = (d, model)
@@ -198,7 +206,8 @@ def test_imported_run_resumes_on_another_mesh_and_generates(hf_dirs, tmp_path, s
     loaded = load_run(run, overrides=ONE_DEVICE, devices=jax.devices()[:1])
     prompt = "def split(s):"
     result = generate_text(loaded, [prompt], 8, temperature=0)[0]
-    assert result.prompt_ids == transformers.AutoTokenizer.from_pretrained(d)(prompt)["input_ids"]
+    want = transformers.AutoTokenizer.from_pretrained(d)(prompt)["input_ids"]
+    assert result.prompt_ids == want and want[0] == 300  # the begin-of-text token leads, as transformers puts it
     assert loaded.step == 2 and len(result.generated_ids) == 8
 
 
@@ -331,6 +340,8 @@ def test_command_line_errors(hf_dirs, imported, tmp_path):
         ([f"--from_hf={d}", "--to_hf", "--run_dir=x"], "give exactly one of --from_hf=DIR (import) and --to_hf"),
         ([f"--from_hf={tmp_path / 'none'}", "--run_dir=x"], "is not a directory (download one with "
                                                             "`huggingface-cli download"),
+        (["--from_hf=hf://openai-community/gpt2", "--run_dir=x"], "--from_hf='hf://openai-community/gpt2' is a URL"),
+        ([f"--from_hf={d}", "--run_dir=s3://bucket/run"], "--run_dir='s3://bucket/run' is a URL"),
         ([f"--from_hf={bins}", f"--run_dir={tmp_path / 'r'}"], "found pytorch_model.bin: PyTorch pickles are not read"),
         ([f"--from_hf={d}", f"--run_dir={existing}"], "already exists and is not empty"),
         (["--to_hf", f"--run_dir={imported['gpt2'].run_dir}"], "--to_hf needs --out=DIR"),
