@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from msjax.config import Config, ConfigError, ModelConfig, apply_overrides, load_preset
+from msjax.config import Config, ModelConfig, apply_overrides
 from msjax.model import apply, apply_decode, init_cache
 from msjax.sample import check_sampling, sample_logits
 from msjax.sharding import use_rules
@@ -151,7 +151,8 @@ class Generator:
         if not rolling and longest + max_new_tokens > limit:
             raise ValueError(f"a prompt of {longest} tokens + --max_new_tokens={max_new_tokens} = "
                              f"{longest + max_new_tokens} tokens is longer than the model's context "
-                             f"(model.max_seq_len={limit}); shorten them, or let the context roll (rolling=True, --rolling)")
+                             f"(model.max_seq_len={limit}); shorten them, or let the context roll (rolling=True, "
+                             "--rolling)")
         key = jax.random.key(seed) if isinstance(seed, int) else seed
         settings = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
         n = len(prompts)
@@ -271,44 +272,6 @@ class LoadedRun:
     run_dir: Path
 
 
-def restore_params(run_dir: str | Path, cfg: Config, devices: Sequence[jax.Device] | None = None
-                   ) -> tuple[Any, int, dict]:
-    """(train program, step, parameters) of a run's newest verified checkpoint, restored onto the mesh of `cfg`
-    (any mesh: Orbax reshards). The whole train state is read and verified (the checkpoint's checksums cover it);
-    the optimizer state is dropped before returning.
-
-    Raises:
-      ConfigError: a mesh that does not fit the devices.
-      msjax.checkpoint.CheckpointError: no checkpoint, or none passes verification.
-    """
-    from msjax.checkpoint import CheckpointError, Checkpointer, checkpoint_dir
-    from msjax.mesh import make_mesh
-    from msjax.train_step import build_train_program
-
-    mesh = make_mesh(cfg.mesh, devices)
-    program = build_train_program(cfg, mesh)
-    ckpt = Checkpointer(cfg.checkpoint, checkpoint_dir(cfg.checkpoint, str(run_dir)))
-    try:
-        if ckpt.latest_step() is None:
-            raise CheckpointError(f"no complete checkpoint in {ckpt.directory}")
-        step, state, _ = ckpt.restore(program.abstract_state)
-    finally:
-        ckpt.close()
-    return program, step, state["params"]
-
-
-def run_config(run_dir: str | Path, overrides: dict[str, Any] | None = None) -> Config:
-    """A run directory's config.json with dotted `overrides`, validated. Raises ConfigError when there is none,
-    or when the run never set its vocabulary."""
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.json").is_file():
-        raise ConfigError(f"--run_dir={str(run_dir)!r} has no config.json (not a run directory)")
-    cfg = apply_overrides(load_preset(str(run_dir / "config.json")), overrides or {}).validate()
-    if cfg.model.vocab_size < 1:
-        raise ConfigError(f"{run_dir}/config.json: model.vocab_size is 0 (the run never started)")
-    return cfg
-
-
 def load_run(run_dir: str | Path, overrides: dict[str, Any] | None = None, config: Config | None = None,
              devices: Sequence[jax.Device] | None = None) -> LoadedRun:
     """Restores a run's newest verified checkpoint onto a mesh, for generation.
@@ -326,6 +289,7 @@ def load_run(run_dir: str | Path, overrides: dict[str, Any] | None = None, confi
     """
     from msjax.data import load_tokenizer
     from msjax.parallel.pipeline import pipeline_rules
+    from msjax.runs import restore_params, run_config
 
     run_dir = Path(run_dir)
     cfg = run_config(run_dir, overrides) if config is None else apply_overrides(config, overrides or {}).validate()

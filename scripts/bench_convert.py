@@ -95,7 +95,8 @@ def main(argv: list[str]) -> int:
             model.save_pretrained(tmp / "hf")
             del model
             st_bytes = sum(p.stat().st_size for p in (tmp / "hf").glob("*.safetensors"))
-            rows["baseline"] = _child([sys.executable, "-c", "import msjax, jax; jax.numpy.zeros(1).block_until_ready()"])
+            rows["baseline"] = _child([sys.executable, "-c",
+                                       "import msjax, jax; jax.numpy.zeros(1).block_until_ready()"])
             rows["import"] = _child([sys.executable, "scripts/convert.py", f"--from_hf={tmp / 'hf'}",
                                      f"--run_dir={tmp / 'run'}"])
             rows["export"] = _child([sys.executable, "scripts/convert.py", "--to_hf", f"--run_dir={tmp / 'run'}",

@@ -8,7 +8,7 @@ optimizer state is made on the mesh; and the train state is written as a verifie
 directory is built under a temporary name and renamed into place at the end: a failed conversion leaves nothing
 that looks like a run.
 
-Export (`export_hf`): the run's newest verified checkpoint (restored onto any mesh, `msjax.generate.restore_params`)
+Export (`export_hf`): the run's newest verified checkpoint (restored onto any mesh, `msjax.runs.restore_params`)
 -> safetensors shards of at most `max_shard_bytes`, each tensor fetched from the devices when its shard is written,
 with model.safetensors.index.json when there are several (the layout `save_pretrained` writes), config.json,
 generation_config.json and the tokenizer files (`msjax.hf.tokenizer`). Same temporary-name-then-rename rule.
@@ -420,10 +420,10 @@ def export_hf(run_dir: str | Path, out_dir: str | Path, overrides: dict[str, Any
     Raises:
       HFConversionError: a model neither GPT-2 nor Llama can hold (naming the fields), a tokenizer with no HF
         form, an existing output directory.
-      ConfigError, msjax.checkpoint.CheckpointError: as `msjax.generate.restore_params`.
+      ConfigError, msjax.checkpoint.CheckpointError: as `msjax.runs.restore_params`.
     """
     from msjax.data import load_tokenizer
-    from msjax.generate import restore_params, run_config
+    from msjax.runs import restore_params, run_config
 
     t0 = time.perf_counter()
     if dtype not in ("float32", "bfloat16"):

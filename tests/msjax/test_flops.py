@@ -95,5 +95,8 @@ def test_window_lowers_only_the_attention_term():
     cfg = _cfg(**LLAMA)
     windowed = dataclasses.replace(cfg, attention=AttentionConfig(window=4))
     full, local = flops_per_token(cfg, 16), flops_per_token(windowed, 16)
-    attn = lambda c: 12 * c.num_layers * c.num_heads * c.head_size * mean_attended_keys(16, c.attention.window)  # noqa: E731
+
+    def attn(c):
+        return 12 * c.num_layers * c.num_heads * c.head_size * mean_attended_keys(16, c.attention.window)
+
     assert full - attn(cfg) == local - attn(windowed) == 6 * matmul_params(cfg)

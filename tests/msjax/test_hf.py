@@ -27,7 +27,8 @@ torch = pytest.importorskip("torch")  # the dev extra installs both (pyproject.t
 transformers = pytest.importorskip("transformers")
 
 from msjax.data import ByteTokenizer, CharTokenizer, HFTokenizer  # noqa: E402
-from msjax.generate import generate_text, load_run, run_config  # noqa: E402
+from msjax.generate import generate_text, load_run  # noqa: E402
+from msjax.runs import run_config  # noqa: E402
 from msjax.hf import HFConversionError, export_hf, import_hf  # noqa: E402
 from msjax.hf.tokenizer import hf_tokenizer_json  # noqa: E402
 from msjax.model import apply  # noqa: E402
