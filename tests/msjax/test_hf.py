@@ -320,6 +320,23 @@ def test_what_msjax_cannot_represent_is_one_error_naming_it(hf_dirs, tmp_path, k
     assert not (tmp_path / "run").exists() and not list(tmp_path.glob(".run.tmp-*"))  # nothing half-made
 
 
+def test_gpt2_checkpoint_in_the_hub_layout_imports(hf_dirs, tmp_path):
+    """The Hub's openai-community/gpt2 files name tensors without `transformer.` and carry the causal-mask buffers
+    (`h.i.attn.bias`): the same model, the same logits."""
+    d, model = hf_dirs["gpt2"]
+    from safetensors import safe_open
+
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    hub = _edited(hf_dirs, tmp_path, "gpt2", rename={n: n[len("transformer."):] for n in names
+                                                     if n.startswith("transformer.")},
+                  add={f"h.{i}.attn.bias": torch.tril(torch.ones(1, 1, 40, 40)) for i in range(3)})
+    result = import_hf(hub, tmp_path / "run", overrides=ONE_DEVICE, devices=jax.devices()[:1])
+    run = load_run(result.run_dir, overrides=ONE_DEVICE, devices=jax.devices()[:1])
+    tokens = _tokens(4, 16)
+    np.testing.assert_allclose(_msjax_logits(run, tokens), _hf_logits(model, tokens), atol=TOL, rtol=0)
+
+
 def test_command_line_errors(hf_dirs, imported, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
