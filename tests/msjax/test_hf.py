@@ -63,9 +63,10 @@ MODELS = {
                                             head_dim=10, max_position_embeddings=48, attention_bias=True,
                                             mlp_bias=True, tie_word_embeddings=True)),
 }
-# A layout per model that splits what it can over 8 devices (GPT-2's 3 heads do not split over tensor).
+# A layout per model that splits what it can over 8 devices (GPT-2's 3 heads do not split over tensor); the third
+# keeps one parameter set per layer (`layers.i`) instead of stacked `blocks`.
 LAYOUTS = {"gpt2": {"mesh.data": 2, "mesh.fsdp": 4}, "llama": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
-           "llama-bias-tied": {"mesh.data": 4, "mesh.fsdp": 2}}
+           "llama-bias-tied": {"mesh.data": 4, "mesh.fsdp": 2, "model.scan_layers": False}}
 
 
 def _random_hf_model(kind: str, seed: int = 0):
