@@ -1,7 +1,14 @@
 """The standard char-level Shakespeare CPU recipe (nanoGPT's `train_shakespeare_char.py` with its README's CPU
 flags): 4 layers, 4 heads, width 128, context 64, batch 12, 2000 steps, AdamW lr 1e-3 -> 1e-4 cosine, beta2 0.99,
 100 warmup steps, no dropout, eval every 250 steps over 20 batches; 90/10 train/validation split of the file.
+
+The corpus (Karpathy's tinyshakespeare, 1,115,394 bytes of public-domain Shakespeare) ships inside the package
+(msjax/data/corpora/), so the preset runs on a fresh clone or install, from any working directory.
 """
+
+import importlib.resources
+
+CORPUS = importlib.resources.files("msjax") / "data" / "corpora" / "tinyshakespeare.txt"
 
 OVERRIDES = {
     "model.scan_layers": False,  # shallow: a Python loop over layers beats scan ~2x in the backward on CPU
@@ -9,7 +16,7 @@ OVERRIDES = {
     "model.max_seq_len": 64,
     "model.vocab_multiple": 8,  # 65 characters -> 72 rows: splits over up to 8 tensor-parallel devices (the
     # padding rows' logits are masked to -1e9, so the loss is the same function of the 65 real ones)
-    "data.paths": ("../shared/data/tinyshakespeare.txt",),
+    "data.paths": (str(CORPUS),),
     "data.tokenizer": "char",
     "data.val_fraction": 0.1,
     "train.seq_len": 64,

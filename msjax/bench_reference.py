@@ -54,16 +54,19 @@ def plain_train_step(cfg: Config, vocab_size: int) -> tuple[Callable, Any, dict[
       (params, AdamW state) and a batch of random int32 tokens {"inputs", "targets"}: (B, T).
     Raises:
       ValueError: a model this reference does not reproduce (a parallel block, a sliding window, grouped-query
-        heads, head_dim other than d_model / num_heads, untied embeddings, no biases): its times would not be
-        those of the same model.
+        heads, head_dim other than d_model / num_heads, untied embeddings, no biases, RoPE, RMSNorm, SwiGLU): its
+        times would not be those of the same model.
     """
     m, t = cfg.model, cfg.train
     unlike = {"model.block": m.block != "serial", "model.attention.window": m.attention.window is not None,
               "model.num_kv_heads": m.kv_heads != m.num_heads, "model.head_dim": m.head_size * m.num_heads != m.d_model,
-              "model.tie_embeddings": not m.tie_embeddings, "model.use_bias": not m.use_bias}
+              "model.tie_embeddings": not m.tie_embeddings, "model.use_bias": not m.use_bias,
+              "model.position": m.position != "learned", "model.norm": m.norm != "layernorm",
+              "model.mlp": m.mlp != "gelu"}
     if any(unlike.values()):
         raise ValueError(f"plain_train_step models nanoGPT's block (serial, no window, multi-head, head_dim = d_model "
-                         f"/ num_heads, tied embeddings, biases); this config differs in "
+                         f"/ num_heads, tied embeddings, biases, learned positions, LayerNorm, GeLU); this config "
+                         f"differs in "
                          f"{', '.join(k for k, v in unlike.items() if v)}")
     B, T, D, H, L, F, V = t.global_batch, t.seq_len, m.d_model, m.num_heads, m.num_layers, m.ff_size, vocab_size
     K = D // H

@@ -1,7 +1,8 @@
 """The one command-line parser of every msjax script: `parse(argv, ScriptOptions)` -> (Config, options).
 
 Every field of `msjax.config.Config` is a dotted flag (`--train.steps=200`, `--mesh.tensor 2`), defaults come
-from the preset `--config=NAME` picks, and a script adds its own flags as a frozen dataclass of options
+from the preset `--config=NAME` picks (or a preset, YAML or JSON file: `--config=PATH`, a run directory's
+config.json included; `msjax.config.load_preset`), and a script adds its own flags as a frozen dataclass of options
 (`--steps`, `--json`, ...). `--help` lists every flag with its type, default and the field's docstring.
 
 Why tyro: it builds an argparse parser from (nested) dataclasses and their docstrings, which is what msjax's
@@ -36,7 +37,9 @@ class CommonOptions:
     """Flags every script has.
 
     Attributes:
-      config: the preset in configs/ whose values are the defaults of every other flag.
+      config: the preset in configs/ whose values are the defaults of every other flag, or a path to a preset
+        .py file, a YAML or a JSON file of keys (a run directory's config.json, or the directory, reproduces that
+        run); flags still override it.
       resume: shorthand for --checkpoint.resume=true (continue from the latest checkpoint).
       log_level: messages at this level and above are shown (DEBUG, INFO, WARNING, ERROR).
       quiet: only warnings and errors (same as --log_level=WARNING).
@@ -137,7 +140,7 @@ def _flags_class(cfg: Config, options: Sequence[Any]) -> type:
             seen.add(f.name)
             help_ = docs.get(f.name, "")
             if f.name == "config":
-                help_ += f" Allowed: {', '.join(preset_names())}."
+                help_ += f" Presets: {', '.join(preset_names())}."
             fields.append((f.name, Annotated[hints[f.name], tyro.conf.arg(help=help_)],
                            dataclasses.field(default=getattr(opts, f.name))))
     return dataclasses.make_dataclass("Flags", fields, frozen=True)

@@ -3,7 +3,9 @@
 A run is described by one frozen `Config` made of sections (model, mesh, pipeline, optimizer, data, train,
 checkpoint, storage, supervisor, observe).
 Named presets in `configs/<name>.py` hold an `OVERRIDES` dict of dotted keys that differ from these defaults;
-the command line adds more dotted overrides (`--train.steps=200 --mesh.tensor=2`). Every key and value is
+`--config` also takes a path to a preset file of the same form anywhere, or to a YAML or JSON file of keys (nested
+sections or dotted keys), a run directory's own `config.json` included (`load_preset`); the command line adds more
+dotted overrides (`--train.steps=200 --mesh.tensor=2`). Every key and value is
 checked: an unknown key, a value of the wrong type or a value outside its allowed set raises `ConfigError`
 naming the key and what is allowed (the Levanter/draccus and torchtitan way of doing configs).
 
@@ -15,12 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
+import json
 import math
+import os
 import pkgutil
 import re
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
 
@@ -81,6 +87,10 @@ def check_path_value(value: str, key: str) -> None:
         raise ConfigError(f"{key}={value!r} names no bucket; allowed: {scheme}://bucket/path")
 
 
+# The metrics sinks `train.loggers` may name (msjax.metrics).
+LOGGERS = ("jsonl", "tensorboard", "wandb")
+
+
 @dataclass(frozen=True)
 class AttentionConfig:
     """Causal self-attention.
@@ -98,11 +108,17 @@ class AttentionConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Decoder-only GPT (Radford et al. 2019; Brown et al. 2020), serial or parallel blocks (GPT-J, PaLM).
+    """Decoder-only transformer: GPT-2/3 (Radford et al. 2019; Brown et al. 2020) or Llama-style (Touvron et al.
+    2023), serial or parallel blocks (GPT-J, PaLM).
+
+    GPT-2 is the default: learned positions, LayerNorm, GeLU MLP, biases, tied embeddings. Llama is
+    `position=rope`, `norm=rmsnorm`, `mlp=swiglu`, `use_bias=false`, `tie_embeddings=false` with grouped-query
+    heads (`num_kv_heads`); any mix of the two is allowed.
 
     vocab_size 0 takes the tokenizer's vocabulary; the embedding is padded up to a multiple of `vocab_multiple`
-    so the vocab axis shards evenly and matmuls stay aligned. `num_kv_heads`, `head_dim` and `d_ff` of 0 take
-    `num_heads`, `d_model // num_heads` and `4 * d_model`.
+    so the vocab axis shards evenly and matmuls stay aligned (padding rows start at zero and stay zero: their
+    logits are masked, so they get no gradient). `num_kv_heads`, `head_dim` and `d_ff` of 0 take `num_heads`,
+    `d_model // num_heads` and `4 * d_model` (set `d_ff` for SwiGLU: Llama uses about 8/3 d_model).
 
     Attributes:
       vocab_size: vocabulary size V; 0 takes the tokenizer's.
@@ -113,11 +129,18 @@ class ModelConfig:
       num_kv_heads: key/value heads (grouped-query attention); 0 means num_heads.
       head_dim: head dimension K; 0 means d_model // num_heads.
       d_ff: MLP width F; 0 means 4 * d_model.
-      max_seq_len: learned positions (the longest train.seq_len allowed).
+      max_seq_len: the longest sequence: rows of the learned position table, or RoPE's trained context (the
+        longest train.seq_len, prompt + generated tokens allowed).
       block: serial (GPT-2) or parallel (GPT-J/PaLM: attention and MLP from the same norm, summed).
+      position: learned (GPT-2: a (max_seq_len, D) table added to the token embedding) or rope (rotary
+        embeddings of queries and keys, Su et al. 2021; Llama).
+      rope_base: RoPE's frequency base theta (Llama 2: 10000, Llama 3: 500000).
+      norm: layernorm (Ba et al. 2016; GPT-2) or rmsnorm (Zhang and Sennrich 2019; Llama; no offset).
+      mlp: gelu (two matrices, tanh-approximated GeLU as GPT-2) or swiglu (three matrices, down(silu(gate x) *
+        up x); Shazeer 2020; Llama).
       tie_embeddings: the output projection reuses the token embedding.
-      use_bias: biases in linear layers and norms.
-      norm_eps: LayerNorm epsilon.
+      use_bias: biases in linear layers, and LayerNorm's offset (RMSNorm has none).
+      norm_eps: the norms' epsilon.
       init_std: standard deviation of the normal weight initialisation.
       remat: activation recomputation policy of each block (jax.checkpoint).
       scan_layers: one jax.lax.scan over stacked layers (fast compile) instead of a Python loop.
@@ -136,6 +159,10 @@ class ModelConfig:
     d_ff: int = 0
     max_seq_len: int = 256
     block: Literal["serial", "parallel"] = "serial"
+    position: Literal["learned", "rope"] = "learned"
+    rope_base: float = 10000.0
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    mlp: Literal["gelu", "swiglu"] = "gelu"
     tie_embeddings: bool = True
     use_bias: bool = True
     norm_eps: float = 1e-5
@@ -311,6 +338,10 @@ class TrainConfig:
       run_dir: local directory for config, metrics, TensorBoard events and (unless checkpoint.dir is set)
         checkpoints.
       progress: show a progress bar.
+      loggers: where the loop's metrics go (loss, grad norm, learning rate, tokens/s, MFU, validation loss), any of
+        jsonl (<run_dir>/metrics.jsonl), tensorboard (<run_dir>/tb) and wandb (Weights & Biases: `pip install
+        msjax[wandb]`; project from $WANDB_PROJECT, default "msjax"; $WANDB_MODE=offline works without an
+        account), comma-separated.
     """
 
     steps: int = 1000
@@ -325,6 +356,7 @@ class TrainConfig:
     sample_temperature: float = 0.8
     run_dir: str = "runs/default"
     progress: bool = True
+    loggers: tuple[str, ...] = ("jsonl", "tensorboard")
     # A step whose loss or gradient norm is not finite never updates the state (msjax.faults): `skip` goes on
     # with the next batch and counts it (metric `skipped`); `stop` ends the run with an error, leaving the newest
     # verified checkpoint as the point `--resume` rolls back to.
@@ -533,12 +565,23 @@ class Config:
         if not m.head_dim and m.d_model % m.num_heads:
             raise ConfigError(f"model.d_model={m.d_model} must be divisible by model.num_heads={m.num_heads} "
                               "(or set model.head_dim)")
+        if m.position == "rope" and m.head_size % 2:
+            raise ConfigError(f"model.position='rope' rotates pairs of head dimensions; the head dimension "
+                              f"{m.head_size} is odd (set model.head_dim, or model.d_model / model.num_heads, even)")
+        if not (math.isfinite(m.rope_base) and m.rope_base > 1.0):
+            raise ConfigError(f"model.rope_base={m.rope_base}: allowed is a finite number > 1 (e.g. 10000)")
+        if not (math.isfinite(m.norm_eps) and m.norm_eps > 0):
+            raise ConfigError(f"model.norm_eps={m.norm_eps}: allowed is a finite number > 0")
         if a.window is not None and a.window < 1:
             raise ConfigError(f"model.attention.window={a.window}: allowed is an integer >= 1, or None for full "
                               "causal attention")
         if t.seq_len > m.max_seq_len:
             raise ConfigError(f"train.seq_len={t.seq_len} is longer than the model's positions "
                               f"(model.max_seq_len={m.max_seq_len})")
+        unknown = [name for name in t.loggers if name not in LOGGERS]
+        if unknown:
+            raise ConfigError(f"train.loggers={','.join(t.loggers)}: unknown {', '.join(map(repr, unknown))}; allowed: "
+                              f"{', '.join(LOGGERS)} (comma-separated, any of them)")
         if t.global_batch % t.microbatches:
             raise ConfigError(f"train.global_batch={t.global_batch} must be divisible by train.microbatches="
                               f"{t.microbatches}")
@@ -774,14 +817,91 @@ def preset_names() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(configs.__path__) if not m.name.startswith("_"))
 
 
+CONFIG_FILE_SUFFIXES = (".py", ".yaml", ".yml", ".json")
+
+
 def load_preset(name: str) -> Config:
-    """The preset `configs/<name>.py` applied to the defaults, validated. Raises ConfigError if unknown."""
-    names = preset_names()
-    if name not in names:
-        raise ConfigError(f"unknown preset --config={name!r}; allowed: {', '.join(names)}")
-    module = importlib.import_module(f"msjax.configs.{name}")
-    cfg = apply_overrides(Config(name=name), module.OVERRIDES)
-    return cfg
+    """The config `--config=name` stands for: a preset `configs/<name>.py` applied to the defaults, or a file.
+
+    Files (anything with a path separator or one of `CONFIG_FILE_SUFFIXES`, or a directory holding
+    `config.json`):
+      .py: a preset file like those in configs/ (`OVERRIDES`: a dict of dotted keys); the run is named after the
+        file.
+      .json, .yaml/.yml: a mapping of keys, as nested sections (`{"model": {"d_model": 64}}`) or dotted keys
+        (`{"model.d_model": 64}`), applied to the defaults; `name` names the run (else the file's name). A run
+        directory's `config.json` (every key, written by the run) reproduces that run exactly.
+    Not validated (flags may still change it; `Config.validate` comes after).
+
+    Raises:
+      ConfigError: an unknown preset name (naming the allowed ones), a missing or unreadable file, a file that is
+        not a mapping of keys, or an unknown key or bad value in it (naming the file and the key).
+    """
+    path = Path(name).expanduser()
+    is_file = path.suffix in CONFIG_FILE_SUFFIXES or "/" in name or os.sep in name or path.is_dir()
+    if not is_file:
+        names = preset_names()
+        if name not in names:
+            raise ConfigError(f"unknown preset --config={name!r}; allowed: {', '.join(names)}, or a path to a "
+                              f"{', '.join(CONFIG_FILE_SUFFIXES)} file (a run directory's config.json reproduces "
+                              "that run)")
+        module = importlib.import_module(f"msjax.configs.{name}")
+        return apply_overrides(Config(name=name), module.OVERRIDES)
+    if path.is_dir() and (path / "config.json").is_file():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"--config={name!r}: no such file")
+    if path.suffix not in CONFIG_FILE_SUFFIXES:
+        raise ConfigError(f"--config={name!r}: allowed file types are {', '.join(CONFIG_FILE_SUFFIXES)}")
+    overrides = _read_config_file(path)
+    run_name = overrides.pop("name", path.parent.name if path.name == "config.json" else path.stem)
+    try:
+        return apply_overrides(Config(name=str(run_name)), overrides)
+    except ConfigError as e:
+        raise ConfigError(f"--config={name!r}: {e}") from None
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    """The dotted overrides a config file holds (see `load_preset`)."""
+    if path.suffix == ".py":
+        spec = importlib.util.spec_from_file_location(f"msjax_config_file_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:  # noqa: BLE001 - any error in the user's file: name the file and the error
+            raise ConfigError(f"--config={str(path)!r}: the preset file failed to run: {type(e).__name__}: {e}"
+                              ) from None
+        doc = getattr(module, "OVERRIDES", None)
+        if not isinstance(doc, dict):
+            raise ConfigError(f"--config={str(path)!r}: a preset file defines OVERRIDES, a dict of dotted keys "
+                              "(like the files in configs/)")
+        return dict(doc)
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix == ".json":
+            doc = json.loads(text)
+        else:
+            import yaml  # PyYAML, a dependency already (the Kubernetes manifest)
+
+            doc = yaml.safe_load(text)
+    except (json.JSONDecodeError, ValueError) as e:
+        raise ConfigError(f"--config={str(path)!r}: not valid {path.suffix[1:].upper()}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - yaml.YAMLError and its subclasses
+        raise ConfigError(f"--config={str(path)!r}: not valid YAML: {e}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"--config={str(path)!r}: the file must hold a mapping of config keys (sections or "
+                          f"dotted keys), not a {type(doc).__name__}")
+    return _dotted(doc)
+
+
+def _dotted(doc: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested sections -> dotted keys (`{"model": {"d_model": 64}}` -> `{"model.d_model": 64}`); dotted keys kept."""
+    out: dict[str, Any] = {}
+    for key, value in doc.items():
+        if isinstance(value, Mapping):
+            out.update(_dotted(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def config_from_flags(pairs: Sequence[tuple[str, str]], default_preset: str = "gpt_tiny") -> Config:

@@ -1,12 +1,13 @@
-"""Metrics out: a JSONL file (one object per logged step, easy to load anywhere) and TensorBoard event files
-through tensorboardX (a well-kept writer with no TensorFlow dependency). Only process 0 writes."""
+"""Metrics out, to the sinks `train.loggers` names: a JSONL file (one object per logged step, easy to load anywhere),
+TensorBoard event files through tensorboardX (a well-kept writer with no TensorFlow dependency) and Weights &
+Biases through its own client (`msjax.observe.wandb_logger`). Only process 0 writes."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 
@@ -20,41 +21,59 @@ def _step_of(row: str) -> float:
 
 
 class MetricsWriter:
-    """Writes `{step, **scalars}` to `<run_dir>/metrics.jsonl` and TensorBoard events under `<run_dir>/tb`.
+    """Writes `{step, **scalars}` to `<run_dir>/metrics.jsonl`, TensorBoard events under `<run_dir>/tb` and W&B,
+    as `loggers` says.
 
     `start_step`: the step the run (re)starts from. Rows of later steps, written by an earlier attempt that did
     not get to checkpoint them, are dropped from metrics.jsonl (rewritten atomically) and TensorBoard is told to
     purge them (tensorboardX `purge_step`), so a resumed run's metrics hold each step once.
+    `loggers`: any of "jsonl", "tensorboard", "wandb" (`train.loggers`); `name` and `config` (a dict) describe the
+    run to W&B.
+
+    Raises:
+      ConfigError: wandb asked for but not installed.
     """
 
-    def __init__(self, run_dir: Path, start_step: int = 0):
+    def __init__(self, run_dir: Path, start_step: int = 0, loggers: Sequence[str] = ("jsonl", "tensorboard"),
+                 name: str = "", config: dict[str, Any] | None = None):
         self.enabled = jax.process_index() == 0
+        self._jsonl = self._tb = self._wandb = None
         if not self.enabled:
             return
-        from tensorboardX import SummaryWriter
-
         run_dir.mkdir(parents=True, exist_ok=True)
-        path = run_dir / "metrics.jsonl"
-        if path.exists():
-            rows = path.read_text().splitlines(keepends=True)
-            kept = [r for r in rows if _step_of(r) <= start_step]
-            if len(kept) != len(rows):
-                tmp = path.with_suffix(".jsonl.tmp")
-                tmp.write_text("".join(kept))
-                os.replace(tmp, path)
-        self._jsonl = open(path, "a", buffering=1)
-        self._tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1 if start_step else None)
+        if "jsonl" in loggers:
+            path = run_dir / "metrics.jsonl"
+            if path.exists():
+                rows = path.read_text().splitlines(keepends=True)
+                kept = [r for r in rows if _step_of(r) <= start_step]
+                if len(kept) != len(rows):
+                    tmp = path.with_suffix(".jsonl.tmp")
+                    tmp.write_text("".join(kept))
+                    os.replace(tmp, path)
+            self._jsonl = open(path, "a", buffering=1)
+        if "tensorboard" in loggers:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1 if start_step else None)
+        if "wandb" in loggers:
+            from msjax.observe.wandb_logger import WandbLogger
+
+            self._wandb = WandbLogger(run_dir, name, config or {})
 
     def write(self, step: int, scalars: dict[str, Any]) -> None:
         if not self.enabled:
             return
         row = {"step": step, **{k: float(v) for k, v in scalars.items()}}
-        self._jsonl.write(json.dumps(row) + "\n")
-        for k, v in row.items():
-            if k != "step":
-                self._tb.add_scalar(k, v, step)
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for k, v in row.items():
+                if k != "step":
+                    self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.write(step, {k: v for k, v in row.items() if k != "step"})
 
     def close(self) -> None:
-        if self.enabled:
-            self._jsonl.close()
-            self._tb.close()
+        for sink in (self._jsonl, self._tb, self._wandb):
+            if sink is not None:
+                sink.close()

@@ -1,11 +1,16 @@
-"""Decoder-only GPT in Flax NNX: single-device math that names its axes.
+"""Decoder-only transformer in Flax NNX: single-device math that names its axes. GPT-2/3 and Llama-style blocks.
 
-Legend: B batch, T sequence, D model width, H query heads, G key/value heads, K head dim, F MLP width,
-V vocabulary (padded), L layers.
+Legend: B batch, T sequence, S key/cache length, D model width, H query heads, G key/value heads, K head dim,
+F MLP width, V vocabulary (padded), L layers.
 
-Blocks are pre-norm. `block="serial"` is GPT-2/3: x + attn(ln1(x)), then + mlp(ln2(x)). `block="parallel"` is
-the parallel formulation of GPT-J, PaLM (Chowdhery et al. 2022, sec. 2) and MegaScale (sec. 3.1):
-x + attn(ln(x)) + mlp(ln(x)), so the two branches' tensor-parallel collectives can be fused and overlapped.
+Blocks are pre-norm. `block="serial"` is GPT-2/3 and Llama: x + attn(norm1(x)), then + mlp(norm2(x)).
+`block="parallel"` is the parallel formulation of GPT-J, PaLM (Chowdhery et al. 2022, sec. 2) and MegaScale
+(sec. 3.1): x + attn(norm(x)) + mlp(norm(x)), so the two branches' tensor-parallel collectives can be fused and
+overlapped. The pieces are chosen by the config: `position` learned (a table added to the token embedding) or
+rope (rotary embeddings of queries and keys, `msjax.ops.rope`), `norm` layernorm or rmsnorm, `mlp` gelu (two
+matrices) or swiglu (three: `w_gate`, `w_in` (up), `w_out` (down)), biases on or off, tied or untied output
+projection. GPT-2 is (learned, layernorm, gelu, biases, tied); Llama is (rope, rmsnorm, swiglu, no biases,
+untied) with grouped-query heads. Checkpoints of both convert to and from Hugging Face (`msjax.hf`).
 
 Parallelism is not written here: parameters carry logical axis names (`sharding_rules.axes`) and activations
 pass through `msjax.sharding.constrain`; the rule set picked in the config decides the layout.
@@ -14,17 +19,26 @@ with `jax.lax.scan`, so compile time does not grow with depth: the choice for de
 keeps one parameter set per layer (`layers.0`, `layers.1`, ...) and a Python loop, as MaxText does; for shallow
 models on CPU it is about 2x faster in the backward pass (measured: a 4-layer MLP stack's gradient took 31.6 ms
 scanned vs 14.7 ms looped on the 2-core machine, the scan paying for per-iteration slices and gradient stacking).
+
+Decoding (`GPT.decode`, used by `msjax.generate`) runs the same blocks on new tokens at given positions against a
+KV cache (`KVCache`): S slots per layer, S = the window for sliding-window attention (a ring: position p lives in
+slot p mod S) and the longest sequence otherwise.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from msjax.config import ModelConfig
-from msjax.ops.attention import attention
+from msjax.ops.attention import attention, attention_at_positions
 from msjax.ops.layer_norm import layer_norm
+from msjax.ops.rms_norm import rms_norm
+from msjax.ops.rope import rope
 from msjax.parallel import collective_matmul, fsdp_prefetch, options as overlap
 from msjax.sharding import constrain
 from msjax.sharding_rules import axes as ax
@@ -34,6 +48,8 @@ REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
+
+KV_NAMES = (ax.ACT_BATCH, None, ax.ACT_KV_HEADS, ax.ACT_HEAD_DIM)  # layout of one layer's cached keys (B, S, G, K)
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: float | None, dtype) -> nnx.Param:
@@ -47,22 +63,42 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], std: 
     return nnx.Param(value, out_sharding=names)
 
 
-class LayerNorm(nnx.Module):
-    """LayerNorm (Ba et al. 2016) over the last axis, computed in float32, with a hand-written backward."""
+def _vocab_param(rngs: nnx.Rngs, cfg: ModelConfig, shape: tuple[int, ...], names: tuple[str, ...], axis: int
+                 ) -> nnx.Param:
+    """An embedding or output projection whose `axis` runs over the padded vocabulary: the padding entries (ids >=
+    vocab_size) start at zero. Their logits are masked, so they get no gradient and stay zero: a checkpoint holds
+    nothing in them, and a Hugging Face round trip (which keeps only the real vocabulary) is exact."""
+    value = cfg.init_std * jax.random.normal(rngs.params(), shape, jnp.dtype(cfg.param_dtype))
+    real = jnp.arange(shape[axis]) < cfg.vocab_size
+    real = real.reshape([-1 if i == axis else 1 for i in range(len(shape))])
+    return nnx.Param(jnp.where(real, value, 0.0).astype(value.dtype), out_sharding=names)
+
+
+class Norm(nnx.Module):
+    """LayerNorm (Ba et al. 2016) or RMSNorm (Zhang and Sennrich 2019) over the last axis, computed in float32 with
+    a hand-written backward (`msjax.ops`). LayerNorm has an offset when `use_bias`; RMSNorm never has one."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dt = jnp.dtype(cfg.param_dtype)
+        self.rms = cfg.norm == "rmsnorm"
         self.scale = _param(rngs, (cfg.d_model,), (ax.NORM,), None, dt)
-        self.bias = _param(rngs, (cfg.d_model,), (ax.NORM,), 0.0, dt) if cfg.use_bias else None
+        self.bias = _param(rngs, (cfg.d_model,), (ax.NORM,), 0.0, dt) if cfg.use_bias and not self.rms else None
         self.eps = cfg.norm_eps
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
+        if self.rms:
+            return rms_norm(x_btd, self.scale[...], self.eps).astype(x_btd.dtype)  # msjax/ops/rms_norm.py
         bias = None if self.bias is None else self.bias[...]
         return layer_norm(x_btd, self.scale[...], bias, self.eps).astype(x_btd.dtype)  # msjax/ops/layer_norm.py
 
 
+def default_positions(t: int) -> jax.Array:
+    """Positions 0 .. T-1 as (1, T) int32 (broadcast over the batch): every training sequence starts at 0."""
+    return jnp.arange(t, dtype=jnp.int32)[None]
+
+
 class Attention(nnx.Module):
-    """Multi-head causal self-attention with grouped-query heads and an optional sliding window."""
+    """Multi-head causal self-attention with grouped-query heads, an optional sliding window and optional RoPE."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, h, g, k = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_size
@@ -79,51 +115,102 @@ class Attention(nnx.Module):
             self.bv = _param(rngs, (g, k), (ax.KV_HEADS, ax.HEAD_DIM), 0.0, dt)
             self.bo = _param(rngs, (d,), (ax.NORM,), 0.0, dt)
         self.use_bias = cfg.use_bias
+        self.rope_base = cfg.rope_base if cfg.position == "rope" else None
         self.window = cfg.attention.window
         self.impl = cfg.attention.impl
         self.dtype = jnp.dtype(cfg.dtype)
 
-    def __call__(self, x_btd: jax.Array) -> jax.Array:
+    def finish_qkv(self, q_bthk: jax.Array, k_btgk: jax.Array, v_btgk: jax.Array, positions_bt: jax.Array
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Biases and rotary embeddings on projected queries, keys and values (also called by
+        `msjax.parallel.collective_matmul` on its own projections). positions_bt: int32 (B or 1, T)."""
         dt = self.dtype
-        q_bthk = jnp.einsum("btd,dhk->bthk", x_btd, self.wq[...].astype(dt))
-        k_btgk = jnp.einsum("btd,dgk->btgk", x_btd, self.wk[...].astype(dt))
-        v_btgk = jnp.einsum("btd,dgk->btgk", x_btd, self.wv[...].astype(dt))
         if self.use_bias:
             q_bthk = q_bthk + self.bq[...].astype(dt)
             k_btgk = k_btgk + self.bk[...].astype(dt)
             v_btgk = v_btgk + self.bv[...].astype(dt)
+        if self.rope_base is not None:
+            q_bthk = rope(q_bthk, positions_bt, self.rope_base)  # msjax/ops/rope.py
+            k_btgk = rope(k_btgk, positions_bt, self.rope_base)
+        return q_bthk, k_btgk, v_btgk
+
+    def project(self, x_btd: jax.Array, positions_bt: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries (B, T, H, K), keys and values (B, T, G, K) of `x_btd` at `positions_bt`."""
+        dt = self.dtype
+        q_bthk = jnp.einsum("btd,dhk->bthk", x_btd, self.wq[...].astype(dt))
+        k_btgk = jnp.einsum("btd,dgk->btgk", x_btd, self.wk[...].astype(dt))
+        v_btgk = jnp.einsum("btd,dgk->btgk", x_btd, self.wv[...].astype(dt))
+        return self.finish_qkv(q_bthk, k_btgk, v_btgk, positions_bt)
+
+    def output(self, o_bthk: jax.Array) -> jax.Array:
+        """The output projection (B, T, H, K) -> (B, T, D)."""
+        o_bthk = constrain(o_bthk, (ax.ACT_BATCH, ax.ACT_SEQ_INNER, ax.ACT_HEADS, ax.ACT_HEAD_DIM))
+        y_btd = jnp.einsum("bthk,hkd->btd", o_bthk, self.wo[...].astype(self.dtype))
+        if self.use_bias:
+            y_btd = y_btd + self.bo[...].astype(self.dtype)
+        return y_btd
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        q_bthk, k_btgk, v_btgk = self.project(x_btd, default_positions(x_btd.shape[1]))
         # Queries keep their sequence split (context parallelism); keys and values are gathered whole.
         q_bthk = constrain(q_bthk, (ax.ACT_BATCH, ax.ACT_SEQ_INNER, ax.ACT_HEADS, ax.ACT_HEAD_DIM))
         k_btgk = constrain(k_btgk, (ax.ACT_BATCH, None, ax.ACT_KV_HEADS, ax.ACT_HEAD_DIM))
         v_btgk = constrain(v_btgk, (ax.ACT_BATCH, None, ax.ACT_KV_HEADS, ax.ACT_HEAD_DIM))
-        o_bthk = attention(q_bthk, k_btgk, v_btgk, window=self.window, impl=self.impl)
-        o_bthk = constrain(o_bthk, (ax.ACT_BATCH, ax.ACT_SEQ_INNER, ax.ACT_HEADS, ax.ACT_HEAD_DIM))
-        y_btd = jnp.einsum("bthk,hkd->btd", o_bthk, self.wo[...].astype(dt))
-        if self.use_bias:
-            y_btd = y_btd + self.bo[...].astype(dt)
-        return y_btd
+        return self.output(attention(q_bthk, k_btgk, v_btgk, window=self.window, impl=self.impl))
+
+    def decode(self, x_btd: jax.Array, positions_bt: jax.Array, cache: "LayerCache", write: "CacheWrite"
+               ) -> tuple[jax.Array, "LayerCache"]:
+        """Attention of T new tokens at `positions_bt` (B, T) over this layer's cache plus themselves; returns the
+        output (B, T, D) and the cache with the new keys and values written where `write` says."""
+        q_bthk, k_btgk, v_btgk = self.project(x_btd, positions_bt)
+        k_bsgk = jnp.concatenate([cache.k, k_btgk.astype(cache.k.dtype)], axis=1)  # (B, S + T, G, K)
+        v_bsgk = jnp.concatenate([cache.v, v_btgk.astype(cache.v.dtype)], axis=1)
+        key_pos_bs = jnp.concatenate([write.slot_pos, positions_bt], axis=1)
+        o_bthk = attention_at_positions(q_bthk, k_bsgk, v_bsgk, positions_bt, key_pos_bs, window=self.window)
+        return self.output(o_bthk), LayerCache(write.apply(cache.k, k_btgk), write.apply(cache.v, v_btgk))
 
 
 class MLP(nnx.Module):
-    """Two-layer GeLU MLP, D -> F -> D."""
+    """GeLU MLP, D -> F -> D (two matrices), or SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x)), three."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.ff_size
         dt, std = jnp.dtype(cfg.param_dtype), cfg.init_std
+        self.swiglu = cfg.mlp == "swiglu"
+        if self.swiglu:
+            self.w_gate = _param(rngs, (d, f), (ax.EMBED, ax.MLP), std, dt)
         self.w_in = _param(rngs, (d, f), (ax.EMBED, ax.MLP), std, dt)
         self.w_out = _param(rngs, (f, d), (ax.MLP, ax.EMBED), std / (2 * cfg.num_layers) ** 0.5, dt)
         if cfg.use_bias:
+            if self.swiglu:
+                self.b_gate = _param(rngs, (f,), (ax.MLP,), 0.0, dt)
             self.b_in = _param(rngs, (f,), (ax.MLP,), 0.0, dt)
             self.b_out = _param(rngs, (d,), (ax.NORM,), 0.0, dt)
         self.use_bias = cfg.use_bias
         self.dtype = jnp.dtype(cfg.dtype)
 
+    def column_weights(self) -> list[jax.Array]:
+        """The input-side (D, F) matrices, in the order `activate` takes their products: [gate, up] or [in]."""
+        return [self.w_gate[...], self.w_in[...]] if self.swiglu else [self.w_in[...]]
+
+    def activate(self, *h_btf: jax.Array) -> jax.Array:
+        """The hidden state (B, T, F) from the products x @ w of `column_weights` (biases added here; also called
+        by `msjax.parallel.collective_matmul` on its own products)."""
+        dt = self.dtype
+        if self.swiglu:
+            gate_btf, up_btf = h_btf
+            if self.use_bias:
+                gate_btf, up_btf = gate_btf + self.b_gate[...].astype(dt), up_btf + self.b_in[...].astype(dt)
+            return jax.nn.silu(gate_btf) * up_btf
+        (in_btf,) = h_btf
+        if self.use_bias:
+            in_btf = in_btf + self.b_in[...].astype(dt)
+        return jax.nn.gelu(in_btf)  # tanh approximation: GPT-2's gelu_new
+
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         dt = self.dtype
-        h_btf = jnp.einsum("btd,df->btf", x_btd, self.w_in[...].astype(dt))
-        if self.use_bias:
-            h_btf = h_btf + self.b_in[...].astype(dt)
-        h_btf = constrain(jax.nn.gelu(h_btf), (ax.ACT_BATCH, ax.ACT_SEQ_INNER, ax.ACT_MLP))
+        h_btf = self.activate(*(jnp.einsum("btd,df->btf", x_btd, w.astype(dt)) for w in self.column_weights()))
+        h_btf = constrain(h_btf, (ax.ACT_BATCH, ax.ACT_SEQ_INNER, ax.ACT_MLP))
         y_btd = jnp.einsum("btf,fd->btd", h_btf, self.w_out[...].astype(dt))
         if self.use_bias:
             y_btd = y_btd + self.b_out[...].astype(dt)
@@ -135,25 +222,97 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.parallel = cfg.block == "parallel"
-        self.ln1 = LayerNorm(cfg, rngs)
+        self.ln1 = Norm(cfg, rngs)
         self.attn = Attention(cfg, rngs)
-        self.ln2 = None if self.parallel else LayerNorm(cfg, rngs)
+        self.ln2 = None if self.parallel else Norm(cfg, rngs)
         self.mlp = MLP(cfg, rngs)
+
+    def _residual(self, x_btd: jax.Array, attend) -> tuple[jax.Array, Any]:
+        """The block's residual structure around `attend`: (B, T, D) -> ((B, T, D) out, what attend returned
+        beside its output (the KV cache when decoding))."""
+        if self.parallel:
+            h_btd = self.ln1(x_btd)
+            y_btd, aux = attend(h_btd)
+            return x_btd + y_btd + self.mlp(h_btd), aux
+        y_btd, aux = attend(self.ln1(x_btd))
+        x_btd = constrain(x_btd + y_btd, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED))
+        return x_btd + self.mlp(self.ln2(x_btd)), aux
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         x_btd = constrain(x_btd, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED))
         if overlap.active().tp == "collective_matmul":  # the same math, tensor-parallel rings by hand
             return collective_matmul.block(self, x_btd)
-        if self.parallel:
-            h_btd = self.ln1(x_btd)
-            return x_btd + self.attn(h_btd) + self.mlp(h_btd)
-        x_btd = x_btd + self.attn(self.ln1(x_btd))
-        x_btd = constrain(x_btd, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED))
-        return x_btd + self.mlp(self.ln2(x_btd))
+        return self._residual(x_btd, lambda h_btd: (self.attn(h_btd), None))[0]
+
+    def decode(self, x_btd: jax.Array, positions_bt: jax.Array, cache: "LayerCache", write: "CacheWrite"
+               ) -> tuple[jax.Array, "LayerCache"]:
+        """The layer on T new tokens against its KV cache (`Attention.decode`); returns (B, T, D) and the cache."""
+        return self._residual(x_btd, lambda h_btd: self.attn.decode(h_btd, positions_bt, cache, write))
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class LayerCache:
+    """One layer's cached keys and values, each (B, S, G, K) in the compute dtype."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class KVCache:
+    """The decoding state of every layer (`GPT.decode`).
+
+    Attributes:
+      k, v: (L, B, S, G, K) keys and values in the compute dtype (L the layers).
+      pos: (B, S) int32, the position whose keys each slot holds, -1 for an empty slot. With a sliding window of
+        W, S = W and slot s holds the newest position p = s (mod W) written so far: a ring.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    pos: jax.Array
+
+    @property
+    def slots(self) -> int:
+        return self.pos.shape[1]
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class CacheWrite:
+    """Where T new tokens go in an S-slot cache, the same for every layer.
+
+    Attributes:
+      slot_pos: (B, S) int32, the cache's positions before the write (what the new queries see in the cache).
+      take: (B, S) int32, the new token each slot takes (when `write`).
+      write: (B, S) bool, the slots that take a new token.
+    """
+
+    slot_pos: jax.Array
+    take: jax.Array
+    write: jax.Array
+
+    def apply(self, cache_bsgk: jax.Array, new_btgk: jax.Array) -> jax.Array:
+        taken = jax.vmap(lambda new_tgk, take_s: new_tgk[take_s])(new_btgk.astype(cache_bsgk.dtype), self.take)
+        return constrain(jnp.where(self.write[:, :, None, None], taken, cache_bsgk), KV_NAMES)
+
+
+def cache_write(slot_pos_bs: jax.Array, start_b: jax.Array, count_b: jax.Array, t: int) -> CacheWrite:
+    """The slots that T new tokens at positions start .. start + count - 1 (per row; tokens past `count` are
+    padding) fill: slot s takes the newest new position p = s (mod S), p = last - ((last - s) mod S), when there
+    is one (p >= start). With S larger than every position this is slot p = position p."""
+    s = slot_pos_bs.shape[1]
+    last_b = start_b + count_b - 1
+    p_bs = last_b[:, None] - jnp.mod(last_b[:, None] - jnp.arange(s)[None], s)
+    take_bs = p_bs - start_b[:, None]
+    write_bs = take_bs >= 0
+    return CacheWrite(slot_pos_bs, jnp.clip(take_bs, 0, t - 1).astype(jnp.int32), write_bs)
 
 
 class GPT(nnx.Module):
-    """The model: token + learned position embeddings, L blocks, final norm, vocabulary projection.
+    """The model: token embedding (+ learned positions), L blocks, final norm, vocabulary projection.
 
     Args:
       cfg: model config; `cfg.vocab_size` must be set (the trainer fills it from the tokenizer).
@@ -165,8 +324,9 @@ class GPT(nnx.Module):
             raise ValueError(f"model.vocab_size={cfg.vocab_size}: set it (or let the trainer take the tokenizer's)")
         self.cfg = cfg
         v, d, dt = cfg.padded_vocab(), cfg.d_model, jnp.dtype(cfg.param_dtype)
-        self.wte = _param(rngs, (v, d), (ax.VOCAB, ax.EMBED), cfg.init_std, dt)
-        self.wpe = _param(rngs, (cfg.max_seq_len, d), (ax.POSITION, ax.EMBED), cfg.init_std, dt)
+        self.wte = _vocab_param(rngs, cfg, (v, d), (ax.VOCAB, ax.EMBED), axis=0)
+        if cfg.position == "learned":
+            self.wpe = _param(rngs, (cfg.max_seq_len, d), (ax.POSITION, ax.EMBED), cfg.init_std, dt)
 
         if cfg.scan_layers:
             @nnx.split_rngs(splits=cfg.num_layers)
@@ -177,12 +337,12 @@ class GPT(nnx.Module):
             self.blocks = make_blocks(rngs)
         else:
             self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
-        self.ln_f = LayerNorm(cfg, rngs)
-        self.lm_head = None if cfg.tie_embeddings else _param(rngs, (d, v), (ax.EMBED, ax.VOCAB), cfg.init_std, dt)
+        self.ln_f = Norm(cfg, rngs)
+        self.lm_head = None if cfg.tie_embeddings else _vocab_param(rngs, cfg, (d, v), (ax.EMBED, ax.VOCAB), axis=1)
 
     def __call__(self, tokens_bt: jax.Array) -> jax.Array:
-        """Logits (B, T, V) in float32 for int32 tokens (B, T); V is the padded vocabulary, and logits of the
-        padding entries are -1e9 so they take no probability."""
+        """Logits (B, T, V) in float32 for int32 tokens (B, T) at positions 0 .. T-1; V is the padded vocabulary,
+        and logits of the padding entries are -1e9 so they take no probability."""
         cfg = self.cfg
         x_btd = self.embed(tokens_bt)
 
@@ -204,9 +364,10 @@ class GPT(nnx.Module):
                 x_btd = remat(lambda state, x, gd=graphdef: nnx.merge(gd, state)(x))(state, x_btd)
         return self.head(x_btd)
 
-    def embed(self, tokens_bt: jax.Array) -> jax.Array:
-        """Token + position embeddings (B, T, D) in the compute dtype for int32 tokens (B, T): the model's input
-        end (a pipeline's first stage runs only this before its layers)."""
+    def embed(self, tokens_bt: jax.Array, positions_bt: jax.Array | None = None) -> jax.Array:
+        """Token (+ learned position) embeddings (B, T, D) in the compute dtype for int32 tokens (B, T) at
+        `positions_bt` (B, T) (None: 0 .. T-1): the model's input end (a pipeline's first stage runs only this
+        before its layers). Raises ValueError for a sequence longer than model.max_seq_len."""
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         t = tokens_bt.shape[1]
         if t > cfg.max_seq_len:
@@ -215,7 +376,9 @@ class GPT(nnx.Module):
         # The lookup reads whole rows: gather the table over the vocab (and FSDP) shards first, or GSPMD falls
         # back to replicating it inside the gather ("involuntary full rematerialization").
         wte_vd = constrain(self.wte[...], (None, ax.ACT_EMBED))
-        x_btd = jnp.take(wte_vd, tokens_bt, axis=0) + self.wpe[...][:t]
+        x_btd = jnp.take(wte_vd, tokens_bt, axis=0)
+        if cfg.position == "learned":
+            x_btd = x_btd + (self.wpe[...][:t] if positions_bt is None else jnp.take(self.wpe[...], positions_bt, 0))
         return constrain(x_btd.astype(dt), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED))
 
     def head(self, x_btd: jax.Array) -> jax.Array:
@@ -232,6 +395,61 @@ class GPT(nnx.Module):
             real = jnp.arange(logits_btv.shape[-1]) < cfg.vocab_size
             logits_btv = jnp.where(real, logits_btv, -1e9)
         return logits_btv
+
+    def decode(self, tokens_bt: jax.Array, start_b: jax.Array, count_b: jax.Array, cache: KVCache
+               ) -> tuple[jax.Array, KVCache]:
+        """Runs T new tokens per row against the KV cache and writes them into it.
+
+        Row b's new tokens sit at positions start_b .. start_b + T - 1; only the first count_b are real (the rest
+        pad a batch of prompts of different lengths: they see no real token's keys and are never cached). Every
+        real position must be later than everything already cached for its row and below model.max_seq_len
+        (the caller checks: positions are traced here).
+
+        Args:
+          tokens_bt: int32 (B, T).
+          start_b, count_b: int32 (B,), count_b >= 1.
+          cache: from `init_cache` or the previous call.
+        Returns:
+          (logits (B, T, V) float32 as `__call__`, the updated cache).
+        """
+        positions_bt = start_b[:, None] + jnp.arange(tokens_bt.shape[1], dtype=jnp.int32)[None]
+        x_btd = self.embed(tokens_bt, positions_bt)
+        write = cache_write(cache.pos, start_b, count_b, tokens_bt.shape[1])
+        new_pos = jnp.where(write.write, jnp.take_along_axis(positions_bt, write.take, axis=1), cache.pos)
+        if self.cfg.scan_layers:
+            graphdef, stacked = nnx.split(self.blocks)
+
+            def layer(x, xs):
+                state, k, v = xs
+                x, lc = nnx.merge(graphdef, state).decode(x, positions_bt, LayerCache(k, v), write)
+                return x, (lc.k, lc.v)
+
+            x_btd, (k, v) = jax.lax.scan(layer, x_btd, (stacked, cache.k, cache.v))
+        else:
+            ks, vs = [], []
+            for i, block in enumerate(self.layers):
+                x_btd, lc = block.decode(x_btd, positions_bt, LayerCache(cache.k[i], cache.v[i]), write)
+                ks.append(lc.k)
+                vs.append(lc.v)
+            k, v = jnp.stack(ks), jnp.stack(vs)
+        return self.head(x_btd), KVCache(k, v, new_pos)
+
+
+def cache_slots(cfg: ModelConfig, max_len: int) -> int:
+    """S, the slots per layer of a KV cache for sequences of up to `max_len` tokens: the window W when attention
+    has one (a ring), else `max_len`."""
+    w = cfg.attention.window
+    return max_len if w is None else min(w, max_len)
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
+    """An empty KV cache (every slot at position -1) for `batch` rows of up to `max_len` tokens; keys and values
+    (L, B, S, G, K) zeros in the compute dtype, S = `cache_slots`."""
+    s = cache_slots(cfg, max_len)
+    shape = (cfg.num_layers, batch, s, cfg.kv_heads, cfg.head_size)
+    zeros = jnp.zeros(shape, jnp.dtype(cfg.dtype))
+    names = (None, *KV_NAMES)
+    return KVCache(constrain(zeros, names), constrain(zeros, names), jnp.full((batch, s), -1, jnp.int32))
 
 
 def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, dict, dict]:
@@ -257,3 +475,9 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
 def apply(graphdef: nnx.GraphDef, params: dict, tokens_bt: jax.Array) -> jax.Array:
     """Pure function of the parameters: logits (B, T, V) float32. Merging happens at trace time only."""
     return nnx.merge(graphdef, params)(tokens_bt)
+
+
+def apply_decode(graphdef: nnx.GraphDef, params: dict, tokens_bt: jax.Array, start_b: jax.Array,
+                 count_b: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """Pure function of the parameters: `GPT.decode` (logits (B, T, V) float32 and the updated cache)."""
+    return nnx.merge(graphdef, params).decode(tokens_bt, start_b, count_b, cache)

@@ -4,12 +4,14 @@ decay, global-norm clipping and a weight-decay mask."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 
 from msjax.config import OptimizerConfig
 
 # Matmul weights take weight decay; norms, biases and embeddings do not (Radford et al. 2019; nanoGPT; Megatron).
-DECAYED = frozenset({"wq", "wk", "wv", "wo", "w_in", "w_out", "lm_head"})
+DECAYED = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_in", "w_out", "lm_head"})
 
 
 def decay_mask(params: dict) -> dict:
@@ -25,6 +27,13 @@ def lr_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
     schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup_steps, decay_steps, end_value=cfg.min_lr)
     # Evaluated one step ahead so the first update is not taken at lr 0 (nanoGPT: lr * (it + 1) / (warmup + 1)).
     return lambda count: schedule(count + 1)
+
+
+def learning_rates(cfg: OptimizerConfig, total_steps: int) -> np.ndarray:
+    """(total_steps,) float32: the learning rate of every step, step s at index s - 1 (one jitted evaluation of
+    `lr_schedule`, on the host's CPU device)."""
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        return np.asarray(jax.jit(jax.vmap(lr_schedule(cfg, total_steps)))(jnp.arange(total_steps)))
 
 
 # optax.apply_if_finite applies an update only when every gradient is finite, else leaves the inner state as it

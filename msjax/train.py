@@ -32,11 +32,14 @@ from msjax.hooks import Hook, Hooks, LoopControl, RunContext
 from msjax.mesh import make_mesh
 from msjax.metrics import MetricsWriter
 from msjax.observe import loop_hooks
+from msjax.optim import learning_rates
+from msjax.parallel.pipeline import pipeline_rules
 from msjax.parallel.schedule import pipeline_summary
 from msjax.planner.preflight import check_layout
 from msjax.control import phases
+from msjax.sharding_rules import RULE_SETS
 from msjax.parallel import xla_flags
-from msjax.sample import generate
+from msjax.generate import Generator
 from msjax.train_step import TrainProgram, build_train_program
 
 
@@ -147,7 +150,8 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
         _log(pipeline_summary(mesh.shape["pipeline"], cfg.pipeline.virtual_stages, cfg.pipeline.microbatches))
     _log(xla_flags.describe())
 
-    writer = MetricsWriter(run_dir, start_step=start_step)
+    writer = MetricsWriter(run_dir, start_step=start_step, loggers=t.loggers, name=cfg.name, config=to_dict(cfg))
+    lrs = learning_rates(cfg.optimizer, t.steps)  # lr of step s at s - 1, logged with the loss
     control = control or LoopControl()
     fault_hooks = [StopOnSignal(), *([NonFiniteStop()] if t.nonfinite == "stop" else [])]
     hook = Hooks([*fault_hooks, *loop_hooks(cfg), *hooks])
@@ -184,8 +188,8 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
                 mfu = tok_s / tokens_per_step * step_flops / peak
                 last_log_step, last_log_time = step, now
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", mfu=f"{mfu:.1%}")
-                scalars = {"loss": loss, "grad_norm": grad_norm, "tokens_per_s": tok_s, "mfu": mfu,
-                           "skipped": int(metrics["skipped"])}
+                scalars = {"loss": loss, "grad_norm": grad_norm, "lr": float(lrs[step - 1]), "tokens_per_s": tok_s,
+                           "mfu": mfu, "skipped": int(metrics["skipped"])}
                 writer.write(step, scalars)
                 hook.on_log(ctx, step, scalars)
                 summary.update(tokens_per_s=tok_s, mfu=mfu)
@@ -230,8 +234,11 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
         tok = data.tokenizer
         prompt = [tok.eot_id] if tok.eot_id is not None else tok.encode("\n").tolist()
         key = jax.random.wrap_key_data(state["rng"])
-        ids = generate(program.graphdef, state["params"], prompt, t.sample_tokens, t.seq_len,
-                       t.sample_temperature, key)
+        # KV-cached decoding on the training mesh; past model.max_seq_len the context rolls (msjax.generate).
+        generator = Generator(cfg.model, program.graphdef, state["params"], mesh,
+                              pipeline_rules(RULE_SETS[cfg.mesh.rules], mesh.shape["pipeline"]))
+        ids = generator.generate([prompt], t.sample_tokens, temperature=t.sample_temperature, seed=key,
+                                 rolling=True)[0]
         summary["sample"] = tok.decode(ids)
         _log("---- sample ----\n" + summary["sample"] + "\n----------------")
     summary["state"] = state

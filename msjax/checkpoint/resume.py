@@ -24,6 +24,8 @@ MAY_DIFFER = (
     "train.microbatches", "supervisor.",
     # where object storage is reached (an endpoint, a region) is not what is stored there
     "storage.",
+    # where the metrics go
+    "train.loggers",
 )
 
 
@@ -50,7 +52,9 @@ def config_differences(saved: dict, current: Config) -> list[str]:
     state's structure).
     """
     now = _flat(json.loads(json.dumps(to_dict(current))))  # tuples -> lists, as in the saved JSON
-    old = _flat(saved)
+    # A key the saved config lacks (added to msjax after that run was saved) had its default then.
+    defaults = _flat(json.loads(json.dumps(to_dict(Config()))))
+    old = {**{k: v for k, v in defaults.items() if k in now}, **_flat(saved)}
     diffs = []
     for key in sorted(set(now) | set(old)):
         a, b = old.get(key, "<absent>"), now.get(key, "<absent>")

@@ -180,8 +180,10 @@ class HFTokenizer:
             raise DataError(f"{path}: not a HF tokenizers tokenizer.json ({e})") from None
         return cls(tok, name)
 
-    def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+    def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
+        """Ids of `text`; `add_special_tokens` runs the tokenizer.json's post-processor (e.g. Llama's
+        begin-of-text), as `transformers`' tokenizer(text) does for a prompt (msjax.generate)."""
+        return np.asarray(self._tok.encode(text, add_special_tokens=add_special_tokens).ids, dtype=np.int32)
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         # encode_batch_fast skips offset bookkeeping; the Rust side spreads the batch over all cores.

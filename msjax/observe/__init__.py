@@ -5,8 +5,9 @@ host-stall time, tokens/s, MFU, loss, grad norm, lr, to JSONL, TensorBoard and a
 control (collection off during training, every rank collects at the same steps), straggler detection with mesh
 coordinates (`stragglers`: pure scoring functions; `timing` gathers the figures at window ends), run events
 (`events`: `<run_dir>/events.jsonl`), profiling on demand (`profile`: jax.profiler traces of chosen steps, on
-request, at start or on SIGUSR1) and reports (`report`: heatmaps over the mesh, loss/MFU curves, per-rank
-timelines as PNGs + index.html).
+request, at start or on SIGUSR1), reports (`report`: heatmaps over the mesh, loss/MFU curves, per-rank
+timelines as PNGs + index.html) and Weights & Biases as a sink of the loop's metrics (`wandb_logger`, used by
+`msjax.metrics` when `train.loggers` names it).
 
 Everything joins the loop through `msjax.hooks` (`loop_hooks(config)`), so a run without it runs the same code.
 Seams for the control plane: `MetricsSink.publish(rank, step, values)` (or `ctx.extra["metrics_sink"]`) for live

@@ -145,3 +145,34 @@ def xla_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array, *, wi
     weights = softmax(jnp.where(visible, logits, -jnp.inf)).astype(v_bshk.dtype)
     out = jnp.einsum("bgrts,bsgk->btgrk", weights, v_bshk, preferred_element_type=jnp.float32)
     return out.reshape(b, t, h, k).astype(q_bthk.dtype)
+
+
+def attention_at_positions(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array, q_pos_bt: jax.Array,
+                           k_pos_bs: jax.Array, *, window: int | None) -> jax.Array:
+    """Causal attention between tokens at explicit positions, for decoding against a KV cache (msjax.generate).
+
+    Query at position i attends a key at position j when 0 <= j <= i and, with a window, j > i - window; a key
+    position of -1 marks an empty cache slot. Plain JAX like `xla_attention` (matmuls in the input dtype,
+    accumulating and taking the softmax in float32); the key order does not matter.
+
+    Args:
+      q_bthk: queries (B, T, H, K).
+      k_bshk, v_bshk: keys and values (B, S, G, K), H a multiple of G.
+      q_pos_bt: int32 (B, T) query positions; k_pos_bs: int32 (B, S) key positions (-1: none).
+      window: sliding-window size W >= 1, or None.
+    Returns:
+      (B, T, H, K) in the dtype of q. Every query must see at least one key (itself, in practice), or its row is
+      NaN.
+    """
+    b, t, h, k = q_bthk.shape
+    g = k_bshk.shape[2]
+    q_btgrk = q_bthk.reshape(b, t, g, h // g, k)
+    logits = jnp.einsum("btgrk,bsgk->bgrts", q_btgrk, k_bshk.astype(q_bthk.dtype),
+                        preferred_element_type=jnp.float32) * (1.0 / k**0.5)
+    i, j = q_pos_bt[:, :, None], k_pos_bs[:, None, :]
+    visible = (j >= 0) & (j <= i)
+    if window is not None:
+        visible = visible & (j > i - window)
+    weights = softmax(jnp.where(visible[:, None, None], logits, -jnp.inf)).astype(v_bshk.dtype)
+    out = jnp.einsum("bgrts,bsgk->btgrk", weights, v_bshk, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, k).astype(q_bthk.dtype)

@@ -25,9 +25,11 @@ slice a dynamic update, so the backward is decomposed too (the forward's ag_matm
 reduce-scatter ring for dx and local matmuls for dW; matmul_rs becomes an all-gather ring).
 
 `block` runs one transformer layer this way. With `model.block=parallel` attention and MLP read the same normed
-input and their outputs are summed (MegaScale Fig. 3), so their four column-parallel weights (wq, wk, wv, w_in)
-are concatenated into one matmul fed by ONE all-gather ring, and their two row-parallel weights (wo, w_out) into
-one matmul drained by ONE reduce-scatter ring. Serial blocks take one of each per branch (Megatron-SP).
+input and their outputs are summed (MegaScale Fig. 3), so their column-parallel weights (wq, wk, wv, w_in, and
+w_gate with SwiGLU) are concatenated into one matmul fed by ONE all-gather ring, and their two row-parallel weights
+(wo, w_out) into one matmul drained by ONE reduce-scatter ring. Serial blocks take one of each per branch
+(Megatron-SP). Biases, rotary embeddings (at each shard's own positions) and the MLP's activation are the model's
+own code (`Attention.finish_qkv`, `MLP.activate`), so every block the model has runs here too.
 
 The shard_map is manual over `data`, `fsdp`, `sequence` and `tensor` (`pipeline` stays automatic). FSDP-sharded
 weights are all-gathered over `fsdp` by hand inside (the transpose reduce-scatters their gradients), and
@@ -200,40 +202,38 @@ def _gather_fsdp(w: jax.Array, spec: P) -> jax.Array:
 
 def _column_weights(attn, mlp, dt) -> tuple[jax.Array, list[int]]:
     """The column-parallel weights side by side, (D, N), and the widths of the pieces, in order
-    [q (Hl K), k (Gl K), v (Gl K)] + [mlp in (Fl)] when `mlp` is given."""
+    [q (Hl K), k (Gl K), v (Gl K)] + the MLP's input-side matrices (`MLP.column_weights`: [gate, up] for SwiGLU,
+    [in] for GeLU, Fl each) when `mlp` is given."""
     d = attn.wq.shape[0]
     ws = [attn.wq[...].reshape(d, -1), attn.wk[...].reshape(d, -1), attn.wv[...].reshape(d, -1)]
     if mlp is not None:
-        ws.append(mlp.w_in[...])
+        ws += mlp.column_weights()
     return jnp.concatenate([w.astype(dt) for w in ws], axis=1), [w.shape[1] for w in ws]
 
 
 def _attention_core(attn, qkv_btn: jax.Array, widths: list[int]) -> jax.Array:
-    """Biases, context-parallel key/value gather and attention on this device's heads: (B, Ts, Hl K)."""
-    dt = attn.dtype
+    """Biases, rotary embeddings, context-parallel key/value gather and attention on this device's heads:
+    (B, Ts, Hl K)."""
     b, ts = qkv_btn.shape[:2]
     hl, gl, k = attn.wq.shape[1], attn.wk.shape[1], attn.wq.shape[2]
     q, kk, v = jnp.split(qkv_btn[..., : sum(widths[:3])], [widths[0], widths[0] + widths[1]], axis=-1)
-    q_bthk, k_btgk, v_btgk = q.reshape(b, ts, hl, k), kk.reshape(b, ts, gl, k), v.reshape(b, ts, gl, k)
-    if attn.use_bias:
-        q_bthk = q_bthk + attn.bq[...].astype(dt)
-        k_btgk = k_btgk + attn.bk[...].astype(dt)
-        v_btgk = v_btgk + attn.bv[...].astype(dt)
-    offset = 0
+    offset = jax.lax.axis_index(ax.SEQUENCE) * ts if jax.lax.axis_size(ax.SEQUENCE) > 1 else 0
+    # This shard's rows sit at positions offset .. offset + Ts - 1 of the sequence (RoPE rotates by them).
+    positions = offset + jnp.arange(ts, dtype=jnp.int32)[None]
+    q_bthk, k_btgk, v_btgk = attn.finish_qkv(q.reshape(b, ts, hl, k), kk.reshape(b, ts, gl, k),
+                                             v.reshape(b, ts, gl, k), positions)
     if jax.lax.axis_size(ax.SEQUENCE) > 1:
         # Context parallelism: every key, this shard's queries. all_gather transposes to a reduce-scatter, so the
         # backward reduce-scatters dK/dV instead of all-reducing them.
         k_btgk = jax.lax.all_gather(k_btgk, ax.SEQUENCE, axis=1, tiled=True)
         v_btgk = jax.lax.all_gather(v_btgk, ax.SEQUENCE, axis=1, tiled=True)
-        offset = jax.lax.axis_index(ax.SEQUENCE) * ts
     o_bthk = local_attention(q_bthk, k_btgk, v_btgk, window=attn.window, impl=attn.impl, q_offset=offset)
     return o_bthk.reshape(b, ts, hl * k)
 
 
-def _mlp_hidden(mlp, h_btf: jax.Array) -> jax.Array:
-    if mlp.use_bias:
-        h_btf = h_btf + mlp.b_in[...].astype(mlp.dtype)
-    return jax.nn.gelu(h_btf)
+def _mlp_hidden(mlp, h_btn: jax.Array) -> jax.Array:
+    """The MLP's hidden state from the products of its input-side matrices, side by side in `h_btn`."""
+    return mlp.activate(*jnp.split(h_btn, len(mlp.column_weights()), axis=-1))
 
 
 def _out_bias(*modules) -> jax.Array | int:
@@ -249,7 +249,7 @@ def _parallel_block(blk, x_bcd: jax.Array) -> jax.Array:
     attn, mlp, dt = blk.attn, blk.mlp, blk.attn.dtype
     h_bcd = blk.ln1(x_bcd)
     w_dn, widths = _column_weights(attn, mlp, dt)
-    y_btn = ag_matmul(h_bcd, w_dn)  # (B, Ts, Hl K + 2 Gl K + Fl)
+    y_btn = ag_matmul(h_bcd, w_dn)  # (B, Ts, Hl K + 2 Gl K + Fl [+ Fl with SwiGLU])
     o_btn = _attention_core(attn, y_btn, widths)
     g_btf = _mlp_hidden(mlp, y_btn[..., sum(widths[:3]):])
     # Row-parallel weights stacked on the contraction: [wo (Hl K, D); w_out (Fl, D)].
@@ -264,5 +264,6 @@ def _serial_block(blk, x_bcd: jax.Array) -> jax.Array:
     w_dn, widths = _column_weights(attn, None, dt)
     o_btn = _attention_core(attn, ag_matmul(blk.ln1(x_bcd), w_dn), widths)
     x_bcd = x_bcd + matmul_rs(o_btn, attn.wo[...].reshape(-1, attn.wo.shape[-1]).astype(dt)) + _out_bias(attn)
-    g_btf = _mlp_hidden(mlp, ag_matmul(blk.ln2(x_bcd), mlp.w_in[...].astype(dt)))
+    w_in = jnp.concatenate([w.astype(dt) for w in mlp.column_weights()], axis=1)
+    g_btf = _mlp_hidden(mlp, ag_matmul(blk.ln2(x_bcd), w_in))
     return x_bcd + matmul_rs(g_btf, mlp.w_out[...].astype(dt)) + _out_bias(mlp)

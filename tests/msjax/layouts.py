@@ -31,6 +31,13 @@ BASE = {
     "train.steps": 10, "optimizer.warmup_steps": 2, "mesh.data": 1,
 }
 
+# A Llama-style model on BASE: RoPE, RMSNorm, SwiGLU (d_ff 96, three matrices), no biases, untied output projection,
+# 16 query heads of 4 sharing 8 key/value heads (8: the tensor=8 layout splits them). With BASE's window of 12 of 32
+# RoPE meets the sliding window, and under context parallelism each sequence shard's own positions.
+LLAMA = {"model.position": "rope", "model.rope_base": 500.0, "model.norm": "rmsnorm", "model.mlp": "swiglu",
+         "model.use_bias": False, "model.tie_embeddings": False, "model.num_heads": 16, "model.num_kv_heads": 8,
+         "model.d_ff": 96}
+
 
 def tiny_config(**overrides) -> Config:
     """BASE with dotted `overrides`, validated."""

@@ -32,3 +32,7 @@ def test_a_model_the_reference_does_not_reproduce_is_refused():
                                                             "model.tie_embeddings": False})
     with pytest.raises(ValueError, match="differs in model.block, model.tie_embeddings"):
         plain_train_step(cfg, cfg.model.padded_vocab())
+    llama = apply_overrides(load_preset("llama_tiny"), {"model.vocab_size": 65})
+    with pytest.raises(ValueError, match="differs in model.num_kv_heads, model.tie_embeddings, model.use_bias, "
+                                         "model.position, model.norm, model.mlp"):
+        plain_train_step(llama, llama.model.padded_vocab())

@@ -50,7 +50,8 @@ HELP_FLAGS = {"train.py": "--train.steps", "bench.py": "--reference_cmd", "plan.
               "bench_attention.py": "--seq_lens", "bench_observe.py": "--pairs", "report.py": "--out",
               "bench_checkpoint.py": "--local_dir", "bench_init.py": "--tcpstore_impl",
               "bench_parallel.py": "--layouts", "bench_recovery.py": "--faults_per_kind",
-              "launch.py": "--num_processes"}
+              "launch.py": "--num_processes", "convert.py": "--from_hf", "generate.py": "--max_new_tokens",
+              "bench_generate.py": "--new_tokens", "bench_convert.py": "--width"}
 
 
 def test_help_flags_cover_every_script():

@@ -1,11 +1,15 @@
 import dataclasses
+import importlib
+import json
 
+import jax
 import pytest
 
 from msjax.config import Config, ConfigError, apply_overrides, flat_keys, load_preset, parse_args, preset_names
 from msjax.mesh import make_mesh, resolve_axis_sizes
 
-EXPECTED_PRESETS = {"gpt_tiny", "shakespeare_char", "gpt_125m", "gpt_1_3b", "gpt_13b", "gpt175b", "gpt530b"}
+EXPECTED_PRESETS = {"gpt_tiny", "shakespeare_char", "gpt_125m", "gpt_1_3b", "gpt_13b", "gpt175b", "gpt530b",
+                    "llama_tiny", "llama3_8b", "llama3_70b"}
 
 
 @pytest.mark.parametrize("name", preset_names())
@@ -24,6 +28,20 @@ def test_megascale_shapes():
     assert (c530.model.num_layers, c530.model.d_model, c530.model.num_heads) == (105, 20480, 160)
     for c in (c175, c530):
         assert (c.train.seq_len, c.model.vocab_size, c.optimizer.name) == (2048, 64000, "lamb")
+
+
+def test_llama3_shapes():
+    """Llama 3 (Meta 2024, Table 3): parameter counts 8.03B and 70.6B from the model's own inventory."""
+    from msjax.model import abstract_model
+
+    for name, shape, params in (("llama3_8b", (32, 4096, 32, 8, 14336), 8.03e9),
+                                ("llama3_70b", (80, 8192, 64, 8, 28672), 70.55e9)):
+        m = load_preset(name).model
+        assert (m.num_layers, m.d_model, m.num_heads, m.num_kv_heads, m.d_ff) == shape
+        assert (m.position, m.norm, m.mlp, m.use_bias, m.tie_embeddings) == ("rope", "rmsnorm", "swiglu", False, False)
+        assert (m.rope_base, m.vocab_size, m.max_seq_len) == (500000.0, 128256, 8192)
+        count = sum(x.size for x in jax.tree.leaves(abstract_model(m)[1]))
+        assert count == pytest.approx(params, rel=2e-3), (name, count)
 
 
 def test_presets_override_only_what_differs():
@@ -87,3 +105,108 @@ def test_mesh_size_must_match_devices():
     assert resolve_axis_sizes(apply_overrides(Config(), {"mesh.tensor": 2}).mesh, 8)["data"] == 4
     mesh = make_mesh(apply_overrides(Config(), {"mesh.fsdp": 2, "mesh.tensor": 2}).mesh)
     assert dict(mesh.shape) == {"pipeline": 1, "data": 2, "fsdp": 2, "sequence": 1, "tensor": 2}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --config=PATH: preset files, YAML, JSON, a run directory's config.json.
+
+
+def test_config_files_of_every_kind_give_the_same_config(tmp_path):
+    from msjax.config import to_dict
+
+    want = apply_overrides(load_preset("gpt_tiny"), {"model.num_layers": 3, "model.attention.window": 16,
+                                                     "data.paths": ("a.txt", "b.txt"), "train.progress": False})
+    (tmp_path / "mine.py").write_text("from msjax.configs.gpt_tiny import OVERRIDES as BASE\n"
+                                      "OVERRIDES = {**BASE, 'model.num_layers': 3, 'model.attention.window': 16,\n"
+                                      "             'data.paths': ('a.txt', 'b.txt'), 'train.progress': False}\n")
+    (tmp_path / "mine.yaml").write_text("model:\n  num_layers: 3\n  attention: {window: 16}\n"
+                                        "data.paths: [a.txt, b.txt]\ntrain: {progress: false}\n" + "".join(
+        f"{k}: {v!r}\n" for k, v in importlib.import_module("msjax.configs.gpt_tiny").OVERRIDES.items()
+        if k != "model.num_layers"))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(to_dict(dataclasses.replace(want, name="gpt_tiny")), indent=2))
+    for spec in (tmp_path / "mine.py", tmp_path / "mine.yaml", run / "config.json", run):
+        cfg, _ = parse_args([f"--config={spec}"])
+        assert dataclasses.replace(cfg, name="x") == dataclasses.replace(want, name="x").validate(), spec
+    assert parse_args([f"--config={tmp_path / 'mine.py'}"])[0].name == "mine"
+    assert parse_args([f"--config={run}"])[0].name == "gpt_tiny"  # the run's own name
+    # flags still override the file
+    cfg, _ = parse_args([f"--config={run / 'config.json'}", "--model.num_layers=5", "--train.steps=9"])
+    assert (cfg.model.num_layers, cfg.train.steps, cfg.model.attention.window) == (5, 9, 16)
+
+
+def test_a_run_config_json_reproduces_the_run_exactly(tmp_path):
+    """Every key a run wrote (its vocabulary size filled in, non-default values everywhere) reads back equal."""
+    from msjax.config import to_dict
+
+    saved = apply_overrides(load_preset("llama_tiny"), {
+        "model.vocab_size": 4099, "model.rope_base": 1234.5, "optimizer.name": "lamb", "mesh.tensor": 2,
+        "data.paths": ("x.txt",), "model.attention.window": None, "checkpoint.local_dir": "/dev/shm/x"})
+    (tmp_path / "config.json").write_text(json.dumps(to_dict(saved), indent=2))
+    assert load_preset(str(tmp_path / "config.json")) == saved
+
+
+@pytest.mark.parametrize("content, suffix, needle", [
+    ("model:\n  d_modle: 3\n", ".yaml", "unknown config key 'model.d_modle'"),
+    ('{"train": {"steps": "many"}}', ".json", "train.steps='many': allowed is int"),
+    ("[1, 2]", ".json", "must hold a mapping of config keys"),
+    ("{bad json", ".json", "not valid JSON"),
+    ("model: [\n", ".yaml", "not valid YAML"),
+    ("X = 1\n", ".py", "a preset file defines OVERRIDES"),
+    ("raise RuntimeError('boom')\n", ".py", "failed to run: RuntimeError: boom"),
+    ("OVERRIDES = {'model.block': 'diagonal'}\n", ".py", "model.block='diagonal': allowed is one of"),
+])
+def test_bad_config_files_name_the_file_and_the_problem(tmp_path, content, suffix, needle):
+    path = tmp_path / f"bad{suffix}"
+    path.write_text(content)
+    with pytest.raises(ConfigError) as e:
+        parse_args([f"--config={path}"])
+    assert needle in str(e.value) and str(path) in str(e.value), str(e.value)
+
+
+def test_missing_config_file_and_wrong_type_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        parse_args([f"--config={tmp_path / 'nope.yaml'}"])
+    (tmp_path / "c.toml").write_text("")
+    with pytest.raises(ConfigError, match=r"allowed file types are \.py, \.yaml, \.yml, \.json"):
+        parse_args([f"--config={tmp_path / 'c.toml'}"])
+
+
+def test_shakespeare_char_runs_from_any_directory(tmp_path):
+    """The preset's corpus ships inside the package: a run from an empty directory finds it (nothing beside the
+    checkout is needed) and trains on its 1,115,394 bytes."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    corpus = Path(load_preset("shakespeare_char").data.paths[0])
+    assert corpus.is_file() and corpus.stat().st_size == 1_115_394
+    assert Path(load_preset("shakespeare_char").data.paths[0]).is_absolute()
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "MSJAX_CACHE_HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "train.py"), "--config=shakespeare_char",
+                           "--train.steps=2", "--train.eval_every=0", "--train.eval_batches=1",
+                           "--train.sample_tokens=0", "--train.progress=false", "--train.run_dir=run"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert meta["data"]["paths"] == [str(corpus)] and meta["model"]["vocab_size"] == 65  # nanoGPT's 65 characters
+
+
+def test_resume_check_reads_configs_saved_before_the_new_keys():
+    """A checkpoint saved before model.position/norm/mlp/rope_base and train.loggers existed resumes with their
+    defaults; a saved Llama block still may not resume as a GPT one; the loggers may change on resume."""
+    from msjax.checkpoint.resume import config_differences
+    from msjax.config import to_dict
+
+    cfg = load_preset("gpt_tiny")
+    saved = json.loads(json.dumps(to_dict(cfg)))
+    for key in ("position", "norm", "mlp", "rope_base"):
+        del saved["model"][key]
+    del saved["train"]["loggers"]
+    assert config_differences(saved, cfg) == []
+    assert config_differences(saved, apply_overrides(cfg, {"train.loggers": ("wandb",)})) == []
+    saved["model"]["mlp"] = "swiglu"
+    assert config_differences(saved, cfg) == ["model.mlp: 'swiglu' -> 'gelu'"]

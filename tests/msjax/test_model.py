@@ -1,4 +1,5 @@
-"""The GPT against an independent NumPy forward pass, plus causality, window and remat/scan invariance."""
+"""The model against an independent NumPy forward pass (GPT-2 and Llama-style blocks), plus causality, window,
+remat/scan invariance, and decoding with a KV cache against the full forward pass."""
 
 import dataclasses
 
@@ -20,11 +21,23 @@ def tiny(**kw) -> ModelConfig:
     return ModelConfig(**base)
 
 
-def _ln(x, p, eps):
+def _ln(x, p, eps, kind="layernorm"):
+    if kind == "rmsnorm":
+        assert "bias" not in p  # RMSNorm has no offset
+        return x / np.sqrt((x**2).mean(-1, keepdims=True) + eps) * p["scale"]
     mu = x.mean(-1, keepdims=True)
     var = ((x - mu) ** 2).mean(-1, keepdims=True)
     y = (x - mu) / np.sqrt(var + eps) * p["scale"]
     return y + p["bias"] if p.get("bias") is not None else y
+
+
+def _rope(x, base):
+    """Rotary embedding as complex multiplication: pair i = x[i] + 1j x[i + K/2] times exp(1j p base^(-2i/K))."""
+    t, k = x.shape[1], x.shape[-1]
+    z = x[..., : k // 2] + 1j * x[..., k // 2:]
+    theta = np.arange(t)[:, None] * base ** (-np.arange(0, k, 2) / k)  # (T, K/2)
+    z = z * np.exp(1j * theta)[None, :, None, :]
+    return np.concatenate([z.real, z.imag], axis=-1)
 
 
 def _gelu(x):  # tanh approximation, as jax.nn.gelu(approximate=True)
@@ -35,7 +48,9 @@ def numpy_gpt(cfg: ModelConfig, params: dict, tokens: np.ndarray) -> np.ndarray:
     """Straight-line float64 GPT forward from the parameter dict: the reference."""
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
     b, t = tokens.shape
-    x = p["wte"][tokens] + p["wpe"][:t]
+    x = p["wte"][tokens] + (p["wpe"][:t] if cfg.position == "learned" else 0.0)
+    ln = lambda u, q: _ln(u, q, cfg.norm_eps, cfg.norm)  # noqa: E731
+    bias = (lambda q, name: q[name]) if cfg.use_bias else (lambda q, name: 0.0)  # noqa: E731
     h, g, k = cfg.num_heads, cfg.kv_heads, cfg.head_size
     w = cfg.attention.window or t
     i, j = np.arange(t)[:, None], np.arange(t)[None, :]
@@ -44,31 +59,43 @@ def numpy_gpt(cfg: ModelConfig, params: dict, tokens: np.ndarray) -> np.ndarray:
         lp = jax.tree.map(lambda a: a[layer], p["blocks"]) if "blocks" in p else p["layers"][layer]
 
         def attn(u):
-            q = np.einsum("btd,dhk->bthk", u, lp["attn"]["wq"]) + lp["attn"]["bq"]
-            kk = np.einsum("btd,dgk->btgk", u, lp["attn"]["wk"]) + lp["attn"]["bk"]
-            v = np.einsum("btd,dgk->btgk", u, lp["attn"]["wv"]) + lp["attn"]["bv"]
+            a = lp["attn"]
+            q = np.einsum("btd,dhk->bthk", u, a["wq"]) + bias(a, "bq")
+            kk = np.einsum("btd,dgk->btgk", u, a["wk"]) + bias(a, "bk")
+            v = np.einsum("btd,dgk->btgk", u, a["wv"]) + bias(a, "bv")
+            if cfg.position == "rope":
+                q, kk = _rope(q, cfg.rope_base), _rope(kk, cfg.rope_base)
             kk, v = np.repeat(kk, h // g, axis=2), np.repeat(v, h // g, axis=2)
             s = np.einsum("bthk,bshk->bhts", q, kk) / np.sqrt(k)
             s = np.where(allowed, s, -np.inf)
-            a = np.exp(s - s.max(-1, keepdims=True))
-            a /= a.sum(-1, keepdims=True)
-            o = np.einsum("bhts,bshk->bthk", a, v)
-            return np.einsum("bthk,hkd->btd", o, lp["attn"]["wo"]) + lp["attn"]["bo"]
+            w = np.exp(s - s.max(-1, keepdims=True))
+            w /= w.sum(-1, keepdims=True)
+            o = np.einsum("bhts,bshk->bthk", w, v)
+            return np.einsum("bthk,hkd->btd", o, a["wo"]) + bias(a, "bo")
 
         def mlp(u):
-            hid = _gelu(u @ lp["mlp"]["w_in"] + lp["mlp"]["b_in"])
-            return hid @ lp["mlp"]["w_out"] + lp["mlp"]["b_out"]
+            m = lp["mlp"]
+            if cfg.mlp == "swiglu":
+                gate = u @ m["w_gate"] + bias(m, "b_gate")
+                hid = gate / (1 + np.exp(-gate)) * (u @ m["w_in"] + bias(m, "b_in"))
+            else:
+                hid = _gelu(u @ m["w_in"] + bias(m, "b_in"))
+            return hid @ m["w_out"] + bias(m, "b_out")
 
         if cfg.block == "parallel":
-            u = _ln(x, lp["ln1"], cfg.norm_eps)
+            u = ln(x, lp["ln1"])
             x = x + attn(u) + mlp(u)
         else:
-            x = x + attn(_ln(x, lp["ln1"], cfg.norm_eps))
-            x = x + mlp(_ln(x, lp["ln2"], cfg.norm_eps))
-    x = _ln(x, p["ln_f"], cfg.norm_eps)
+            x = x + attn(ln(x, lp["ln1"]))
+            x = x + mlp(ln(x, lp["ln2"]))
+    x = ln(x, p["ln_f"])
     logits = x @ (p["wte"].T if cfg.tie_embeddings else p["lm_head"])
     logits[..., cfg.vocab_size:] = -1e9
     return logits
+
+
+LLAMA = dict(position="rope", norm="rmsnorm", mlp="swiglu", use_bias=False, tie_embeddings=False, num_kv_heads=2,
+             d_ff=40, rope_base=500.0)
 
 
 def _random_params(cfg, seed=0):
@@ -95,7 +122,14 @@ def unstack(params: dict) -> dict:
     dict(attention=AttentionConfig(window=3)),
     dict(num_kv_heads=2, tie_embeddings=False),
     dict(num_kv_heads=1, block="parallel", attention=AttentionConfig(window=1)),
-])
+    LLAMA,
+    dict(LLAMA, scan_layers=False, use_bias=True, attention=AttentionConfig(window=5)),
+    dict(LLAMA, block="parallel", tie_embeddings=True, num_kv_heads=1, head_dim=6),
+    dict(position="rope", norm="layernorm", mlp="gelu"),
+    dict(position="learned", norm="rmsnorm", mlp="swiglu", use_bias=True),
+], ids=["gpt", "unscanned-remat", "parallel", "window", "gqa-untied", "mqa-parallel-w1", "llama",
+        "llama-unscanned-bias-window", "llama-parallel-tied-mqa-k6", "rope-layernorm-gelu",
+        "learned-rmsnorm-swiglu-bias"])
 def test_forward_matches_numpy_reference(kw):
     cfg = tiny(**kw)
     graphdef, _, _ = abstract_model(cfg)
@@ -191,3 +225,69 @@ def test_sequence_longer_than_positions_is_an_error():
     graphdef, _, _ = abstract_model(cfg)
     with pytest.raises(ValueError, match="longer than the model's positions"):
         apply(graphdef, init_params(cfg, jax.random.key(0)), np.zeros((1, 17), np.int32))
+
+
+def test_llama_parameters_and_zero_vocabulary_padding():
+    cfg = tiny(**LLAMA)
+    _, abs_params, specs = abstract_model(cfg)
+    assert "wpe" not in abs_params  # RoPE: no position table
+    assert set(abs_params["blocks"]["mlp"]) == {"w_gate", "w_in", "w_out"}
+    assert tuple(specs["blocks"]["mlp"]["w_gate"]) == ("layers", "embed", "mlp")
+    assert set(abs_params["blocks"]["ln1"]) == {"scale"} and set(abs_params["ln_f"]) == {"scale"}
+    assert abs_params["blocks"]["attn"]["wk"].shape == (2, 32, 2, 8)  # grouped-query: 2 key/value heads
+    assert tuple(specs["lm_head"]) == ("embed", "vocab")
+    # LayerNorm with biases off has no offset either; RMSNorm never has one, even with biases on
+    assert set(abstract_model(tiny(use_bias=False))[1]["ln_f"]) == {"scale"}
+    assert set(abstract_model(tiny(norm="rmsnorm"))[1]["ln_f"]) == {"scale"}
+    params = init_params(cfg, jax.random.key(0))
+    v = cfg.vocab_size
+    assert (np.asarray(params["wte"][v:]) == 0).all() and (np.asarray(params["lm_head"][:, v:]) == 0).all()
+    assert np.abs(np.asarray(params["wte"][:v])).min(axis=1).max() > 0  # the real rows are random
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(attention=AttentionConfig(window=4)), LLAMA,
+                                dict(LLAMA, scan_layers=False, block="parallel", attention=AttentionConfig(window=3))],
+                         ids=["gpt", "gpt-window4", "llama", "llama-unscanned-parallel-window3"])
+def test_decode_with_kv_cache_matches_full_forward(kw):
+    """A batch of prompts of different lengths, prefilled together (right-padded), then decoded one token at a
+    time: every real position's logits equal the full forward pass over the row's whole sequence. With a window
+    the cache is a ring of W slots (smaller than the sequence)."""
+    from msjax.model import apply_decode, cache_slots, init_cache
+
+    cfg = tiny(**kw)
+    graphdef, _, _ = abstract_model(cfg)
+    params = _random_params(cfg)
+    rng = np.random.default_rng(5)
+    total, lengths = 14, np.array([5, 2, 7], np.int32)
+    seqs = rng.integers(0, cfg.vocab_size, (3, total)).astype(np.int32)
+    want = np.asarray(apply(graphdef, params, seqs))  # (B, total, V)
+    cache = init_cache(cfg, 3, total)
+    assert cache.slots == cache_slots(cfg, total) == min(cfg.attention.window or total, total)
+    decode = jax.jit(apply_decode, static_argnums=0)
+    prompt = np.where(np.arange(7)[None] < lengths[:, None], seqs[:, :7], 0).astype(np.int32)  # right-padded
+    logits, cache = decode(graphdef, params, prompt, np.zeros(3, np.int32), lengths, cache)
+    for b, n in enumerate(lengths):
+        np.testing.assert_allclose(np.asarray(logits)[b, :n], want[b, :n], atol=TOL, rtol=TOL)
+    pos = lengths.copy()
+    while (pos < total).any():
+        step = np.minimum(pos, total - 1)
+        tokens = seqs[np.arange(3), step][:, None]
+        logits, cache = decode(graphdef, params, tokens, step, np.ones(3, np.int32), cache)
+        for b in range(3):
+            if pos[b] < total:
+                np.testing.assert_allclose(np.asarray(logits)[b, 0], want[b, pos[b]], atol=TOL, rtol=TOL)
+        pos += 1
+
+
+def test_llama_block_through_the_sliding_window_kernel():
+    """RoPE'd queries and keys go through the Pallas sliding-window kernel (interpret mode on CPU) as through the
+    XLA reference: loss and every gradient within 1e-5."""
+    cfg = tiny(**LLAMA, attention=AttentionConfig(window=5, impl="xla"))
+    params = _random_params(cfg)
+    tokens = np.random.default_rng(6).integers(0, cfg.vocab_size, (2, 13)).astype(np.int32)
+    l_xla, g_xla = _loss_and_grads(cfg, params, tokens)
+    l_pl, g_pl = _loss_and_grads(dataclasses.replace(cfg, attention=AttentionConfig(window=5, impl="pallas")),
+                                 params, tokens)
+    np.testing.assert_allclose(l_pl, l_xla, atol=1e-5, rtol=0)
+    for a, b in zip(jax.tree.leaves(g_xla), jax.tree.leaves(g_pl)):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)

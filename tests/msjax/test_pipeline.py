@@ -5,7 +5,8 @@ are refused with errors naming the key.
 Equivalence as tests/msjax/layouts.py says: STEPS optimizer steps on 8 fake CPU devices against one device,
 losses, global gradient norms (computed outside the shard_map, as clipping and LAMB see them) and the gradient
 pytree at initialisation within 1e-5 (float32). Two single-device references, shared by the session, cover
-serial/parallel blocks, window/no window, AdamW/LAMB and stacked/per-layer parameters.
+serial/parallel blocks, window/no window, AdamW/LAMB and stacked/per-layer parameters; a third is the
+Llama-style model of tests/msjax/layouts.py (RoPE, RMSNorm, SwiGLU, grouped-query heads, untied head).
 """
 
 import json
@@ -22,7 +23,7 @@ from msjax.config import Config, ConfigError, apply_overrides
 from msjax.mesh import make_mesh
 from msjax.parallel.schedule import Schedule, bubble_fraction, in_flight
 from msjax.train_step import build_train_program
-from tests.msjax.layouts import VOCAB, assert_same, run_layout, tiny_config
+from tests.msjax.layouts import LLAMA, VOCAB, assert_same, run_layout, tiny_config
 
 # Reference A: stacked layers, serial blocks, sliding window, AdamW. Reference B: per-layer parameters (as the CPU
 # presets), parallel blocks, full causal attention, LAMB.
@@ -31,6 +32,9 @@ REFS = {
           "optimizer.name": "adamw"},
     "B": {"model.num_layers": 4, "model.scan_layers": False, "model.block": "parallel",
           "model.attention.window": None, "optimizer.name": "lamb"},
+    # Reference C: Llama-style, stacked layers, serial blocks, sliding window, AdamW.
+    "C": {**LLAMA, "model.num_layers": 4, "model.scan_layers": True, "model.block": "serial",
+          "model.attention.window": 12, "optimizer.name": "adamw"},
 }
 
 
@@ -46,7 +50,11 @@ def ref_config(ref: str, **overrides) -> Config:
     ("B", {"mesh.pipeline": 2, "pipeline.virtual_stages": 2}),
     ("B", {"mesh.pipeline": 2, "mesh.fsdp": 2, "mesh.tensor": 2}),  # Megatron-SP: act_seq split over tensor
     ("B", {"mesh.pipeline": 2, "mesh.data": 2, "train.microbatches": 2, "pipeline.microbatches": 2}),
-], ids=["pp2", "pp2xdp2xtp2", "pp2xsp2xtp2", "pp4", "pp2xvpp2", "pp2xfsdp2xtp2", "pp2xdp2-accum2"])
+    ("C", {"mesh.pipeline": 2, "pipeline.virtual_stages": 2}),
+    ("C", {"mesh.pipeline": 2, "mesh.sequence": 2, "mesh.tensor": 2}),
+    ("C", {"mesh.pipeline": 2, "mesh.fsdp": 2, "mesh.tensor": 2}),
+], ids=["pp2", "pp2xdp2xtp2", "pp2xsp2xtp2", "pp4", "pp2xvpp2", "pp2xfsdp2xtp2", "pp2xdp2-accum2",
+        "llama-pp2xvpp2", "llama-pp2xsp2xtp2", "llama-pp2xfsdp2xtp2"])
 def test_pipelined_layouts_match_single_device(layout_reference, layout_tokens, ref, layout):
     assert_same(layout_reference(**REFS[ref]), run_layout(ref_config(ref, **layout), layout_tokens))
 

@@ -19,7 +19,7 @@ from msjax.sharding_rules import RULE_SETS, logical_to_mesh_spec
 from msjax.sharding_rules import axes as ax
 
 GOLDEN = Path(__file__).with_name("golden_shardings.json")
-PRESETS = ("gpt_tiny", "gpt175b")
+PRESETS = ("gpt_tiny", "gpt175b", "llama_tiny", "llama3_8b")
 
 
 def _specs(preset: str, rules: str) -> dict[str, str]:

@@ -1,0 +1,351 @@
+"""Text generation: batched prompts, a KV cache, greedy or sampled decoding, on any mesh.
+
+    run = load_run("runs/gpt_tiny")                             # newest verified checkpoint, its config and tokenizer
+    results = generate_text(run, ["To be, or not"], max_new_tokens=50, temperature=0.8, top_k=40)
+    ids = Generator(cfg.model, graphdef, params).generate([[1, 2, 3]], max_new_tokens=8)   # token ids in, ids out
+
+Decoding with the cache (default) runs the prompts once (prefill: a batch of prompts of different lengths,
+right-padded, in one forward pass that also fills the cache), then one token per step against the cache
+(`msjax.model.GPT.decode`). The cache holds model.max_seq_len positions per layer (so one compiled decode step
+serves every prompt length); with a sliding window it is a ring of W slots per layer, so its memory is O(W), not
+O(sequence). `cache=False` recomputes the whole sequence for every new token (the reference the cached
+path is tested against, and the baseline of scripts/bench_generate.py).
+
+Layouts: the parameters keep the sharding they were restored with (any mesh: `load_run` takes mesh overrides) and
+the model's logical axes are laid out by the config's rule set, except that the sequence of the decoded tokens is
+never split (one token per step has nothing to split); the batch is split over (data, fsdp), padded with dummy rows
+to a multiple of their size.
+
+Positions: a sequence may not be longer than model.max_seq_len (learned positions stop there; RoPE models were
+trained up to it). With `rolling=True` generation goes on past it nanoGPT's way: when the context is full, the
+last max_seq_len / 2 tokens become the new prompt (their positions start again at 0) and decoding continues.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from msjax.config import Config, ModelConfig, apply_overrides
+from msjax.model import apply, apply_decode, init_cache
+from msjax.sample import check_sampling, sample_logits
+from msjax.sharding import use_rules
+from msjax.sharding_rules import RULE_SETS, Rules
+from msjax.sharding_rules import axes as ax
+
+# Rows are checked for a stop token every this many decoded tokens (a host sync), to end the loop early.
+STOP_CHECK_EVERY = 8
+# Token buffers are padded to a multiple of this many positions (fewer distinct shapes to compile).
+PAD_TO = 16
+
+
+def decode_rules(rules: Rules) -> Rules:
+    """The rule set for decoding: `rules` with the activations' sequence never split (a decode step has one
+    token; Megatron-SP and context parallelism split the sequence of the training step)."""
+    return {**rules, ax.ACT_SEQ: None, ax.ACT_SEQ_INNER: None}
+
+
+class Generator:
+    """Compiled decoding of one model on one mesh; reuse it for many calls (each shape compiles once).
+
+    Args:
+      model_cfg: the model's config (vocab_size set).
+      graphdef: `msjax.model.abstract_model(model_cfg)[0]`.
+      params: the parameters (plain nested dict of arrays, sharded or not).
+      mesh, rules: the mesh the parameters live on and the rule set that laid them out (None: one device, no
+        layout constraints).
+    """
+
+    def __init__(self, model_cfg: ModelConfig, graphdef: Any, params: dict, mesh: Mesh | None = None,
+                 rules: Rules | None = None):
+        if (mesh is None) != (rules is None):
+            raise ValueError("Generator: give both mesh and rules, or neither")
+        self.cfg, self.graphdef, self.params = model_cfg, graphdef, params
+        self.mesh, self.rules = mesh, rules
+        self.batch_devices = 1 if mesh is None else mesh.shape[ax.DATA] * mesh.shape[ax.FSDP]
+        # Uncached forward passes run the training layout, whose sequence may be split over sequence x tensor.
+        self.seq_multiple = 1 if mesh is None else mesh.shape[ax.SEQUENCE] * mesh.shape[ax.TENSOR]
+        self._replicated = None if mesh is None else NamedSharding(mesh, P())
+        sampling = ("temperature", "top_k", "top_p")
+        self._prefill = jax.jit(self._prefill_fn, static_argnames=("max_len",) + sampling)
+        self._step = jax.jit(self._step_fn, static_argnames=sampling, donate_argnames=("cache",))
+        self._full_step = jax.jit(self._full_step_fn, static_argnames=sampling, donate_argnames=("buf_bt",))
+
+    # ---- the compiled pieces --------------------------------------------------------------------------------
+
+    def _in_rules(self, rules: Rules | None):
+        return contextlib.nullcontext() if self.mesh is None else use_rules(self.mesh, rules)
+
+    def _prefill_fn(self, params, tokens_bt, count_b, key, *, max_len, temperature, top_k, top_p):
+        with self._in_rules(None if self.rules is None else decode_rules(self.rules)):
+            cache = init_cache(self.cfg, tokens_bt.shape[0], max_len)
+            zeros = jnp.zeros_like(count_b)
+            logits_btv, cache = apply_decode(self.graphdef, params, tokens_bt, zeros, count_b, cache)
+            last_bv = jnp.take_along_axis(logits_btv, (count_b - 1)[:, None, None], axis=1)[:, 0]
+            return self._replicate(sample_logits(last_bv, key, temperature, top_k, top_p)), cache
+
+    def _step_fn(self, params, token_b, pos_b, cache, key, *, temperature, top_k, top_p):
+        with self._in_rules(None if self.rules is None else decode_rules(self.rules)):
+            ones = jnp.ones_like(pos_b)
+            logits_btv, cache = apply_decode(self.graphdef, params, token_b[:, None], pos_b, ones, cache)
+            return self._replicate(sample_logits(logits_btv[:, 0], key, temperature, top_k, top_p)), cache
+
+    def _full_step_fn(self, params, buf_bt, pos_b, key, *, temperature, top_k, top_p):
+        """Uncached: the whole (padded) sequence again; the token at each row's `pos_b` is sampled and written."""
+        with self._in_rules(self.rules):
+            logits_btv = apply(self.graphdef, params, buf_bt)
+            last_bv = jnp.take_along_axis(logits_btv, (pos_b - 1)[:, None, None], axis=1)[:, 0]
+            token_b = self._replicate(sample_logits(last_bv, key, temperature, top_k, top_p))
+            rows = jnp.arange(buf_bt.shape[0])
+            return token_b, buf_bt.at[rows, pos_b].set(token_b)
+
+    def _replicate(self, x: jax.Array) -> jax.Array:
+        """The sampled tokens whole on every device, so every process reads them (`_host`)."""
+        return x if self._replicated is None else jax.lax.with_sharding_constraint(x, self._replicated)
+
+    # ---- the loop ------------------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | jax.Array = 0, cache: bool = True,
+                 stop_ids: Sequence[int] = (), rolling: bool = False) -> list[list[int]]:
+        """Generates `max_new_tokens` tokens after each prompt.
+
+        Args:
+          prompts: token ids per prompt (each at least one id, each < model.vocab_size).
+          max_new_tokens: tokens to generate per prompt (>= 1).
+          temperature, top_k, top_p: as `msjax.sample` (temperature <= 0: greedy).
+          seed: an int, or a jax PRNG key; the draw of step i uses fold_in(key, i), row by row.
+          cache: decode against a KV cache (default) or recompute the whole sequence per token.
+          stop_ids: a row ends after the first of these it generates (kept in its output); the loop ends early
+            when every row has ended.
+          rolling: go on past model.max_seq_len (module docstring) instead of raising.
+        Returns:
+          The generated ids of each prompt (without the prompt).
+        Raises:
+          ValueError: an empty prompt, an id outside the vocabulary, max_new_tokens < 1, a sampling setting out of
+            range, or (without `rolling`) a prompt plus max_new_tokens longer than model.max_seq_len.
+        """
+        check_sampling(temperature, top_k, top_p)
+        prompts = [list(map(int, p)) for p in prompts]
+        if not prompts:
+            raise ValueError("generate: no prompts")
+        if max_new_tokens < 1:
+            raise ValueError(f"--max_new_tokens={max_new_tokens}: allowed is an integer >= 1")
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} has no tokens; give at least one")
+            bad = [t for t in p if not 0 <= t < self.cfg.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i} holds token ids outside the vocabulary [0, {self.cfg.vocab_size}): "
+                                 f"{bad[:5]}")
+        limit = self.cfg.max_seq_len
+        longest = max(map(len, prompts))
+        if not rolling and longest + max_new_tokens > limit:
+            raise ValueError(f"a prompt of {longest} tokens + --max_new_tokens={max_new_tokens} = "
+                             f"{longest + max_new_tokens} tokens is longer than the model's context "
+                             f"(model.max_seq_len={limit}); shorten them, or let the context roll (rolling=True, "
+                             "--rolling)")
+        key = jax.random.key(seed) if isinstance(seed, int) else seed
+        settings = dict(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
+        n = len(prompts)
+        rows = -(-n // self.batch_devices) * self.batch_devices  # dummy one-token rows pad the batch
+        contexts = [p[-limit:] for p in prompts] + [[0]] * (rows - n)
+        out: list[list[int]] = [[] for _ in range(rows)]
+        stopped = np.zeros(rows, bool)
+        stops = np.asarray(sorted(set(stop_ids)), np.int64)
+        made = 0
+        while made < max_new_tokens and not stopped[:n].all():
+            room = limit - max(map(len, contexts))
+            if room < 1:  # rolling: the last limit // 2 tokens of each row become its new prompt
+                contexts = [c[-(limit // 2):] for c in contexts]
+                room = limit - max(map(len, contexts))
+            chunk = self._chunk(contexts, min(room, max_new_tokens - made), key, made, cache, settings, stops,
+                                stopped)
+            for r in range(rows):
+                out[r] += chunk[r]
+                contexts[r] = contexts[r] + chunk[r]
+            made += len(chunk[0])
+        return [_until_stop(o, stops) for o in out[:n]]
+
+    def _chunk(self, contexts: list[list[int]], new: int, key: jax.Array, first_step: int, cache: bool,
+               settings: dict, stops: np.ndarray, stopped: np.ndarray) -> list[list[int]]:
+        """`new` tokens after each context (each context + new <= max_seq_len); updates `stopped`."""
+        rows = len(contexts)
+        lengths = np.array([len(c) for c in contexts], np.int32)
+        # Widths rounded up to a multiple of PAD_TO, so prompts of nearby lengths share one compiled program (padding
+        # is never attended: it sits after each row's last real token).
+        if cache:  # the prompts, right-padded
+            width = _round_up(int(lengths.max()), PAD_TO)
+        else:  # room for every token of the chunk, in whole sequence shards of the training layout
+            width = _round_up(int(lengths.max()) + new, math.lcm(PAD_TO, self.seq_multiple))
+        width = min(width, self.cfg.max_seq_len)
+        buf = np.zeros((rows, width), np.int32)
+        for r, c in enumerate(contexts):
+            buf[r, :len(c)] = c
+        tokens: list[jax.Array] = []
+        if cache:
+            token, kv = self._prefill(self.params, self._put(buf), self._put(lengths),
+                                      jax.random.fold_in(key, first_step), max_len=self.cfg.max_seq_len,
+                                      **settings)
+            tokens.append(token)
+            pos = self._put(lengths)
+            for i in range(1, new):
+                if self._all_stopped(tokens, i, stops, stopped):
+                    break
+                token, kv = self._step(self.params, token, pos, kv, jax.random.fold_in(key, first_step + i),
+                                       **settings)
+                pos = pos + 1
+                tokens.append(token)
+            del kv
+        else:
+            buf_dev, pos = self._put(buf), self._put(lengths)
+            for i in range(new):
+                if i and self._all_stopped(tokens, i, stops, stopped):
+                    break
+                token, buf_dev = self._full_step(self.params, buf_dev, pos, jax.random.fold_in(key, first_step + i),
+                                                 **settings)
+                pos = pos + 1
+                tokens.append(token)
+        ids = np.stack([_host(t) for t in tokens], axis=1)  # (rows, made)
+        if stops.size:
+            stopped |= np.isin(ids, stops).any(axis=1)
+        return [row.tolist() for row in ids]
+
+    def _all_stopped(self, tokens: list[jax.Array], i: int, stops: np.ndarray, stopped: np.ndarray) -> bool:
+        if not stops.size or i % STOP_CHECK_EVERY:
+            return False
+        recent = np.stack([_host(t) for t in tokens[-STOP_CHECK_EVERY:]], axis=1)
+        return bool((stopped | np.isin(recent, stops).any(axis=1)).all())
+
+    def _put(self, x: np.ndarray) -> jax.Array:
+        """Host values (the same on every process) as an array whole on every device of the mesh."""
+        if self._replicated is None:
+            return jnp.asarray(x)
+        return jax.make_array_from_callback(x.shape, self._replicated, lambda index: x[index])
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _host(x: jax.Array) -> np.ndarray:
+    """A replicated array's value on this process (in a multi-process run it spans devices this process does
+    not own; any local copy is the whole value)."""
+    return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
+
+
+def _until_stop(ids: list[int], stops: np.ndarray) -> list[int]:
+    for i, t in enumerate(ids):
+        if t in stops:
+            return ids[:i + 1]
+    return ids
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# From a run directory.
+
+
+@dataclass
+class LoadedRun:
+    """A run's newest verified checkpoint, ready to generate from.
+
+    Attributes:
+      config: the run's config (with any overrides given to `load_run`).
+      step: the checkpoint's step.
+      generator: a Generator on the config's mesh.
+      tokenizer: the run's tokenizer (`<run_dir>/tokenizer.json`), or None when the run has none.
+      run_dir: the run directory.
+    """
+
+    config: Config
+    step: int
+    generator: Generator
+    tokenizer: Any
+    run_dir: Path
+
+
+def load_run(run_dir: str | Path, overrides: dict[str, Any] | None = None, config: Config | None = None,
+             devices: Sequence[jax.Device] | None = None) -> LoadedRun:
+    """Restores a run's newest verified checkpoint onto a mesh, for generation.
+
+    Args:
+      run_dir: a run directory (config.json, checkpoints/, tokenizer.json), from training or
+        `scripts/convert.py --from_hf`.
+      overrides: dotted config keys applied to the run's config, e.g. {"mesh.tensor": 2, "mesh.data": 1}: the
+        parameters are restored onto that mesh (any mesh the devices allow).
+      config: the config to use instead of `<run_dir>/config.json` (+ overrides).
+      devices: the devices of the mesh (default: all).
+    Raises:
+      ConfigError: no config.json, a config or mesh that does not fit the devices.
+      msjax.checkpoint.CheckpointError: no checkpoint passes verification.
+    """
+    from msjax.data import load_tokenizer
+    from msjax.parallel.pipeline import pipeline_rules
+    from msjax.runs import restore_params, run_config
+
+    run_dir = Path(run_dir)
+    cfg = run_config(run_dir, overrides) if config is None else apply_overrides(config, overrides or {}).validate()
+    program, step, params = restore_params(run_dir, cfg, devices)
+    rules = pipeline_rules(RULE_SETS[cfg.mesh.rules], program.mesh.shape[ax.PIPELINE])
+    tok_path = run_dir / "tokenizer.json"
+    tokenizer = load_tokenizer(tok_path) if tok_path.is_file() else None
+    generator = Generator(program.config.model, program.graphdef, params, program.mesh, rules)
+    return LoadedRun(program.config, step, generator, tokenizer, run_dir)
+
+
+@dataclass
+class Completion:
+    """One prompt's generation: what `scripts/generate.py --json` writes per prompt."""
+
+    prompt: str
+    prompt_ids: list[int]
+    generated_ids: list[int]
+    text: str
+
+
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """A prompt's ids with the tokenizer's own special tokens (a Hugging Face tokenizer.json's post-processor,
+    e.g. Llama's begin-of-text; none for msjax's own tokenizers), as `transformers`' tokenizer(text) gives."""
+    from msjax.data import HFTokenizer
+
+    if isinstance(tokenizer, HFTokenizer):
+        return tokenizer.encode(text, add_special_tokens=True).tolist()
+    return tokenizer.encode(text).tolist()
+
+
+def generate_text(run: LoadedRun, prompts: Sequence[str], max_new_tokens: int, *, temperature: float = 0.8,
+                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, cache: bool = True,
+                  stop_at_eot: bool = True, rolling: bool = False) -> list[Completion]:
+    """Encodes `prompts` with the run's tokenizer, generates (`Generator.generate`; stopping a row at the
+    tokenizer's end-of-text token unless `stop_at_eot` is False) and decodes.
+
+    Raises:
+      ValueError: the run has no tokenizer, or as `Generator.generate`.
+    """
+    tok = run.tokenizer
+    if tok is None:
+        raise ValueError(f"{run.run_dir} has no tokenizer.json: give token ids to Generator.generate instead")
+    ids = [encode_prompt(tok, p) for p in prompts]
+    stops = [tok.eot_id] if stop_at_eot and tok.eot_id is not None else []
+    out = run.generator.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 seed=seed, cache=cache, stop_ids=stops, rolling=rolling)
+    results = []
+    for prompt, p_ids, g_ids in zip(prompts, ids, out):
+        shown = g_ids[:-1] if stops and g_ids and g_ids[-1] in stops else g_ids
+        results.append(Completion(prompt, p_ids, g_ids, tok.decode(shown)))
+    return results
+
+
+def generate(model_cfg: ModelConfig, graphdef: Any, params: dict, prompts: Sequence[Sequence[int]],
+             max_new_tokens: int, **kwargs: Any) -> list[list[int]]:
+    """`Generator(model_cfg, graphdef, params).generate(prompts, max_new_tokens, **kwargs)` on one device (no
+    mesh); see `Generator.generate`."""
+    return Generator(model_cfg, graphdef, params).generate(prompts, max_new_tokens, **kwargs)

@@ -1,0 +1,308 @@
+"""The two architectures msjax reads and writes in Hugging Face format: their config fields and their tensors.
+
+GPT-2 (`GPT2LMHeadModel`, `transformers/models/gpt2/modeling_gpt2.py`): learned positions, LayerNorm, tanh-GeLU MLP
+(`gelu_new`), biases everywhere, serial blocks, one fused Q/K/V projection `c_attn`, weights stored (in, out)
+(`Conv1D`), output projection tied to the token embedding unless `tie_word_embeddings` is false.
+Llama (`LlamaForCausalLM`, `transformers/models/llama/modeling_llama.py`): RoPE in the half-split layout, RMSNorm,
+SwiGLU MLP (`gate_proj`, `up_proj`, `down_proj`), grouped-query heads, optional biases (`attention_bias`,
+`mlp_bias`), untied output projection unless `tie_word_embeddings`; weights stored (out, in) (`nn.Linear`).
+
+A `Rule` maps one HF tensor onto one or more msjax parameters of a layer (GPT-2's fused `c_attn` is three) and
+back; `rules(arch, cfg)` lists them in the order they are read. Every transform is a reshape, a transpose or a
+split/concatenation: the values are copied exactly, so msjax -> HF -> msjax returns the same bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from msjax.config import ConfigError, ModelConfig
+
+GPT2 = "GPT2LMHeadModel"
+LLAMA = "LlamaForCausalLM"
+ARCHITECTURES = (GPT2, LLAMA)
+MODEL_TYPES = {"gpt2": GPT2, "llama": LLAMA}
+
+
+class HFConversionError(ConfigError):
+    """A Hugging Face model or an msjax run that cannot be converted; the message names the field or tensor."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Configs.
+
+
+def _get(hf: dict, key: str, default: Any = None) -> Any:
+    return hf.get(key, default) if hf.get(key) is not None else default
+
+
+def architecture_of(hf: dict, where: str) -> str:
+    """The architecture a HF config.json describes (`architectures[0]`, else `model_type`).
+
+    Raises:
+      HFConversionError: anything but GPT2LMHeadModel or LlamaForCausalLM (naming the field and what is allowed).
+    """
+    archs = hf.get("architectures") or []
+    if archs:
+        if archs[0] not in ARCHITECTURES:
+            raise HFConversionError(f"{where}: architectures={archs!r}; msjax converts "
+                                    f"{' and '.join(ARCHITECTURES)}")
+        return archs[0]
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise HFConversionError(f"{where}: model_type={model_type!r} (and no architectures); msjax converts "
+                                f"model_type {' and '.join(repr(m) for m in MODEL_TYPES)}")
+    return MODEL_TYPES[model_type]
+
+
+def _require(where: str, hf: dict, key: str, allowed: Sequence[Any], default: Any = None) -> None:
+    value = hf.get(key, default)
+    if value not in allowed:
+        raise HFConversionError(f"{where}: {key}={value!r} cannot be represented in msjax; allowed: "
+                                f"{', '.join(repr(a) for a in allowed)}")
+
+
+def _positive_int(where: str, hf: dict, key: str) -> int:
+    value = hf.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise HFConversionError(f"{where}: {key}={value!r}; a positive integer is needed")
+    return value
+
+
+def model_overrides_from_hf(hf: dict, where: str) -> tuple[str, dict[str, Any]]:
+    """(architecture, dotted `model.*` overrides) for a HF config.json.
+
+    Raises:
+      HFConversionError: an unsupported architecture, or a field msjax cannot represent (rotary scaling, another
+        activation, attention biases without MLP biases, cross-attention, ...), naming the field.
+    """
+    arch = architecture_of(hf, where)
+    if arch == GPT2:
+        _require(where, hf, "activation_function", ("gelu_new", "gelu_pytorch_tanh"), "gelu_new")
+        _require(where, hf, "scale_attn_weights", (True,), True)
+        _require(where, hf, "scale_attn_by_inverse_layer_idx", (False,), False)
+        _require(where, hf, "add_cross_attention", (False,), False)
+        d, heads = _positive_int(where, hf, "n_embd"), _positive_int(where, hf, "n_head")
+        if d % heads:
+            raise HFConversionError(f"{where}: n_embd={d} is not divisible by n_head={heads}")
+        inner = _get(hf, "n_inner")
+        out = {"model.position": "learned", "model.norm": "layernorm", "model.mlp": "gelu", "model.use_bias": True,
+               "model.num_layers": _positive_int(where, hf, "n_layer"), "model.d_model": d,
+               "model.num_heads": heads, "model.num_kv_heads": 0, "model.head_dim": 0,
+               "model.d_ff": 0 if inner is None or inner == 4 * d else int(inner),
+               "model.max_seq_len": _positive_int(where, hf, "n_positions"),
+               "model.norm_eps": float(_get(hf, "layer_norm_epsilon", 1e-5)),
+               "model.tie_embeddings": bool(_get(hf, "tie_word_embeddings", True))}
+    else:
+        _require(where, hf, "hidden_act", ("silu",), "silu")
+        rope = dict(hf.get("rope_parameters") or {})
+        scaling = hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+        if rope_type != "default":
+            raise HFConversionError(f"{where}: rope_parameters.rope_type / rope_scaling={rope_type!r}: msjax's "
+                                    "RoPE has no frequency scaling; allowed: 'default'")
+        base = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        if _get(hf, "attention_bias", False) != _get(hf, "mlp_bias", False):
+            raise HFConversionError(f"{where}: attention_bias={hf.get('attention_bias')!r} and mlp_bias="
+                                    f"{hf.get('mlp_bias')!r}: msjax has one switch for biases (model.use_bias); "
+                                    "allowed: both true or both false")
+        d, heads = _positive_int(where, hf, "hidden_size"), _positive_int(where, hf, "num_attention_heads")
+        head_dim = _get(hf, "head_dim")
+        if head_dim is None and d % heads:
+            raise HFConversionError(f"{where}: hidden_size={d} is not divisible by num_attention_heads={heads} "
+                                    "and there is no head_dim")
+        kv = _get(hf, "num_key_value_heads", heads)
+        out = {"model.position": "rope", "model.rope_base": float(base), "model.norm": "rmsnorm",
+               "model.mlp": "swiglu", "model.use_bias": bool(_get(hf, "attention_bias", False)),
+               "model.num_layers": _positive_int(where, hf, "num_hidden_layers"), "model.d_model": d,
+               "model.num_heads": heads, "model.num_kv_heads": 0 if kv == heads else int(kv),
+               "model.head_dim": 0 if head_dim is None or head_dim * heads == d else int(head_dim),
+               "model.d_ff": _positive_int(where, hf, "intermediate_size"),
+               "model.max_seq_len": _positive_int(where, hf, "max_position_embeddings"),
+               "model.norm_eps": float(_get(hf, "rms_norm_eps", 1e-6)),
+               "model.tie_embeddings": bool(_get(hf, "tie_word_embeddings", False))}
+    out["model.vocab_size"] = _positive_int(where, hf, "vocab_size")
+    out["model.block"] = "serial"
+    out["model.attention.window"] = None
+    return arch, out
+
+
+def architecture_for(cfg: ModelConfig) -> str:
+    """The HF architecture an msjax model exports to: GPT-2 for (learned, layernorm, gelu), Llama for (rope,
+    rmsnorm, swiglu).
+
+    Raises:
+      HFConversionError: a model neither architecture can hold (mixed blocks, parallel blocks, a sliding window,
+        GPT-2 without biases or with grouped-query heads, ...), naming every field that does not fit.
+    """
+    gpt2 = {"model.position": (cfg.position, "learned"), "model.norm": (cfg.norm, "layernorm"),
+            "model.mlp": (cfg.mlp, "gelu"), "model.use_bias": (cfg.use_bias, True),
+            "model.num_kv_heads": (cfg.kv_heads, cfg.num_heads),
+            "model.head_dim": (cfg.head_size * cfg.num_heads, cfg.d_model)}
+    llama = {"model.position": (cfg.position, "rope"), "model.norm": (cfg.norm, "rmsnorm"),
+             "model.mlp": (cfg.mlp, "swiglu")}
+    common = {"model.block": (cfg.block, "serial"), "model.attention.window": (cfg.attention.window, None)}
+    target = GPT2 if cfg.position == "learned" else LLAMA
+    wants = {**(gpt2 if target == GPT2 else llama), **common}
+    bad = [f"{k}={have!r} (needs {want!r})" for k, (have, want) in wants.items() if have != want]
+    if bad:
+        raise HFConversionError(f"this model cannot be written as {target} (chosen by model.position="
+                                f"{cfg.position!r}): " + "; ".join(bad).replace("model.head_dim=", "model.head_dim x "
+                                                                                  "num_heads="))
+    return target
+
+
+def hf_config_for(arch: str, cfg: ModelConfig, special: dict[str, int | None]) -> dict[str, Any]:
+    """The HF config.json of an msjax model (float32, no dropout: msjax trains without it). `special`: bos/eos/pad
+    token ids (or None)."""
+    tokens = {f"{k}_token_id": v for k, v in special.items()}
+    if arch == GPT2:
+        return {"architectures": [GPT2], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
+                "n_positions": cfg.max_seq_len, "n_embd": cfg.d_model, "n_layer": cfg.num_layers,
+                "n_head": cfg.num_heads, "n_inner": None if cfg.ff_size == 4 * cfg.d_model else cfg.ff_size,
+                "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_eps,
+                "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True,
+                "dtype": "float32", **tokens}
+    return {"architectures": [LLAMA], "model_type": "llama", "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.d_model, "intermediate_size": cfg.ff_size, "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_size,
+            "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+            # transformers >= 5 reads rope_parameters, earlier releases rope_theta
+            "rope_theta": cfg.rope_base, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},
+            "attention_bias": cfg.use_bias, "mlp_bias": cfg.use_bias, "tie_word_embeddings": cfg.tie_embeddings,
+            "initializer_range": cfg.init_std, "attention_dropout": 0.0, "dtype": "float32", **tokens}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tensors.
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One HF tensor <-> msjax parameters.
+
+    Attributes:
+      hf: the HF tensor's name (without the `transformer.` prefix GPT-2 checkpoints may or may not carry).
+      params: the msjax parameter paths it holds, within the layer (`attn.wq`) or the model (`wte`).
+      layer: the layer index, or None for a model-level tensor.
+      to_msjax: HF array -> the arrays of `params` (numpy or jax: reshapes, transposes, splits only).
+      to_hf: the arrays of `params` -> the HF array.
+    """
+
+    hf: str
+    params: tuple[str, ...]
+    layer: int | None
+    to_msjax: Callable[[Any], list[Any]]
+    to_hf: Callable[[list[Any]], Any]
+
+
+def _one(f: Callable[[Any], Any]) -> Callable[[Any], list[Any]]:
+    return lambda x: [f(x)]
+
+
+def _pad_rows(v_pad: int) -> Callable[[Any], Any]:
+    """(V, D) -> (V_pad, D): the padding rows are zero (as msjax initialises them)."""
+    return lambda x: jnp.pad(x, ((0, v_pad - x.shape[0]), (0, 0)))
+
+
+def rules(arch: str, cfg: ModelConfig) -> list[Rule]:
+    """Every tensor of `arch` for the msjax model `cfg`, model-level tensors first, then layer by layer."""
+    d, h, g, k, v = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_size, cfg.vocab_size
+    v_pad = cfg.padded_vocab()
+    pad = _pad_rows(v_pad)
+    out: list[Rule] = []
+    if arch == GPT2:
+        out += [Rule("wte.weight", ("wte",), None, _one(pad), lambda p: p[0][:v]),
+                Rule("wpe.weight", ("wpe",), None, _one(lambda x: x), lambda p: p[0]),
+                Rule("ln_f.weight", ("ln_f.scale",), None, _one(lambda x: x), lambda p: p[0]),
+                Rule("ln_f.bias", ("ln_f.bias",), None, _one(lambda x: x), lambda p: p[0])]
+        if not cfg.tie_embeddings:  # (V, D) -> (D, V_pad)
+            out.append(Rule("lm_head.weight", ("lm_head",), None, _one(lambda x: pad(x).T), lambda p: p[0][:, :v].T))
+        for i in range(cfg.num_layers):
+            pre = f"h.{i}."
+            out += [
+                Rule(pre + "ln_1.weight", ("ln1.scale",), i, _one(lambda x: x), lambda p: p[0]),
+                Rule(pre + "ln_1.bias", ("ln1.bias",), i, _one(lambda x: x), lambda p: p[0]),
+                # Conv1D (D, 3 D) = [q | k | v] columns -> three (D, H, K)
+                Rule(pre + "attn.c_attn.weight", ("attn.wq", "attn.wk", "attn.wv"), i,
+                     lambda x: [x[:, j * d:(j + 1) * d].reshape(d, h, k) for j in range(3)],
+                     lambda p: _concat([w.reshape(d, h * k) for w in p], axis=1)),
+                Rule(pre + "attn.c_attn.bias", ("attn.bq", "attn.bk", "attn.bv"), i,
+                     lambda x: [x[j * d:(j + 1) * d].reshape(h, k) for j in range(3)],
+                     lambda p: _concat([b.reshape(h * k) for b in p], axis=0)),
+                Rule(pre + "attn.c_proj.weight", ("attn.wo",), i, _one(lambda x: x.reshape(h, k, d)),
+                     lambda p: p[0].reshape(h * k, d)),
+                Rule(pre + "attn.c_proj.bias", ("attn.bo",), i, _one(lambda x: x), lambda p: p[0]),
+                Rule(pre + "ln_2.weight", ("ln2.scale",), i, _one(lambda x: x), lambda p: p[0]),
+                Rule(pre + "ln_2.bias", ("ln2.bias",), i, _one(lambda x: x), lambda p: p[0]),
+                Rule(pre + "mlp.c_fc.weight", ("mlp.w_in",), i, _one(lambda x: x), lambda p: p[0]),
+                Rule(pre + "mlp.c_fc.bias", ("mlp.b_in",), i, _one(lambda x: x), lambda p: p[0]),
+                Rule(pre + "mlp.c_proj.weight", ("mlp.w_out",), i, _one(lambda x: x), lambda p: p[0]),
+                Rule(pre + "mlp.c_proj.bias", ("mlp.b_out",), i, _one(lambda x: x), lambda p: p[0]),
+            ]
+        return out
+    out += [Rule("model.embed_tokens.weight", ("wte",), None, _one(pad), lambda p: p[0][:v]),
+            Rule("model.norm.weight", ("ln_f.scale",), None, _one(lambda x: x), lambda p: p[0])]
+    if not cfg.tie_embeddings:
+        out.append(Rule("lm_head.weight", ("lm_head",), None, _one(lambda x: pad(x).T), lambda p: p[0][:, :v].T))
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}."
+        # nn.Linear stores (out, in): q (H K, D) -> (D, H, K); o (D, H K) -> (H, K, D); MLP (F, D) -> (D, F)
+        out += [
+            Rule(pre + "input_layernorm.weight", ("ln1.scale",), i, _one(lambda x: x), lambda p: p[0]),
+            Rule(pre + "self_attn.q_proj.weight", ("attn.wq",), i, _one(lambda x: x.T.reshape(d, h, k)),
+                 lambda p: p[0].reshape(d, h * k).T),
+            Rule(pre + "self_attn.k_proj.weight", ("attn.wk",), i, _one(lambda x: x.T.reshape(d, g, k)),
+                 lambda p: p[0].reshape(d, g * k).T),
+            Rule(pre + "self_attn.v_proj.weight", ("attn.wv",), i, _one(lambda x: x.T.reshape(d, g, k)),
+                 lambda p: p[0].reshape(d, g * k).T),
+            Rule(pre + "self_attn.o_proj.weight", ("attn.wo",), i, _one(lambda x: x.T.reshape(h, k, d)),
+                 lambda p: p[0].reshape(h * k, d).T),
+            Rule(pre + "post_attention_layernorm.weight", ("ln2.scale",), i, _one(lambda x: x), lambda p: p[0]),
+            Rule(pre + "mlp.gate_proj.weight", ("mlp.w_gate",), i, _one(lambda x: x.T), lambda p: p[0].T),
+            Rule(pre + "mlp.up_proj.weight", ("mlp.w_in",), i, _one(lambda x: x.T), lambda p: p[0].T),
+            Rule(pre + "mlp.down_proj.weight", ("mlp.w_out",), i, _one(lambda x: x.T), lambda p: p[0].T),
+        ]
+        if cfg.use_bias:
+            out += [
+                Rule(pre + "self_attn.q_proj.bias", ("attn.bq",), i, _one(lambda x: x.reshape(h, k)),
+                     lambda p: p[0].reshape(h * k)),
+                Rule(pre + "self_attn.k_proj.bias", ("attn.bk",), i, _one(lambda x: x.reshape(g, k)),
+                     lambda p: p[0].reshape(g * k)),
+                Rule(pre + "self_attn.v_proj.bias", ("attn.bv",), i, _one(lambda x: x.reshape(g, k)),
+                     lambda p: p[0].reshape(g * k)),
+                Rule(pre + "self_attn.o_proj.bias", ("attn.bo",), i, _one(lambda x: x), lambda p: p[0]),
+                Rule(pre + "mlp.gate_proj.bias", ("mlp.b_gate",), i, _one(lambda x: x), lambda p: p[0]),
+                Rule(pre + "mlp.up_proj.bias", ("mlp.b_in",), i, _one(lambda x: x), lambda p: p[0]),
+                Rule(pre + "mlp.down_proj.bias", ("mlp.b_out",), i, _one(lambda x: x), lambda p: p[0]),
+            ]
+    return out
+
+
+def _concat(parts: list[Any], axis: int) -> Any:
+    return (np if all(isinstance(p, np.ndarray) for p in parts) else jnp).concatenate(parts, axis=axis)
+
+
+# Buffers some HF checkpoints carry that are not parameters (GPT-2's causal-mask buffers in old checkpoints, Llama's
+# precomputed rotary frequencies in old ones): skipped on import.
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+
+
+def hf_name_in_file(arch: str, name: str) -> str:
+    """Our rule name -> the canonical name in a checkpoint `transformers` writes (GPT-2's `transformer.` prefix
+    on everything but lm_head)."""
+    if arch == GPT2 and not name.startswith("lm_head"):
+        return "transformer." + name
+    return name
+
+
+def canonical_name(arch: str, name: str) -> str:
+    """A tensor name found in a checkpoint -> our rule name (GPT-2: with or without `transformer.`)."""
+    if arch == GPT2 and name.startswith("transformer."):
+        return name[len("transformer."):]
+    return name

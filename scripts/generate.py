@@ -1,0 +1,120 @@
+"""Generate text from a run: `python scripts/generate.py --run_dir=RUN --prompt="To be" --max_new_tokens=50`.
+
+The run's newest verified checkpoint, its config and tokenizer (from training, or `scripts/convert.py --from_hf`),
+decoded with a KV cache (msjax.generate). `--prompt` may be given several times (a batch), or `--prompt_file`
+(one prompt per line); `--temperature=0` is greedy; `--json=PATH` also writes each prompt's token ids, the
+generated ids and the text. Config flags lay the model out on another mesh (`--mesh.tensor=2 --mesh.data=1`).
+"""
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from msjax import cli
+from msjax.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateOptions:
+    """Generation flags.
+
+    Attributes:
+      run_dir: the run directory (config.json, checkpoints/, tokenizer.json).
+      prompt_file: a text file with one prompt per line (added after the --prompt flags).
+      max_new_tokens: tokens to generate per prompt.
+      temperature: softmax temperature; 0 is greedy (the most likely token every step).
+      top_k: sample among the k most likely tokens only; 0: all.
+      top_p: sample among the fewest most likely tokens whose probabilities add up to top_p; 1: all.
+      seed: the random seed of the draws.
+      cache: decode against a KV cache; false recomputes the whole sequence for every token.
+      stop_at_eot: end a prompt's generation at the tokenizer's end-of-text token.
+      rolling: generate past model.max_seq_len by keeping the last max_seq_len / 2 tokens as the context.
+      json: also write the results as JSON to this file.
+    """
+
+    run_dir: str = ""
+    prompt_file: str = ""
+    max_new_tokens: int = 64
+    temperature: float = 0.8
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    cache: bool = True
+    stop_at_eot: bool = True
+    rolling: bool = False
+    json: str = ""
+
+
+def _take_prompts(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The values of every --prompt flag (kept whole: a prompt may hold commas), and the other flags."""
+    prompts, rest, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--prompt="):
+            prompts.append(arg.split("=", 1)[1])
+        elif arg == "--prompt" and i + 1 < len(argv):
+            prompts.append(argv[i + 1])
+            i += 1
+        else:
+            rest.append(arg)
+        i += 1
+    return prompts, rest
+
+
+def _flag(argv: list[str], name: str) -> str:
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"--{name}="):
+            return arg.split("=", 1)[1]
+        if arg == f"--{name}" and i + 1 < len(argv):
+            return argv[i + 1]
+    return ""
+
+
+def main(argv: list[str]) -> int:
+    def body() -> int:
+        prompts, rest = _take_prompts(argv)
+        run_dir = _flag(rest, "run_dir")
+        if not run_dir and "--help" not in rest:
+            raise ConfigError("--run_dir is required: a run directory (from training or scripts/convert.py)")
+        # The run's own config.json gives every other flag its default; --mesh.* and the like override it.
+        default = str(Path(run_dir) / "config.json") if run_dir else "gpt_tiny"
+        cfg, (common, opts) = cli.parse(rest, GenerateOptions(), prog="generate.py", description=__doc__,
+                                        default_preset=default)
+        cli.setup_logging(common)
+        if opts.prompt_file:
+            prompts += [line for line in Path(opts.prompt_file).read_text().splitlines() if line]
+        if not prompts:
+            raise ConfigError("give at least one --prompt (or --prompt_file)")
+        if opts.json:
+            cli.check_writable(opts.json, "--json")
+        from msjax.checkpoint import CheckpointError
+        from msjax.generate import generate_text, load_run
+
+        try:
+            run = load_run(opts.run_dir, config=cfg)
+        except CheckpointError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        settings = dict(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k,
+                        top_p=opts.top_p, seed=opts.seed, cache=opts.cache, stop_at_eot=opts.stop_at_eot,
+                        rolling=opts.rolling)
+        try:
+            results = generate_text(run, prompts, **settings)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        for r in results:
+            print(r.prompt + r.text)
+            print("-" * 40)
+        if opts.json:
+            doc = {"run_dir": str(run.run_dir), "step": run.step, "mesh": dict(run.generator.mesh.shape),
+                   **settings, "results": [{"prompt": r.prompt, "prompt_ids": r.prompt_ids,
+                                            "generated_ids": r.generated_ids, "text": r.text} for r in results]}
+            Path(opts.json).write_text(json.dumps(doc, indent=1, ensure_ascii=False))
+        return 0
+
+    return cli.main_guard(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

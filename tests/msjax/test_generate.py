@@ -1,0 +1,227 @@
+"""Generation (msjax.generate, scripts/generate.py): decoding with the KV cache gives token for token what
+recomputing the whole sequence gives (greedy and sampled, batched prompts of different lengths, a sliding-window
+ring, a rolling context), on one device and on meshes of 8 fake CPU devices; the sampling filters against NumPy;
+the command line end to end on a trained run, with --json and another mesh."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from msjax.config import AttentionConfig, ModelConfig, apply_overrides, Config
+from msjax.generate import Generator, decode_rules, generate_text, load_run
+from msjax.mesh import make_mesh
+from msjax.model import abstract_model, init_params
+from msjax.parallel.pipeline import pipeline_rules
+from msjax.sample import filter_logits, sample_logits
+from msjax.sharding_rules import RULE_SETS
+from msjax.train_step import build_train_program
+
+ROOT = Path(__file__).resolve().parents[2]
+LLAMA = dict(position="rope", norm="rmsnorm", mlp="swiglu", use_bias=False, tie_embeddings=False, num_kv_heads=2,
+             d_ff=48)
+PROMPTS = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10], [11, 12]]
+
+
+def tiny(**kw) -> ModelConfig:
+    # init_std 0.5: peaked logits, so greedy choices are far from ties and float rounding cannot flip them
+    base = dict(vocab_size=50, vocab_multiple=64, num_layers=2, d_model=32, num_heads=4, max_seq_len=24,
+                init_std=0.5)
+    return ModelConfig(**{**base, **kw})
+
+
+def _generator(cfg: ModelConfig, seed: int = 0) -> Generator:
+    graphdef, _, _ = abstract_model(cfg)
+    return Generator(cfg, graphdef, init_params(cfg, jax.random.key(seed)))
+
+
+MODELS = {
+    "gpt": dict(),
+    "gpt-window4": dict(attention=AttentionConfig(window=4)),
+    "llama-window5": dict(LLAMA, attention=AttentionConfig(window=5)),
+    "llama-parallel-unscanned": dict(LLAMA, block="parallel", scan_layers=False),
+}
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_cached_decoding_equals_recomputing_token_for_token(model):
+    gen = _generator(tiny(**MODELS[model]))
+    greedy = gen.generate(PROMPTS, 14, temperature=0)
+    assert greedy == gen.generate(PROMPTS, 14, temperature=0, cache=False)
+    assert [len(g) for g in greedy] == [14] * 4
+    assert len({tuple(g) for g in greedy}) > 1  # the prompts lead somewhere different
+    sampled = dict(temperature=1.3, top_k=7, top_p=0.9, seed=11)
+    assert gen.generate(PROMPTS, 14, **sampled) == gen.generate(PROMPTS, 14, cache=False, **sampled)
+    # past model.max_seq_len (24) the context rolls: the last 12 tokens become the prompt, twice over here
+    rolled = gen.generate(PROMPTS, 40, temperature=0, rolling=True)
+    assert rolled == gen.generate(PROMPTS, 40, temperature=0, rolling=True, cache=False)
+    assert [r[:14] for r in rolled] == greedy  # the same up to the first roll (prompt 6 + 14 < 24)
+
+
+def test_a_prompt_in_a_batch_gets_what_it_gets_alone():
+    gen = _generator(tiny(**LLAMA))
+    batch = gen.generate(PROMPTS, 10, temperature=0)
+    for prompt, out in zip(PROMPTS, batch):
+        assert gen.generate([prompt], 10, temperature=0) == [out]
+
+
+@pytest.mark.parametrize("mesh", [dict(data=2, fsdp=2, tensor=2), dict(data=2, sequence=2, tensor=2),
+                                  dict(pipeline=2, data=2, tensor=2)], ids=["dp-fsdp-tp", "dp-sp-tp", "pp-dp-tp"])
+def test_meshes_generate_what_one_device_generates(mesh):
+    """Parameters laid out by the training layout of each mesh (pipeline: layers split over stages); the batch
+    of 4 prompts over data x fsdp, 3 prompts padded with a dummy row."""
+    model = {f"model.{k}": v for k, v in dict(LLAMA, num_kv_heads=2).items()}
+    overrides = {"model.num_layers": 2, "model.d_model": 32, "model.num_heads": 4, "model.max_seq_len": 24,
+                 "model.init_std": 0.5, "model.vocab_multiple": 64, "model.attention.window": 6,
+                 "train.seq_len": 24, "train.global_batch": 8, **model,
+                 **{f"mesh.{k}": v for k, v in {"data": 1, **mesh}.items()}}
+    cfg = apply_overrides(Config(), overrides).validate()
+    one = apply_overrides(cfg, {f"mesh.{k}": 1 for k in ("pipeline", "data", "fsdp", "sequence", "tensor")})
+    program1 = build_train_program(one, make_mesh(one.mesh, jax.devices()[:1]), vocab_size=50)
+    params = init_params(program1.config.model, jax.random.key(3))
+    want = Generator(program1.config.model, program1.graphdef, params).generate(PROMPTS[:3], 12, temperature=0)
+    layout = make_mesh(cfg.mesh)
+    program = build_train_program(cfg, layout, vocab_size=50)
+    sharded = jax.device_put(params, program.state_shardings["params"])
+    rules = pipeline_rules(RULE_SETS[cfg.mesh.rules], layout.shape["pipeline"])
+    gen = Generator(program.config.model, program.graphdef, sharded, layout, rules)
+    assert gen.generate(PROMPTS[:3], 12, temperature=0) == want
+    assert gen.generate(PROMPTS[:3], 12, temperature=0, cache=False) == want
+    assert decode_rules(rules)["act_seq"] is None
+
+
+def test_sampling_filters_match_numpy():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(6, 40)).astype(np.float32) * 3
+    for temperature, k, p in ((1.0, 5, 1.0), (0.7, 0, 0.8), (1.5, 10, 0.5), (1.0, 0, 1.0), (1.0, 1, 1.0)):
+        got = np.asarray(filter_logits(logits, temperature, k, p))
+        z = logits / temperature
+        keep = np.ones_like(z, bool)
+        if k:
+            keep &= z >= np.sort(z, axis=1)[:, -k][:, None]
+        z_k = np.where(keep, z, -np.inf)
+        if p < 1:
+            order = np.argsort(-z_k, axis=1)
+            probs = np.exp(z_k - z_k.max(1, keepdims=True))
+            probs /= probs.sum(1, keepdims=True)
+            sorted_p = np.take_along_axis(probs, order, 1)
+            kept_sorted = np.cumsum(sorted_p, 1) - sorted_p < p
+            nucleus = np.zeros_like(keep)
+            np.put_along_axis(nucleus, order, kept_sorted, 1)
+            keep &= nucleus
+        np.testing.assert_array_equal(np.isfinite(got), keep)
+        np.testing.assert_allclose(got[keep], z[keep], rtol=1e-6)
+    # draws only come from what the filters keep; top_k=1 and greedy pick the argmax
+    keys = jax.random.split(jax.random.key(1), 200)
+    draws = np.stack([np.asarray(sample_logits(logits, key, 1.0, 3, 1.0)) for key in keys[:50]])
+    top3 = np.argsort(-logits, axis=1)[:, :3]
+    assert all(d in top3[r] for row in draws for r, d in enumerate(row))
+    assert len(set(draws[:, 0].tolist())) > 1  # it does sample
+    np.testing.assert_array_equal(sample_logits(logits, keys[0], 1.0, 1, 1.0), logits.argmax(1))
+    np.testing.assert_array_equal(sample_logits(logits, keys[0], 0.0, 3, 0.5), logits.argmax(1))
+
+
+def test_stop_tokens_end_rows():
+    gen = _generator(tiny())
+    free = gen.generate(PROMPTS, 18, temperature=0)
+    stop = free[0][5]
+    out = gen.generate(PROMPTS, 18, temperature=0, stop_ids=[stop])
+    for f, o in zip(free, out):
+        cut = f.index(stop) + 1 if stop in f else len(f)
+        assert o == f[:cut]
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda g: g.generate([[1], []], 3), "prompt 1 has no tokens"),
+    (lambda g: g.generate([[1, 50]], 3), r"prompt 0 holds token ids outside the vocabulary \[0, 50\): \[50\]"),
+    (lambda g: g.generate([[1] * 20], 5), r"a prompt of 20 tokens \+ --max_new_tokens=5 = 25 tokens is longer than "
+                                          r"the model's context \(model.max_seq_len=24\)"),
+    (lambda g: g.generate([[1]], 0), "--max_new_tokens=0: allowed is an integer >= 1"),
+    (lambda g: g.generate([[1]], 3, temperature=1.0, top_p=0.0), "--top_p=0.0: allowed is 0 < top_p <= 1"),
+    (lambda g: g.generate([[1]], 3, temperature=1.0, top_k=-1), "--top_k=-1: allowed is an integer >= 0"),
+])
+def test_bad_requests_name_the_problem(call, match):
+    with pytest.raises(ValueError, match=match):
+        call(_generator(tiny()))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# From a trained run, in Python and through scripts/generate.py.
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, small_corpus):
+    from msjax.train import run
+    from tests.msjax.tiny_runs import tiny_run_config
+
+    tmp = tmp_path_factory.mktemp("gen_run")
+    cfg = tiny_run_config(tmp, small_corpus, **{"train.steps": 12, "optimizer.decay_steps": 12, "checkpoint.every": 6,
+                                               "model.position": "rope", "model.norm": "rmsnorm",
+                                               "model.mlp": "swiglu", "model.attention.window": 8})
+    summary = run(cfg)
+    assert summary["sample"]  # the loop's own end-of-run sample decodes with the cache (rolling past 32)
+    return tmp / "run"
+
+
+def _script(*flags: str, devices: int = 1) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return subprocess.run([sys.executable, "scripts/generate.py", *flags], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_generate_script_writes_json_and_any_mesh_agrees(trained_run, tmp_path):
+    prompts = ["def f(x, y):", "import os"]
+    in_process = generate_text(load_run(trained_run), prompts, 16, temperature=0)  # the run's own mesh (8 devices)
+    one = tmp_path / "one.json"
+    proc = _script(f"--run_dir={trained_run}", f"--prompt={prompts[0]}", "--prompt", prompts[1],
+                   "--max_new_tokens=16", "--temperature=0", f"--json={one}", "--mesh.data=1", "--mesh.fsdp=1",
+                   "--mesh.tensor=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(one.read_text())
+    assert doc["step"] == 12 and doc["temperature"] == 0.0 and len(doc["results"]) == 2
+    for r, want in zip(doc["results"], in_process):
+        assert r["prompt"] == want.prompt and r["prompt_ids"] == want.prompt_ids
+        assert r["generated_ids"] == want.generated_ids and r["text"] == want.text
+        assert r["text"] in proc.stdout
+    two = tmp_path / "two.json"
+    proc = _script(f"--run_dir={trained_run}", f"--prompt={prompts[0]}", f"--prompt={prompts[1]}",
+                   "--max_new_tokens=16", "--temperature=0", f"--json={two}", "--mesh.data=1", "--mesh.fsdp=1",
+                   "--mesh.tensor=2", "--cache=false", devices=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(two.read_text())["results"] == doc["results"]  # tensor-parallel, uncached: the same tokens
+    assert json.loads(two.read_text())["mesh"]["tensor"] == 2
+
+
+@pytest.mark.parametrize("flags, needle", [
+    ([], "--run_dir is required"),
+    (["--run_dir={run}"], "give at least one --prompt"),
+    (["--run_dir={run}", "--prompt=x", "--max_new_tokens=100"], "is longer than the model's context"),
+    (["--run_dir={run}", "--prompt=x", "--top_p=2"], "--top_p=2.0: allowed is 0 < top_p <= 1"),
+    (["--run_dir=/nonexistent/run", "--prompt=x"], "no such file"),
+])
+def test_generate_script_errors_are_one_line(trained_run, flags, needle):
+    proc = _script(*[f.format(run=trained_run) for f in flags], "--mesh.data=1", "--mesh.fsdp=1", "--mesh.tensor=1")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]  # (after the checkpoint restore's INFO lines, when it got there)
+    assert last.startswith("error: ") and needle in last, proc.stderr[-2000:]
+
+
+def test_generation_benchmark_runs_and_both_modes_agree(tmp_path):
+    """scripts/bench_generate.py --smoke: the table and JSON, both modes timed, the same tokens from both."""
+    out = tmp_path / "bench.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    proc = subprocess.run([sys.executable, "scripts/bench_generate.py", "--smoke", "--repeats=1",
+                           "--model.attention.window=4", f"--json={out}"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["same_tokens"] is True and "tokens/s" in proc.stdout
+    assert {(r["batch"], r["mode"]) for r in doc["rows"]} == {(b, m) for b in (1, 2) for m in ("kv_cache", "recompute")}
+    assert all(r["tokens_per_s"] > 0 and r["cache_slots"] == 4 for r in doc["rows"])  # the window's ring of 4 slots
