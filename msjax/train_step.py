@@ -149,7 +149,7 @@ def build_train_program(cfg: Config, mesh: Mesh, vocab_size: int | None = None) 
         layer_specs = logical_specs["blocks"] if model_cfg.scan_layers else logical_specs["layers"][0]
         if model_cfg.scan_layers:  # drop the leading `layers` axis
             layer_specs = jax.tree.map(lambda s: P(*tuple(s)[1:]), layer_specs, is_leaf=lambda x: isinstance(x, P))
-        pipelined = PipelinedGrads(cfg, mesh, rules, param_shardings, layer_specs, cross_entropy, t.microbatches)
+        pipelined = PipelinedGrads(cfg, mesh, rules, param_shardings, layer_specs, t.microbatches)
     micro_spec = NamedSharding(mesh, P(None, *batch_spec))
 
     def train_step(state: dict, batch: dict) -> tuple[dict, dict]:

@@ -156,7 +156,7 @@ def test_cli_pipelined_shakespeare_logs_the_losses_of_one_device(tmp_path):
     one, one_rows, _ = _train_cli(tmp_path / "one", 1, "--mesh.data=1")
     pp, pp_rows, log = _train_cli(tmp_path / "pp", 8, "--mesh.pipeline=2", "--mesh.data=2", "--mesh.tensor=2")
     assert "pipeline: interleaved 1F1B, P=2 stages x V=1 chunks, M=2 microbatches | bubble (P-1)/(VM+P-1) = " \
-           f"{1 / 3:.1%} | 2 chunk inputs in flight on stage 0" in log
+           f"{1 / 3:.1%} | 2 chunk-microbatches in flight on stage 0 (stash of 4 slots)" in log
     losses = [(r["step"], r["loss"]) for r in one_rows if "loss" in r]
     assert len(losses) == 5 and [s for s, _ in losses] == [s for s, _ in ((r["step"], 0) for r in pp_rows
                                                                           if "loss" in r)]
