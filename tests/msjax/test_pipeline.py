@@ -20,17 +20,34 @@ import pytest
 
 from msjax.config import Config, ConfigError, apply_overrides
 from msjax.mesh import make_mesh
+from msjax.flops import executed_matmul_flops
+from msjax.parallel.pipeline import schedule_of
 from msjax.parallel.schedule import Schedule, bubble_fraction, in_flight
 from msjax.train_step import build_train_program
 from tests.msjax.layouts import VOCAB, assert_same, run_layout, tiny_config
 
 # Reference A: stacked layers, serial blocks, sliding window, AdamW. Reference B: per-layer parameters (as the CPU
-# presets), parallel blocks, full causal attention, LAMB.
+# presets), parallel blocks, full causal attention, LAMB. Reference C: stacked layers split over `pipeline` with
+# LAMB (its trust ratios see whole-layer norms of gradients that come back from the stages), under full remat.
 REFS = {
     "A": {"model.num_layers": 2, "model.scan_layers": True, "model.block": "serial", "model.attention.window": 12,
           "optimizer.name": "adamw"},
     "B": {"model.num_layers": 4, "model.scan_layers": False, "model.block": "parallel",
           "model.attention.window": None, "optimizer.name": "lamb"},
+    "C": {"model.num_layers": 4, "model.scan_layers": True, "model.block": "parallel",
+          "model.attention.window": None, "optimizer.name": "lamb", "model.remat": "full"},
+}
+
+LAYOUTS = {
+    "pp2": ("A", {"mesh.pipeline": 2}),
+    "pp2xdp2xtp2": ("A", {"mesh.pipeline": 2, "mesh.data": 2, "mesh.tensor": 2}),
+    "pp2xsp2xtp2": ("A", {"mesh.pipeline": 2, "mesh.sequence": 2, "mesh.tensor": 2}),
+    "pp4": ("B", {"mesh.pipeline": 4}),
+    "pp2xvpp2": ("B", {"mesh.pipeline": 2, "pipeline.virtual_stages": 2}),
+    "pp2xfsdp2xtp2": ("B", {"mesh.pipeline": 2, "mesh.fsdp": 2, "mesh.tensor": 2}),  # Megatron-SP inside stages
+    "pp2xdp2-accum2": ("B", {"mesh.pipeline": 2, "mesh.data": 2, "train.microbatches": 2,
+                             "pipeline.microbatches": 2}),
+    "stacked-lamb-pp2xvpp2xtp2": ("C", {"mesh.pipeline": 2, "pipeline.virtual_stages": 2, "mesh.tensor": 2}),
 }
 
 
@@ -38,17 +55,48 @@ def ref_config(ref: str, **overrides) -> Config:
     return tiny_config(**{**REFS[ref], **overrides})
 
 
-@pytest.mark.parametrize("ref, layout", [
-    ("A", {"mesh.pipeline": 2}),
-    ("A", {"mesh.pipeline": 2, "mesh.data": 2, "mesh.tensor": 2}),
-    ("A", {"mesh.pipeline": 2, "mesh.sequence": 2, "mesh.tensor": 2}),
-    ("B", {"mesh.pipeline": 4}),
-    ("B", {"mesh.pipeline": 2, "pipeline.virtual_stages": 2}),
-    ("B", {"mesh.pipeline": 2, "mesh.fsdp": 2, "mesh.tensor": 2}),  # Megatron-SP: act_seq split over tensor
-    ("B", {"mesh.pipeline": 2, "mesh.data": 2, "train.microbatches": 2, "pipeline.microbatches": 2}),
-], ids=["pp2", "pp2xdp2xtp2", "pp2xsp2xtp2", "pp4", "pp2xvpp2", "pp2xfsdp2xtp2", "pp2xdp2-accum2"])
+@pytest.mark.parametrize("ref, layout", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_pipelined_layouts_match_single_device(layout_reference, layout_tokens, ref, layout):
     assert_same(layout_reference(**REFS[ref]), run_layout(ref_config(ref, **layout), layout_tokens))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The arithmetic: each microbatch's once.
+
+_GRAD_FLOPS: dict = {}
+
+
+def grad_flops(cfg: Config) -> float:
+    """Matmul FLOPs the traced gradient program of `cfg` executes (msjax.flops.executed_matmul_flops: loops by
+    their trip counts, each stage's conditions with its own stage index), on the mesh's own devices."""
+    if cfg not in _GRAD_FLOPS:
+        n = int(np.prod(list(cfg.mesh.axis_sizes().values())))
+        program = build_train_program(cfg, make_mesh(cfg.mesh, jax.devices()[:n]), vocab_size=VOCAB)
+        _GRAD_FLOPS[cfg] = executed_matmul_flops(program.grad_fn, program.abstract_state["params"],
+                                                 program.abstract_batch)
+    return _GRAD_FLOPS[cfg]
+
+
+FLOP_LAYOUTS = {**LAYOUTS, "pp2-remat_dots": ("A", {"mesh.pipeline": 2, "model.remat": "dots"}),
+                "pp4-remat_full": ("B", {"mesh.pipeline": 4, "model.remat": "full"})}
+
+
+@pytest.mark.parametrize("ref, layout", FLOP_LAYOUTS.values(), ids=FLOP_LAYOUTS.keys())
+def test_pipelined_step_does_each_microbatchs_arithmetic_once(ref, layout):
+    """The pipelined gradient's matmul FLOPs equal one device's for the same model, batch and remat within 5%,
+    once the bubble's masked chunk runs are taken out by the schedule's own count: every stage runs its chunk
+    in `Schedule.chunk_runs` = V M + P - 1 ticks of a flush, V M of them its own. One device's count splits
+    into layers and ends (output layer, loss, embedding) by counting it at L and 2 L layers."""
+    cfg = ref_config(ref, **layout)
+    one = {k: v for k, v in layout.items() if not k.startswith(("mesh.", "pipeline."))}
+    single = grad_flops(ref_config(ref, **one))
+    ends = 2 * single - grad_flops(ref_config(ref, **one, **{"model.num_layers": 2 * REFS[ref]["model.num_layers"]}))
+    sched = schedule_of(cfg)
+    useful = sched.virtual_stages * sched.microbatches
+    masked = (single - ends) * (sched.chunk_runs - useful) / useful
+    pipelined = grad_flops(cfg)
+    assert 0 < ends < single and masked >= 0
+    assert abs((pipelined - masked) / single - 1) <= 0.05, (pipelined, masked, single, ends)
 
 
 def _temp_bytes(cfg: Config) -> int:
@@ -71,29 +119,38 @@ def test_activation_memory_is_bounded_by_stages_not_microbatches():
 @pytest.mark.parametrize("p, v, m", [(2, 1, 1), (2, 1, 3), (4, 1, 8), (2, 2, 2), (4, 2, 8), (3, 3, 6)])
 def test_schedule_table_is_a_valid_interleaved_1f1b(p, v, m):
     """Every (microbatch, virtual stage) runs forward and backward exactly once, in dependency order, one tick
-    per hop; stash slots never collide; the peak of live stash entries is `in_flight`; ticks and bubble as
-    documented."""
+    per hop; the backward finds its forward's stash slot and live entries never share one (an entry is live
+    from its forward's tick to its backward's, both included: a tick's forward stores before its backward
+    reads); the peak of live entries is `in_flight`, within the `slots` allocated; the output layer, embedding
+    and embedding-gradient ticks are those of the last and first virtual stages; ticks and bubble as documented."""
     sched = Schedule(p, v, m)
     s_count = p * v
+    table = sched.slot_table
     fwd, bwd = {}, {}
     for t in range(sched.ticks):
         for stage in range(p):
-            for table, which in ((fwd, sched.forward), (bwd, sched.backward)):
-                on, mb, chunk, slot = which(t, stage)
+            for seen, which in ((fwd, sched.forward), (bwd, sched.backward)):
+                on, mb, chunk, k = which(t, stage)
                 if on:
                     key = (mb, chunk * p + stage)
-                    assert key not in table
-                    table[key] = (t, slot)
+                    assert key not in seen
+                    seen[key] = (t, int(table[stage, k]))
+        on, mb = sched.loss_tick(t)
+        assert bool(on) == ((mb, s_count - 1) in fwd and fwd[(mb, s_count - 1)][0] == t)
+        on, mb = sched.embed_tick(t)
+        assert bool(on) == ((mb, 0) in fwd and fwd[(mb, 0)][0] == t)
+        on, mb = sched.embed_grad_tick(t)
+        assert bool(on) == ((mb, 0) in bwd and bwd[(mb, 0)][0] == t)
     assert len(fwd) == len(bwd) == m * s_count
     for (mb, s), (t, slot) in fwd.items():
         if s + 1 < s_count:
             assert fwd[(mb, s + 1)][0] == t + 1
         if s > 0:
             assert bwd[(mb, s - 1)][0] == bwd[(mb, s)][0] + 1
-        assert bwd[(mb, s)] [1] == slot and bwd[(mb, s)][0] > t
+        assert bwd[(mb, s)][1] == slot and bwd[(mb, s)][0] > t
     assert bwd[(0, s_count - 1)][0] == fwd[(0, s_count - 1)][0] + 1  # backward starts the tick after
     assert max(t for t, _ in bwd.values()) == sched.ticks - 1
-    assert max(t for t, _ in fwd.values()) == sched.forward_ticks - 1
+    assert max(t for t, _ in fwd.values()) == sched.forward_ticks - 1 == sched.chunk_runs - 1
     assert min(t for t, _ in bwd.values()) == sched.backward_start
     for stage in range(p):
         peak = 0
@@ -101,7 +158,8 @@ def test_schedule_table_is_a_valid_interleaved_1f1b(p, v, m):
             live = [slot for (mb, s), (tf, slot) in fwd.items() if s % p == stage and tf <= t <= bwd[(mb, s)][0]]
             assert len(set(live)) == len(live)
             peak = max(peak, len(live))
-        assert peak == in_flight(p, v, m, stage)
+        assert peak == in_flight(p, v, m, stage) <= sched.slots == v * p + p
+        assert table[stage].max() < sched.slots
     assert sched.bubble == bubble_fraction(p, v, m) == (p - 1) / (v * m + p - 1)
 
 
