@@ -270,6 +270,18 @@ class PipelinedGrads:
                                  "stash would copy them; the residual split needs jax.checkpoint's forwarding")
         return _Residuals(found["treedef"], found["where"], tuple(stash))
 
+    def stash_entry(self, microbatch: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """What one stash slot holds for one chunk and a microbatch of `microbatch` sequences: the residuals of
+        the chunk's vjp that are not its parameters (shapes global over the axes inside a stage). The stash is
+        `Schedule.slots` + 1 of these per stage."""
+        m = self.model_cfg
+        _, abs_params, _ = abstract_model(m)
+        with use_rules(self.mesh, self.rules):
+            staged = jax.eval_shape(self.stage, abs_params)
+            chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), staged)
+            x = jax.ShapeDtypeStruct((microbatch, self.cfg.train.seq_len, m.d_model), jnp.dtype(m.dtype))
+            return self._residuals(chunk, x).stash
+
     # -- the schedule ------------------------------------------------------------------------------------------
 
     def _flush(self, staged: Any, ends: dict, inputs_mbt: jax.Array, targets_mbt: jax.Array):

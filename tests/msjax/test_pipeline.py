@@ -99,6 +99,27 @@ def test_pipelined_step_does_each_microbatchs_arithmetic_once(ref, layout):
     assert abs((pipelined - masked) / single - 1) <= 0.05, (pipelined, masked, single, ends)
 
 
+@pytest.mark.parametrize("scan_layers, remat", [(True, "none"), (False, "none"), (True, "dots"), (False, "full")])
+def test_stash_holds_activations_never_parameters(scan_layers, remat):
+    """bf16 compute over float32 parameters, where every cast of a weight inside the chunk would be a bf16 copy
+    of it in each stash slot: no stashed residual has a parameter's shape (a layer's, a chunk's stack of them,
+    or any other), and a slot's bytes are exactly linear in the microbatch (twice the sequences, twice the
+    bytes: nothing in it is independent of the activations)."""
+    from msjax.model import abstract_model
+
+    cfg = ref_config("B", **{"model.scan_layers": scan_layers, "model.remat": remat, "mesh.pipeline": 2,
+                             "model.dtype": "bfloat16", "model.param_dtype": "float32"})
+    program = build_train_program(cfg, make_mesh(cfg.mesh, jax.devices()[:2]), vocab_size=VOCAB)
+    _, params, _ = abstract_model(program.config.model)
+    lc = cfg.model.num_layers // 2
+    shapes = {a.shape for a in jax.tree.leaves(params)}
+    shapes |= {s[1:] for s in shapes} | {(lc, *s[1:]) for s in shapes}  # unstacked and chunk-stacked layers
+    entry = program.pipeline.stash_entry(2)
+    assert entry and not [a.shape for a in entry if a.shape in shapes]
+    nbytes = lambda leaves: sum(a.size * a.dtype.itemsize for a in leaves)  # noqa: E731
+    assert nbytes(program.pipeline.stash_entry(4)) == 2 * nbytes(entry)
+
+
 def _temp_bytes(cfg: Config) -> int:
     mesh = make_mesh(cfg.mesh, jax.devices()[:cfg.mesh.pipeline])
     program = build_train_program(cfg, mesh, vocab_size=VOCAB)
@@ -106,10 +127,12 @@ def _temp_bytes(cfg: Config) -> int:
     return compiled.memory_analysis().temp_size_in_bytes
 
 
-def test_activation_memory_is_bounded_by_stages_not_microbatches():
-    """1F1B's property: at M = 4P the compiled step's temp memory is within 1.25x of M = P, same microbatch."""
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_activation_memory_is_bounded_by_stages_not_microbatches(remat):
+    """1F1B's property: at M = 4P the compiled step's temp memory is within 1.25x of M = P, same microbatch, also
+    without remat, where each stash slot holds a chunk's whole residual activations."""
     p, b = 2, 4
-    over = {"mesh.pipeline": p, "model.d_model": 128, "model.d_ff": 512, "model.num_heads": 4}
+    over = {"mesh.pipeline": p, "model.d_model": 128, "model.d_ff": 512, "model.num_heads": 4, "model.remat": remat}
     small = _temp_bytes(ref_config("A", **over, **{"pipeline.microbatches": p, "train.global_batch": p * b}))
     large = _temp_bytes(ref_config("A", **over, **{"pipeline.microbatches": 4 * p,
                                                     "train.global_batch": 4 * p * b}))
