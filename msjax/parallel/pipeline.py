@@ -332,8 +332,9 @@ class PipelinedGrads:
             # devices of a collective take and others do not deadlocks (XLA:CPU's rendezvous expects every
             # device), and the chunk and the output layer hold collectives over tensor, data and pipeline.
             e_on, e_mb = sched.embed_tick(tk)
-            emb = jax.lax.cond(e_on, lambda: constrain(self._embed(ends, tokens(inputs_mbt, e_mb)).astype(dt), ACT),
-                               lambda: zeros_act)
+            with jax.named_scope("tick_embedding"):
+                emb = jax.lax.cond(e_on, lambda: constrain(self._embed(ends, tokens(inputs_mbt, e_mb)).astype(dt),
+                                                           ACT), lambda: zeros_act)
 
             # 1. forward slot, skipped in ticks where every stage's slot is idle; an idle stage in a busy tick
             # computes on stale data and stores into the spare slot.
@@ -347,9 +348,11 @@ class PipelinedGrads:
                 stash = [jax.lax.dynamic_update_index_in_dim(s, a, slot, 0) for s, a in zip(stash, acts)]
                 return constrain(y.astype(dt), ACT), stash
 
-            y, stash = jax.lax.cond(tk < sched.forward_ticks, forward, lambda s: (zeros_act, s), stash)
-            # 2. send it on now: nothing below depends on it, so the transfer overlaps the backward.
-            fwd_out = jax.lax.ppermute(y, AXIS, fwd_ring)
+            with jax.named_scope("tick_forward"):
+                y, stash = jax.lax.cond(tk < sched.forward_ticks, forward, lambda s: (zeros_act, s), stash)
+            # 2. send it on now: nothing below depends on it, so the transfer can overlap the backward.
+            with jax.named_scope("tick_send_forward"):
+                fwd_out = jax.lax.ppermute(y, AXIS, fwd_ring)
 
             # 3. backward slot (same rule for skipping). The cotangent is zero on an idle stage, so its
             # parameter gradients are exactly zero (the vjp is linear in it) and need no mask.
@@ -370,9 +373,12 @@ class PipelinedGrads:
                     g_staged, self._stack(d_layers))
                 return constrain(dx.astype(dt), ACT), g_staged
 
-            dx, g_staged = jax.lax.cond(tk >= sched.backward_start, backward, lambda g: (zeros_act, g), g_staged)
-            # 4. send the input gradient back; it overlaps the next tick's forward.
-            bwd_out = jax.lax.ppermute(dx, AXIS, bwd_ring)
+            with jax.named_scope("tick_backward"):
+                dx, g_staged = jax.lax.cond(tk >= sched.backward_start, backward, lambda g: (zeros_act, g),
+                                            g_staged)
+            # 4. send the input gradient back; nothing below depends on it either.
+            with jax.named_scope("tick_send_backward"):
+                bwd_out = jax.lax.ppermute(dx, AXIS, bwd_ring)
 
             # 5. output layer and loss of the microbatch that left the last virtual stage this tick, spread over
             # the stages along the sequence; its input gradient is the last stage's cotangent next tick.
@@ -388,7 +394,8 @@ class PipelinedGrads:
                 loss_dy = jax.lax.all_gather(d_slice.astype(dt), AXIS, axis=1, tiled=True)
                 return constrain(loss_dy, ACT), f32_add(g_ends, d_ends), loss + mb_loss.astype(jnp.float32) * seed
 
-            loss_dy, g_ends, loss = jax.lax.cond(h_on, output_layer, lambda *c: c, loss_dy, g_ends, loss)
+            with jax.named_scope("tick_output_layer"):
+                loss_dy, g_ends, loss = jax.lax.cond(h_on, output_layer, lambda *c: c, loss_dy, g_ends, loss)
 
             # 6. the embedding's gradient from stage 0's chunk-0 input gradient (a zero cotangent elsewhere).
             eg_on, eg_mb = sched.embed_grad_tick(tk)
@@ -398,7 +405,8 @@ class PipelinedGrads:
                 (d_embed,) = embed_vjp(jnp.where(stage == 0, dx, jnp.zeros_like(dx)))
                 return f32_add(g_ends, d_embed)
 
-            g_ends = jax.lax.cond(eg_on, embed_grad, lambda g: g, g_ends)
+            with jax.named_scope("tick_embedding_grad"):
+                g_ends = jax.lax.cond(eg_on, embed_grad, lambda g: g, g_ends)
             return (fwd_out, bwd_out, loss_dy, stash, g_staged, g_ends, loss), None
 
         carry = (zeros_act, zeros_act, zeros_act, stash, g_staged, g_ends, jnp.float32(0.0))

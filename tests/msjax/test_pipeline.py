@@ -99,6 +99,60 @@ def test_pipelined_step_does_each_microbatchs_arithmetic_once(ref, layout):
     assert abs((pipelined - masked) / single - 1) <= 0.05, (pipelined, masked, single, ends)
 
 
+def _ancestors(body, name: str) -> set[str]:
+    """Instructions of one HLO computation that `name` depends on (operands and control predecessors,
+    transitively)."""
+    import re
+
+    by_name = {i.name: i for i in body.instrs}
+    seen, todo = set(), [name]
+    while todo:
+        instr = by_name.get(todo.pop())
+        if instr is None:
+            continue
+        preds = instr.operands + re.findall(r"%[\w.\-]+", (re.findall(r"control-predecessors=\{([^}]*)\}",
+                                                                            instr.line) or [""])[0])
+        for pred in preds:
+            if pred in by_name and pred not in seen:
+                seen.add(pred)
+                todo.append(pred)
+    return seen
+
+
+def test_sends_do_not_wait_on_compute_of_the_same_tick():
+    """Read off the compiled step (pp2 x tp2, so the slots hold tensor-parallel collectives): in the tick loop's
+    body the forward send depends on the forward slot (and the embedding feeding it) but not on the backward
+    slot, the output layer or the embedding gradient; the backward send not on the output layer or the
+    embedding gradient. What a send depends on in the compiled program it has to wait for on any backend; the
+    rest an asynchronous backend's scheduler is free to run under the transfer. (XLA:CPU's collectives are
+    synchronous and its memory-driven schedule lists both sends at the end of the tick: the compiled
+    dependences, not that linear order, are what the step controls.)"""
+    from msjax.planner.compile_check import without_compilation_cache
+    from tests.msjax import hlo_utils
+
+    cfg = ref_config("A", **{"mesh.pipeline": 2, "mesh.tensor": 2})
+    program = build_train_program(cfg, make_mesh(cfg.mesh, jax.devices()[:4]), vocab_size=VOCAB)
+    with without_compilation_cache():  # a cached executable keeps the metadata of whatever compiled it first
+        text = program.step_fn.lower(program.abstract_state, program.abstract_batch).compile().as_text()
+    comps = hlo_utils.parse(text)
+    body = next(c for c in comps.values() if sum(i.op == "collective-permute" for i in c.instrs) == 2)
+
+    def named(scope):
+        found = [i.name for i in body.instrs if f"/{scope}/" in i.line and i.op in ("conditional",
+                                                                                   "collective-permute")]
+        assert len(found) == 1, (scope, found)
+        return found[0]
+
+    slots = {scope: named(scope) for scope in ("tick_embedding", "tick_forward", "tick_backward",
+                                               "tick_output_layer", "tick_embedding_grad")}
+    fwd_send, bwd_send = named("tick_send_forward"), named("tick_send_backward")
+    before_fwd, before_bwd = _ancestors(body, fwd_send), _ancestors(body, bwd_send)
+    assert slots["tick_forward"] in before_fwd and slots["tick_embedding"] in before_fwd
+    assert not {slots[s] for s in ("tick_backward", "tick_output_layer", "tick_embedding_grad")} & before_fwd
+    assert slots["tick_backward"] in before_bwd
+    assert not {slots[s] for s in ("tick_output_layer", "tick_embedding_grad")} & before_bwd
+
+
 @pytest.mark.parametrize("scan_layers, remat", [(True, "none"), (False, "none"), (True, "dots"), (False, "full")])
 def test_stash_holds_activations_never_parameters(scan_layers, remat):
     """bf16 compute over float32 parameters, where every cast of a weight inside the chunk would be a bf16 copy
