@@ -385,9 +385,12 @@ class PipelinedGrads:
             h_on, h_mb = sched.loss_tick(tk)
 
             def output_layer(loss_dy, g_ends, loss):
-                y_last = jnp.where(stage == p_count - 1, y, jnp.zeros_like(y))
-                y_slice = jax.lax.psum_scatter(y_last, AXIS, scatter_dimension=1, tiled=True)  # (b, T / P, D)
-                y_slice = constrain(y_slice, ACT)
+                # stage j gets tokens [j T / P, (j + 1) T / P) of the last stage's output: an all-to-all in which
+                # only the last stage's chunks are kept. (A reduce-scatter of the output masked to zero elsewhere
+                # would do the same, but XLA:CPU's promotion of 16-bit reductions aborts on the one jax emits.)
+                b_, t_, d_ = y.shape
+                chunks = jax.lax.all_to_all(y.reshape(b_, p_count, t_ // p_count, d_), AXIS, 1, 1)
+                y_slice = constrain(chunks[:, p_count - 1], ACT)  # (b, T / P, D) from stage P - 1
                 tg = tokens(targets_mbt, h_mb)
                 mb_loss, head_vjp = jax.vjp(lambda e, h: self._head_loss(e, h, tg), ends, y_slice)
                 d_ends, d_slice = head_vjp(seed.astype(mb_loss.dtype))
