@@ -188,22 +188,50 @@ class PipelinedGrads:
                                                 self.stacked_shardings)
 
     def stage(self, params: dict) -> Any:
-        """Layer parameters (L, ...) -> (P, V, Lc, ...): virtual stage s = v P + p holds layers [s Lc, (s+1) Lc)."""
+        """Layer parameters (L, ...) -> (P, V, Lc, ...): virtual stage s = v P + p holds layers [s Lc, (s+1) Lc).
+
+        Stacked layers are stored split over `pipeline` in order, stage p holding blocks of Lc layers
+        b = p V .. p V + V - 1; the interleaved assignment wants block b on stage b % P as its chunk b // P. For
+        V = 1 that is where the block already is. For V > 1 the blocks move by `ppermute` in P rounds
+        (`_permute_blocks`): left to GSPMD, the reshape of a `pipeline`-split axis into (V, P, Lc) is an
+        all-gather of every stage's layers onto every stage (measured in the compiled 175B step, pp8 x tp8 and
+        V = 3: 81.5 GB of gathered layers per device).
+        """
         p, v, lc = self.stages, self.v, self.chunk_layers
-
-        def regroup(x):
-            return x.reshape(v, p, lc, *x.shape[1:]).swapaxes(0, 1)
-
-        staged = jax.tree.map(regroup, self._stacked(params))
+        if self.model_cfg.scan_layers and v > 1:
+            move = jax.shard_map(lambda x, me: self._interleave(x, me[0], forward=True), mesh=self.mesh,
+                                 in_specs=(P(AXIS), P(AXIS)), out_specs=P(AXIS), axis_names={AXIS}, check_vma=False)
+            staged = jax.tree.map(lambda x: move(x, jnp.arange(p, dtype=jnp.int32)), self._stacked(params))
+        else:  # per-layer parameters are whole on every stage, and V = 1 is local: a reshape
+            staged = jax.tree.map(lambda x: x.reshape(v, p, lc, *x.shape[1:]).swapaxes(0, 1),
+                                  self._stacked(params))
         return jax.lax.with_sharding_constraint(staged, self.staged_shardings)
 
     def unstage(self, staged: Any) -> dict:
         """The inverse of `stage`: (P, V, Lc, ...) gradients back to the model's layer layout."""
         m = self.model_cfg
+        if m.scan_layers and self.v > 1:
+            back = jax.shard_map(lambda x, me: self._interleave(x, me[0], forward=False), mesh=self.mesh,
+                                 in_specs=(P(AXIS), P(AXIS)), out_specs=P(AXIS), axis_names={AXIS}, check_vma=False)
+            stages = jnp.arange(self.stages, dtype=jnp.int32)
+            return {"blocks": jax.tree.map(lambda x: back(x, stages), staged)}
         stacked = jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(m.num_layers, *x.shape[3:]), staged)
         if m.scan_layers:
             return {"blocks": stacked}
         return {"layers": {i: jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(m.num_layers)}}
+
+    def _interleave(self, x: jax.Array, stage: jax.Array, forward: bool) -> jax.Array:
+        """One stage's view (inside a shard_map over `pipeline`, `stage` its index, passed in as data because
+        `axis_index` in this shard_map is a PartitionId that the SPMD partitioner refuses): its stored layers
+        (V Lc, ...) -> its chunks (1, V, Lc, ...) (`forward`), or back."""
+        p_count, v, lc = self.stages, self.v, self.chunk_layers
+        # block b = p V + i stored on stage p at i is chunk b // P of stage b % P
+        stored_to_chunk = {(b // v, b % v): (b % p_count, b // p_count) for b in range(p_count * v)}
+        if forward:
+            blocks = x.reshape(v, lc, *x.shape[1:])
+            return _permute_blocks(blocks, stored_to_chunk, p_count, stage)[None]
+        chunk_to_stored = {dst: src for src, dst in stored_to_chunk.items()}
+        return _permute_blocks(x[0], chunk_to_stored, p_count, stage).reshape(v * lc, *x.shape[3:])
 
     # -- the model's pieces, as pure functions ----------------------------------------------------------------
 
@@ -301,7 +329,15 @@ class PipelinedGrads:
         res = self._residuals(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), staged),
                               jax.ShapeDtypeStruct(zeros_act.shape, dt))
         spare = sched.slots  # the slot an idle stage's forward writes to: never read
-        stash = [jnp.zeros((spare + 1, *a.shape), a.dtype) for a in res.stash]
+        count = iter(range(1, 1 << 30))
+
+        def zeros(shape, dtype):
+            # Zeros that XLA cannot merge with other zeros of the same shape (the stage index is never negative,
+            # but the compiler cannot know): it merged identical zero buffers and then copied the one broadcast
+            # into each loop carry, holding both (the stash and accumulators twice over at 175B, pp8 x tp8).
+            return jnp.broadcast_to(jnp.where(stage < 0, next(count), 0).astype(dtype), shape)
+
+        stash = [zeros((spare + 1, *a.shape), a.dtype) for a in res.stash]
         # (P V M,): stage p's forward of order index k -> slot, at p V M + k. A dynamic slice, not a gather:
         # GSPMD's gather partitioning fails on a table indexed by the manual axis' index (XLA check failure).
         slot_table = jnp.asarray(sched.slot_table.reshape(-1))
@@ -309,8 +345,8 @@ class PipelinedGrads:
 
         def slot_of(k):
             return jax.lax.dynamic_index_in_dim(slot_table, stage * vm + k, 0, keepdims=False)
-        g_staged = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), staged)
-        g_ends = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), ends)
+        g_staged = jax.tree.map(lambda x: zeros(x.shape, jnp.float32), staged)
+        g_ends = jax.tree.map(lambda x: zeros(x.shape, jnp.float32), ends)
         fwd_ring = [(j, (j + 1) % p_count) for j in range(p_count)]
         bwd_ring = [(j, (j - 1) % p_count) for j in range(p_count)]
         # loss of a microbatch = mean over its P token slices of each slice's mean; the flush averages M of them
@@ -469,6 +505,58 @@ def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
     x = logits_btv.astype(jnp.float32)
     label = jnp.sum(jnp.where(jnp.arange(x.shape[-1]) == targets_bt[..., None], x, 0.0), axis=-1)
     return (jax.nn.logsumexp(x, axis=-1) - label).mean()
+
+
+def _permute_blocks(blocks: jax.Array, mapping: dict, stages: int, stage: jax.Array) -> jax.Array:
+    """Moves blocks between the stages of `pipeline` (inside a shard_map over it): `blocks` (n, ...) is this
+    stage's, `mapping` sends (stage p, block i) to (stage q, block k) for every block of every stage (a
+    permutation). Round r = 0 .. P - 1 sends, with one `ppermute` shifting by r, the blocks each stage has for
+    stage p + r, padded to the round's largest count; the tables of which block goes where are constants
+    indexed by the stage (one dynamic slice each: GSPMD's gather partitioning fails on a table indexed by the
+    manual axis' index).
+
+    Returns:
+      (n, ...) this stage's blocks after the move.
+    """
+    import numpy as np
+
+    out = jnp.zeros_like(blocks)
+    n = blocks.shape[0]
+    after = jnp.int32(0)  # 0, computed from the previous round's data: the rounds run one after another
+    for r in range(stages):
+        sends = [sorted((i, k) for (src, i), (dst, k) in mapping.items() if src == q and dst == (q + r) % stages)
+                 for q in range(stages)]
+        width = max(len(x) for x in sends)
+        if not width:
+            continue
+        src = np.zeros((stages, width), np.int32)
+        dst = np.full((stages, width), n, np.int32)  # n: nothing arrives in this place
+        for q in range(stages):
+            for j, (i, _) in enumerate(sends[q]):
+                src[q, j] = i
+            for j, (_, k) in enumerate(sends[(q - r) % stages]):
+                dst[q, j] = k
+        src_of, dst_of = jnp.asarray(src.reshape(-1)), jnp.asarray(dst.reshape(-1))
+
+        def at(table, j):
+            return jax.lax.dynamic_index_in_dim(table, stage * width + j, 0, keepdims=False)
+
+        data = jnp.stack([jax.lax.dynamic_index_in_dim(blocks, at(src_of, j) + after, 0, keepdims=False)
+                          for j in range(width)])
+        if r:
+            data = jax.lax.ppermute(data, AXIS, [(q, (q + r) % stages) for q in range(stages)])
+        # Left free, XLA issues every round's ppermute at once and keeps all their buffers (the rounds' padded
+        # widths add up to more than the stage's layers: 25 GB at 175B, pp8 x tp8, V = 3). A zero that the next
+        # round's indices read from this round's data (the stage index is never negative, but the compiler
+        # cannot know) orders the rounds, so one round's buffer is live at a time.
+        first = data[(0,) * data.ndim]
+        after = jnp.where((stage < 0) & (first != first), jnp.int32(1), jnp.int32(0))
+        for j in range(width):
+            k = at(dst_of, j)
+            keep = jax.lax.dynamic_index_in_dim(out, jnp.minimum(k, n - 1), 0, keepdims=False)
+            out = jax.lax.dynamic_update_index_in_dim(out, jnp.where(k < n, data[j], keep), jnp.minimum(k, n - 1),
+                                                      0)
+    return out
 
 
 def f32_tree_add(a: Any, b: Any) -> Any:
