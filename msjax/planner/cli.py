@@ -67,13 +67,20 @@ def parse_plan_args(argv: Sequence[str]) -> tuple[Config, PlanOptions, dict]:
     return cfg, opts.validate(), actions
 
 
-def run(argv: Sequence[str], out=sys.stdout) -> dict:
+# Exit status of plan.py when the plan's layout does not fit in memory, or a search finds no layout that fits
+# (the supervisor's "no layout fits" stop uses the same status).
+EXIT_DOES_NOT_FIT = 3
+
+
+def run(argv: Sequence[str], out=None) -> dict:
     """The whole of `scripts/plan.py`: parse, plan (and search / compile / compare with the papers), print,
-    and write JSON when asked. Returns the JSON-ready dict."""
+    and write JSON when asked. Returns the JSON-ready dict; its "fits" is False when the planned layout does not
+    fit in memory or a search found none that does (absent when nothing was planned)."""
     from msjax.planner import report
     from msjax.planner.plan import make_plan
     from msjax.planner.search import search
 
+    out = out or sys.stdout  # looked up at call time, so a redirected stdout is honoured
     cfg, opts, actions = parse_plan_args(argv)
     result: dict = {}
     if actions["published"]:
@@ -94,10 +101,12 @@ def run(argv: Sequence[str], out=sys.stdout) -> dict:
                 plan = best
             else:
                 plan = None
+            result["fits"] = best is not None
         else:
             plan = make_plan(cfg, opts)
             print(report.plan_text(plan), file=out)
             result["plan"] = report.plan_dict(plan)
+            result["fits"] = plan.fits
         if actions["compile"] and plan is not None:
             from msjax.planner.compile_check import compile_check
 
@@ -183,5 +192,15 @@ def published_report() -> tuple[str, list[dict]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """plan.py: a bad flag or path is one `error: ...` line and exit status 2."""
-    return cli.main_guard(lambda: (run(sys.argv[1:] if argv is None else argv), 0)[1])
+    """plan.py's exit status: 0 planned (and the layout fits), 2 a bad flag or path (one `error: ...` line),
+    3 (`EXIT_DOES_NOT_FIT`) the planned layout does not fit in memory or `--search` found no layout that fits,
+    after the report, which then gives no throughput."""
+    def body() -> int:
+        result = run(sys.argv[1:] if argv is None else argv)
+        if result.get("fits") is False:
+            print(f"plan.py: {'no layout fits' if 'search' in result else 'the layout does not fit'} "
+                  f"(exit status {EXIT_DOES_NOT_FIT})", file=sys.stderr)
+            return EXIT_DOES_NOT_FIT
+        return 0
+
+    return cli.main_guard(body)
