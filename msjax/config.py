@@ -537,9 +537,6 @@ def _check_pipeline(cfg: Config) -> None:
     if v > 1 and m % p:
         raise ConfigError(f"pipeline.microbatches={m} must be a multiple of mesh.pipeline={p} for the interleaved "
                           f"schedule (pipeline.virtual_stages={v} > 1; Narayanan et al. 2021 sec. 2.2)")
-    if t.seq_len % p:
-        raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by mesh.pipeline={p} (the output layer and "
-                          "loss of each microbatch are spread over the stages along the sequence)")
 
 
 def _positive(cfg: Config, *keys: str) -> None:

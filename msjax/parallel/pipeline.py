@@ -18,8 +18,9 @@ each stage:
   4. sends the input gradient to the previous stage (`ppermute`), which overlaps the next tick's forward;
   5. output layer, in the M ticks in which the last virtual stage ran a forward: that output is spread over the
      stages along the sequence (`psum_scatter` over `pipeline`, the other stages contributing zeros), every
-     stage runs the final norm, vocabulary projection and loss on its T / P tokens under `jax.vjp`, seeded with
-     1 / (M P), and the input gradients are gathered back (`all_gather`) for the last stage's next backward;
+     stage runs the final norm, vocabulary projection and loss on its T / P tokens (rounded up, the sequence
+     padded to P slices) under `jax.vjp`, the loss summed over them / (b T) and seeded with 1 / M, and the input
+     gradients are gathered back (`all_gather`) for the last stage's next backward;
   6. embedding gradient, in the M ticks in which stage 0 ran chunk 0 backward: the embedding's vjp on that
      input gradient (zero on the other stages).
 So every microbatch's arithmetic is done once: each chunk's forward and backward once (plus what `model.remat`
@@ -148,9 +149,6 @@ class PipelinedGrads:
       rounds: gradient-accumulation rounds (`train.microbatches`), each one pipeline flush of M microbatches.
     Calling it (inside the jitted step) returns the loss averaged over all B x T tokens and float32 gradients
     laid out like `params`.
-    Raises:
-      ConfigError (from msjax.config's validation): train.seq_len not divisible by mesh.pipeline (the output
-        layer is spread over the stages along the sequence).
     """
 
     def __init__(self, cfg: Config, mesh: Mesh, rules: Rules, param_shardings: Any, layer_specs: Any,
@@ -238,9 +236,11 @@ class PipelinedGrads:
     def _embed(self, ends: dict, tokens_bt: jax.Array) -> jax.Array:
         return nnx.merge(self.ends_gd, ends).embed(tokens_bt)
 
-    def _head_loss(self, ends: dict, x_btd: jax.Array, targets_bt: jax.Array) -> jax.Array:
+    def _head_loss(self, ends: dict, x_btd: jax.Array, targets_bt: jax.Array, weights_bt: jax.Array) -> jax.Array:
+        """Sum over tokens of the cross-entropy times `weights_bt` (1 / (b T) for the microbatch's own tokens, 0
+        for the padding that makes T split into P slices)."""
         logits = nnx.merge(self.ends_gd, ends).head(x_btd)
-        return cross_entropy(logits, targets_bt)
+        return jnp.sum(token_cross_entropy(logits, targets_bt) * weights_bt)
 
     def _layers(self, chunk: Any) -> Any:
         """A chunk's parameters (Lc, ...) as the vjp'd function takes them: stacked for a scan, else a list of
@@ -316,7 +316,8 @@ class PipelinedGrads:
         """Body of the shard_map (one stage's view): one interleaved-1F1B flush over M microbatches.
 
         Args (per stage): staged (1, V, Lc, ...); ends: embedding/head params; inputs_mbt (M, b, T); targets_mbt
-          (M, b, T / P): this stage's slice of the targets (tokens [p T / P, (p + 1) T / P), the output layer's).
+          (M, b, ceil(T / P)): this stage's slice of the targets, padded (tokens [p T / P, (p + 1) T / P) of the
+          output layer's, rounded up).
         Returns: (loss summed over microbatches / M, summed over stages), staged grads (1, V, Lc, ...),
           ends grads (summed over stages).
         """
@@ -350,7 +351,11 @@ class PipelinedGrads:
         fwd_ring = [(j, (j + 1) % p_count) for j in range(p_count)]
         bwd_ring = [(j, (j - 1) % p_count) for j in range(p_count)]
         # loss of a microbatch = mean over its P token slices of each slice's mean; the flush averages M of them
-        seed = jnp.float32(1.0 / (m * p_count))
+        # each stage's output layer sums its tokens' losses / (b T); the flush averages M microbatches
+        seed = jnp.float32(1.0 / m)
+        t_slice = targets_mbt.shape[2]  # tokens per stage: T / P rounded up (the targets are padded to P of them)
+        weights = jnp.where(stage * t_slice + jnp.arange(t_slice) < t, 1.0 / (b * t), 0.0).astype(jnp.float32)
+        weights = jnp.broadcast_to(weights, (b, t_slice))
 
         def chunk_params(v):
             return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, v, 0, keepdims=False), staged)
@@ -424,13 +429,13 @@ class PipelinedGrads:
                 # stage j gets tokens [j T / P, (j + 1) T / P) of the last stage's output: an all-to-all in which
                 # only the last stage's chunks are kept. (A reduce-scatter of the output masked to zero elsewhere
                 # would do the same, but XLA:CPU's promotion of 16-bit reductions aborts on the one jax emits.)
-                b_, t_, d_ = y.shape
-                chunks = jax.lax.all_to_all(y.reshape(b_, p_count, t_ // p_count, d_), AXIS, 1, 1)
+                y_pad = jnp.pad(y, ((0, 0), (0, p_count * t_slice - t), (0, 0)))
+                chunks = jax.lax.all_to_all(y_pad.reshape(b, p_count, t_slice, -1), AXIS, 1, 1)
                 y_slice = constrain(chunks[:, p_count - 1], ACT)  # (b, T / P, D) from stage P - 1
                 tg = tokens(targets_mbt, h_mb)
-                mb_loss, head_vjp = jax.vjp(lambda e, h: self._head_loss(e, h, tg), ends, y_slice)
+                mb_loss, head_vjp = jax.vjp(lambda e, h: self._head_loss(e, h, tg, weights), ends, y_slice)
                 d_ends, d_slice = head_vjp(seed.astype(mb_loss.dtype))
-                loss_dy = jax.lax.all_gather(d_slice.astype(dt), AXIS, axis=1, tiled=True)
+                loss_dy = jax.lax.all_gather(d_slice.astype(dt), AXIS, axis=1, tiled=True)[:, :t]
                 return constrain(loss_dy, ACT), f32_add(g_ends, d_ends), loss + mb_loss.astype(jnp.float32) * seed
 
             with jax.named_scope("tick_output_layer"):
@@ -468,7 +473,10 @@ class PipelinedGrads:
         with use_rules(mesh, rules):
             staged = self.stage(params)
             ends = {k: params[k] for k in self.end_keys}
-            # the targets split along the sequence: each stage's output layer runs on T / P tokens
+            # the targets split along the sequence, padded to P equal slices: each stage's output layer runs on
+            # T / P tokens (rounded up)
+            pad = -targets_bt.shape[1] % self.stages
+            targets_bt = jnp.pad(targets_bt, ((0, 0), (0, pad)))
             flush = jax.shard_map(self._flush, mesh=mesh, in_specs=(P(AXIS), P(), P(), P(None, None, AXIS)),
                                   out_specs=(P(), P(AXIS), P()), axis_names={AXIS}, check_vma=False)
 
@@ -491,9 +499,9 @@ class PipelinedGrads:
         return loss, jax.lax.with_sharding_constraint(grads, self.param_shardings)
 
 
-def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy in float32 over all b x T positions (nats), as `msjax.train_step.cross_entropy`
-    computes it, with the label's logit taken as a masked sum over the vocabulary instead of a gather: XLA's SPMD
+def token_cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
+    """Next-token cross-entropy in float32 per position (nats), as `msjax.train_step.cross_entropy` computes it
+    before its mean, with the label's logit taken as a masked sum over the vocabulary instead of a gather: XLA's SPMD
     partitioner aborts (a check failure in ExpandDeviceGroupsWithIota, jax 0.10.2) on the gather of
     `optax.softmax_cross_entropy_with_integer_labels` when its indices vary over the manual `pipeline` axis (each
     stage holds other tokens' targets) and the logits' vocabulary is split over `tensor`. The sum adds exact zeros
@@ -501,10 +509,12 @@ def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
 
     Args:
       logits_btv: (b, T, V) logits, any float dtype. targets_bt: (b, T) int32 in [0, V).
+    Returns:
+      (b, T) float32.
     """
     x = logits_btv.astype(jnp.float32)
     label = jnp.sum(jnp.where(jnp.arange(x.shape[-1]) == targets_bt[..., None], x, 0.0), axis=-1)
-    return (jax.nn.logsumexp(x, axis=-1) - label).mean()
+    return jax.nn.logsumexp(x, axis=-1) - label
 
 
 def _permute_blocks(blocks: jax.Array, mapping: dict, stages: int, stage: jax.Array) -> jax.Array:

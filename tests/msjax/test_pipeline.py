@@ -29,6 +29,7 @@ from tests.msjax.layouts import VOCAB, assert_same, run_layout, tiny_config
 # Reference A: stacked layers, serial blocks, sliding window, AdamW. Reference B: per-layer parameters (as the CPU
 # presets), parallel blocks, full causal attention, LAMB. Reference C: stacked layers split over `pipeline` with
 # LAMB (its trust ratios see whole-layer norms of gradients that come back from the stages), under full remat.
+# Reference D: three stages over a sequence they do not divide.
 REFS = {
     "A": {"model.num_layers": 2, "model.scan_layers": True, "model.block": "serial", "model.attention.window": 12,
           "optimizer.name": "adamw"},
@@ -36,6 +37,9 @@ REFS = {
           "model.attention.window": None, "optimizer.name": "lamb"},
     "C": {"model.num_layers": 4, "model.scan_layers": True, "model.block": "parallel",
           "model.attention.window": None, "optimizer.name": "lamb", "model.remat": "full"},
+    # three layers for three stages, whose output layers split the 32-token sequence into padded slices of 11
+    "D": {"model.num_layers": 3, "model.scan_layers": True, "model.block": "parallel", "model.attention.window": 12,
+          "optimizer.name": "adamw"},
 }
 
 LAYOUTS = {
@@ -48,6 +52,7 @@ LAYOUTS = {
     "pp2xdp2-accum2": ("B", {"mesh.pipeline": 2, "mesh.data": 2, "train.microbatches": 2,
                              "pipeline.microbatches": 2}),
     "stacked-lamb-pp2xvpp2xtp2": ("C", {"mesh.pipeline": 2, "pipeline.virtual_stages": 2, "mesh.tensor": 2}),
+    "pp3-sequence-not-divisible": ("D", {"mesh.pipeline": 3, "pipeline.microbatches": 2}),
 }
 
 
