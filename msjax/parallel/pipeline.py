@@ -64,11 +64,13 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from msjax.config import Config, ModelConfig
 from msjax.model import REMAT_POLICIES, Block, abstract_model
+from msjax.parallel import options as overlap
 from msjax.parallel.schedule import Schedule
 from msjax.sharding import constrain, use_rules
 from msjax.sharding_rules import Rules, logical_to_mesh_spec
@@ -277,7 +279,13 @@ class PipelinedGrads:
     def _chunk_vjp(self, layers: Any, x_btd: jax.Array) -> tuple[jax.Array, list, tuple[int, ...], Any]:
         """(y, stashed residual leaves, where, treedef): one chunk forward under `jax.vjp`, its residuals split
         from the parameters by identity (module docstring)."""
-        y, vjp_fn = jax.vjp(self._chunk, layers, x_btd)
+        chunk = self._chunk
+        if overlap.active().tp == "collective_matmul":
+            # The collective matmul's rings (a nested shard_map) hand their residuals out as new values, the
+            # parameters among them, so they cannot be told apart: in that mode the chunk is stashed by its input
+            # and runs again in the backward (full remat at chunk granularity: one more forward per chunk).
+            chunk = jax.checkpoint(self._chunk, policy=jax.checkpoint_policies.nothing_saveable)
+        y, vjp_fn = jax.vjp(chunk, layers, x_btd)
         leaves, treedef = jax.tree.flatten(vjp_fn)
         index = {id(a): j for j, a in enumerate(jax.tree.leaves(layers))}
         where = tuple(index.get(id(a), -1) for a in leaves)
@@ -294,8 +302,8 @@ class PipelinedGrads:
 
         stash = jax.eval_shape(probe, chunk_abstract, x_abstract)
         if all(w < 0 for w in found["where"]) and jax.tree.leaves(chunk_abstract):
-            raise AssertionError("pipeline: no chunk parameter was recognised among the vjp's residuals, so the "
-                                 "stash would copy them; the residual split needs jax.checkpoint's forwarding")
+            raise RuntimeError("pipeline: no chunk parameter was recognised among the vjp's residuals, so the "
+                               "stash would copy them; the residual split needs jax.checkpoint's forwarding")
         return _Residuals(found["treedef"], found["where"], tuple(stash))
 
     def stash_entry(self, microbatch: int) -> tuple[jax.ShapeDtypeStruct, ...]:
@@ -384,7 +392,8 @@ class PipelinedGrads:
             def forward(stash):
                 x = jnp.where((stage == 0) & (f_v == 0), emb, fwd_in)
                 y, acts, where, _ = self._chunk_vjp(self._layers(chunk_params(f_v)), x)
-                assert where == res.where, "pipeline: a chunk's residual layout differs from the probe's"
+                if where != res.where:
+                    raise RuntimeError("pipeline: a chunk's residual layout differs from the probe's")
                 slot = jnp.where(f_on, slot_of(f_k), spare)
                 stash = [jax.lax.dynamic_update_index_in_dim(s, a, slot, 0) for s, a in zip(stash, acts)]
                 return constrain(y.astype(dt), ACT), stash
@@ -528,8 +537,6 @@ def _permute_blocks(blocks: jax.Array, mapping: dict, stages: int, stage: jax.Ar
     Returns:
       (n, ...) this stage's blocks after the move.
     """
-    import numpy as np
-
     out = jnp.zeros_like(blocks)
     n = blocks.shape[0]
     after = jnp.int32(0)  # 0, computed from the previous round's data: the rounds run one after another

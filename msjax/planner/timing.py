@@ -14,7 +14,8 @@ Compute (per device, per layer and microbatch):
              hbm_efficiency); backward twice the forward traffic.
   recompute  full remat reruns the forward; dots / dots_no_batch rerun the elementwise ops (and the attention
              core when it is not saved).
-  output     the vocabulary projection and softmax cross-entropy on the last stage.
+  output     the vocabulary projection and softmax cross-entropy: on the last stage (Megatron's pipeline), or
+             spread over the stages, 1/p of the tokens each (msjax's, `msjax.parallel.pipeline`).
   sequence   context parallelism (axis size c) gives each member T/c contiguous tokens: every term above runs
              on T/c tokens, and attention on its T/c queries against the keys they attend. Fused kernels skip
              masked blocks, so the member with the last chunk does the most work and paces the step
@@ -169,7 +170,7 @@ def layer_times(cfg: Config, layout: Layout, rates: Rates) -> LayerTimes:
 
 @dataclass(frozen=True)
 class OutputTimes:
-    """Seconds per microbatch for the output layer (vocabulary projection + cross-entropy) on the last stage."""
+    """Seconds per microbatch for the whole output layer (vocabulary projection + cross-entropy)."""
 
     fwd: float
     bwd: float
@@ -289,9 +290,13 @@ def step_time(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions, stag
         # with its tensor-parallel pair on every stage. All stages alike: no stage paces the others. (The
         # all-to-all and all-gather are added with the PP exposure below.)
         ends = (ot.fwd + ot.bwd + tp_out) / p + tp_embed
-        stages = [(layers * per_layer, layers * tp_layer, layers * fsdp_layer + fsdp_embed, layers * seq_layer)]
+        # with the collective matmul (`mesh.tp_overlap`) the step stashes each chunk's input and runs the chunk
+        # again in its backward (`PipelinedGrads._chunk_vjp`): one more forward per layer
+        again = lt.fwd + fwd_tp if (cfg.mesh.tp_overlap == "collective_matmul" and t > 1) else 0.0
+        stages = [(layers * (per_layer + again), layers * tp_layer, layers * fsdp_layer + fsdp_embed,
+                   layers * seq_layer)]
         parts = {"forward": layers * lt.fwd + ot.fwd / p, "backward": layers * lt.bwd + ot.bwd / p,
-                 "recompute": layers * lt.recompute}
+                 "recompute": layers * (lt.recompute + again)}
         layer_part = sum(stages[0])
     else:
         # Per microbatch on the first stage (embedding end) and the last (output layer). The slowest stage sets
