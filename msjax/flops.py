@@ -46,3 +46,157 @@ def flops_per_token(model_cfg, seq_len: int, vocab_size: int | None = None,
     m = model_cfg
     k_bar = mean_attended_keys(seq_len, m.attention.window, megatron_convention)
     return 6.0 * matmul_params(m, vocab_size) + 12.0 * m.num_layers * m.num_heads * m.head_size * k_bar
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Executed matmul FLOPs of a traced program (the arithmetic a step really does, recompute and redundancy included).
+
+# Primitives that call one sub-jaxpr with their own operands, and the parameter holding it.
+_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+          "remat2": "jaxpr", "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr",
+          "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr", "custom_lin": None}
+# Concrete evaluation is for the control skeleton (tick counters, stage indices, predicates): small arrays only.
+_CONCRETE_LIMIT = 1 << 16
+
+
+def executed_matmul_flops(fn, *args, **kwargs) -> float:
+    """FLOPs of every matrix product the traced program of `fn(*args, **kwargs)` executes: 2 per multiply-add of
+    each `dot_general` (einsum, matmul, attention scores), summed over the whole program as it runs.
+
+    What `compiled.cost_analysis()` cannot give (it counts a loop body once): the jaxpr is walked as an
+    interpreter walks it, with the integer control skeleton evaluated concretely, so
+      - a `scan` counts its body once per iteration (its length), a `while` loop as many times as its condition,
+        evaluated on the loop's concrete counters, holds;
+      - a `cond` counts the branch its concrete index selects (a data-dependent index is an error);
+      - a `shard_map` counts its body once per member of its manual axes, with `axis_index` set to that member,
+        so a pipeline's per-stage conditions are resolved stage by stage; inside it, shapes are global on the
+        axes left to the compiler, so the total is the program's global arithmetic;
+      - calls, `jax.checkpoint` (its recomputation appears in the backward) and custom derivatives are entered.
+    Element-wise work, reductions, gathers and collectives are not counted: for a transformer the matmuls are
+    the FLOPs (Kaplan et al. 2020, sec. 2.1).
+
+    Args:
+      fn, args, kwargs: as for `jax.make_jaxpr` (abstract `jax.ShapeDtypeStruct` arguments are fine).
+    Returns:
+      FLOPs (float).
+    Raises:
+      ValueError: a `cond` or `while` whose predicate depends on data, or a primitive whose arithmetic this
+        count cannot see (`pallas_call`, convolutions).
+    """
+    import jax
+
+    closed = jax.make_jaxpr(fn)(*args, **kwargs)
+    return _jaxpr_flops(closed.jaxpr, list(closed.consts), [None] * len(closed.jaxpr.invars), {})[0]
+
+
+def _concrete(value):
+    """`value` as a numpy array when it is a small concrete array, else None (unknown)."""
+    import numpy as np
+
+    if value is None:
+        return None
+    try:
+        array = np.asarray(value)
+    except Exception:  # noqa: BLE001 - tracers and other abstract values are unknown
+        return None
+    return array if array.size <= _CONCRETE_LIMIT else None
+
+
+def _jaxpr_flops(jaxpr, consts: list, args: list, axis_env: dict) -> tuple[float, list]:
+    """(FLOPs, output values) of one open jaxpr; values are small numpy arrays or None (unknown)."""
+    import math
+
+    import numpy as np
+
+    env = {}
+
+    def read(atom):
+        if hasattr(atom, "val"):  # a Literal
+            return _concrete(atom.val)
+        return env.get(atom)
+
+    for var, value in zip(jaxpr.constvars, consts):
+        env[var] = _concrete(value)
+    for var, value in zip(jaxpr.invars, args):
+        env[var] = value
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        name, params = eqn.primitive.name, eqn.params
+        outs: list = [None] * len(eqn.outvars)
+        if name == "dot_general":
+            (lc, rc), (lb, rb) = params["dimension_numbers"]
+            lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+            free = [d for i, d in enumerate(rhs) if i not in rc and i not in rb]
+            total += 2.0 * math.prod(lhs) * math.prod(free)
+        elif name == "scan":
+            total += _scan_flops(params, ins, axis_env, outs)
+        elif name == "while":
+            total += _while_flops(params, ins, axis_env, outs)
+        elif name == "cond":
+            index = ins[0]
+            if index is None:
+                raise ValueError("executed_matmul_flops: a cond whose branch index depends on data")
+            branch = params["branches"][int(np.clip(index, 0, len(params["branches"]) - 1))]
+            flops, outs = _jaxpr_flops(branch.jaxpr, list(branch.consts), ins[1:], axis_env)
+            total += flops
+        elif name == "shard_map":
+            # the axes this shard_map makes manual (jax 0.10's name; older jax: manual_axes)
+            mesh = params["mesh"]
+            manual = sorted(params.get("newly_manual_axes", params.get("manual_axes", ())))
+            sizes = [mesh.shape[a] for a in manual]
+            for member in np.ndindex(*sizes):
+                flops, _ = _jaxpr_flops(params["jaxpr"], [], [None] * len(ins),
+                                        {**axis_env, **dict(zip(manual, member))})
+                total += flops
+        elif name == "axis_index":
+            outs = [np.asarray(axis_env[params["axis_name"]], np.int32)]
+        elif name in _CALLS and _CALLS[name]:
+            sub = params[_CALLS[name]]
+            inner = getattr(sub, "jaxpr", sub)
+            flops, outs = _jaxpr_flops(inner, list(getattr(sub, "consts", [])), ins[:len(inner.invars)], axis_env)
+            total += flops
+        elif name in ("pallas_call", "conv_general_dilated"):
+            raise ValueError(f"executed_matmul_flops: cannot count the arithmetic of {name}")
+        elif all(x is not None for x in ins) and all(math.prod(v.aval.shape) <= _CONCRETE_LIMIT
+                                                     for v in eqn.outvars):
+            try:
+                result = eqn.primitive.bind(*ins, **params)
+            except Exception:  # noqa: BLE001 - anything not evaluable eagerly stays unknown
+                result = None
+            if result is not None:
+                outs = [_concrete(r) for r in (result if eqn.primitive.multiple_results else [result])]
+        for var, value in zip(eqn.outvars, outs):
+            env[var] = value
+    return total, [read(v) for v in jaxpr.outvars]
+
+
+def _scan_flops(params: dict, ins: list, axis_env: dict, outs: list) -> float:
+    body, length = params["jaxpr"], params["length"]
+    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    consts, carry, xs = ins[:n_consts], ins[n_consts:n_consts + n_carry], ins[n_consts + n_carry:]
+    total = 0.0
+    for i in (reversed(range(length)) if params["reverse"] else range(length)):
+        x_i = [None if x is None else x[i] for x in xs]
+        flops, result = _jaxpr_flops(body.jaxpr, list(body.consts), consts + carry + x_i, axis_env)
+        total += flops
+        carry = result[:n_carry]
+    outs[:n_carry] = carry
+    return total
+
+
+def _while_flops(params: dict, ins: list, axis_env: dict, outs: list) -> float:
+    cond, body = params["cond_jaxpr"], params["body_jaxpr"]
+    n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
+    cond_consts, body_consts, carry = ins[:n_cond], ins[n_cond:n_cond + n_body], ins[n_cond + n_body:]
+    total = 0.0
+    while True:
+        _, (go,) = _jaxpr_flops(cond.jaxpr, list(cond.consts), cond_consts + carry, axis_env)
+        if go is None:
+            raise ValueError("executed_matmul_flops: a while loop whose trip count depends on data")
+        if not bool(go):
+            break
+        flops, carry = _jaxpr_flops(body.jaxpr, list(body.consts), body_consts + carry, axis_env)
+        total += flops
+    outs[:] = carry
+    return total

@@ -31,7 +31,7 @@ GiB = 2**30
 GB = 10**9
 
 # See the module docstring. A100 GEMM efficiency: the one constant fitted (docs/planner.md, "Calibration").
-A100_MATMUL_EFFICIENCY = 0.6495
+A100_MATMUL_EFFICIENCY = 0.6342
 LINK_EFFICIENCY = 0.8
 
 

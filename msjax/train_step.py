@@ -52,6 +52,7 @@ class TrainProgram:
       grad_fn: jitted `(params, batch) -> (loss, grads)` for one whole batch, grads sharded like params.
       param_count: number of parameters (elements).
       param_bytes, opt_state_bytes: global sizes of parameters and optimizer state, bytes.
+      pipeline: the `msjax.parallel.pipeline.PipelinedGrads` the step runs with mesh.pipeline > 1, else None.
     """
 
     config: Config
@@ -69,6 +70,7 @@ class TrainProgram:
     param_count: int
     param_bytes: int
     opt_state_bytes: int
+    pipeline: PipelinedGrads | None = None
 
 
 def _nbytes(tree: Any) -> int:
@@ -145,11 +147,12 @@ def build_train_program(cfg: Config, mesh: Mesh, vocab_size: int | None = None) 
         return cross_entropy(apply(graphdef, params, inputs_bt), targets_bt)
 
     grad_fn = jax.value_and_grad(loss_fn)
+    pipelined = None
     if stages > 1:  # interleaved 1F1B over the pipeline axis (msjax/parallel/pipeline.py)
         layer_specs = logical_specs["blocks"] if model_cfg.scan_layers else logical_specs["layers"][0]
         if model_cfg.scan_layers:  # drop the leading `layers` axis
             layer_specs = jax.tree.map(lambda s: P(*tuple(s)[1:]), layer_specs, is_leaf=lambda x: isinstance(x, P))
-        pipelined = PipelinedGrads(cfg, mesh, rules, param_shardings, layer_specs, cross_entropy, t.microbatches)
+        pipelined = PipelinedGrads(cfg, mesh, rules, param_shardings, layer_specs, t.microbatches)
     micro_spec = NamedSharding(mesh, P(None, *batch_spec))
 
     def train_step(state: dict, batch: dict) -> tuple[dict, dict]:
@@ -208,5 +211,5 @@ def build_train_program(cfg: Config, mesh: Mesh, vocab_size: int | None = None) 
         state_shardings=state_shardings, abstract_batch={"inputs": batch_shape, "targets": batch_shape},
         batch_sharding=batch_sharding, init_fn=init_fn, step_fn=step_fn, eval_fn=eval_fn, grad_fn=grads_fn,
         param_count=sum(x.size for x in jax.tree.leaves(abs_params)), param_bytes=_nbytes(abs_params),
-        opt_state_bytes=_nbytes(abs_opt),
+        opt_state_bytes=_nbytes(abs_opt), pipeline=pipelined,
     )

@@ -7,21 +7,41 @@ ring (stage P - 1 wraps round to stage 0 for the next model chunk).
 
 The schedule (`msjax.parallel.schedule`) is a loop over ticks (`lax.scan`, never differentiated). At every tick
 each stage:
-  1. forward: if its forward slot is busy, runs chunk v on the activation received at the end of the previous
-     tick (stage 0, chunk 0: the embedding of microbatch i) and stores that chunk input in a ring-buffer stash of
-     2 P V slots (independent of M);
+  1. forward: runs chunk v on the activation received at the end of the previous tick (stage 0, chunk 0: the
+     embedding of microbatch i) under `jax.vjp`, and stores what that vjp saved for the backward (the chunk's
+     residual activations, never its parameters: see "Residuals" below) in a stash slot;
   2. sends the forward output to the next stage (`ppermute`), issued before the backward below and independent
-     of it, so the transfer of microbatch i overlaps the backward compute of the same tick and the next tick's
-     forward only waits for the data it needs;
-  3. backward: if its backward slot is busy, recomputes chunk v from the stashed input under `jax.vjp` (the last
-     virtual stage includes the final norm, output projection and loss, seeded with 1 / M; stage 0's chunk 0
-     follows with the embedding's vjp), and adds the parameter gradients to float32 accumulators in the carry;
-  4. sends the input gradient to the previous stage (`ppermute`), which overlaps the next tick's forward.
-Ticks in which every stage's forward (or backward) slot is idle skip that work (`lax.cond` on a predicate that
-is the same on every device), so the warm-up and cool-down cost what the bubble says. Activation
-memory per stage is the stash (the microbatches in flight, bounded by P and V, not M) plus one chunk's
-activations while it is recomputed: at M = 4P the compiled step's temp memory stays within 1.25x of M = P
-(tests/msjax/test_pipeline.py). The price is one extra forward of every chunk (as full rematerialisation).
+     of it, so the transfer overlaps the backward compute and the next tick's forward only waits for its data;
+  3. backward: rebuilds the chunk's vjp from the stashed residuals and the chunk's parameters and applies it to
+     the gradient received from the next stage (the last virtual stage: the loss gradient of step 5 of the tick
+     before), adding the parameter gradients to float32 accumulators in the carry;
+  4. sends the input gradient to the previous stage (`ppermute`), which overlaps the next tick's forward;
+  5. output layer, in the M ticks in which the last virtual stage ran a forward: that output is spread over the
+     stages along the sequence (`psum_scatter` over `pipeline`, the other stages contributing zeros), every
+     stage runs the final norm, vocabulary projection and loss on its T / P tokens (rounded up, the sequence
+     padded to P slices) under `jax.vjp`, the loss summed over them / (b T) and seeded with 1 / M, and the input
+     gradients are gathered back (`all_gather`) for the last stage's next backward;
+  6. embedding gradient, in the M ticks in which stage 0 ran chunk 0 backward: the embedding's vjp on that
+     input gradient (zero on the other stages).
+So every microbatch's arithmetic is done once: each chunk's forward and backward once (plus what `model.remat`
+recomputes, as on one device), the output layer once across the pipeline (1/P on each stage), the embedding
+once per stage (a gather, no matmul). Ticks in which every stage's forward (or backward) slot is idle skip that
+work (`lax.cond` on a predicate that is the same on every device, as are the predicates of steps 5 and 6: a
+branch that some devices of a collective take and others do not deadlocks, measured on XLA:CPU for a
+per-stage condition around a tensor-parallel chunk); inside a busy tick an idle stage computes on stale data,
+its cotangent zero and its stash write sent to a spare slot. Activation memory per stage is the stash: the
+microbatches in flight (bounded by P and V, not M) times one chunk's residuals.
+
+Residuals. `jax.vjp`'s result is a pytree whose leaves are the reused inputs and the residuals; a leaf that is
+one of the chunk's parameter arrays is recognised by identity (the same traced value), stays out of the stash,
+and the backward rebuilds the vjp with `tree_unflatten`, putting the chunk's parameters back. Anything computed
+from the parameters inside the vjp'd function (a bf16 cast of float32 weights, the slice of a stacked layer)
+would be a new leaf and a copy of the parameters in every stash slot, so each layer runs under `jax.checkpoint`:
+its inputs are then residuals as they are, and its policy says what else is saved. `model.remat` picks the
+policy as on one device (`full`, `dots`, `dots_no_batch`); `none` saves every intermediate except those computed
+from the parameters alone (`_save_activations`), so nothing runs twice but parameter casts. Layers of a
+per-layer model are sliced outside the vjp'd function; stacked layers go through `lax.scan`, whose
+residuals forward the stacked parameters themselves.
 
 Parameters: the layer parameters are regrouped inside the step into (P, V, Lc, ...) (stage, chunk, layer in
 chunk), sharded over `pipeline` on the first axis; the embedding, final norm and (untied) output projection are
@@ -44,17 +64,20 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from msjax.config import Config, ModelConfig
 from msjax.model import REMAT_POLICIES, Block, abstract_model
+from msjax.parallel import options as overlap
 from msjax.parallel.schedule import Schedule
 from msjax.sharding import constrain, use_rules
 from msjax.sharding_rules import Rules, logical_to_mesh_spec
 from msjax.sharding_rules import axes as ax
 
 AXIS = ax.PIPELINE
+ACT = (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED)
 
 
 def pipeline_rules(rules: Rules, stages: int) -> Rules:
@@ -86,6 +109,36 @@ def _ends_graphdef(model_cfg: ModelConfig) -> tuple[nnx.GraphDef, list[str]]:
     return graphdef, sorted(abs_params)
 
 
+def _save_activations(param_shapes: set[tuple[int, ...]]) -> Callable[..., bool]:
+    """The `jax.checkpoint` policy of `model.remat=none` inside a pipeline chunk: save every intermediate the
+    backward needs except those computed from the layer's parameters alone (an operation all of whose array
+    inputs have a parameter's shape: casts, transposes and reshapes of weights), which are recomputed from the
+    parameters in the backward instead of stashed once per microbatch in flight. No arithmetic runs twice.
+
+    A policy sees primitives and input shapes, not where values come from; an activation that happened to have a
+    parameter's shape would be recomputed too (correct, only slower), which `test_pipeline`'s FLOP count would
+    show."""
+
+    def policy(prim, *avals, **params) -> bool:
+        arrays = [a for a in avals if getattr(a, "shape", ())]
+        return not arrays or not all(tuple(a.shape) in param_shapes for a in arrays)
+
+    return policy
+
+
+@dataclasses.dataclass(frozen=True)
+class _Residuals:
+    """Static layout of one chunk's vjp (the same for every chunk and microbatch, read off a probe trace).
+
+    treedef: of the vjp function's pytree. where: per leaf, the index of the chunk parameter leaf it is (by
+    identity), or -1 for a residual kept in the stash. stash: ShapeDtypeStructs of the stashed leaves.
+    """
+
+    treedef: Any
+    where: tuple[int, ...]
+    stash: tuple[jax.ShapeDtypeStruct, ...]
+
+
 class PipelinedGrads:
     """`(params, inputs (B, T), targets (B, T)) -> (mean loss, grads)` by interleaved 1F1B (module docstring).
 
@@ -95,15 +148,14 @@ class PipelinedGrads:
       rules: the rule set in force (already extended by `pipeline_rules`).
       param_shardings: NamedSharding pytree of the parameters (the step's layout).
       layer_specs: logical PartitionSpec of one layer's parameters (nested dict, no `layers` axis).
-      loss_fn: `(logits (b, T, V) float32, targets (b, T) int32) -> mean loss` (float32 scalar).
       rounds: gradient-accumulation rounds (`train.microbatches`), each one pipeline flush of M microbatches.
     Calling it (inside the jitted step) returns the loss averaged over all B x T tokens and float32 gradients
     laid out like `params`.
     """
 
     def __init__(self, cfg: Config, mesh: Mesh, rules: Rules, param_shardings: Any, layer_specs: Any,
-                 loss_fn: Callable[[jax.Array, jax.Array], jax.Array], rounds: int = 1):
-        self.cfg, self.mesh, self.rules, self.loss_fn, self.rounds = cfg, mesh, rules, loss_fn, rounds
+                 rounds: int = 1):
+        self.cfg, self.mesh, self.rules, self.rounds = cfg, mesh, rules, rounds
         self.model_cfg = m = cfg.model
         self.sched = schedule_of(cfg)
         self.stages, self.v = cfg.mesh.pipeline, cfg.pipeline.virtual_stages
@@ -136,54 +188,144 @@ class PipelinedGrads:
                                                 self.stacked_shardings)
 
     def stage(self, params: dict) -> Any:
-        """Layer parameters (L, ...) -> (P, V, Lc, ...): virtual stage s = v P + p holds layers [s Lc, (s+1) Lc)."""
+        """Layer parameters (L, ...) -> (P, V, Lc, ...): virtual stage s = v P + p holds layers [s Lc, (s+1) Lc).
+
+        Stacked layers are stored split over `pipeline` in order, stage p holding blocks of Lc layers
+        b = p V .. p V + V - 1; the interleaved assignment wants block b on stage b % P as its chunk b // P. For
+        V = 1 that is where the block already is. For V > 1 the blocks move by `ppermute` in P rounds
+        (`_permute_blocks`): left to GSPMD, the reshape of a `pipeline`-split axis into (V, P, Lc) is an
+        all-gather of every stage's layers onto every stage (measured in the compiled 175B step, pp8 x tp8 and
+        V = 3: 81.5 GB of gathered layers per device).
+        """
         p, v, lc = self.stages, self.v, self.chunk_layers
-
-        def regroup(x):
-            return x.reshape(v, p, lc, *x.shape[1:]).swapaxes(0, 1)
-
-        staged = jax.tree.map(regroup, self._stacked(params))
+        if self.model_cfg.scan_layers and v > 1:
+            move = jax.shard_map(lambda x, me: self._interleave(x, me[0], forward=True), mesh=self.mesh,
+                                 in_specs=(P(AXIS), P(AXIS)), out_specs=P(AXIS), axis_names={AXIS}, check_vma=False)
+            staged = jax.tree.map(lambda x: move(x, jnp.arange(p, dtype=jnp.int32)), self._stacked(params))
+        else:  # per-layer parameters are whole on every stage, and V = 1 is local: a reshape
+            staged = jax.tree.map(lambda x: x.reshape(v, p, lc, *x.shape[1:]).swapaxes(0, 1),
+                                  self._stacked(params))
         return jax.lax.with_sharding_constraint(staged, self.staged_shardings)
 
     def unstage(self, staged: Any) -> dict:
         """The inverse of `stage`: (P, V, Lc, ...) gradients back to the model's layer layout."""
         m = self.model_cfg
+        if m.scan_layers and self.v > 1:
+            back = jax.shard_map(lambda x, me: self._interleave(x, me[0], forward=False), mesh=self.mesh,
+                                 in_specs=(P(AXIS), P(AXIS)), out_specs=P(AXIS), axis_names={AXIS}, check_vma=False)
+            stages = jnp.arange(self.stages, dtype=jnp.int32)
+            return {"blocks": jax.tree.map(lambda x: back(x, stages), staged)}
         stacked = jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(m.num_layers, *x.shape[3:]), staged)
         if m.scan_layers:
             return {"blocks": stacked}
         return {"layers": {i: jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(m.num_layers)}}
+
+    def _interleave(self, x: jax.Array, stage: jax.Array, forward: bool) -> jax.Array:
+        """One stage's view (inside a shard_map over `pipeline`, `stage` its index, passed in as data because
+        `axis_index` in this shard_map is a PartitionId that the SPMD partitioner refuses): its stored layers
+        (V Lc, ...) -> its chunks (1, V, Lc, ...) (`forward`), or back."""
+        p_count, v, lc = self.stages, self.v, self.chunk_layers
+        # block b = p V + i stored on stage p at i is chunk b // P of stage b % P
+        stored_to_chunk = {(b // v, b % v): (b % p_count, b // p_count) for b in range(p_count * v)}
+        if forward:
+            blocks = x.reshape(v, lc, *x.shape[1:])
+            return _permute_blocks(blocks, stored_to_chunk, p_count, stage)[None]
+        chunk_to_stored = {dst: src for src, dst in stored_to_chunk.items()}
+        return _permute_blocks(x[0], chunk_to_stored, p_count, stage).reshape(v * lc, *x.shape[3:])
 
     # -- the model's pieces, as pure functions ----------------------------------------------------------------
 
     def _embed(self, ends: dict, tokens_bt: jax.Array) -> jax.Array:
         return nnx.merge(self.ends_gd, ends).embed(tokens_bt)
 
-    def _head_loss(self, ends: dict, x_btd: jax.Array, targets_bt: jax.Array) -> jax.Array:
+    def _head_loss(self, ends: dict, x_btd: jax.Array, targets_bt: jax.Array, weights_bt: jax.Array) -> jax.Array:
+        """Sum over tokens of the cross-entropy times `weights_bt` (1 / (b T) for the microbatch's own tokens, 0
+        for the padding that makes T split into P slices)."""
         logits = nnx.merge(self.ends_gd, ends).head(x_btd)
-        return self.loss_fn(logits, targets_bt)
+        return jnp.sum(token_cross_entropy(logits, targets_bt) * weights_bt)
 
-    def _chunk(self, chunk: Any, x_btd: jax.Array) -> jax.Array:
-        """Lc layers of one chunk (params stacked (Lc, ...)), looped or scanned like the model."""
+    def _layers(self, chunk: Any) -> Any:
+        """A chunk's parameters (Lc, ...) as the vjp'd function takes them: stacked for a scan, else a list of
+        per-layer trees (sliced here, outside the vjp, so each slice is an input the residuals can name)."""
+        if self.model_cfg.scan_layers:
+            return chunk
+        return [jax.tree.map(lambda a, j=j: a[j], chunk) for j in range(self.chunk_layers)]
+
+    def _stack(self, d_layers: Any) -> Any:
+        """The inverse of `_layers` for the chunk's parameter gradients: (Lc, ...)."""
+        if self.model_cfg.scan_layers:
+            return d_layers
+        return jax.tree.map(lambda *xs: jnp.stack(xs), *d_layers)
+
+    def _chunk(self, layers: Any, x_btd: jax.Array) -> jax.Array:
+        """Lc layers of one chunk, each under `jax.checkpoint` with `model.remat`'s policy (module docstring:
+        "Residuals"), looped or scanned like the model."""
         m, gd = self.model_cfg, self.block_gd
-
-        def layer(state, x):
-            return nnx.merge(gd, state)(x)
-
-        if m.remat != "none":
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[m.remat], prevent_cse=not m.scan_layers)
+        if m.remat == "none":
+            one = [a.shape[1:] for a in jax.tree.leaves(layers)] if m.scan_layers else \
+                [a.shape for a in jax.tree.leaves(layers[0])]
+            policy = _save_activations({tuple(s) for s in one})
+        else:
+            policy = REMAT_POLICIES[m.remat]
+        layer = jax.checkpoint(lambda state, x: nnx.merge(gd, state)(x), policy=policy,
+                               prevent_cse=not m.scan_layers)
         if m.scan_layers:
-            x_btd, _ = jax.lax.scan(lambda x, s: (layer(s, x), None), x_btd, chunk)
+            x_btd, _ = jax.lax.scan(lambda x, s: (layer(s, x), None), x_btd, layers)
             return x_btd
-        for j in range(self.chunk_layers):
-            x_btd = layer(jax.tree.map(lambda a, j=j: a[j], chunk), x_btd)
+        for state in layers:
+            x_btd = layer(state, x_btd)
         return x_btd
+
+    def _chunk_vjp(self, layers: Any, x_btd: jax.Array) -> tuple[jax.Array, list, tuple[int, ...], Any]:
+        """(y, stashed residual leaves, where, treedef): one chunk forward under `jax.vjp`, its residuals split
+        from the parameters by identity (module docstring)."""
+        chunk = self._chunk
+        if overlap.active().tp == "collective_matmul":
+            # The collective matmul's rings (a nested shard_map) hand their residuals out as new values, the
+            # parameters among them, so they cannot be told apart: in that mode the chunk is stashed by its input
+            # and runs again in the backward (full remat at chunk granularity: one more forward per chunk).
+            chunk = jax.checkpoint(self._chunk, policy=jax.checkpoint_policies.nothing_saveable)
+        y, vjp_fn = jax.vjp(chunk, layers, x_btd)
+        leaves, treedef = jax.tree.flatten(vjp_fn)
+        index = {id(a): j for j, a in enumerate(jax.tree.leaves(layers))}
+        where = tuple(index.get(id(a), -1) for a in leaves)
+        return y, [a for a, w in zip(leaves, where) if w < 0], where, treedef
+
+    def _residuals(self, chunk_abstract: Any, x_abstract: jax.ShapeDtypeStruct) -> _Residuals:
+        """The static residual layout (`_Residuals`), from an abstract trace of one chunk forward."""
+        found = {}
+
+        def probe(chunk, x):
+            _, stash, where, treedef = self._chunk_vjp(self._layers(chunk), x)
+            found.update(where=where, treedef=treedef)
+            return stash
+
+        stash = jax.eval_shape(probe, chunk_abstract, x_abstract)
+        if all(w < 0 for w in found["where"]) and jax.tree.leaves(chunk_abstract):
+            raise RuntimeError("pipeline: no chunk parameter was recognised among the vjp's residuals, so the "
+                               "stash would copy them; the residual split needs jax.checkpoint's forwarding")
+        return _Residuals(found["treedef"], found["where"], tuple(stash))
+
+    def stash_entry(self, microbatch: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """What one stash slot holds for one chunk and a microbatch of `microbatch` sequences: the residuals of
+        the chunk's vjp that are not its parameters (shapes global over the axes inside a stage). The stash is
+        `Schedule.slots` + 1 of these per stage."""
+        m = self.model_cfg
+        _, abs_params, _ = abstract_model(m)
+        with use_rules(self.mesh, self.rules):
+            staged = jax.eval_shape(self.stage, abs_params)
+            chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), staged)
+            x = jax.ShapeDtypeStruct((microbatch, self.cfg.train.seq_len, m.d_model), jnp.dtype(m.dtype))
+            return self._residuals(chunk, x).stash
 
     # -- the schedule ------------------------------------------------------------------------------------------
 
     def _flush(self, staged: Any, ends: dict, inputs_mbt: jax.Array, targets_mbt: jax.Array):
         """Body of the shard_map (one stage's view): one interleaved-1F1B flush over M microbatches.
 
-        Args (per stage): staged (1, V, Lc, ...); ends: embedding/head params; inputs_mbt, targets_mbt (M, b, T).
+        Args (per stage): staged (1, V, Lc, ...); ends: embedding/head params; inputs_mbt (M, b, T); targets_mbt
+          (M, b, ceil(T / P)): this stage's slice of the targets, padded (tokens [p T / P, (p + 1) T / P) of the
+          output layer's, rounded up).
         Returns: (loss summed over microbatches / M, summed over stages), staged grads (1, V, Lc, ...),
           ends grads (summed over stages).
         """
@@ -192,85 +334,136 @@ class PipelinedGrads:
         stage = jax.lax.axis_index(AXIS)
         dt = jnp.dtype(self.model_cfg.dtype)
         b, t = inputs_mbt.shape[1:]
-        act_names = (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED)
-        zeros_act = constrain(jnp.zeros((b, t, self.model_cfg.d_model), dt), act_names)
-        stash = jnp.zeros((sched.slots, b, t, self.model_cfg.d_model), dt)
-        stash = constrain(stash, (None, *act_names))
-        g_staged = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), staged)
-        g_ends = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), ends)
+        zeros_act = constrain(jnp.zeros((b, t, self.model_cfg.d_model), dt), ACT)
+        res = self._residuals(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), staged),
+                              jax.ShapeDtypeStruct(zeros_act.shape, dt))
+        spare = sched.slots  # the slot an idle stage's forward writes to: never read
+        count = iter(range(1, 1 << 30))
+
+        def zeros(shape, dtype):
+            # Zeros that XLA cannot merge with other zeros of the same shape (the stage index is never negative,
+            # but the compiler cannot know): it merged identical zero buffers and then copied the one broadcast
+            # into each loop carry, holding both (the stash and accumulators twice over at 175B, pp8 x tp8).
+            return jnp.broadcast_to(jnp.where(stage < 0, next(count), 0).astype(dtype), shape)
+
+        stash = [zeros((spare + 1, *a.shape), a.dtype) for a in res.stash]
+        # (P V M,): stage p's forward of order index k -> slot, at p V M + k. A dynamic slice, not a gather:
+        # GSPMD's gather partitioning fails on a table indexed by the manual axis' index (XLA check failure).
+        slot_table = jnp.asarray(sched.slot_table.reshape(-1))
+        vm = sched.virtual_stages * m
+
+        def slot_of(k):
+            return jax.lax.dynamic_index_in_dim(slot_table, stage * vm + k, 0, keepdims=False)
+        g_staged = jax.tree.map(lambda x: zeros(x.shape, jnp.float32), staged)
+        g_ends = jax.tree.map(lambda x: zeros(x.shape, jnp.float32), ends)
         fwd_ring = [(j, (j + 1) % p_count) for j in range(p_count)]
         bwd_ring = [(j, (j - 1) % p_count) for j in range(p_count)]
+        # loss of a microbatch = mean over its P token slices of each slice's mean; the flush averages M of them
+        # each stage's output layer sums its tokens' losses / (b T); the flush averages M microbatches
         seed = jnp.float32(1.0 / m)
+        t_slice = targets_mbt.shape[2]  # tokens per stage: T / P rounded up (the targets are padded to P of them)
+        weights = jnp.where(stage * t_slice + jnp.arange(t_slice) < t, 1.0 / (b * t), 0.0).astype(jnp.float32)
+        weights = jnp.broadcast_to(weights, (b, t_slice))
 
         def chunk_params(v):
             return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, v, 0, keepdims=False), staged)
+
+        def tokens(which, i):
+            return jax.lax.dynamic_index_in_dim(which, i, 0, keepdims=False)
 
         def f32_add(acc, g):
             return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), acc, g)
 
         def tick(carry, tk):
-            fwd_in, bwd_in, stash, g_staged, g_ends, loss = carry
+            fwd_in, bwd_in, loss_dy, stash, g_staged, g_ends, loss = carry
 
-            # 1. forward slot. Skipped (lax.cond) only in ticks where every stage's slot is idle: the predicate
-            # is the same on all devices, because a branch that some devices of a collective take and others do
-            # not deadlocks (XLA:CPU's rendezvous expects every device). Within a busy tick an idle stage
-            # computes on stale data and its result is masked; the tick lasts as long as its busiest stage.
-            f_on, f_mb, f_v, f_slot = sched.forward(tk, stage)
+            # Every condition below is a function of the tick alone, the same on all devices: a branch that some
+            # devices of a collective take and others do not deadlocks (XLA:CPU's rendezvous expects every
+            # device), and the chunk and the output layer hold collectives over tensor, data and pipeline.
+            e_on, e_mb = sched.embed_tick(tk)
+            with jax.named_scope("tick_embedding"):
+                emb = jax.lax.cond(e_on, lambda: constrain(self._embed(ends, tokens(inputs_mbt, e_mb)).astype(dt),
+                                                           ACT), lambda: zeros_act)
+
+            # 1. forward slot, skipped in ticks where every stage's slot is idle; an idle stage in a busy tick
+            # computes on stale data and stores into the spare slot.
+            f_on, _, f_v, f_k = sched.forward(tk, stage)
 
             def forward(stash):
-                tokens = jax.lax.dynamic_index_in_dim(inputs_mbt, f_mb, 0, keepdims=False)
-                x = jnp.where((stage == 0) & (f_v == 0), self._embed(ends, tokens).astype(dt), fwd_in)
-                y = self._chunk(chunk_params(f_v), x)
-                old = jax.lax.dynamic_index_in_dim(stash, f_slot, 0, keepdims=False)
-                stash = jax.lax.dynamic_update_index_in_dim(stash, jnp.where(f_on, x, old), f_slot, 0)
-                return constrain(y.astype(dt), act_names), stash
+                x = jnp.where((stage == 0) & (f_v == 0), emb, fwd_in)
+                y, acts, where, _ = self._chunk_vjp(self._layers(chunk_params(f_v)), x)
+                if where != res.where:
+                    raise RuntimeError("pipeline: a chunk's residual layout differs from the probe's")
+                slot = jnp.where(f_on, slot_of(f_k), spare)
+                stash = [jax.lax.dynamic_update_index_in_dim(s, a, slot, 0) for s, a in zip(stash, acts)]
+                return constrain(y.astype(dt), ACT), stash
 
-            y, stash = jax.lax.cond(tk < sched.forward_ticks, forward, lambda s: (zeros_act, s), stash)
-            # 2. send it on now: nothing below depends on it, so the transfer overlaps the backward.
-            fwd_out = jax.lax.ppermute(y, AXIS, fwd_ring)
+            with jax.named_scope("tick_forward"):
+                y, stash = jax.lax.cond(tk < sched.forward_ticks, forward, lambda s: (zeros_act, s), stash)
+            # 2. send it on now: nothing below depends on it, so the transfer can overlap the backward.
+            with jax.named_scope("tick_send_forward"):
+                fwd_out = jax.lax.ppermute(y, AXIS, fwd_ring)
 
-            # 3. backward slot (same rule for skipping). Every stage runs chunk + head + loss under one vjp and
-            # the cotangents select what counts: the last virtual stage seeds the loss with 1 / M, the others
-            # take the gradient received from the next stage (a per-stage branch would deadlock, see above;
-            # the head costs the other stages nothing, since the last stage's tick is the longest anyway).
-            b_on, b_mb, b_v, b_slot = sched.backward(tk, stage)
+            # 3. backward slot (same rule for skipping). The cotangent is zero on an idle stage, so its
+            # parameter gradients are exactly zero (the vjp is linear in it) and need no mask.
+            b_on, _, b_v, b_k = sched.backward(tk, stage)
 
-            def backward(g_staged, g_ends, loss):
-                last = b_on & (stage == p_count - 1) & (b_v == self.v - 1)
-                x = jax.lax.dynamic_index_in_dim(stash, b_slot, 0, keepdims=False)
-                inputs = jax.lax.dynamic_index_in_dim(inputs_mbt, b_mb, 0, keepdims=False)
-                targets = jax.lax.dynamic_index_in_dim(targets_mbt, b_mb, 0, keepdims=False)
+            def backward(g_staged):
+                last = (stage == p_count - 1) & (b_v == self.v - 1)
+                dy = jnp.where(b_on, jnp.where(last, loss_dy, bwd_in), jnp.zeros_like(bwd_in))
+                slot = slot_of(b_k)
+                acts = iter([jax.lax.dynamic_index_in_dim(s, slot, 0, keepdims=False) for s in stash])
+                params = jax.tree.leaves(self._layers(chunk_params(b_v)))
+                vjp_fn = jax.tree.unflatten(res.treedef, [params[w] if w >= 0 else next(acts) for w in res.where])
+                d_layers, dx = vjp_fn(dy)
+                g_staged = jax.tree.map(
+                    lambda acc, d: jax.lax.dynamic_update_index_in_dim(
+                        acc, jax.lax.dynamic_index_in_dim(acc, b_v, 0, keepdims=False) + d.astype(jnp.float32),
+                        b_v, 0),
+                    g_staged, self._stack(d_layers))
+                return constrain(dx.astype(dt), ACT), g_staged
 
-                def f(cp, ends, x):
-                    y = self._chunk(cp, x)
-                    return y, self._head_loss(ends, y, targets)
+            with jax.named_scope("tick_backward"):
+                dx, g_staged = jax.lax.cond(tk >= sched.backward_start, backward, lambda g: (zeros_act, g),
+                                            g_staged)
+            # 4. send the input gradient back; nothing below depends on it either.
+            with jax.named_scope("tick_send_backward"):
+                bwd_out = jax.lax.ppermute(dx, AXIS, bwd_ring)
 
-                (_, mb_loss), vjp = jax.vjp(f, chunk_params(b_v), ends, x)
-                dy = jnp.where(b_on & ~last, bwd_in, jnp.zeros_like(bwd_in))
-                d_cp, d_ends, dx = vjp((dy, jnp.where(last, seed, 0.0).astype(mb_loss.dtype)))
-                dx = constrain(dx.astype(dt), act_names)
-                # stage 0, chunk 0: the embedding's vjp with the input gradient (zero cotangent elsewhere)
-                _, embed_vjp = jax.vjp(lambda e: self._embed(e, inputs).astype(dt), ends)
-                (d_embed,) = embed_vjp(jnp.where(b_on & (stage == 0) & (b_v == 0), dx, jnp.zeros_like(dx)))
-                g_ends = jax.tree.map(lambda a, d1, d2: a + jnp.where(b_on, d1.astype(jnp.float32)
-                                                                      + d2.astype(jnp.float32), 0.0),
-                                      g_ends, d_ends, d_embed)
-                g_chunk = jax.tree.map(
-                    lambda a, d: jax.lax.dynamic_index_in_dim(a, b_v, 0, keepdims=False)
-                    + jnp.where(b_on, d.astype(jnp.float32), 0.0), g_staged, d_cp)
-                g_staged = jax.tree.map(lambda a, g: jax.lax.dynamic_update_index_in_dim(a, g, b_v, 0), g_staged,
-                                        g_chunk)
-                loss = loss + jnp.where(last, mb_loss.astype(jnp.float32), 0.0) * seed
-                return dx, g_staged, g_ends, loss
+            # 5. output layer and loss of the microbatch that left the last virtual stage this tick, spread over
+            # the stages along the sequence; its input gradient is the last stage's cotangent next tick.
+            h_on, h_mb = sched.loss_tick(tk)
 
-            dx, g_staged, g_ends, loss = jax.lax.cond(
-                tk >= sched.backward_start, backward, lambda *c: (zeros_act, *c), g_staged, g_ends, loss)
-            # 4. send the input gradient back; it overlaps the next tick's forward.
-            bwd_out = jax.lax.ppermute(dx, AXIS, bwd_ring)
-            return (fwd_out, bwd_out, stash, g_staged, g_ends, loss), None
+            def output_layer(loss_dy, g_ends, loss):
+                # stage j gets tokens [j T / P, (j + 1) T / P) of the last stage's output: an all-to-all in which
+                # only the last stage's chunks are kept. (A reduce-scatter of the output masked to zero elsewhere
+                # would do the same, but XLA:CPU's promotion of 16-bit reductions aborts on the one jax emits.)
+                y_pad = jnp.pad(y, ((0, 0), (0, p_count * t_slice - t), (0, 0)))
+                chunks = jax.lax.all_to_all(y_pad.reshape(b, p_count, t_slice, -1), AXIS, 1, 1)
+                y_slice = constrain(chunks[:, p_count - 1], ACT)  # (b, T / P, D) from stage P - 1
+                tg = tokens(targets_mbt, h_mb)
+                mb_loss, head_vjp = jax.vjp(lambda e, h: self._head_loss(e, h, tg, weights), ends, y_slice)
+                d_ends, d_slice = head_vjp(seed.astype(mb_loss.dtype))
+                loss_dy = jax.lax.all_gather(d_slice.astype(dt), AXIS, axis=1, tiled=True)[:, :t]
+                return constrain(loss_dy, ACT), f32_add(g_ends, d_ends), loss + mb_loss.astype(jnp.float32) * seed
 
-        carry = (zeros_act, zeros_act, stash, g_staged, g_ends, jnp.float32(0.0))
-        (_, _, _, g_staged, g_ends, loss), _ = jax.lax.scan(tick, carry, jnp.arange(sched.ticks))
+            with jax.named_scope("tick_output_layer"):
+                loss_dy, g_ends, loss = jax.lax.cond(h_on, output_layer, lambda *c: c, loss_dy, g_ends, loss)
+
+            # 6. the embedding's gradient from stage 0's chunk-0 input gradient (a zero cotangent elsewhere).
+            eg_on, eg_mb = sched.embed_grad_tick(tk)
+
+            def embed_grad(g_ends):
+                _, embed_vjp = jax.vjp(lambda e: self._embed(e, tokens(inputs_mbt, eg_mb)).astype(dt), ends)
+                (d_embed,) = embed_vjp(jnp.where(stage == 0, dx, jnp.zeros_like(dx)))
+                return f32_add(g_ends, d_embed)
+
+            with jax.named_scope("tick_embedding_grad"):
+                g_ends = jax.lax.cond(eg_on, embed_grad, lambda g: g, g_ends)
+            return (fwd_out, bwd_out, loss_dy, stash, g_staged, g_ends, loss), None
+
+        carry = (zeros_act, zeros_act, zeros_act, stash, g_staged, g_ends, jnp.float32(0.0))
+        (_, _, _, _, g_staged, g_ends, loss), _ = jax.lax.scan(tick, carry, jnp.arange(sched.ticks))
         loss = jax.lax.psum(loss, AXIS)
         g_ends = jax.lax.psum(g_ends, AXIS)
         return loss, jax.tree.map(lambda g: g[None], g_staged), g_ends
@@ -289,7 +482,11 @@ class PipelinedGrads:
         with use_rules(mesh, rules):
             staged = self.stage(params)
             ends = {k: params[k] for k in self.end_keys}
-            flush = jax.shard_map(self._flush, mesh=mesh, in_specs=(P(AXIS), P(), P(), P()),
+            # the targets split along the sequence, padded to P equal slices: each stage's output layer runs on
+            # T / P tokens (rounded up)
+            pad = -targets_bt.shape[1] % self.stages
+            targets_bt = jnp.pad(targets_bt, ((0, 0), (0, pad)))
+            flush = jax.shard_map(self._flush, mesh=mesh, in_specs=(P(AXIS), P(), P(), P(None, None, AXIS)),
                                   out_specs=(P(), P(AXIS), P()), axis_names={AXIS}, check_vma=False)
 
             def round_(carry, mb):
@@ -309,6 +506,74 @@ class PipelinedGrads:
                 g_ends = jax.tree.map(lambda g: g / a, g_ends)
             grads = {**g_ends, **self.unstage(g_staged)}
         return loss, jax.lax.with_sharding_constraint(grads, self.param_shardings)
+
+
+def token_cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
+    """Next-token cross-entropy in float32 per position (nats), as `msjax.train_step.cross_entropy` computes it
+    before its mean, with the label's logit taken as a masked sum over the vocabulary instead of a gather: XLA's SPMD
+    partitioner aborts (a check failure in ExpandDeviceGroupsWithIota, jax 0.10.2) on the gather of
+    `optax.softmax_cross_entropy_with_integer_labels` when its indices vary over the manual `pipeline` axis (each
+    stage holds other tokens' targets) and the logits' vocabulary is split over `tensor`. The sum adds exact zeros
+    to the one logit, so values and gradients are those of the gather.
+
+    Args:
+      logits_btv: (b, T, V) logits, any float dtype. targets_bt: (b, T) int32 in [0, V).
+    Returns:
+      (b, T) float32.
+    """
+    x = logits_btv.astype(jnp.float32)
+    label = jnp.sum(jnp.where(jnp.arange(x.shape[-1]) == targets_bt[..., None], x, 0.0), axis=-1)
+    return jax.nn.logsumexp(x, axis=-1) - label
+
+
+def _permute_blocks(blocks: jax.Array, mapping: dict, stages: int, stage: jax.Array) -> jax.Array:
+    """Moves blocks between the stages of `pipeline` (inside a shard_map over it): `blocks` (n, ...) is this
+    stage's, `mapping` sends (stage p, block i) to (stage q, block k) for every block of every stage (a
+    permutation). Round r = 0 .. P - 1 sends, with one `ppermute` shifting by r, the blocks each stage has for
+    stage p + r, padded to the round's largest count; the tables of which block goes where are constants
+    indexed by the stage (one dynamic slice each: GSPMD's gather partitioning fails on a table indexed by the
+    manual axis' index).
+
+    Returns:
+      (n, ...) this stage's blocks after the move.
+    """
+    out = jnp.zeros_like(blocks)
+    n = blocks.shape[0]
+    after = jnp.int32(0)  # 0, computed from the previous round's data: the rounds run one after another
+    for r in range(stages):
+        sends = [sorted((i, k) for (src, i), (dst, k) in mapping.items() if src == q and dst == (q + r) % stages)
+                 for q in range(stages)]
+        width = max(len(x) for x in sends)
+        if not width:
+            continue
+        src = np.zeros((stages, width), np.int32)
+        dst = np.full((stages, width), n, np.int32)  # n: nothing arrives in this place
+        for q in range(stages):
+            for j, (i, _) in enumerate(sends[q]):
+                src[q, j] = i
+            for j, (_, k) in enumerate(sends[(q - r) % stages]):
+                dst[q, j] = k
+        src_of, dst_of = jnp.asarray(src.reshape(-1)), jnp.asarray(dst.reshape(-1))
+
+        def at(table, j):
+            return jax.lax.dynamic_index_in_dim(table, stage * width + j, 0, keepdims=False)
+
+        data = jnp.stack([jax.lax.dynamic_index_in_dim(blocks, at(src_of, j) + after, 0, keepdims=False)
+                          for j in range(width)])
+        if r:
+            data = jax.lax.ppermute(data, AXIS, [(q, (q + r) % stages) for q in range(stages)])
+        # Left free, XLA issues every round's ppermute at once and keeps all their buffers (the rounds' padded
+        # widths add up to more than the stage's layers: 25 GB at 175B, pp8 x tp8, V = 3). A zero that the next
+        # round's indices read from this round's data (the stage index is never negative, but the compiler
+        # cannot know) orders the rounds, so one round's buffer is live at a time.
+        first = data[(0,) * data.ndim]
+        after = jnp.where((stage < 0) & (first != first), jnp.int32(1), jnp.int32(0))
+        for j in range(width):
+            k = at(dst_of, j)
+            keep = jax.lax.dynamic_index_in_dim(out, jnp.minimum(k, n - 1), 0, keepdims=False)
+            out = jax.lax.dynamic_update_index_in_dim(out, jnp.where(k < n, data[j], keep), jnp.minimum(k, n - 1),
+                                                      0)
+    return out
 
 
 def f32_tree_add(a: Any, b: Any) -> Any:

@@ -67,13 +67,20 @@ def parse_plan_args(argv: Sequence[str]) -> tuple[Config, PlanOptions, dict]:
     return cfg, opts.validate(), actions
 
 
-def run(argv: Sequence[str], out=sys.stdout) -> dict:
+# Exit status of plan.py when the plan's layout does not fit in memory, or a search finds no layout that fits
+# (the supervisor's "no layout fits" stop uses the same status).
+EXIT_DOES_NOT_FIT = 3
+
+
+def run(argv: Sequence[str], out=None) -> dict:
     """The whole of `scripts/plan.py`: parse, plan (and search / compile / compare with the papers), print,
-    and write JSON when asked. Returns the JSON-ready dict."""
+    and write JSON when asked. Returns the JSON-ready dict; its "fits" is False when the planned layout does not
+    fit in memory or a search found none that does (absent when nothing was planned)."""
     from msjax.planner import report
     from msjax.planner.plan import make_plan
     from msjax.planner.search import search
 
+    out = out or sys.stdout  # looked up at call time, so a redirected stdout is honoured
     cfg, opts, actions = parse_plan_args(argv)
     result: dict = {}
     if actions["published"]:
@@ -94,10 +101,12 @@ def run(argv: Sequence[str], out=sys.stdout) -> dict:
                 plan = best
             else:
                 plan = None
+            result["fits"] = best is not None
         else:
             plan = make_plan(cfg, opts)
             print(report.plan_text(plan), file=out)
             result["plan"] = report.plan_dict(plan)
+            result["fits"] = plan.fits
         if actions["compile"] and plan is not None:
             from msjax.planner.compile_check import compile_check
 
@@ -158,8 +167,8 @@ def published_report() -> tuple[str, list[dict]]:
 
     lines = ["Published rows vs planner (A100-80GB; one constant, the A100 GEMM efficiency, was fitted on the "
              "row marked *)",
-             f"  {'source':24s} {'row':40s} {'system':8s} {'metric':6s} {'paper':>6s} {'planner':>7s} {'error':>7s}"
-             f" {'step paper':>10s} {'planner':>8s}"]
+             f"  {'source':24s} {'row':40s} {'system':8s} {'metric':6s} {'paper':>6s} {'planner':>7s} {'points':>6s}"
+             f" {'error':>7s} {'step paper':>10s} {'planner':>8s}"]
     rows = []
     for row in ROWS:
         res = predict(row)
@@ -170,18 +179,30 @@ def published_report() -> tuple[str, list[dict]]:
         metric = {"mfu": "MFU", "hfu_narayanan": "TF/pk"}[row.metric]
         mark = "*" if row.role == "calibration" else ("?" if not row.verified else " ")
         lines.append(f" {mark}{row.source[:24]:24s} {row.label[:40]:40s} {row.system:8s} {metric:6s} "
-                     f"{row.published:5.1f}% {pred:6.1f}% {err:+7.1%} "
+                     f"{row.published:5.1f}% {pred:6.1f}% {pred - row.published:+6.1f} {err:+7.1%} "
                      f"{(f'{row.step_s:.2f} s' if row.step_s else '-'):>10s} {res['step_s']:7.2f}s")
         rows.append({"source": row.source, "row": row.label, "system": row.system, "metric": row.metric,
                      "published": row.published, "predicted": pred, "relative_error": err,
                      "published_step_s": row.step_s, "predicted_step_s": res["step_s"], "role": row.role,
                      "configuration_verified": row.verified})
     errs = [abs(r["relative_error"]) for r in rows if r["role"] != "calibration"]
-    lines.append(f"  {len(errs)} checked rows: mean |error| {sum(errs) / len(errs):.1%}, max {max(errs):.1%}  "
+    points = [abs(r["predicted"] - r["published"]) for r in rows if r["role"] != "calibration"]
+    lines.append(f"  {len(errs)} checked rows: mean |error| {sum(errs) / len(errs):.1%}, max {max(errs):.1%}; "
+                 f"{sum(x <= 3.0 for x in points)} within 3 points, max {max(points):.1f} points  "
                  "(* calibration row, ? configuration recalled, not re-verified)")
     return "\n".join(lines), rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """plan.py: a bad flag or path is one `error: ...` line and exit status 2."""
-    return cli.main_guard(lambda: (run(sys.argv[1:] if argv is None else argv), 0)[1])
+    """plan.py's exit status: 0 planned (and the layout fits), 2 a bad flag or path (one `error: ...` line),
+    3 (`EXIT_DOES_NOT_FIT`) the planned layout does not fit in memory or `--search` found no layout that fits,
+    after the report, which then gives no throughput."""
+    def body() -> int:
+        result = run(sys.argv[1:] if argv is None else argv)
+        if result.get("fits") is False:
+            print(f"plan.py: {'no layout fits' if 'search' in result else 'the layout does not fit'} "
+                  f"(exit status {EXIT_DOES_NOT_FIT})", file=sys.stderr)
+            return EXIT_DOES_NOT_FIT
+        return 0
+
+    return cli.main_guard(body)

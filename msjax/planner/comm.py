@@ -1,9 +1,9 @@
 """Communication per step: every collective of a layout, its bytes, the mesh axes and link it runs on, and the
 time it takes at that link's bandwidth.
 
-Ring-algorithm volumes per device (Thakur et al. 2005; the NCCL "bus bandwidth" convention): an all-gather or a
-reduce-scatter of a tensor of B bytes moves (n - 1) / n * B bytes through each device's link; an all-reduce
-moves twice that. Time = volume / bus bandwidth + (n - 1) ring steps x latency. Send/recv moves B bytes.
+Ring-algorithm volumes per device (Thakur et al. 2005; the NCCL "bus bandwidth" convention): an all-gather, a
+reduce-scatter or an all-to-all of a tensor of B bytes moves (n - 1) / n * B bytes through each device's link; an
+all-reduce moves twice that. Time = volume / bus bandwidth + (n - 1) ring steps x latency. Send/recv moves B bytes.
 
 The per-step inventory (per device, most loaded pipeline stage) follows the layout:
   TP     (tensor)        per layer and microbatch: an all-gather entering and a reduce-scatter leaving each TP
@@ -25,8 +25,13 @@ The per-step inventory (per device, most loaded pipeline stage) follows the layo
                          Megatron's distributed optimizer, MegaScale fig. 1). Parameters are replicated over
                          `sequence`, so its members' gradients are reduced with the data replicas'.
   PP     (pipeline)      per chunk boundary and microbatch: send the activation forward and its gradient back,
-                         1/t of it per tensor rank (Narayanan et al. 2021 sec. 4.1 scatter/gather).
-  EMB    (pipeline)      tied embedding: the first and last stages all-reduce the embedding gradient.
+                         1/t of it per tensor rank (Narayanan et al. 2021 sec. 4.1 scatter/gather). msjax's
+                         tick loop sends in every tick, V M + V P + P - 1 per direction, and spreads each
+                         microbatch's output layer over the stages: an all-to-all of the last stage's output
+                         and an all-gather of its gradient, (p - 1) / p of b T h / t each.
+  EMB    (pipeline)      tied embedding: the first and last stages all-reduce the embedding gradient. msjax's
+                         stages all hold the embedding and output ends, and all-reduce their gradients over the
+                         whole `pipeline` axis once per step.
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ from __future__ import annotations
 from msjax.config import Config
 from msjax.hardware import Hardware
 from msjax.planner.layout import Layout, Link, group_link
-from msjax.planner.memory import DTYPE_BYTES, StageParams, gathered_kv_bytes, state_bytes_per_element
+from msjax.planner.memory import (
+    DTYPE_BYTES, StageParams, ends_elements, gathered_kv_bytes, state_bytes_per_element,
+)
 
 
 class Collective:
@@ -44,7 +51,7 @@ class Collective:
       name: what it is for ("TP all-gather", "DP reduce-scatter", ...).
       group: "TP", "SEQ", "FSDP", "DP", "PP" or "EMB".
       axes: mesh axes of the group.
-      op: "all-gather", "reduce-scatter", "all-reduce" or "send/recv".
+      op: "all-gather", "reduce-scatter", "all-reduce", "all-to-all" or "send/recv".
       size: devices in the group.
       tensor_bytes: bytes of the full tensor of one call.
       calls: calls per step (per device).
@@ -119,7 +126,9 @@ def inventory(cfg: Config, layout: Layout, hw: Hardware, stage: StageParams) -> 
     fwd_like = passes(layout)
     # TP: per region one collective in, one out, in each forward-like pass and in the backward; the
     # vocabulary-parallel embedding (first stage) and logits (last stage) add one pair each.
-    tp_calls = layers * mb * regions * (fwd_like + 1.0) + mb * (2.0 if p == 1 else 1.0)
+    msjax_pp = p > 1 and layout.baseline == "msjax"
+    ends = mb * (2.0 if p == 1 else 1.0 + (1.0 / p if msjax_pp else 0.0))  # msjax: every stage both, logits 1/p
+    tp_calls = layers * mb * regions * (fwd_like + 1.0) + ends
     tp_act = act / sx
     add("TP all-gather", "TP", ("tensor",), "all-gather", t, tp_act, tp_calls)
     add("TP reduce-scatter", "TP", ("tensor",), "reduce-scatter", t, tp_act, tp_calls)
@@ -137,7 +146,8 @@ def inventory(cfg: Config, layout: Layout, hw: Hardware, stage: StageParams) -> 
     add("FSDP all-gather (embedding)", "FSDP", ("fsdp",), "all-gather", f, e * embed_w, mb * 2.0)
     add("FSDP reduce-scatter (embedding)", "FSDP", ("fsdp",), "reduce-scatter", f, ge * embed_w, mb)
     # DP over data (and sequence, where parameters are replicated too), once per step.
-    elements = layers * stage.layer_elements + max(stage.first_elements, stage.last_elements)
+    elements = layers * stage.layer_elements + (ends_elements(cfg, layout, stage) if msjax_pp else
+                                                max(stage.first_elements, stage.last_elements))
     dp_axes = ("data", "sequence") if sx > 1 else ("data",)
     n_dp = layout.data * sx
     if layout.zero_stage == 0:
@@ -146,7 +156,16 @@ def inventory(cfg: Config, layout: Layout, hw: Hardware, stage: StageParams) -> 
         add("DP reduce-scatter (grads)", "DP", dp_axes, "reduce-scatter", n_dp, ge * elements, 1)
         add("DP all-gather (params)", "DP", dp_axes, "all-gather", n_dp, pe * elements, 1)
     # PP: per chunk boundary per microbatch, activation forward and gradient backward (1/t per tensor rank).
-    if p > 1:
+    if p > 1 and msjax_pp:
+        p2p = act / t / sx
+        ticks = v * mb + v * p + p - 1
+        add("PP send/recv (activations)", "PP", ("pipeline",), "send/recv", p, p2p, ticks)
+        add("PP send/recv (gradients)", "PP", ("pipeline",), "send/recv", p, p2p, ticks)
+        add("PP all-to-all (output layer input)", "PP", ("pipeline",), "all-to-all", p, p2p, mb)
+        add("PP all-gather (output layer gradient)", "PP", ("pipeline",), "all-gather", p, p2p, mb)
+        add("EMB all-reduce (ends over pipeline)", "EMB", ("pipeline",), "all-reduce", p,
+            ge * ends_elements(cfg, layout, stage), 1)
+    elif p > 1:
         p2p = act / t / sx
         add("PP send/recv (activations)", "PP", ("pipeline",), "send/recv", p, p2p, mb * v)
         add("PP send/recv (gradients)", "PP", ("pipeline",), "send/recv", p, p2p, mb * v)

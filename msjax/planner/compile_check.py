@@ -106,7 +106,7 @@ def compile_here(cfg: Config, sizes: dict[str, int], live: bool = False) -> dict
     live_peak = None
     if live:
         # the persistent compilation cache would hand back an executable without compiling, so without the dump
-        with tempfile.TemporaryDirectory(prefix="msjax-compile-check-") as dump, _without_compilation_cache():
+        with tempfile.TemporaryDirectory(prefix="msjax-compile-check-") as dump, without_compilation_cache():
             compiled = lowered.compile(compiler_options=_dump_options(dump))
             live_peak = xla_live_peak(dump)
     else:
@@ -137,7 +137,7 @@ def compile_here(cfg: Config, sizes: dict[str, int], live: bool = False) -> dict
 
 
 @contextlib.contextmanager
-def _without_compilation_cache() -> Iterator[None]:
+def without_compilation_cache() -> Iterator[None]:
     """jax's persistent compilation cache off for the enclosed compiles (jax decides once per process whether the
     cache is used, so the decision is reset on the way in and out)."""
     import jax

@@ -28,8 +28,9 @@ layer being recomputed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from msjax.config import Config
 from msjax.sharding_rules import RULE_SETS, logical_to_mesh_spec
@@ -393,7 +394,8 @@ class MemoryReport:
     carries: gradient accumulation, the pipeline's tick loop), grads_at_update those still live at the update
     (None: all of `grads`) and update the optimizer's float32 temporaries (and any regrouped copy) before they are
     applied. Measured in the compiled steps' buffer assignment and live ranges (docs/planner.md).
-    Without phases (the megatron baseline) every part is added.
+    Without phases (the megatron baseline) every part is added. `labels` say in words what each part holds
+    (keys params, grads, optimizer, activations, working), for the report.
     """
 
     params: float
@@ -408,6 +410,12 @@ class MemoryReport:
     grads_in_backward: float | None = None
     update: float = 0.0
     grads_at_update: float | None = None
+    labels: dict = field(default_factory=dict)
+    packing_fraction: float = HEAP_PACKING
+
+    def label(self, part: str, default: str) -> str:
+        """What the `part` row holds (the report's row label): the report function's own words, else `default`."""
+        return self.labels.get(part, default)
 
     @property
     def backward_peak(self) -> float:
@@ -431,8 +439,9 @@ class MemoryReport:
     @property
     def packing(self) -> float:
         """msjax's step: the holes XLA leaves when it packs the transient buffers into its one temp allocation
-        (`HEAP_PACKING` of the transient bytes); 0 for the megatron baseline."""
-        return HEAP_PACKING * self.transient if self.grads_in_backward is not None else 0.0
+        (`packing_fraction` of the transient bytes: `HEAP_PACKING`, or `PIPELINE_PACKING` for the pipelined
+        step); 0 for the megatron baseline."""
+        return self.packing_fraction * self.transient if self.grads_in_backward is not None else 0.0
 
     @property
     def total(self) -> float:
@@ -495,8 +504,15 @@ def memory_report(cfg: Config, layout: Layout, stage: StageParams, device_memory
 
 
 def activation_table(cfg: Config, layout: Layout) -> dict[str, float]:
-    """Per-layer activation bytes under every remat policy (for the report)."""
-    return {p: layer_activation_bytes(cfg, layout, p) for p in ("none", "dots_no_batch", "dots", "full")}
+    """Per-layer activation bytes under every remat policy (for the report): what msjax's pipelined step stashes
+    per layer and microbatch (`stash_layer_bytes`), else Korthikanti's count (`layer_activation_bytes`)."""
+    import dataclasses
+
+    policies = ("none", "dots_no_batch", "dots", "full")
+    if layout.baseline == "msjax" and layout.pipeline > 1:
+        scanned = cfg.model.scan_layers and cfg.model.num_layers // (layout.pipeline * layout.virtual_stages) > 1
+        return {p: stash_layer_bytes(cfg, dataclasses.replace(layout, remat=p), scanned) for p in policies}
+    return {p: layer_activation_bytes(cfg, layout, p) for p in policies}
 
 
 
@@ -564,74 +580,180 @@ def _msjax_report(cfg: Config, layout: Layout, stage: StageParams, device_memory
                         float(L), grads_in_backward=grads / copies * (copies - 1))
 
 
+def stash_layer_bytes(cfg: Config, layout: Layout, scanned: bool | None = None) -> float:
+    """Bytes one layer's residuals take in a stash slot of msjax's pipelined step, per device: what the
+    forward's `jax.vjp` saves for the backward under `model.remat`'s `jax.checkpoint` policy
+    (`msjax.parallel.pipeline`). Read off the residual pytrees of the step (`PipelinedGrads.stash_entry`; checked
+    leaf by leaf in tests/msjax/test_planner.py). In (b x T) tokens x width, with the residual stream split
+    over (tensor, sequence) by Megatron-SP and context parallelism and the TP regions over tensor (local queries
+    over sequence):
+      none (everything but values of the parameters alone): per LayerNorm its float32 input, its output (compute
+        dtype) and a float32 reciprocal deviation per token; Q, K, V and the attention output; six MLP-width
+        tensors (linear-1 output and GeLU's intermediates); materialised attention's probabilities (compute dtype)
+        and float32 scores, per layer when layers are unrolled (with the mask and a float32 copy: 9 bytes per
+        score beside the compute-dtype ones), per layer 4 bytes when scanned (the mask is loop-invariant:
+        `stash_entry_invariant_bytes`); a fused kernel's float32 log-sum-exp instead.
+      dots_no_batch: the layer input (and, serial, the attention residual: the second LayerNorm's input), Q, K
+        and V (local: the gather is not a dot), the linear-1 output; everything else is recomputed.
+      dots: dots_no_batch plus materialised attention's two batched products (scores and P V) in float32.
+      full: the layer input.
+    Returns:
+      bytes (float).
+    """
+    m = cfg.model
+    scanned = m.scan_layers if scanned is None else scanned
+    e = DTYPE_BYTES[m.dtype]
+    b, T, t, c = layout.microbatch_size, cfg.train.seq_len, layout.tensor, layout.sequence
+    tok, d, f = b * T, m.d_model, m.ff_size
+    qw, kvw = m.num_heads * m.head_size, m.kv_heads * m.head_size
+    outer = (t if layout.sequence_parallel else 1) * c  # the residual stream's split
+    n_ln = 1 if layout.block == "parallel" else 2
+    scores = b * (m.num_heads / t) * (T / c) * T  # materialised scores per layer, per device
+    if layout.remat == "full":
+        return e * tok * d / outer
+    if layout.remat in ("dots_no_batch", "dots"):
+        saved = e * tok * ((1 + (n_ln - 1)) * d / outer + (qw + 2 * kvw + f) / (t * c))
+        if layout.remat == "dots" and not layout.flash:
+            saved += 4.0 * (scores + tok * qw / (t * c))
+        return saved
+    kv = 2 * kvw / (t * c) if c == 1 else 2 * kvw / t  # with c > 1 the gathered, whole-sequence K and V
+    saved = n_ln * tok * ((4 + e) * d + 4) / outer + e * tok * (2 * qw / (t * c) + kv + 6 * f / (t * c))
+    if layout.flash:
+        return saved + 4.0 * tok * m.num_heads / (t * c)
+    extra = e if e != 4 else 0  # float32 compute: the compute-dtype probabilities are the float32 ones
+    return saved + scores * ((9 + extra) if not scanned else (4 + extra))
+
+
+def stash_entry_invariant_bytes(cfg: Config, layout: Layout, scanned: bool | None = None) -> float:
+    """Bytes of a stash slot shared by the chunk's layers: with scanned layers, no remat and materialised
+    attention, the causal mask and its float32 companion, hoisted out of the layer loop but per microbatch
+    (b x a/t x T/c x T x 5 bytes); 0 otherwise."""
+    m = cfg.model
+    scanned = m.scan_layers if scanned is None else scanned
+    if layout.remat != "none" or layout.flash or not scanned:
+        return 0.0
+    b, T, t, c = layout.microbatch_size, cfg.train.seq_len, layout.tensor, layout.sequence
+    return 5.0 * b * (m.num_heads / t) * (T / c) * T
+
+
 def _msjax_pipeline_report(cfg: Config, layout: Layout, stage: StageParams, device_memory: float,
                            memory_fraction: float) -> MemoryReport:
     """Memory of a stage of msjax's pipelined step (`msjax.parallel.pipeline`), which differs from Megatron's:
-    every stage holds the embedding / output end (replicated over `pipeline`, one copy of a tied embedding);
-    gradients are float32, twice (the loop's accumulators and the optimizer's input), and the working memory
-    holds the optimizer's float32 update and, for V > 1, the regrouped copy of the stage's layers; activations
-    are the stash of 2 P V chunk inputs (b, T, D), split like
-    the residual stream (sequence and tensor), the send/receive buffers, and the activations of the one chunk
-    being recomputed under `jax.vjp` (its L / (P V) layers under the remat policy); every stage computes the
-    logits in its backward (their gradient masked where unused), so the logits and their gradient are working
-    memory on every stage. The microbatches in flight (`msjax.parallel.schedule.in_flight`) are live entries
-    of the stash, which is allocated whole.
+    every stage holds the embedding and output ends (replicated over `pipeline`, one copy of a tied embedding);
+    activations are the stash, `Schedule.slots` + 1 slots of one chunk's residuals (`stash_layer_bytes` per
+    layer under the remat policy, `stash_entry_invariant_bytes`) on every stage, allocated whatever the
+    microbatches in flight, and the tick loop's carried activations; the gradients are float32 accumulators
+    through the loop ((P, V, Lc, ...) layers and the ends) and the optimizer's input at the update; the working
+    memory is the largest of a tick's parts (`_pipeline_working`); at the update the optimizer's float32
+    temporaries (`PIPELINE_UPDATE_COPIES`).
     """
     from msjax.parallel.schedule import Schedule, in_flight
 
     p, v, m = layout.pipeline, layout.virtual_stages, layout.microbatches
     layers = cfg.model.num_layers // p
+    chunk_layers = layers // v
     pe, _, oe = state_bytes_per_element(cfg, layout)
     d = layout.data
-    e = DTYPE_BYTES[cfg.model.dtype]
-    s, b, t = cfg.train.seq_len, layout.microbatch_size, layout.tensor
-    split = (t if layout.sequence_parallel else 1) * layout.sequence
-    x_bytes = e * b * s * cfg.model.d_model / split
-    slots = Schedule(p, v, m if v == 1 or m % p == 0 else p).slots
-    chunk_layers = layers / v
     scanned = cfg.model.scan_layers and chunk_layers > 1  # the chunk is a scan of Lc layers (one: no loop)
-    per_layer = msjax_per_layer(cfg, layout, scanned)
-    ends = msjax_ends_bytes(cfg, layout)
-    acts = (slots + 4) * x_bytes + chunk_layers * per_layer + ends["stream"]
-    remat_working = msjax_layer_activation_bytes(cfg, layout, scanned) if layout.remat != "none" else 0.0
-    # the chunk's vjp gathers its layers' FSDP weights once (both passes read them) unless they are scanned
-    fsdp_buffers = fsdp_gathered_bytes(cfg, layout, stage, int(chunk_layers))
-    # stage_params adds a Megatron-style copy of a tied embedding on the last stage; msjax has none
-    wte_copy = _tied_copy(cfg, layout) if cfg.model.tie_embeddings else 0
-    ends_elements = stage.first_elements + stage.last_elements - wte_copy
-    # what the stage computes with: its L / P layers (the (P, V, Lc, ...) regrouped copy and its accumulators)
-    stage_elements = layers * stage.layer_elements + ends_elements
+    slots = Schedule(p, v, m if v == 1 or m % p == 0 else p).slots
+    per_layer = stash_layer_bytes(cfg, layout, scanned)
+    entry = chunk_layers * per_layer + stash_entry_invariant_bytes(cfg, layout, scanned)
+    x_bytes = DTYPE_BYTES[cfg.model.dtype] * layout.microbatch_size * cfg.train.seq_len * cfg.model.d_model / (
+        (layout.tensor if layout.sequence_parallel else 1) * layout.sequence)
+    rerun = cfg.mesh.tp_overlap == "collective_matmul" and layout.tensor > 1
+    if rerun:  # the collective matmul's chunks are stashed by their input and run again in the backward
+        per_layer, entry = x_bytes / chunk_layers, x_bytes
+    acts = (slots + 1) * entry + PIPELINE_CARRIES * x_bytes
+    ends = ends_elements(cfg, layout, stage)
+    stage_elements = layers * stage.layer_elements + ends
     # what the device stores: stacked layers are split over `pipeline`; per-layer parameters
     # (scan_layers=False) are replicated over it, so every device stores, and updates, all L layers
     stored_layers = layers if cfg.model.scan_layers else cfg.model.num_layers
-    elements = stored_layers * stage.layer_elements + ends_elements
+    elements = stored_layers * stage.layer_elements + ends
     zero1 = d if layout.zero_stage >= 1 else 1
-    params = pe * elements
-    # float32 gradients: the accumulators the tick loop carries ((P, V, Lc, ...) and the ends), live through the
-    # loop, and the gradients handed to the optimizer in the parameters' own layout
-    accumulators = 4.0 * stage_elements
     zero2 = d if layout.zero_stage >= 2 else 1
-    grads = (accumulators + 4.0 * elements) / zero2
+    params = pe * elements
     opt = oe * elements / zero1
-    # The update phase. XLA's live ranges inside the optimizer's update of the compiled pipelined steps
-    # (docs/planner.md, "The pipelined update phase") hold, beyond the parameters and moments, the optimizer's
-    # gradients and at most two float32 copies of the state (its update and the new moments or parameters before
-    # they replace the donated ones; measured 0.3-1.1 copies with AdamW, 0.7-2.0 with LAMB): once unstaged into
-    # those gradients the tick loop's accumulators and the regrouped copy are dead. Per-layer parameters
-    # (scan_layers=False) are modelled so. Stacked layers keep the accumulators and regrouped copy in the update
-    # phase: there the estimate's backward misses most of gpt175b's (pp8 x tp8: 20.5 GB against 48.4 GB live) and
-    # this surplus is what brings the total to XLA's; dropping it alone would call that layout a fit on 80 GB
-    # devices at 68 GiB where XLA's buffers need 78.5 GiB.
-    update = 2 * 4.0 * elements / zero1
+    accumulators = 4.0 * stage_elements
+    grads = (accumulators + 4.0 * elements) / zero2
+    # the regrouped (P, V, Lc, ...) copy of the stage's layers (V > 1, or per-layer parameters)
     regroup = pe * layers * stage.layer_elements if (v > 1 or not cfg.model.scan_layers) else 0.0
-    work = remat_working + fsdp_buffers + ends["logits"] + ends["embedding"] + ends["head_table"] + regroup
-    if cfg.model.scan_layers:
-        update, grads_at_update = update + regroup, None
-    else:
-        grads_at_update = 4.0 * elements / zero2
+    work = _pipeline_working(cfg, layout, stage, chunk_layers, entry, ends, scanned) + regroup \
+        + fsdp_gathered_bytes(cfg, layout, stage, 2)
+    if rerun:  # the chunk's activations while its backward runs it again
+        work += chunk_layers * stash_layer_bytes(cfg, layout, scanned)
+    update = PIPELINE_UPDATE_COPIES * 4.0 * elements / zero1
+    if cfg.model.scan_layers and v > 1:
+        # Stacked layers interleaved over the stages (`PipelinedGrads.stage`, V > 1) move in P rounds of
+        # ppermute, into a regrouped copy and back for the gradients. In the compiled 175B step (pp8 x tp8,
+        # V = 3) XLA held, at that phase, the stash, the float32 accumulators, two float32 copies of the stage's
+        # layers and a round's buffer at once: that phase is priced as the backward's (it is the larger).
+        width = -(-v // p)
+        moving = (accumulators + 2 * 4.0 * layers * stage.layer_elements
+                  + 4.0 * width * chunk_layers * stage.layer_elements)
+        work = max(work, moving - accumulators / zero2)
+    e_name = cfg.model.dtype
+    labels = {
+        "params": f"parameters ({pe:.0f} B/param: {stored_layers} layers and the embedding/output ends)",
+        "grads": f"gradients: float32 accumulators + the optimizer's input (2 x 4 B/param"
+                 f"{', sharded over data' if layout.zero_stage >= 2 else ''})",
+        "optimizer": f"optimizer ({cfg.optimizer.name}, {oe:.0f} B/param"
+                     f"{', sharded over data' if layout.zero_stage >= 1 else ''})",
+        "activations": f"stash: {slots + 1} slots x {chunk_layers} layers x {per_layer / 2**20:.1f} MiB "
+                       f"({layout.remat}, {e_name}) + carries",
+        "working": "working (a tick's backward, output layer or embedding gradient; regrouped layers)",
+    }
     return MemoryReport(params, grads, opt, acts, work, memory_fraction * device_memory, device_memory, per_layer,
-                        in_flight(p, v, m) * chunk_layers, grads_in_backward=accumulators, update=update,
-                        grads_at_update=grads_at_update)
+                        in_flight(p, v, m) * chunk_layers, grads_in_backward=accumulators / zero2, update=update,
+                        grads_at_update=4.0 * elements / zero2, labels=labels, packing_fraction=PIPELINE_PACKING)
+
+
+# The pipelined step's memory constants (docs/planner.md, "msjax's pipelined step"). Counted: the tick loop's
+# carried activations, in residual-stream activations (the forward and backward inputs, the loss gradient, the
+# tick's two outputs and the embedding); the float32 copies of the stored state the optimizer's update holds
+# beyond its input gradients. Fitted on tests/msjax/test_planner_compile.py's PIPELINE_FIT_CASES and checked on
+# the pipelined layouts of its MEMORY_CASES, which they were not fitted on: the layers' activations live while a
+# chunk's backward recomputes under remat (up to 2: XLA overlaps a layer's recompute with the next one's
+# backward), and the holes XLA's packing leaves, as a fraction of the transient bytes (4% minimises the largest
+# error over the fit cases, 3.5%).
+PIPELINE_CARRIES = 6
+PIPELINE_UPDATE_COPIES = 1.0
+PIPELINE_BACKWARD_TEMPS = 2.0
+PIPELINE_PACKING = 0.04
+
+
+def _pipeline_working(cfg: Config, layout: Layout, stage: StageParams, chunk_layers: int, entry: float,
+                      ends: float, scanned: bool) -> float:
+    """The largest transient of a tick of msjax's pipelined step, bytes per device: the forward slot (a scanned
+    chunk's stacked residuals before they enter the stash), the backward slot (the chunk's weight gradients in
+    the parameter dtype and, under remat, the layer being recomputed; the stash slot it reads is read in
+    place), the output layer (float32 logits and softmax of the stage's T / P tokens and the ends'
+    gradients) or the embedding gradient (the gathered table's float32 gradient when the table is split, and the
+    ends' gradients)."""
+    m = cfg.model
+    pe = DTYPE_BYTES[m.param_dtype]
+    b, T, t, c = layout.microbatch_size, cfg.train.seq_len, layout.tensor, layout.sequence
+    V, d = layout.vocab, m.d_model
+    layer = msjax_layer_activation_bytes(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
+                                                                                            remat="none")),
+                                         dataclasses.replace(layout, remat="none"), False)
+    recompute = min(chunk_layers, PIPELINE_BACKWARD_TEMPS) * layer if layout.remat != "none" else 0.0
+    # weights cast to the compute dtype inside the vjp (recomputed, never stashed), in both slots
+    casts = DTYPE_BYTES[m.dtype] * chunk_layers * stage.layer_elements if m.dtype != m.param_dtype else 0.0
+    backward = pe * chunk_layers * stage.layer_elements + recompute + casts
+    # a scanned chunk's residuals come out of the scan stacked, one slot's worth, before they enter the stash
+    forward = (entry if scanned else 0.0) + casts
+    output = 3 * 4.0 * b * T * V / (t * c * layout.pipeline) + 4.0 * ends
+    embedding = (4.0 * V * d if t * layout.fsdp > 1 else 0.0) + 4.0 * ends
+    return max(forward, backward, output, embedding)
+
+
+def ends_elements(cfg: Config, layout: Layout, stage: StageParams) -> int:
+    """Elements per device of the embedding and output ends in msjax's pipelined step, where every stage holds
+    both (replicated over `pipeline`) and a tied embedding once: `stage_params`' first and last elements less
+    the Megatron-style copy it puts on the last stage."""
+    copy = _tied_copy(cfg, layout) if cfg.model.tie_embeddings and layout.pipeline > 1 else 0
+    return stage.first_elements + stage.last_elements - copy
 
 
 def _tied_copy(cfg: Config, layout: Layout) -> int:

@@ -52,10 +52,6 @@ class PlanOptions:
       overlap_fsdp: FSDP / ZeRO parameter all-gathers are prefetched one layer (chunk) ahead.
       overlap_dp: data-parallel gradient reduce-scatter runs during the backward pass of later chunks.
       overlap_pp: pipeline send/recv is decoupled and asynchronous (MegaScale sec. 3.2, fig. 4).
-      chunk_recompute: price msjax's pipelined step as it runs (`msjax.parallel.pipeline`): the tick loop stores
-        only each chunk's input and runs every chunk's forward again under `jax.vjp` in its backward, with the
-        output layer inside every chunk backward on every stage (`timing.msjax_pipeline_compute`). False models
-        a 1F1B that keeps the activations (Megatron-LM's, MegaScale's): the published rows are priced so.
       matmul_efficiency, attention_efficiency, hbm_efficiency: override the hardware's achievable fractions
         (0 keeps the default).
       memory_fraction: share of device memory the plan may use (the rest: allocator fragmentation, NCCL and
@@ -76,7 +72,6 @@ class PlanOptions:
     overlap_fsdp: bool = True
     overlap_dp: bool = True
     overlap_pp: bool = True
-    chunk_recompute: bool = True
     matmul_efficiency: float = 0.0
     attention_efficiency: float = 0.0
     hbm_efficiency: float = 0.0

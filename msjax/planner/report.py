@@ -59,29 +59,38 @@ def plan_text(plan: Plan) -> str:
     for k, v in plan.auto.items():
         add(f"  auto       {k} = {v}")
     add("")
-    add("Memory per device (most loaded stage)                         GiB")
+    add(f"{'Memory per device (most loaded stage)':74s}GiB")
     pe, ge, oe = mem.state_bytes_per_element(cfg, lay)
-    row = lambda label, value: add(f"  {label:58s}{_gib(value)}")  # noqa: E731
-    row(f"parameters ({pe:.0f} B/param)", m.params)
-    row(f"gradients ({ge:.0f} B/param{', sharded over data' if lay.zero_stage >= 2 else ''})", m.grads)
-    row(f"optimizer ({cfg.optimizer.name}, {oe:.0f} B/param{', sharded over data' if lay.zero_stage >= 1 else ''})",
-        m.optimizer)
+    row = lambda label, value: add(f"  {label:70s}{_gib(value)}")  # noqa: E731
+    row(m.label("params", f"parameters ({pe:.0f} B/param)"), m.params)
+    row(m.label("grads", f"gradients ({ge:.0f} B/param{', sharded over data' if lay.zero_stage >= 2 else ''})"),
+        m.grads)
+    row(m.label("optimizer", f"optimizer ({cfg.optimizer.name}, {oe:.0f} B/param"
+                             f"{', sharded over data' if lay.zero_stage >= 1 else ''})"), m.optimizer)
     if m.grads_in_backward is None:
-        row(f"activations ({m.in_flight_layers:.1f} layer-microbatches x {m.per_layer_activation / 2**20:.1f} MiB)",
-            m.activations)
+        row(m.label("activations", f"activations ({m.in_flight_layers:.1f} layer-microbatches x "
+                                   f"{m.per_layer_activation / 2**20:.1f} MiB)"), m.activations)
     else:  # msjax's step (memory.MemoryReport: phases)
-        row(f"activations stored ({m.per_layer_activation / 2**20:.1f} MiB per layer, microbatch)", m.activations)
-    row("working (layer being recomputed, logits, FSDP gather buffers)", m.working)
+        row(m.label("activations", f"activations stored ({m.per_layer_activation / 2**20:.1f} MiB per layer, "
+                                   "microbatch)"), m.activations)
+    row(m.label("working", "working (layer being recomputed, logits, FSDP gather buffers)"), m.working)
     if m.grads_in_backward is not None:
         phase = "backward" if m.backward_peak >= m.update_peak else "update"
         row(f"transient peak ({phase}; other phase {_gib(min(m.backward_peak, m.update_peak)).strip()} GiB)",
             m.transient)
-        row(f"XLA heap-packing allowance ({mem.HEAP_PACKING:.0%} of transient)", m.packing)
-    add(f"  {'total':58s}{_gib(m.total)}  of {m.capacity / GiB:.1f} GiB usable "
+        row(f"XLA heap-packing allowance ({m.packing_fraction:.0%} of transient)", m.packing)
+    add(f"  {'total':70s}{_gib(m.total)}  of {m.capacity / GiB:.1f} GiB usable "
         f"({plan.options.memory_fraction:.0%} of {m.device_memory / GiB:.0f}): {'fits' if m.fits else 'DOES NOT FIT'}")
     table = mem.activation_table(cfg, lay)
     add("  per layer per microbatch by remat policy: "
         + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in table.items()))
+    # why this remat: the same layout's total under each policy (cheapest recompute first)
+    stage = mem.stage_params(cfg, lay.vocab, lay.axis_sizes())
+    totals = {r: mem.memory_report(cfg, dataclasses.replace(lay, remat=r), stage, m.device_memory,
+                                   plan.options.memory_fraction) for r in ("none", "dots_no_batch", "dots", "full")}
+    add("  total by remat policy (this layout): " + ", ".join(
+        f"{r} {t.total / GiB:.1f} GiB{'' if t.fits else ' (does not fit)'}" for r, t in totals.items())
+        + f"; model.remat={lay.remat}")
     add("")
     add("Communication per step per device")
     add(f"  {'collective':34s} {'axes':17s} {'link':6s} {'GB/s':>6s} {'calls':>8s} {'GB/step':>9s} {'time':>12s}")
@@ -90,7 +99,8 @@ def plan_text(plan: Plan) -> str:
             f"{c.link.bandwidth / GB:6.0f} {c.calls:8.0f} {c.bytes_per_step / GB:9.2f} {_seconds(c.time_per_step)}")
     add("")
     add("Time per step (the pacing stage)")
-    add(f"  {'compute (fwd + bwd + recompute)':40s}{_seconds(t.compute)}")
+    add(f"  {'compute':40s}{_seconds(t.compute)}   (" + " + ".join(
+        f"{k} {_seconds(v).strip()}" for k, v in t.parts.items()) + ")")
     add(f"  {'pipeline bubble':40s}{_seconds(t.bubble)}")
     for k in sorted(t.comm_total):
         add(f"  {k + ' communication exposed':40s}{_seconds(t.exposed.get(k, 0.0))}   (of "
@@ -103,6 +113,10 @@ def plan_text(plan: Plan) -> str:
     add(f"  {'step':40s}{_seconds(t.step)}")
     add("")
     add("Throughput")
+    if not m.fits:  # a layout that cannot run has no throughput
+        add(f"  none: this layout does not fit in memory ({m.total / GiB:.2f} GiB needed per device, "
+            f"{m.capacity / GiB:.1f} GiB usable); the step times above are what it would take if it did")
+        return "\n".join(lines)
     add(f"  {plan.tokens_per_second:,.0f} tokens/s;  {plan.days:.2f} days for {plan.options.token_budget / 1e9:g}B "
         "tokens")
     add(f"  MFU {plan.mfu:.1%} (msjax FLOPs: {plan.model_flops_per_token / 1e9:.1f} GFLOP/token, causal"
@@ -123,17 +137,22 @@ def plan_dict(plan: Plan) -> dict:
         "memory": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer, "activations": m.activations,
                    "working": m.working, "total": m.total, "capacity": m.capacity, "fits": m.fits,
                    "per_layer_activation": m.per_layer_activation, "in_flight_layers": m.in_flight_layers,
+                   "labels": m.labels,
                    "per_layer_by_remat": mem.activation_table(plan.config, lay)},
         "collectives": [{"name": c.name, "group": c.group, "axes": list(c.axes), "op": c.op, "size": c.size,
                          "link": c.link.kind, "bus_bandwidth": c.link.bandwidth, "calls": c.calls,
                          "tensor_bytes": c.tensor_bytes, "bytes_per_step": c.bytes_per_step,
                          "seconds_per_step": c.time_per_step} for c in plan.collectives],
-        "time": {"step": t.step, "compute": t.compute, "bubble": t.bubble, "optimizer": t.optimizer,
+        "time": {"step": t.step, "compute": t.compute, "compute_parts": t.parts, "bubble": t.bubble,
+                 "optimizer": t.optimizer,
                  "contention": t.contention, "exposed": t.exposed, "hidden": t.hidden, "comm_total": t.comm_total,
                  "microbatch": t.microbatch_time, "link_busy": t.link_busy, "link_bound": t.link_bound},
-        "throughput": {"tokens_per_step": plan.tokens_per_step, "tokens_per_second": plan.tokens_per_second,
-                       "mfu": plan.mfu, "mfu_megatron_formula": plan.mfu_paper, "hfu": plan.hfu,
-                       "days": plan.days, "token_budget": plan.options.token_budget,
+        # a layout that does not fit has no throughput (null), only its step-time breakdown above
+        "throughput": {"tokens_per_step": plan.tokens_per_step,
+                       **{k: (v if m.fits else None) for k, v in (
+                           ("tokens_per_second", plan.tokens_per_second), ("mfu", plan.mfu),
+                           ("mfu_megatron_formula", plan.mfu_paper), ("hfu", plan.hfu), ("days", plan.days))},
+                       "token_budget": plan.options.token_budget,
                        "model_flops_per_token": plan.model_flops_per_token,
                        "megatron_flops_per_token": plan.paper_flops_per_token},
         "total_params": plan.total_params,

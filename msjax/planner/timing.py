@@ -14,7 +14,8 @@ Compute (per device, per layer and microbatch):
              hbm_efficiency); backward twice the forward traffic.
   recompute  full remat reruns the forward; dots / dots_no_batch rerun the elementwise ops (and the attention
              core when it is not saved).
-  output     the vocabulary projection and softmax cross-entropy on the last stage.
+  output     the vocabulary projection and softmax cross-entropy: on the last stage (Megatron's pipeline), or
+             spread over the stages, 1/p of the tokens each (msjax's, `msjax.parallel.pipeline`).
   sequence   context parallelism (axis size c) gives each member T/c contiguous tokens: every term above runs
              on T/c tokens, and attention on its T/c queries against the keys they attend. Fused kernels skip
              masked blocks, so the member with the last chunk does the most work and paces the step
@@ -62,7 +63,7 @@ from msjax.hardware import Hardware
 from msjax.planner import comm as comm_mod
 from msjax.planner.layout import Layout
 from msjax.parallel.schedule import bubble_fraction, in_flight
-from msjax.planner.memory import DTYPE_BYTES, StageParams, in_flight_chunks
+from msjax.planner.memory import DTYPE_BYTES, StageParams, ends_elements, in_flight_chunks
 from msjax.planner.options import (
     ATTENTION_EFFICIENCY, ATTENTION_EFFICIENCY_FA1, FLASH_BACKWARD_FACTOR, HBM_EFFICIENCY, OPTIMIZER_BYTES_PER_PARAM,
     OVERLAP_SLOWDOWN, PlanOptions,
@@ -169,7 +170,7 @@ def layer_times(cfg: Config, layout: Layout, rates: Rates) -> LayerTimes:
 
 @dataclass(frozen=True)
 class OutputTimes:
-    """Seconds per microbatch for the output layer (vocabulary projection + cross-entropy) on the last stage."""
+    """Seconds per microbatch for the whole output layer (vocabulary projection + cross-entropy)."""
 
     fwd: float
     bwd: float
@@ -188,7 +189,9 @@ def output_times(cfg: Config, layout: Layout, rates: Rates) -> OutputTimes:
 class StepTime:
     """Step-time breakdown, seconds (per device on the slowest stage), and derived throughput.
 
-    compute: fwd + bwd + recompute of all microbatches on the stage that sets the pace (no bubble). exposed:
+    compute: fwd + bwd + recompute of all microbatches on the stage that sets the pace (no bubble), and `parts`
+    the same by part: "forward", "backward" (the output layer's included where the stage runs it) and
+    "recompute" (what the remat policy runs again; 0 at `none`). exposed:
     communication on the critical path by group; compute + bubble + exposed + contention + optimizer = step
     (unless a link bound sets it). hidden: communication time overlapped with compute, by group. bubble:
     pipeline idle time. optimizer: the parameter update. link_busy: seconds each kind of link ("inter",
@@ -209,6 +212,7 @@ class StepTime:
     link_busy: dict = field(default_factory=dict)
     link_bound: str = ""
     contention: float = 0.0
+    parts: dict = field(default_factory=dict)
 
 
 def step_time(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions, stage: StageParams,
@@ -276,23 +280,44 @@ def step_time(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions, stag
                  + call("SEQ reduce-scatter (dK, dV)")) if layout.sequence > 1 else 0.0
 
     per_layer = lt.fwd + lt.bwd + lt.recompute
-    first_out, last_out = 0.0, ot.fwd + ot.bwd
-    if p > 1 and layout.baseline == "msjax" and opts.chunk_recompute:
-        per_layer, first_out, last_out = msjax_pipeline_compute(layout, lt, ot)
-    # Per microbatch on the first stage (embedding end) and the last (output layer); with p = 1 one device has
-    # both. The slowest stage sets the pipeline's pace (compute, TP, FSDP and SEQ exposure are its own).
-    stages = [(layers * per_layer + first_out, layers * tp_layer + tp_embed, layers * fsdp_layer + fsdp_embed,
-               layers * seq_layer),
-              (layers * per_layer + last_out, layers * tp_layer + tp_out, layers * fsdp_layer + fsdp_embed,
-               layers * seq_layer)]
-    if p == 1:
-        stages = [(stages[1][0], stages[0][1] + tp_out, stages[0][2], stages[0][3])]
+    # Compute of a microbatch on the pacing stage, by part: forward, backward, remat recompute and the output
+    # layer (`parts`); with p = 1 one device has everything.
+    if p > 1 and layout.baseline == "msjax":
+        # msjax's pipeline (msjax.parallel.pipeline): every stage runs its chunks' forward and backward in each
+        # busy tick (the bubble's idle stages masked, priced by the bubble below); the output layer and loss
+        # run once per microbatch spread over the stages (1/p of the tokens each, its input all-to-all'ed over
+        # `pipeline` and its gradient all-gathered back, on the critical path of that tick), and the embedding
+        # with its tensor-parallel pair on every stage. All stages alike: no stage paces the others. (The
+        # all-to-all and all-gather are added with the PP exposure below.)
+        ends = (ot.fwd + ot.bwd + tp_out) / p + tp_embed
+        # with the collective matmul (`mesh.tp_overlap`) the step stashes each chunk's input and runs the chunk
+        # again in its backward (`PipelinedGrads._chunk_vjp`): one more forward per layer
+        again = lt.fwd + fwd_tp if (cfg.mesh.tp_overlap == "collective_matmul" and t > 1) else 0.0
+        stages = [(layers * (per_layer + again), layers * tp_layer, layers * fsdp_layer + fsdp_embed,
+                   layers * seq_layer)]
+        parts = {"forward": layers * lt.fwd + ot.fwd / p, "backward": layers * lt.bwd + ot.bwd / p,
+                 "recompute": layers * (lt.recompute + again)}
+        layer_part = sum(stages[0])
+    else:
+        # Per microbatch on the first stage (embedding end) and the last (output layer). The slowest stage sets
+        # the pipeline's pace (compute, TP, FSDP and SEQ exposure are its own).
+        ends = 0.0
+        stages = [(layers * per_layer, layers * tp_layer + tp_embed, layers * fsdp_layer + fsdp_embed,
+                   layers * seq_layer),
+                  (layers * per_layer + ot.fwd + ot.bwd, layers * tp_layer + tp_out, layers * fsdp_layer + fsdp_embed,
+                   layers * seq_layer)]
+        if p == 1:
+            stages = [(stages[1][0], stages[0][1] + tp_out, stages[0][2], stages[0][3])]
+        last = p == 1 or sum(stages[-1]) >= sum(stages[0])
+        parts = {"forward": layers * lt.fwd + (ot.fwd if last else 0.0),
+                 "backward": layers * lt.bwd + (ot.bwd if last else 0.0), "recompute": layers * lt.recompute}
+        layer_part = max(sum(st) for st in stages)
     compute_mb, tp_mb, fsdp_mb, seq_mb = max(stages, key=sum)
-    t_mb = compute_mb + tp_mb + fsdp_mb + seq_mb
-    # (P - 1) / (V M + P - 1) of the step is bubble: the same function the train step prints at start-up.
-    pipeline_time = mb * t_mb / (1.0 - bubble_fraction(p, v, mb))
+    t_mb = layer_part + ends
+    # (P - 1) / (V M + P - 1) of the layers' time is bubble: the same function the train step prints at start-up.
+    pipeline_time = mb * layer_part / (1.0 - bubble_fraction(p, v, mb)) + mb * ends
     bubble = pipeline_time - mb * t_mb
-    exposed["TP"] = mb * tp_mb
+    exposed["TP"] = mb * tp_mb + (mb * (tp_out / p + tp_embed) if ends else 0.0)
     exposed["FSDP"] = mb * fsdp_mb
     if layout.sequence > 1:
         exposed["SEQ"] = mb * seq_mb
@@ -300,7 +325,8 @@ def step_time(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions, stag
     # PP send/recv.
     if p > 1:
         p2p = call("PP send/recv (activations)")
-        exposed["PP"] = 2 * (p * v - 1) * p2p if opts.overlap_pp else pp_steps
+        spread = mb * (call("PP all-to-all (output layer input)") + call("PP all-gather (output layer gradient)"))
+        exposed["PP"] = (2 * (p * v - 1) * p2p + spread) if opts.overlap_pp else pp_steps
     # DP (+ tied-embedding sync).
     if opts.overlap_dp:
         units = v if p > 1 else layers
@@ -315,7 +341,9 @@ def step_time(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions, stag
     else:
         exposed["DP"] = dp_rs + dp_ag + emb
     # Optimizer update over the local (ZeRO-sharded) state.
-    elements = layers * stage.layer_elements + max(stage.first_elements, stage.last_elements)
+    ends_held = ends_elements(cfg, layout, stage) if (p > 1 and layout.baseline == "msjax") else \
+        max(stage.first_elements, stage.last_elements)
+    elements = layers * stage.layer_elements + ends_held
     local = elements / (layout.data if layout.zero_stage >= 1 else 1)
     optimizer = local * OPTIMIZER_BYTES_PER_PARAM[cfg.optimizer.name] / rates.hbm
     hidden = {k: max(0.0, total.get(k, 0.0) - exposed.get(k, 0.0)) for k in total}
@@ -329,14 +357,17 @@ def step_time(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions, stag
     if bound > step:
         link_bound = "network" if busy["inter"] >= busy["intra"] else "intra-node links"
         step = bound
-    paced_by_last = p == 1 or stages[-1] == max(stages, key=sum)
-    hw_flops = mb * (layers * lt.hw_flops + (ot.hw_flops if paced_by_last else 0.0))
-    if p > 1 and layout.baseline == "msjax" and opts.chunk_recompute:  # the vjp's forward, every stage's head
-        hw_flops = mb * (layers * (lt.hw_flops + lt.fwd_flops) + v * ot.hw_flops)
-    return StepTime(step=step, compute=mb * compute_mb, bubble=bubble, optimizer=optimizer,
+    if p > 1 and layout.baseline == "msjax":
+        # what the hardware executes: every stage's chunks in all V M + P - 1 busy ticks (the bubble's masked
+        # runs included), 1/p of each microbatch's output layer
+        hw_flops = mb * layers * lt.hw_flops * (v * mb + p - 1) / (v * mb) + mb * ot.hw_flops / p
+    else:
+        paced_by_last = p == 1 or stages[-1] == max(stages, key=sum)
+        hw_flops = mb * (layers * lt.hw_flops + (ot.hw_flops if paced_by_last else 0.0))
+    return StepTime(step=step, compute=mb * sum(parts.values()), bubble=bubble, optimizer=optimizer,
                     exposed={k: v_ for k, v_ in exposed.items() if v_ or k in total}, hidden=hidden,
                     comm_total=total, microbatch_time=t_mb, hw_flops_per_step=hw_flops, link_busy=busy,
-                    link_bound=link_bound, contention=contention)
+                    link_bound=link_bound, contention=contention, parts={k: mb * x for k, x in parts.items()})
 
 
 def model_flops_per_token(cfg: Config, layout: Layout, megatron_convention: bool = False) -> float:
@@ -345,18 +376,3 @@ def model_flops_per_token(cfg: Config, layout: Layout, megatron_convention: bool
     if layout.window != mc.attention.window:
         mc = dataclasses.replace(mc, attention=dataclasses.replace(mc.attention, window=layout.window))
     return model_flops.flops_per_token(mc, cfg.train.seq_len, layout.vocab, megatron_convention)
-
-
-def msjax_pipeline_compute(layout: Layout, lt: LayerTimes, ot: "OutputTimes") -> tuple[float, float, float]:
-    """Compute of msjax's pipelined step per microbatch (`msjax.parallel.pipeline`): (per layer, output layer on
-    the first stage, output layer on the last stage), seconds.
-
-    The tick loop stores only each chunk's input and runs the backward as `jax.vjp` of the chunk from it, so
-    every layer runs its forward once more (as full rematerialisation would), on top of the remat policy's own
-    recompute inside that vjp: fwd + (fwd + bwd + recompute). Every stage runs the output layer (final norm,
-    projection, loss) inside each chunk's vjp, its cotangent masked except on the last virtual stage (a
-    per-stage branch would deadlock the collectives), so each of the V chunk backwards per microbatch costs
-    the output layer's forward and backward on every stage.
-    """
-    out = layout.virtual_stages * (ot.fwd + ot.bwd)
-    return lt.fwd + lt.fwd + lt.bwd + lt.recompute, out, out

@@ -10,7 +10,7 @@ import pytest
 
 from msjax import hardware
 from msjax.config import ConfigError, apply_overrides, load_preset
-from msjax.planner import PlanError, PlanOptions, make_plan, search
+from msjax.planner import PlanError, PlanOptions, make_plan, plan_text, search
 from msjax.planner import memory as mem
 from msjax.planner import timing
 from msjax.planner.cli import parse_plan_args, run
@@ -130,11 +130,15 @@ def test_state_memory_per_device_175b():
     assert rep.params == 4 * first  # float32 parameters
     assert rep.optimizer == pytest.approx(8 * first / 192)  # two float32 moments, ZeRO over data = 192
     assert rep.grads == pytest.approx(2 * 4 * first / 192)  # float32 accumulators + optimizer input, ZeRO-2
-    # the stash of 2 p v = 96 chunk inputs (b T h / t with sequence parallelism) + 4 send/receive buffers, and
-    # the one chunk (12 / 6 = 2 layers) being recomputed, and the ends' residual stream (embedding output, final
-    # norm input and output: 2 b T h / t, and the output projection's gathered input 2 b T h)
-    assert rep.activations == pytest.approx(100 * 2 * 2048 * h / 8 + 2 * rep.per_layer_activation
-                                            + 2 * 2048 * h * (2 / 8 + 2))
+    # the stash: V P + P + 1 = 6 x 8 + 8 + 1 = 57 slots of one chunk's residuals (12 / 6 = 2 layers, scanned),
+    # remat none, flash attention, parallel block, bf16 (e = 2), b T = 2048 tokens, t = 8 with sequence
+    # parallelism (memory.stash_layer_bytes): the LayerNorm's float32 input, bf16 output and float32 deviation
+    # per token, split over t: 2048 (6 h + 4) / 8; Q, K, V and the attention output (4 h) and six MLP-width
+    # tensors (6 x 4h) over t: 2 x 2048 x 28 h / 8; the float32 log-sum-exp of 128 / 8 heads: 4 x 2048 x 16;
+    # and 6 carried activations of the tick loop, 2 b T h / t each
+    per_layer = 2048 * (6 * h + 4) / 8 + 2 * 2048 * 28 * h / 8 + 4 * 2048 * 16
+    assert rep.per_layer_activation == per_layer
+    assert rep.activations == pytest.approx(57 * 2 * per_layer + 6 * 2 * 2048 * h / 8)
 
 
 def test_megatron_state_bytes():
@@ -472,32 +476,89 @@ def test_cli_parses_planner_and_config_flags(tmp_path):
     assert result["plan"]["memory"]["fits"]
 
 
-def test_msjax_pipeline_prices_the_vjp_forward_and_the_head_on_every_stage():
-    # msjax.parallel.pipeline stores only each chunk's input and runs the backward as jax.vjp of the chunk from
-    # it: every layer runs forward twice (plus its remat policy's recompute), and every stage runs the output
-    # layer (forward and backward) inside each of its V chunk backwards per microbatch. Written out against the
-    # planner's own per-layer and output-layer times, for gpt175b at P = 8, V = 6, remat none and full.
-    for remat in ("none", "full"):
+def test_msjax_pipeline_prices_each_microbatch_once():
+    # msjax.parallel.pipeline runs each chunk's forward and backward once per microbatch (plus only what the
+    # remat policy recomputes, as on one device) and the output layer once, spread over the stages (1/P each).
+    # Written out against the planner's own per-layer and output-layer times, for gpt175b at P = 8, V = 6.
+    for remat in ("none", "dots_no_batch", "full"):
         cfg = _cfg175(**{"model.remat": remat})
         lay, opts, hw = _layout(cfg)
         rates = timing.Rates.of(hw, opts)
         lt, ot = timing.layer_times(cfg, lay, rates), timing.output_times(cfg, lay, rates)
         stage = mem.stage_params(cfg, lay.vocab, lay.axis_sizes())
         st = timing.step_time(cfg, lay, hw, opts, stage)
-        layers, v, m = 96 // 8, 6, lay.microbatches
-        per_mb = layers * (lt.fwd + lt.fwd + lt.bwd + lt.recompute) + v * (ot.fwd + ot.bwd)
-        assert st.compute == pytest.approx(m * per_mb, rel=1e-12)
-        # the Megatron baseline's 1F1B keeps the activations: no extra forward, the head on the last stage only
+        layers, m, p = 96 // 8, lay.microbatches, 8
+        assert st.parts["forward"] == pytest.approx(m * (layers * lt.fwd + ot.fwd / p), rel=1e-12)
+        assert st.parts["backward"] == pytest.approx(m * (layers * lt.bwd + ot.bwd / p), rel=1e-12)
+        assert st.parts["recompute"] == pytest.approx(m * layers * lt.recompute, rel=1e-12)
+        assert (st.parts["recompute"] == 0.0) == (remat == "none")
+        assert st.compute == pytest.approx(sum(st.parts.values()), rel=1e-12)
+        # the hardware runs every stage's chunks in the bubble's busy ticks too: (V M + P - 1) / (V M) of them
+        assert st.hw_flops_per_step == pytest.approx(m * layers * lt.hw_flops * (6 * m + 7) / (6 * m)
+                                                     + m * ot.hw_flops / p)
+        # the Megatron baseline's last stage runs the whole output layer and paces the pipeline
         mlay, mopts, _ = _layout(cfg, baseline="megatron", sequence_parallel=True)
         mst = timing.step_time(cfg, mlay, hw, mopts, stage)
         mrates = timing.Rates.of(hw, mopts.effective())
         mlt, mot = timing.layer_times(cfg, mlay, mrates), timing.output_times(cfg, mlay, mrates)
         assert mst.compute == pytest.approx(m * (layers * (mlt.fwd + mlt.bwd + mlt.recompute) + mot.fwd + mot.bwd),
                                             rel=1e-12)
-        # the extra forward is priced in the hardware FLOPs too (HFU)
-        assert st.hw_flops_per_step == pytest.approx(m * (layers * (lt.hw_flops + lt.fwd_flops) + v * ot.hw_flops))
-        # a 1F1B that keeps its activations (the published systems, chunk_recompute=False): the plain count, the
-        # output layer on the last stage only
-        kst = timing.step_time(cfg, lay, hw, dataclasses.replace(opts, chunk_recompute=False), stage)
-        assert kst.compute == pytest.approx(m * (layers * (lt.fwd + lt.bwd + lt.recompute) + ot.fwd + ot.bwd),
-                                            rel=1e-12)
+
+
+def test_flagship_plan_prices_the_step_that_runs():
+    """The flagship command with no other flag (gpt175b's own remat) at MegaScale's efficiency, and with
+    model.remat=none nothing recomputed."""
+    cfg, opts, _ = parse_plan_args(["--config=gpt175b", "--devices=12288", "--hardware=a100-80g",
+                                    "--global_batch=6144", "--mesh.tensor=8", "--mesh.pipeline=8"])
+    plan = make_plan(cfg, opts)
+    assert plan.fits and plan.mfu >= 0.55, plan.mfu
+    none = make_plan(apply_overrides(cfg, {"model.remat": "none"}), opts)
+    assert none.fits and none.time.parts["recompute"] == 0.0 and none.mfu >= plan.mfu
+
+
+def test_a_plan_that_does_not_fit_exits_3_and_gives_no_throughput(capsys):
+    from msjax.planner.cli import EXIT_DOES_NOT_FIT, main
+
+    assert main(["--config=gpt175b", "--devices=8", "--mesh.pipeline=1"]) == EXIT_DOES_NOT_FIT
+    out = capsys.readouterr()
+    assert "DOES NOT FIT" in out.out and "MFU" not in out.out and "tokens/s" not in out.out
+    assert "none: this layout does not fit in memory" in out.out and "exit status 3" in out.err
+    assert main(["--config=gpt175b", "--devices=8", "--hardware=a100-40g", "--search"]) == EXIT_DOES_NOT_FIT
+    out = capsys.readouterr()
+    assert "nothing fits" in out.out and "no layout fits" in out.err
+    assert main(["--config=gpt_tiny", "--devices=8", "--mesh.fsdp=8"]) == 0
+    # every memory row of msjax's pipelined step says what it holds
+    plan = make_plan(load_preset("gpt175b"), PlanOptions(devices=12288, virtual_stages=6))
+    text = plan_text(plan)
+    assert "gradients: float32 accumulators + the optimizer's input (2 x 4 B/param" in text
+    assert "stash: 57 slots x 2 layers x 48.0 MiB (dots_no_batch, bfloat16) + carries" in text
+    assert "total by remat policy (this layout): none " in text
+
+
+@pytest.mark.parametrize("scan_layers, block, dtype", [(True, "serial", "float32"), (True, "parallel", "bfloat16"),
+                                                       (False, "serial", "bfloat16"), (False, "parallel", "float32")])
+def test_stash_bytes_are_the_steps_residuals(scan_layers, block, dtype):
+    """The planner's stash slot (`memory.stash_layer_bytes` x layers per chunk + `stash_entry_invariant_bytes`)
+    is, to the byte, what the pipelined step's forward saves for its backward (`PipelinedGrads.stash_entry`,
+    the residual pytree of the chunk's vjp), under every remat policy, for chunks of one layer (unrolled) and
+    of two (a scan when layers are stacked)."""
+    import jax
+
+    from msjax.config import Config
+    from msjax.mesh import make_mesh
+    from msjax.planner.preflight import cpu_hardware
+    from msjax.train_step import build_train_program
+
+    base = {"model.d_model": 48, "model.num_heads": 4, "model.d_ff": 80, "model.max_seq_len": 16,
+            "train.seq_len": 16, "train.global_batch": 6, "mesh.data": 1, "model.vocab_size": 100,
+            "mesh.pipeline": 2, "model.scan_layers": scan_layers, "model.block": block, "model.dtype": dtype}
+    for remat, layers in [(r, 4) for r in ("none", "dots_no_batch", "dots", "full")] + [("none", 2)]:
+        cfg = apply_overrides(Config(), {**base, "model.remat": remat, "model.num_layers": layers}).validate()
+        program = build_train_program(cfg, make_mesh(cfg.mesh, jax.devices()[:2]))
+        stash = sum(a.size * a.dtype.itemsize for a in program.pipeline.stash_entry(3))
+        lay = make_layout(cfg, PlanOptions(devices=2), cpu_hardware(1e12), {**cfg.mesh.axis_sizes(), "data": 1}, 1,
+                          3, 0, remat)
+        chunk = layers // 2
+        scanned = scan_layers and chunk > 1
+        assert chunk * mem.stash_layer_bytes(cfg, lay, scanned) + mem.stash_entry_invariant_bytes(
+            cfg, lay, scanned) == stash, (remat, layers)

@@ -27,6 +27,19 @@ _A = {**_PIPE, "model.num_layers": 2, "model.scan_layers": True, "model.block": 
       "model.attention.window": 12}
 _B = {**_PIPE, "model.num_layers": 4, "model.scan_layers": False, "model.block": "parallel",
       "model.attention.window": None, "optimizer.name": "lamb"}
+# The pipelined step's fitted constants (msjax.planner.memory: PIPELINE_BACKWARD_TEMPS, PIPELINE_PACKING) were
+# fitted on these layouts (remat policies, a stacked chunk of two layers, bf16 over float32 parameters) and are
+# checked on the pipelined MEMORY_CASES below, which they were not fitted on (docs/planner.md).
+PIPELINE_FIT_CASES = [
+    (None, {**_A, "mesh.pipeline": 2, "model.remat": "full"}, 2),
+    (None, {**_B, "mesh.pipeline": 2, "mesh.tensor": 2, "model.remat": "dots_no_batch"}, 4),
+    (None, {**_A, "model.num_layers": 4, "mesh.pipeline": 2, "train.global_batch": 16}, 2),
+    (None, {**_B, "model.scan_layers": True, "mesh.pipeline": 2, "model.d_model": 128, "model.d_ff": 512,
+            "model.remat": "dots"}, 2),
+    ("gpt_tiny", {"mesh.pipeline": 2, "mesh.data": 1, "model.remat": "full", "train.global_batch": 8,
+                  "model.vocab_size": 4096}, 2),
+    (None, {**_A, "mesh.pipeline": 2, "model.dtype": "bfloat16", "model.d_model": 128}, 2),
+]
 MEMORY_CASES = [(p, o, n) for p, o, n in CASES if n <= 8] + [
     (None, {**_A, "mesh.pipeline": 2}, 2),
     (None, {**_B, "mesh.pipeline": 4}, 4),
@@ -36,10 +49,15 @@ MEMORY_CASES = [(p, o, n) for p, o, n in CASES if n <= 8] + [
     ("gpt_tiny", {"mesh.tensor": 2, "mesh.fsdp": 4, "mesh.tp_overlap": "collective_matmul"}, 8),
     ("gpt_tiny", {"mesh.fsdp": 8, "model.scan_layers": True, "mesh.fsdp_prefetch": True}, 8),
     ("gpt_tiny", {"mesh.fsdp": 4, "mesh.tensor": 2, "mesh.rules": "zero2"}, 8),
-]
+] + PIPELINE_FIT_CASES
 
 
 def _id(preset, overrides):
+    fit = "fit-" if any(overrides is o for _, o, _ in PIPELINE_FIT_CASES) else ""
+    return fit + _name(preset, overrides)
+
+
+def _name(preset, overrides):
     if preset is None:  # a test_pipeline reference: name it and the keys beyond it
         ref = "A" if overrides["model.scan_layers"] else "B"
         base = _A if ref == "A" else _B
