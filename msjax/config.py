@@ -157,12 +157,13 @@ class PipelineConfig:
     """Pipeline parallelism over the `pipeline` mesh axis (interleaved 1F1B; see msjax/parallel/pipeline.py and
     docs/pipeline.md). Only read when mesh.pipeline > 1.
 
-    microbatches: M, microbatches per pipeline flush; 0 takes mesh.pipeline (the fewest that fill the pipeline;
-      raise it to shrink the bubble (P - 1) / (V M + P - 1)). Each of the `train.microbatches`
-      gradient-accumulation rounds of a step is one pipeline flush of M microbatches, so a microbatch holds
-      train.global_batch / (train.microbatches x M) sequences.
-    virtual_stages: V, model chunks per stage (Narayanan et al. 2021 sec. 2.2); a chunk holds
-      model.num_layers / (mesh.pipeline x V) layers. V > 1 needs M to be a multiple of mesh.pipeline.
+    Attributes:
+      microbatches: M, microbatches per pipeline flush; 0 takes mesh.pipeline (the fewest that fill the
+        pipeline; raise it to shrink the bubble (P - 1) / (V M + P - 1)). Each of the `train.microbatches`
+        gradient-accumulation rounds of a step is one pipeline flush of M microbatches, so a microbatch holds
+        train.global_batch / (train.microbatches x M) sequences.
+      virtual_stages: V, model chunks per stage (Narayanan et al. 2021 sec. 2.2); a chunk holds
+        model.num_layers / (mesh.pipeline x V) layers. V > 1 needs M to be a multiple of mesh.pipeline.
     """
 
     microbatches: int = 0
@@ -253,6 +254,9 @@ class TrainConfig:
       sample_temperature: softmax temperature of that sample.
       run_dir: directory for config, metrics, TensorBoard events and checkpoints.
       progress: show a progress bar.
+      nonfinite: a step whose loss or gradient norm is not finite never updates the state (msjax.faults):
+        `skip` goes on with the next batch and counts it (metric `skipped`); `stop` ends the run with an error,
+        leaving the newest verified checkpoint as the point `--resume` rolls back to.
     """
 
     steps: int = 1000
@@ -267,9 +271,6 @@ class TrainConfig:
     sample_temperature: float = 0.8
     run_dir: str = "runs/default"
     progress: bool = True
-    # A step whose loss or gradient norm is not finite never updates the state (msjax.faults): `skip` goes on
-    # with the next batch and counts it (metric `skipped`); `stop` ends the run with an error, leaving the newest
-    # verified checkpoint as the point `--resume` rolls back to.
     nonfinite: Literal["skip", "stop"] = "skip"
 
 
@@ -312,30 +313,34 @@ class SupervisorConfig:
     """The supervisor that watches a multi-process run and heals it (`msjax.supervise`): heartbeats, failure
     detection, self-check diagnostics, restarts within a budget with exponential backoff, re-planning.
 
-    enabled: `scripts/launch.py` runs the job under the supervisor. Times are seconds.
-    heartbeat_period_s: how often each worker sends a heartbeat (its step, with a TTL of the timeout).
-    heartbeat_timeout_s: a worker whose last heartbeat is older than this is failed (a hang, SIGSTOP).
-    startup_timeout_s: a worker that has sent no heartbeat this long after its start is failed.
-    stall_timeout_s: a worker whose step has not advanced this long while another's did is failed, and so is
-      every worker when none advanced this long with heartbeats still coming (a job-wide hang) (0: off; set it
-      above the longest checkpoint save or evaluation).
-    restart_budget: restarts allowed over the whole run; one more failure ends it with a report.
-    backoff_s, backoff_max_s: delay before a restart is min(backoff_s * 2**k, backoff_max_s), k the failures in a
-      row before it (0-based; an attempt that trained resets k, as Kubernetes' CrashLoopBackOff does).
-    stop_grace_s: after SIGTERM, how long workers get to save and exit before SIGKILL (when a worker is dead, hung
-      or stalled the others cannot step or save: 1 s at most then, msjax.supervise.supervisor.stop_grace).
-    diagnose: run the self-checks on every host after a failure and exclude the hosts that fail.
-    diagnose_after_kill: run them also when every failed worker was killed by SIGKILL/SIGTERM/SIGINT (the OOM
-      killer, an operator; msjax.supervise.detect.needs_diagnosis), which points at no device.
-    standby: keep a warm standby worker per host (jax and the stack imported) for restarts (local backend;
-      msjax.supervise.standby).
-    diagnose_timeout_s: the diagnostics' time limit (a host that does not answer in time fails).
-    diag_min_matmul_flops: the per-device matmul rate below which a host fails its speed check, FLOP/s; 0 takes
-      0.1 x the catalogue peak on accelerators and 1e9 on CPU.
-    spares: extra hosts held back to replace excluded ones (local backend: extra processes).
-    replan: when hosts are excluded and no spare is left, re-plan the same global batch onto the devices left.
-    replan_hardware: the planner's hardware model for re-planning ("" : the catalogue entry of the devices,
-      a100-80g as a stand-in on CPU).
+    Times are seconds.
+
+    Attributes:
+      enabled: `scripts/launch.py` runs the job under the supervisor.
+      heartbeat_period_s: how often each worker sends a heartbeat (its step, with a TTL of the timeout).
+      heartbeat_timeout_s: a worker whose last heartbeat is older than this is failed (a hang, SIGSTOP).
+      startup_timeout_s: a worker that has sent no heartbeat this long after its start is failed.
+      stall_timeout_s: a worker whose step has not advanced this long while another's did is failed, and so is
+        every worker when none advanced this long with heartbeats still coming (a job-wide hang) (0: off; set
+        it above the longest checkpoint save or evaluation).
+      restart_budget: restarts allowed over the whole run; one more failure ends it with a report.
+      backoff_s: delay before a restart is min(backoff_s * 2**k, backoff_max_s), k the failures in a row before
+        it (0-based; an attempt that trained resets k, as Kubernetes' CrashLoopBackOff does).
+      backoff_max_s: the longest delay before a restart (see backoff_s).
+      stop_grace_s: after SIGTERM, how long workers get to save and exit before SIGKILL (when a worker is dead,
+        hung or stalled the others cannot step or save: 1 s at most then, msjax.supervise.supervisor.stop_grace).
+      diagnose: run the self-checks on every host after a failure and exclude the hosts that fail.
+      diagnose_after_kill: run them also when every failed worker was killed by SIGKILL/SIGTERM/SIGINT (the OOM
+        killer, an operator; msjax.supervise.detect.needs_diagnosis), which points at no device.
+      standby: keep a warm standby worker per host (jax and the stack imported) for restarts (local backend;
+        msjax.supervise.standby).
+      diagnose_timeout_s: the diagnostics' time limit (a host that does not answer in time fails).
+      diag_min_matmul_flops: the per-device matmul rate below which a host fails its speed check, FLOP/s; 0
+        takes 0.1 x the catalogue peak on accelerators and 1e9 on CPU.
+      spares: extra hosts held back to replace excluded ones (local backend: extra processes).
+      replan: when hosts are excluded and no spare is left, re-plan the same global batch onto the devices left.
+      replan_hardware: the planner's hardware model for re-planning (empty: the catalogue entry of the devices,
+        a100-80g as a stand-in on CPU).
     """
 
     enabled: bool = False
@@ -374,21 +379,26 @@ class SupervisorConfig:
 class ObserveConfig:
     """Observability (`msjax/observe`): per-rank step timing, Python GC control, stragglers, profiling.
 
-    per_rank: every process writes per-step timing, loss, grad norm, lr, tokens/s and MFU to
-      `<run_dir>/ranks/rank<i>.jsonl`, and its timing figures to TensorBoard (`<run_dir>/tb/rank<i>`).
-    gc_every: automatic garbage collection is off during training and every process collects at the same step
-      every `gc_every` steps (torchtitan's gc_freq); 0 leaves Python's automatic collection on.
-    window: steps per straggler window: at its end every rank times a collective-free probe and the per-rank
-      figures are gathered and compared (0: no exchange).
-    threshold, persist: a rank is a straggler when its figure is >= threshold x the other ranks' median in each
-      of the last `persist` windows.
-    probe: time the collective-free compute probe at window ends (the rank's own compute speed).
-    probe_budget: the most the probe may take, as a fraction of the window's wall time (window x the median step
-      time); its chain of matmuls is sized to that at every window end (msjax.observe.timing.ComputeProbe).
-    profile_steps: "K:N" captures a jax.profiler trace of steps K..K+N-1 into `<run_dir>/profile/`; "" none.
-    profile_signal_steps: steps traced when SIGUSR1 asks for a profile (single-process runs).
-    exclude_stragglers: under the supervisor, record each flagged straggler's host in the run's excluded hosts
-      (the control plane's Redis), so the next restart leaves it out and re-plans (msjax/supervise); needs window.
+    Attributes:
+      per_rank: every process writes per-step timing, loss, grad norm, lr, tokens/s and MFU to
+        `<run_dir>/ranks/rank<i>.jsonl`, and its timing figures to TensorBoard (`<run_dir>/tb/rank<i>`).
+      gc_every: automatic garbage collection is off during training and every process collects at the same
+        step every `gc_every` steps (torchtitan's gc_freq); 0 leaves Python's automatic collection on.
+      window: steps per straggler window: at its end every rank times a collective-free probe and the per-rank
+        figures are gathered and compared (0: no exchange).
+      threshold: a rank is a straggler when its figure is >= threshold x the other ranks' median in each of the
+        last `persist` windows.
+      persist: consecutive windows a rank must stand out in before it is flagged.
+      probe: time the collective-free compute probe at window ends (the rank's own compute speed).
+      probe_budget: the most the probe may take, as a fraction of the window's wall time (window x the median
+        step time); its chain of matmuls is sized to that at every window end
+        (msjax.observe.timing.ComputeProbe).
+      profile_steps: "K:N" captures a jax.profiler trace of steps K..K+N-1 into `<run_dir>/profile/`; empty:
+        none.
+      profile_signal_steps: steps traced when SIGUSR1 asks for a profile (single-process runs).
+      exclude_stragglers: under the supervisor, record each flagged straggler's host in the run's excluded
+        hosts (the control plane's Redis), so the next restart leaves it out and re-plans (msjax/supervise);
+        needs window.
     """
 
     per_rank: bool = True
