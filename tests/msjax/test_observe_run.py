@@ -108,26 +108,30 @@ def test_profile_requested_mid_run_covers_the_steps_and_changes_no_loss(runs):
     assert [r["loss"] for r in _rows(prof_dir)] == [r["loss"] for r in _rows(plain_dir)]
 
 
-class ReadyAtStepEnd(Hook):
-    """Whether each step's loss is already computed when the hooks after the observer see the step (`is_ready`: no
-    wait), and a host sync of its own (float of the loss, before looking) at the steps in `sync_at`."""
+class InFlightAtStepEnd(Hook):
+    """How many dispatched steps are still being computed when the hooks after the observer see each step (`is_ready`
+    of every earlier step's loss: no wait), with a host sync of its own (float of the loss, before looking) at the
+    steps in `sync_at`."""
 
     def __init__(self, sync_at: tuple[int, ...]):
-        self.sync_at, self.ready = sync_at, {}
+        self.sync_at, self.losses, self.in_flight = sync_at, {}, {}
 
     def on_step_end(self, ctx, step, metrics):
         if step in self.sync_at:
             float(metrics["loss"])
         # the first shard: what a host read (float, np.asarray) waits for; the other devices' replicas may lag
-        self.ready[step] = metrics["loss"].addressable_shards[0].data.is_ready()
+        self.losses[step] = metrics["loss"].addressable_shards[0].data
+        self.in_flight[step] = sum(not x.is_ready() for x in self.losses.values())
 
 
 def test_the_observer_adds_no_host_sync_between_window_ends(tmp_path, small_corpus):
-    """With all per-step metrics on, the loop does not wait for a step before dispatching the next: a step's loss
-    is still being computed when the hooks see the step, except at window ends (the window's one sync) and where a
-    hook syncs on purpose (the control, proving that a sync shows). A per-step sync anywhere before these hooks
-    would make every step ready. The model (width 128, 16 x 64 tokens, 8 devices) is sized so a step's compute
-    outlasts the host's per-step work; the test passed 3 of 3 times beside two busy-loop processes (load 3.9)."""
+    """With all per-step metrics on, the loop does not wait for a step before dispatching the next: between window
+    ends the host runs ahead of the devices, so the steps still being computed pile up when the hooks see a step
+    (several at once), except at window ends (the window's one sync) and where a hook syncs on purpose (the
+    control, proving that a sync shows). A host sync on every step would leave none in flight; one every other
+    step at most one (the step after each sync), so the test asks for 3 in flight at some step of the first window
+    and for most free steps to be unfinished when seen. The model (width 128, 16 x 64 tokens, 8 devices) is sized
+    so a step's compute outlasts the host's per-step work."""
     from tests.msjax.conftest import tiny_run_config
 
     steps, window, sync_at = 16, 8, (12, 13)
@@ -136,9 +140,10 @@ def test_the_observer_adds_no_host_sync_between_window_ends(tmp_path, small_corp
         "train.global_batch": 16, "train.steps": steps, "train.eval_every": 0, "train.log_every": 0,
         "train.sample_tokens": 0, "checkpoint.every": 0, "observe.window": window, "observe.gc_every": 3,
         "optimizer.decay_steps": steps})
-    hook = ReadyAtStepEnd(sync_at)
+    hook = InFlightAtStepEnd(sync_at)
     run(cfg, hooks=[hook])
     assert len(_rows(tmp_path / "run")) == steps  # every step's row was written, by the watcher thread
-    assert all(hook.ready[s] for s in (window, *sync_at)), sorted(hook.ready.items())
+    assert all(hook.in_flight[s] == 0 for s in (window, *sync_at)), sorted(hook.in_flight.items())
     free = [s for s in range(2, steps) if s % window and s not in sync_at]  # step 1 compiles
-    assert sum(not hook.ready[s] for s in free) >= len(free) // 2, hook.ready
+    assert max(hook.in_flight[s] for s in range(2, window)) >= 3, sorted(hook.in_flight.items())
+    assert sum(hook.in_flight[s] > 0 for s in free) >= 0.75 * len(free), sorted(hook.in_flight.items())
