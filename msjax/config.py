@@ -384,12 +384,13 @@ class ObserveConfig:
         `<run_dir>/ranks/rank<i>.jsonl`, and its timing figures to TensorBoard (`<run_dir>/tb/rank<i>`).
       gc_every: automatic garbage collection is off during training and every process collects at the same
         step every `gc_every` steps (torchtitan's gc_freq); 0 leaves Python's automatic collection on.
-      window: steps per straggler window: at its end every rank times a collective-free probe and the per-rank
-        figures are gathered and compared (0: no exchange).
-      threshold: a rank is a straggler when its figure is >= threshold x the other ranks' median in each of the
-        last `persist` windows.
+      window: steps per straggler window: at its end the ranks' per-step figures (own compute timed inside the
+        step, host lag, host stall) are gathered and compared (0: no exchange, and no timing inside the step).
+      threshold: a rank is a straggler when one of its figures is >= threshold x the other ranks' median in each
+        of the last `persist` windows.
       persist: consecutive windows a rank must stand out in before it is flagged.
-      probe: time the collective-free compute probe at window ends (the rank's own compute speed).
+      probe: also time a collective-free compute probe at window ends, a second signal: reported and scored,
+        never flagging a rank by itself.
       probe_budget: the most the probe may take, as a fraction of the window's wall time (window x the median
         step time); its chain of matmuls is sized to that at every window end
         (msjax.observe.timing.ComputeProbe).

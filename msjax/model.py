@@ -25,7 +25,7 @@ from flax import nnx
 from msjax.config import ModelConfig
 from msjax.ops.attention import attention
 from msjax.ops.layer_norm import layer_norm
-from msjax.parallel import collective_matmul, fsdp_prefetch, options as overlap
+from msjax.parallel import arrival, collective_matmul, fsdp_prefetch, options as overlap
 from msjax.sharding import constrain
 from msjax.sharding_rules import axes as ax
 
@@ -216,7 +216,8 @@ class GPT(nnx.Module):
         # back to replicating it inside the gather ("involuntary full rematerialization").
         wte_vd = constrain(self.wte[...], (None, ax.ACT_EMBED))
         x_btd = jnp.take(wte_vd, tokens_bt, axis=0) + self.wpe[...][:t]
-        return constrain(x_btd.astype(dt), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED))
+        # where the backward pass ends: its gradient records when each device gets there (msjax.parallel.arrival)
+        return arrival.backward_end(constrain(x_btd.astype(dt), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED)))
 
     def head(self, x_btd: jax.Array) -> jax.Array:
         """Final norm and vocabulary projection: logits (B, T, V) float32 for the last layer's output (B, T, D),

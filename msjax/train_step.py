@@ -14,6 +14,7 @@ Train state (a plain pytree, what Orbax saves):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -26,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from msjax.config import Config, ConfigError
 from msjax.model import abstract_model, apply, init_params
 from msjax.optim import make_optimizer, skipped_steps
+from msjax.parallel.arrival import step_start, use_arrival_marks
 from msjax.parallel.options import use_overlap
 from msjax.parallel.pipeline import PipelinedGrads, microbatches, pipeline_rules
 from msjax.parallel.zero2 import reduce_scattered_grads
@@ -178,11 +180,15 @@ def build_train_program(cfg: Config, mesh: Mesh, vocab_size: int | None = None) 
 
     def train_step(state: dict, batch: dict) -> tuple[dict, dict]:
         params = state["params"]
-        with use_rules(mesh, rules), use_overlap(cfg.mesh):
+        # Each device's arrival at the gradient reduction, for the straggler detector (msjax.parallel.arrival);
+        # the pipeline's stages run the embedding inside their own schedule, where nothing is marked.
+        observed = cfg.observe.window and stages == 1
+        marks = use_arrival_marks(state["step"] + 1) if observed else contextlib.nullcontext()
+        with use_rules(mesh, rules), use_overlap(cfg.mesh), marks:
             if stages > 1:
                 loss, grads = pipelined(params, batch["inputs"], batch["targets"])
             else:
-                loss, grads = local_grads(params, batch["inputs"], batch["targets"])
+                loss, grads = local_grads(params, step_start(batch["inputs"]), batch["targets"])
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)

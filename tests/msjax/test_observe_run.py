@@ -9,6 +9,7 @@ import math
 import os
 import signal
 
+import numpy as np
 import pytest
 
 from msjax.hooks import Hook
@@ -147,3 +148,86 @@ def test_the_observer_adds_no_host_sync_between_window_ends(tmp_path, small_corp
     free = [s for s in range(2, steps) if s % window and s not in sync_at]  # step 1 compiles
     assert max(hook.in_flight[s] for s in range(2, window)) >= 3, sorted(hook.in_flight.items())
     assert sum(hook.in_flight[s] > 0 for s in free) >= 0.75 * len(free), sorted(hook.in_flight.items())
+
+
+def test_each_device_times_its_own_forward_and_backward_inside_the_step(layout_tokens):
+    """msjax.parallel.arrival on 8 devices (data 2 x fsdp 2 x tensor 2): every step records a start on each device
+    and an arrival per device and accumulated microbatch, inside the step's wall time. From the first start to the
+    last arrival is the forward pass and the backward's activation-gradient chain: with one microbatch most of the
+    step (marks whose callbacks fired as soon as XLA reached them, not once their block was computed, spanned ~1%
+    of it), never all of it. Evaluation records nothing."""
+    import time
+
+    import jax
+
+    from msjax.mesh import make_mesh
+    from msjax.parallel.arrival import ARRIVALS
+    from msjax.train_step import build_train_program
+    from tests.msjax.layouts import VOCAB, tiny_config
+
+    spans = {}
+    for micro in (2, 1):
+        cfg = tiny_config(**{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "train.microbatches": micro,
+                             "model.d_model": 128, "model.num_heads": 4})
+        program = build_train_program(cfg, make_mesh(cfg.mesh, jax.devices()[:8]), vocab_size=VOCAB)
+        state = program.init_fn(jax.random.key(0))
+        batch = {"inputs": jax.device_put(layout_tokens[:, :-1], program.batch_sharding),
+                 "targets": jax.device_put(layout_tokens[:, 1:], program.batch_sharding)}
+        state, metrics = program.step_fn(state, batch)  # compiles
+        jax.block_until_ready(metrics)
+        ARRIVALS.clear()
+        spans[micro] = []
+        for step in range(2, 6):
+            t0 = time.perf_counter()
+            state, metrics = program.step_fn(state, batch)
+            jax.block_until_ready(metrics)
+            wall = time.perf_counter() - t0
+            marks = ARRIVALS.take(step)
+            assert sorted(marks) == ["arrive", "start"]
+            assert (len(marks["start"]), len(marks["arrive"])) == (8, 8 * micro)
+            assert t0 < min(marks["start"]) and max(marks["arrive"]) < t0 + wall
+            spans[micro].append((max(marks["arrive"]) - min(marks["start"])) / wall)
+        jax.block_until_ready(program.eval_fn(state["params"], batch))
+        assert ARRIVALS.take(6) == {}
+    assert 0.35 < np.median(spans[1]) < 1.0, spans
+
+
+_LAG_CHILD = """
+import sys, time
+from msjax.observe.timing import LagSentinel
+sentinel = LagSentinel().start()
+print("ready", flush=True)
+time.sleep(float(sys.argv[1]))
+sentinel.stop()
+print(sentinel.lag_s, flush=True)
+"""
+
+
+def test_the_lag_sentinel_counts_the_time_its_process_was_stopped():
+    """Real signals: a process stopped twice for 0.4 s (SIGSTOP, SIGCONT) over 2 s of sleep reports at least 0.7 s
+    of host lag; the same process left alone reports under 0.3 s (its timer slack and wake-up latency)."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    lags = {}
+    for stopped in (True, False):
+        child = subprocess.Popen([sys.executable, "-c", _LAG_CHILD, "2.0"], cwd=root, stdout=subprocess.PIPE,
+                                 text=True)
+        try:
+            assert child.stdout.readline().strip() == "ready"
+            if stopped:
+                for _ in range(2):
+                    time.sleep(0.3)
+                    os.kill(child.pid, signal.SIGSTOP)
+                    time.sleep(0.4)
+                    os.kill(child.pid, signal.SIGCONT)
+            lags[stopped] = float(child.stdout.readline())
+            assert child.wait(30) == 0
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait(10)
+    assert lags[True] >= 0.7 and lags[False] < 0.3, lags
