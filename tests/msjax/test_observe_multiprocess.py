@@ -160,6 +160,7 @@ def test_the_same_run_unslowed_flags_nobody_and_streams_every_rank_to_redis(tmp_
                                                                             monkeypatch):
     _, run_dir = _launch(tmp_path / "plain", small_corpus, redis_server.url, "obs-plain", slow=False)
     windows = [json.loads(line) for line in (run_dir / "ranks" / "windows.jsonl").read_text().splitlines()]
+    print("per-window scores:", [(w["step"], w["scores"]) for w in windows])
     assert [w["step"] for w in windows] == list(range(WINDOW, STEPS + 1, WINDOW))
     assert all(w["stragglers"] == [] for w in windows), [(w["step"], w["scores"]) for w in windows]
     assert all(len(w["figures"]["own_compute_s"]) == NPROC and min(w["figures"]["own_compute_s"]) > 0

@@ -154,7 +154,7 @@ def test_each_device_times_its_own_forward_and_backward_inside_the_step(layout_t
     """msjax.parallel.arrival on 8 devices (data 2 x fsdp 2 x tensor 2): every step records a start on each device
     and an arrival per device and accumulated microbatch, inside the step's wall time. From the first start to the
     last arrival is the forward pass and the backward's activation-gradient chain: with one microbatch most of the
-    step (marks whose callbacks fired as soon as XLA reached them, not once their block was computed, spanned ~1%
+    step (marks whose callbacks fired as soon as XLA reached them, not once their block was computed, spanned ~10%
     of it), never all of it. Evaluation records nothing."""
     import time
 
