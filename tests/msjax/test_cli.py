@@ -104,7 +104,7 @@ def test_every_script_has_help(script, flag):
 @pytest.mark.parametrize("script, args, named", [
     ("bench_checkpoint.py", ["--saves=1"], "--saves=1: allowed is >= 2"),
     ("bench_checkpoint.py", ["--gibs=1"], "unknown flag --gibs; allowed: "),
-    ("bench_init.py", ["--tcpstore_impl=tcp"], "tcpstore_impl='tcp': allowed is one of 'auto', 'torch', 'twin'"),
+    ("bench_init.py", ["--barriers=x"], "barriers='x': allowed is int"),
     ("bench_parallel.py", ["--layouts=dp,pp3"], "--layouts='dp,pp3': allowed is a comma-separated list of dp, "),
     ("bench_parallel.py", ["--repeats=x"], "repeats='x': allowed is int"),
     ("bench_recovery.py", ["--kinds=kill,nap"], "--kinds='kill,nap': allowed is a comma-separated subset of "),
