@@ -389,6 +389,9 @@ class ObserveConfig:
       threshold: a rank is a straggler when one of its figures is >= threshold x the other ranks' median in each
         of the last `persist` windows.
       persist: consecutive windows a rank must stand out in before it is flagged.
+      own_compute: time each device's own forward and backward from inside the step (two host callbacks per
+        device and step, msjax.parallel.arrival), a straggler figure; off by default: on XLA:CPU the callbacks'
+        presence slowed the step by 10-30% (docs/stragglers.md), and their cost on GPUs is not measured.
       probe: also time a collective-free compute probe at window ends, a second signal: reported and scored,
         never flagging a rank by itself.
       probe_budget: the most the probe may take, as a fraction of the window's wall time (window x the median
@@ -407,6 +410,7 @@ class ObserveConfig:
     window: int = 20
     threshold: float = 1.5
     persist: int = 2
+    own_compute: bool = False
     probe: bool = True
     probe_budget: float = 0.005
     profile_steps: str = ""

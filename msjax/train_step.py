@@ -182,7 +182,7 @@ def build_train_program(cfg: Config, mesh: Mesh, vocab_size: int | None = None) 
         params = state["params"]
         # Each device's arrival at the gradient reduction, for the straggler detector (msjax.parallel.arrival);
         # the pipeline's stages run the embedding inside their own schedule, where nothing is marked.
-        observed = cfg.observe.window and stages == 1
+        observed = cfg.observe.window and cfg.observe.own_compute and stages == 1
         marks = use_arrival_marks(state["step"] + 1) if observed else contextlib.nullcontext()
         with use_rules(mesh, rules), use_overlap(cfg.mesh), marks:
             if stages > 1:

@@ -7,9 +7,9 @@ How a step is timed (every process, every step, nothing added to the training th
   dispatch_s   host time inside the jitted step's call (enqueueing; async dispatch returns before the device runs).
   checkpoint_s time the loop was blocked in the checkpoint save that preceded this step (device->host copy).
   gc_s         time of this step's scheduled garbage collection (0 on other steps).
-  start_t, arrive_t  timestamps each of this process's devices takes from inside the compiled step
-               (`msjax.parallel.arrival`): when the step begins on it, and when its backward pass has carried the
-               gradient back to the model's input (with gradient accumulation, its last microbatch's).
+  start_t, arrive_t  with `observe.own_compute`, timestamps each of this process's devices takes from inside the
+               compiled step (`msjax.parallel.arrival`): when the step begins on it, and when its backward pass has
+               carried the gradient back to the model's input (with gradient accumulation, its last microbatch's).
   lag_s        wall time by which this process's host lagged: a sentinel thread sleeping in ticks of LAG_TICK_S
                adds up how late it wakes (`LagSentinel`), late by whatever kept the process from running although
                it was ready to: stopped (SIGSTOP, a debugger), throttled (a CPU quota), descheduled (a noisy
@@ -36,9 +36,10 @@ From these, with done_t of the previous step:
 At the end of each window (`observe.window` steps, after the window's last step is done) the window's per-rank
 figures (own_compute_s, host_lag_s, host_stall_s, ...) are gathered with jax's multihost all-gather (one
 collective per window, not per step) and compared with the other ranks' median (`msjax.observe.stragglers`): those
-three, the rank's own compute and host time in its steps, decide who is a straggler. Except that where processes
-share a host's CPUs as their devices (several CPU-backend processes on one machine), own_compute_s is only reported:
-there each process's compute time follows how the OS shares the cores among them, not its own speed. That window
+three, the rank's own compute and host time in its steps, decide who is a straggler (own_compute_s only where it is
+timed, `observe.own_compute`). Except that where processes share a host's CPUs as their devices (several
+CPU-backend processes on one machine), own_compute_s is only reported: there each process's compute time follows
+how the OS shares the cores among them, not its own speed. That window
 boundary is the one host sync the observer adds.
 
 A second signal, reported and scored but never flagging a rank by itself: a *collective-free probe* timed by every
@@ -129,8 +130,8 @@ PROBE_LOCK_TIMEOUT_S = 60.0
 SCORED_FIGURES = {"own_compute_s": 0.05, "host_lag_s": 0.1, "host_stall_s": 0.1}
 # Scored and reported, never flagging a rank on their own (the module docstring: the probe is a second signal).
 ADVISORY_FIGURES = {"probe_s": 0.0}
-# The lag sentinel's sleep: 100 wake-ups a second cost a fraction of a percent of one core, and a pause shorter
-# than a tick still shows (the tick it falls in ends late by it).
+# The lag sentinel's sleep: 100 wake-ups a second cost ~0.3% of one core, and a pause shorter than a tick still
+# shows (the tick it falls in ends late by it).
 LAG_TICK_S = 0.01
 
 
@@ -147,10 +148,11 @@ class LagSentinel:
         self._thread = threading.Thread(target=self._run, name="msjax-lag-sentinel", daemon=True)
 
     def _run(self) -> None:
-        while True:
+        # time.sleep, not Event.wait(timeout): half the CPU per tick (~0.3% of a core at 100 ticks a second,
+        # against ~0.65%); stop() then waits up to one tick.
+        while not self._stop.is_set():
             t0 = time.monotonic()
-            if self._stop.wait(self.tick_s):
-                return
+            time.sleep(self.tick_s)
             self.lag_s += max(0.0, time.monotonic() - t0 - self.tick_s)  # only this thread writes it
 
     def start(self) -> "LagSentinel":

@@ -10,8 +10,9 @@ Both must be flagged, each with its host and mesh coordinates, in the log, event
 heatmap, whose boxed cells must be exactly the flagged processes' devices, holding their values. What decides is
 what the steps show per rank (msjax.observe.timing): the host lag each process accumulates during its steps (a
 paused process holds up every collective of the step it is in) and its own compute timed inside the step; the
-collective-free probe is reported beside them and decides nothing. On this machine the workers share two cores,
-so own compute follows how the OS shares them and is reported, not scored (ibid.).
+collective-free probe is reported beside them and decides nothing. The runs time own compute
+(observe.own_compute); on this machine the workers share two cores, so it follows how the OS shares them and is
+reported, not scored (ibid.).
 
 Unslowed run (the same flags): nobody is flagged, no cell is boxed, and every rank's per-step rows are in the run's
 Redis metrics stream with the same values as in its JSONL file (msjax.control.metrics).
@@ -55,7 +56,8 @@ def _flags(tmp: Path, corpus: Path) -> list[str]:
             f"--train.steps={STEPS}", "--train.eval_every=0", "--train.eval_batches=1", "--train.sample_tokens=0",
             "--train.log_every=4", f"--train.run_dir={tmp / 'run'}", "--train.progress=false",
             "--checkpoint.every=1000", "--mesh.data=4", "--mesh.tensor=2",
-            f"--observe.window={WINDOW}", f"--observe.threshold={THRESHOLD}", "--observe.persist=2"]
+            f"--observe.window={WINDOW}", f"--observe.threshold={THRESHOLD}", "--observe.persist=2",
+            "--observe.own_compute=true"]
 
 
 class Slowdown:

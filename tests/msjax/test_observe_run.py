@@ -151,11 +151,12 @@ def test_the_observer_adds_no_host_sync_between_window_ends(tmp_path, small_corp
 
 
 def test_each_device_times_its_own_forward_and_backward_inside_the_step(layout_tokens):
-    """msjax.parallel.arrival on 8 devices (data 2 x fsdp 2 x tensor 2): every step records a start on each device
-    and an arrival per device and accumulated microbatch, inside the step's wall time. From the first start to the
-    last arrival is the forward pass and the backward's activation-gradient chain: with one microbatch most of the
-    step (marks whose callbacks fired as soon as XLA reached them, not once their block was computed, spanned ~10%
-    of it), never all of it. Evaluation records nothing."""
+    """msjax.parallel.arrival (observe.own_compute) on 8 devices (data 2 x fsdp 2 x tensor 2): every step records a
+    start on each device and an arrival per device and accumulated microbatch, inside the step's wall time. From
+    the first start to the last arrival is the forward pass and the backward's activation-gradient chain: with one
+    microbatch most of the step (marks whose callbacks fired as soon as XLA reached them, not once their block was
+    computed, spanned ~10% of it), never all of it. Evaluation records nothing, and neither does a step compiled
+    without observe.own_compute."""
     import time
 
     import jax
@@ -168,7 +169,7 @@ def test_each_device_times_its_own_forward_and_backward_inside_the_step(layout_t
     spans = {}
     for micro in (2, 1):
         cfg = tiny_config(**{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "train.microbatches": micro,
-                             "model.d_model": 128, "model.num_heads": 4})
+                             "model.d_model": 128, "model.num_heads": 4, "observe.own_compute": True})
         program = build_train_program(cfg, make_mesh(cfg.mesh, jax.devices()[:8]), vocab_size=VOCAB)
         state = program.init_fn(jax.random.key(0))
         batch = {"inputs": jax.device_put(layout_tokens[:, :-1], program.batch_sharding),
@@ -190,6 +191,10 @@ def test_each_device_times_its_own_forward_and_backward_inside_the_step(layout_t
         jax.block_until_ready(program.eval_fn(state["params"], batch))
         assert ARRIVALS.take(6) == {}
     assert 0.35 < np.median(spans[1]) < 1.0, spans
+    unmarked = build_train_program(tiny_config(**{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}),
+                                   make_mesh(cfg.mesh, jax.devices()[:8]), vocab_size=VOCAB)
+    jax.block_until_ready(unmarked.step_fn(unmarked.init_fn(jax.random.key(0)), batch))
+    assert ARRIVALS.take(1) == {}
 
 
 _LAG_CHILD = """

@@ -223,9 +223,7 @@ def test_zero2_reduce_scatters_each_gradient_over_fsdp():
     all-reduce of everything would move 2 (n-1)/n. The same reduce-scatters are in the StableHLO lowered for
     GPU and TPU: they are written in the program, not left to one backend's pass."""
     data, fsdp = 2, 4
-    # observe.window=0: no straggler timestamps in the step (msjax.parallel.arrival), whose host callbacks lower
-    # only for the backend the process runs on, not for the other platforms lowered below
-    program = _program(cfg_for("serial", dict(data=data, fsdp=fsdp), **{"mesh.rules": "zero2", "observe.window": 0}))
+    program = _program(cfg_for("serial", dict(data=data, fsdp=fsdp), **{"mesh.rules": "zero2"}))
     state = program.abstract_state
     mu = optax.tree_utils.tree_get(state["opt_state"], "mu")  # laid out as the reduced gradients are
     sharded, whole = [], []  # (whole shape, shard shape) of the gradients split over fsdp; shapes of the others
