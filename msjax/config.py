@@ -391,7 +391,7 @@ class ObserveConfig:
       persist: consecutive windows a rank must stand out in before it is flagged.
       own_compute: time each device's own forward and backward from inside the step (two host callbacks per
         device and step, msjax.parallel.arrival), a straggler figure; off by default: on XLA:CPU the callbacks'
-        presence slowed the step by 10-30% (docs/stragglers.md), and their cost on GPUs is not measured.
+        presence slowed the step by about 12% (docs/stragglers.md), and their cost on GPUs is not measured.
       probe: also time a collective-free compute probe at window ends, a second signal: reported and scored,
         never flagging a rank by itself.
       probe_budget: the most the probe may take, as a fraction of the window's wall time (window x the median

@@ -23,8 +23,8 @@ flows on only after it (`jax.lax.optimization_barrier`). The block is read under
 array already has, so no collective is added. Both marks are the identity unless the train step traces inside
 `use_arrival_marks(step)`, which it does with `observe.own_compute` (the pipelined step marks nothing: its stages
 run the embedding inside their own schedule). They are not free: on XLA:CPU a program that holds host callbacks
-ran 10-30% slower than the same program without them, whether or not the callbacks ran (a callback under a
-`lax.cond` that never fired cost as much); what they cost on GPUs was not measured. With gradient accumulation the arrival fires once per microbatch. Timestamps are
+ran slower than the same program without them (about 12%, docs/stragglers.md), whether or not the callbacks ran
+(a callback under a `lax.cond` that never fired cost as much); what they cost on GPUs was not measured. With gradient accumulation the arrival fires once per microbatch. Timestamps are
 `time.perf_counter()` seconds of this process, collected in `ARRIVALS`.
 """
 
