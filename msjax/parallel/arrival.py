@@ -51,15 +51,19 @@ _STEP: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("msjax_
 
 class ArrivalLog:
     """Timestamps of the marks, per step and kind ("start", "arrive"), from the device threads that run the
-    callbacks (thread-safe)."""
+    callbacks (thread-safe). At most `max_keys` (step, kind) entries are kept, the oldest dropped first, so a
+    program run with marks and nobody taking them holds a bounded amount."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_keys: int = 4096) -> None:
         self._lock = threading.Lock()
         self._marks: dict[tuple[int, str], list[float]] = defaultdict(list)
+        self.max_keys = max_keys
 
     def record(self, step: int, kind: str, t: float) -> None:
         with self._lock:
             self._marks[(step, kind)].append(t)
+            if len(self._marks) > self.max_keys:
+                del self._marks[min(self._marks)]
 
     def take(self, step: int) -> dict[str, list[float]]:
         """kind -> the timestamps recorded for `step` (seconds, perf_counter); removes them and those of earlier
@@ -109,8 +113,8 @@ def _marked(x: jax.Array, names: tuple[str, ...], step: jax.Array, kind: str) ->
 
 @contextlib.contextmanager
 def use_arrival_marks(step: jax.Array) -> Iterator[None]:
-    """Makes `backward_end` record, under step number `step` (an int32 scalar of the traced step), for code traced
-    inside this context."""
+    """Makes `step_start` and `backward_end` record, under step number `step` (an int32 scalar of the traced step),
+    for code traced inside this context."""
     token = _STEP.set(step)
     try:
         yield
