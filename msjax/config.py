@@ -238,12 +238,13 @@ class PipelineConfig:
     """Pipeline parallelism over the `pipeline` mesh axis (interleaved 1F1B; see msjax/parallel/pipeline.py and
     docs/pipeline.md). Only read when mesh.pipeline > 1.
 
-    microbatches: M, microbatches per pipeline flush; 0 takes mesh.pipeline (the fewest that fill the pipeline;
-      raise it to shrink the bubble (P - 1) / (V M + P - 1)). Each of the `train.microbatches`
-      gradient-accumulation rounds of a step is one pipeline flush of M microbatches, so a microbatch holds
-      train.global_batch / (train.microbatches x M) sequences.
-    virtual_stages: V, model chunks per stage (Narayanan et al. 2021 sec. 2.2); a chunk holds
-      model.num_layers / (mesh.pipeline x V) layers. V > 1 needs M to be a multiple of mesh.pipeline.
+    Attributes:
+      microbatches: M, microbatches per pipeline flush; 0 takes mesh.pipeline (the fewest that fill the
+        pipeline; raise it to shrink the bubble (P - 1) / (V M + P - 1)). Each of the `train.microbatches`
+        gradient-accumulation rounds of a step is one pipeline flush of M microbatches, so a microbatch holds
+        train.global_batch / (train.microbatches x M) sequences.
+      virtual_stages: V, model chunks per stage (Narayanan et al. 2021 sec. 2.2); a chunk holds
+        model.num_layers / (mesh.pipeline x V) layers. V > 1 needs M to be a multiple of mesh.pipeline.
     """
 
     microbatches: int = 0
@@ -342,6 +343,9 @@ class TrainConfig:
         jsonl (<run_dir>/metrics.jsonl), tensorboard (<run_dir>/tb) and wandb (Weights & Biases: `pip install
         msjax[wandb]`; project from $WANDB_PROJECT, default "msjax"; $WANDB_MODE=offline works without an
         account), comma-separated.
+      nonfinite: a step whose loss or gradient norm is not finite never updates the state (msjax.faults):
+        `skip` goes on with the next batch and counts it (metric `skipped`); `stop` ends the run with an error,
+        leaving the newest verified checkpoint as the point `--resume` rolls back to.
     """
 
     steps: int = 1000
@@ -357,9 +361,6 @@ class TrainConfig:
     run_dir: str = "runs/default"
     progress: bool = True
     loggers: tuple[str, ...] = ("jsonl", "tensorboard")
-    # A step whose loss or gradient norm is not finite never updates the state (msjax.faults): `skip` goes on
-    # with the next batch and counts it (metric `skipped`); `stop` ends the run with an error, leaving the newest
-    # verified checkpoint as the point `--resume` rolls back to.
     nonfinite: Literal["skip", "stop"] = "skip"
 
 
@@ -425,34 +426,37 @@ class SupervisorConfig:
     detection, self-check diagnostics, restarts within a budget with exponential backoff, re-planning.
 
     A launcher runs a job under the supervisor with `msjax-launch --supervise` (msjax.launch). Times are seconds.
-    heartbeat_period_s: how often each worker sends its heartbeat (its step, with a TTL of the timeout; the one
-      heartbeat of msjax.control.hook, supervised or not).
-    heartbeat_timeout_s: a worker whose last heartbeat is older than this is failed (a hang, SIGSTOP).
-    startup_timeout_s: a worker that has sent no heartbeat this long after its start is failed.
-    stall_timeout_s: a worker whose step has not advanced this long while another's did is failed, and so is
-      every worker when none advanced this long with heartbeats still coming (a job-wide hang) (0: off; set it
-      above the longest checkpoint save or evaluation).
-    restart_budget: restarts allowed over the whole run; one more failure ends it with a report.
-    backoff_s, backoff_max_s: delay before a restart is min(backoff_s * 2**k, backoff_max_s), k the failures in a
-      row before it (0-based; an attempt that trained resets k, as Kubernetes' CrashLoopBackOff does).
-    stop_grace_s: after SIGTERM, how long workers get to save and exit before SIGKILL (when a worker is dead, hung
-      or stalled the others cannot step or save: one heartbeat period and a half second at most then,
-      msjax.supervise.supervisor.stop_grace).
-    diagnose: run the self-checks on every host after a failure and exclude the hosts that fail.
-    diagnose_after_kill: run them also when every failed worker was killed by SIGKILL/SIGTERM/SIGINT (the OOM
-      killer, an operator; msjax.supervise.detect.needs_diagnosis), which points at no device.
-    standby: keep a warm standby worker per host (jax and the stack imported) for restarts (local backend;
-      msjax.launch.standby).
-    diagnose_timeout_s: the diagnostics' time limit (a host that does not answer in time fails).
-    diag_min_matmul_flops: the per-device matmul rate below which a host fails its speed check, FLOP/s; 0 takes
-      0.1 x the catalogue peak on accelerators and 1e9 on CPU.
-    health_check: a site's own node health check, run on every host with the self-checks (a shell command, e.g.
-      `nhc` or the script a SLURM site runs as HealthCheckProgram; MSJAX_HOST names the host): a non-zero exit
-      fails the host; empty: none.
-    spares: extra hosts held back to replace excluded ones (local backend: extra processes).
-    replan: when hosts are excluded and no spare is left, re-plan the same global batch onto the devices left.
-    replan_hardware: the planner's hardware model for re-planning ("" : the catalogue entry of the devices,
-      a100-80g as a stand-in on CPU).
+
+    Attributes:
+      heartbeat_period_s: how often each worker sends its heartbeat (its step, with a TTL of the timeout; the one
+        heartbeat of msjax.control.hook, supervised or not).
+      heartbeat_timeout_s: a worker whose last heartbeat is older than this is failed (a hang, SIGSTOP).
+      startup_timeout_s: a worker that has sent no heartbeat this long after its start is failed.
+      stall_timeout_s: a worker whose step has not advanced this long while another's did is failed, and so is
+        every worker when none advanced this long with heartbeats still coming (a job-wide hang) (0: off; set
+        it above the longest checkpoint save or evaluation).
+      restart_budget: restarts allowed over the whole run; one more failure ends it with a report.
+      backoff_s: delay before a restart is min(backoff_s * 2**k, backoff_max_s), k the failures in a row before
+        it (0-based; an attempt that trained resets k, as Kubernetes' CrashLoopBackOff does).
+      backoff_max_s: the longest delay before a restart (see backoff_s).
+      stop_grace_s: after SIGTERM, how long workers get to save and exit before SIGKILL (when a worker is dead,
+        hung or stalled the others cannot step or save: one heartbeat period and a half second at most then,
+        msjax.supervise.supervisor.stop_grace).
+      diagnose: run the self-checks on every host after a failure and exclude the hosts that fail.
+      diagnose_after_kill: run them also when every failed worker was killed by SIGKILL/SIGTERM/SIGINT (the OOM
+        killer, an operator; msjax.supervise.detect.needs_diagnosis), which points at no device.
+      standby: keep a warm standby worker per host (jax and the stack imported) for restarts (local backend;
+        msjax.launch.standby).
+      diagnose_timeout_s: the diagnostics' time limit (a host that does not answer in time fails).
+      diag_min_matmul_flops: the per-device matmul rate below which a host fails its speed check, FLOP/s; 0
+        takes 0.1 x the catalogue peak on accelerators and 1e9 on CPU.
+      health_check: a site's own node health check, run on every host with the self-checks (a shell command,
+        e.g. `nhc` or the script a SLURM site runs as HealthCheckProgram; MSJAX_HOST names the host): a non-zero
+        exit fails the host; empty: none.
+      spares: extra hosts held back to replace excluded ones (local backend: extra processes).
+      replan: when hosts are excluded and no spare is left, re-plan the same global batch onto the devices left.
+      replan_hardware: the planner's hardware model for re-planning (empty: the catalogue entry of the devices,
+        a100-80g as a stand-in on CPU).
     """
 
     heartbeat_period_s: float = 1.0
@@ -491,21 +495,30 @@ class SupervisorConfig:
 class ObserveConfig:
     """Observability (`msjax/observe`): per-rank step timing, Python GC control, stragglers, profiling.
 
-    per_rank: every process writes per-step timing, loss, grad norm, lr, tokens/s and MFU to
-      `<run_dir>/ranks/rank<i>.jsonl`, and its timing figures to TensorBoard (`<run_dir>/tb/rank<i>`).
-    gc_every: automatic garbage collection is off during training and every process collects at the same step
-      every `gc_every` steps (torchtitan's gc_freq); 0 leaves Python's automatic collection on.
-    window: steps per straggler window: at its end every rank times a collective-free probe and the per-rank
-      figures are gathered and compared (0: no exchange).
-    threshold, persist: a rank is a straggler when its figure is >= threshold x the other ranks' median in each
-      of the last `persist` windows.
-    probe: time the collective-free compute probe at window ends (the rank's own compute speed).
-    probe_budget: the most the probe may take, as a fraction of the window's wall time (window x the median step
-      time); its chain of matmuls is sized to that at every window end (msjax.observe.timing.ComputeProbe).
-    profile_steps: "K:N" captures a jax.profiler trace of steps K..K+N-1 into `<run_dir>/profile/`; "" none.
-    profile_signal_steps: steps traced when SIGUSR1 asks for a profile (single-process runs).
-    exclude_stragglers: under the supervisor, record each flagged straggler's host in the run's excluded hosts
-      (the control plane's Redis), so the next restart leaves it out and re-plans (msjax/supervise); needs window.
+    Attributes:
+      per_rank: every process writes per-step timing, loss, grad norm, lr, tokens/s and MFU to
+        `<run_dir>/ranks/rank<i>.jsonl`, and its timing figures to TensorBoard (`<run_dir>/tb/rank<i>`).
+      gc_every: automatic garbage collection is off during training and every process collects at the same
+        step every `gc_every` steps (torchtitan's gc_freq); 0 leaves Python's automatic collection on.
+      window: steps per straggler window: at its end the ranks' per-step figures (own compute timed inside the
+        step, host lag, host stall) are gathered and compared (0: no exchange, and no timing inside the step).
+      threshold: a rank is a straggler when one of its figures is >= threshold x the other ranks' median in each
+        of the last `persist` windows.
+      persist: consecutive windows a rank must stand out in before it is flagged.
+      own_compute: time each device's own forward and backward from inside the step (two host callbacks per
+        device and step, msjax.parallel.arrival), a straggler figure; off by default: on XLA:CPU the callbacks'
+        presence slowed the step by about 12% (docs/stragglers.md), and their cost on GPUs is not measured.
+      probe: also time a collective-free compute probe at window ends, a second signal: reported and scored,
+        never flagging a rank by itself.
+      probe_budget: the most the probe may take, as a fraction of the window's wall time (window x the median
+        step time); its chain of matmuls is sized to that at every window end
+        (msjax.observe.timing.ComputeProbe).
+      profile_steps: "K:N" captures a jax.profiler trace of steps K..K+N-1 into `<run_dir>/profile/`; empty:
+        none.
+      profile_signal_steps: steps traced when SIGUSR1 asks for a profile (single-process runs).
+      exclude_stragglers: under the supervisor, record each flagged straggler's host in the run's excluded
+        hosts (the control plane's Redis), so the next restart leaves it out and re-plans (msjax/supervise);
+        needs window.
     """
 
     per_rank: bool = True
@@ -513,6 +526,7 @@ class ObserveConfig:
     window: int = 20
     threshold: float = 1.5
     persist: int = 2
+    own_compute: bool = False
     probe: bool = True
     probe_budget: float = 0.005
     profile_steps: str = ""

@@ -39,7 +39,7 @@ from msjax.ops.attention import attention, attention_at_positions
 from msjax.ops.layer_norm import layer_norm
 from msjax.ops.rms_norm import rms_norm
 from msjax.ops.rope import rope
-from msjax.parallel import collective_matmul, fsdp_prefetch, options as overlap
+from msjax.parallel import arrival, collective_matmul, fsdp_prefetch, options as overlap
 from msjax.sharding import constrain
 from msjax.sharding_rules import axes as ax
 
@@ -379,7 +379,8 @@ class GPT(nnx.Module):
         x_btd = jnp.take(wte_vd, tokens_bt, axis=0)
         if cfg.position == "learned":
             x_btd = x_btd + (self.wpe[...][:t] if positions_bt is None else jnp.take(self.wpe[...], positions_bt, 0))
-        return constrain(x_btd.astype(dt), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED))
+        # where the backward pass ends: its gradient records when each device gets there (msjax.parallel.arrival)
+        return arrival.backward_end(constrain(x_btd.astype(dt), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED)))
 
     def head(self, x_btd: jax.Array) -> jax.Array:
         """Final norm and vocabulary projection: logits (B, T, V) float32 for the last layer's output (B, T, D),

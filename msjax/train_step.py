@@ -14,6 +14,7 @@ Train state (a plain pytree, what Orbax saves):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -26,10 +27,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from msjax.config import Config, ConfigError
 from msjax.model import abstract_model, apply, init_params
 from msjax.optim import make_optimizer, skipped_steps
+from msjax.parallel.arrival import step_start, use_arrival_marks
 from msjax.parallel.options import use_overlap
 from msjax.parallel.pipeline import PipelinedGrads, microbatches, pipeline_rules
-from msjax.sharding import tree_shardings, use_rules
-from msjax.sharding_rules import RULE_SETS, logical_to_mesh_spec, optimizer_state_rules
+from msjax.parallel.zero2 import reduce_scattered_grads
+from msjax.sharding import constrain, tree_shardings, use_rules
+from msjax.sharding_rules import OPTIMIZER_STATE_RULES, RULE_SETS, logical_to_mesh_spec, optimizer_state_rules
 from msjax.sharding_rules import axes as ax
 
 
@@ -153,31 +156,42 @@ def build_train_program(cfg: Config, mesh: Mesh, vocab_size: int | None = None) 
         if model_cfg.scan_layers:  # drop the leading `layers` axis
             layer_specs = jax.tree.map(lambda s: P(*tuple(s)[1:]), layer_specs, is_leaf=lambda x: isinstance(x, P))
         pipelined = PipelinedGrads(cfg, mesh, rules, param_shardings, layer_specs, t.microbatches)
-    micro_spec = NamedSharding(mesh, P(None, *batch_spec))
+
+    def local_grads(params: dict, inputs_bt: jax.Array, targets_bt: jax.Array) -> tuple[jax.Array, dict]:
+        """Mean loss and gradients over the rows given (the global batch, or one device's rows under ZeRO-2)."""
+        if t.microbatches == 1:
+            return grad_fn(params, inputs_bt, targets_bt)
+
+        # Gradient accumulation: microbatch m takes rows m, m + M, m + 2M, ... so every microbatch still spans
+        # all data-parallel devices (each holds contiguous rows).
+        def split(x_bt):
+            x_mbt = x_bt.reshape(-1, t.microbatches, x_bt.shape[-1]).swapaxes(0, 1)
+            return constrain(x_mbt, (None, ax.ACT_BATCH, ax.ACT_SEQ))
+
+        def accumulate(carry, mb):
+            loss_sum, grad_sum = carry
+            loss, grads = grad_fn(params, mb[0], mb[1])
+            return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros),
+                                        (split(inputs_bt), split(targets_bt)))
+        return loss / t.microbatches, jax.tree.map(lambda g: g / t.microbatches, grads)
+
+    if cfg.mesh.rules in OPTIMIZER_STATE_RULES:  # ZeRO-2: reduce-scatter the gradients over fsdp by hand
+        local_grads = reduce_scattered_grads(local_grads, mesh, grad_shardings)
 
     def train_step(state: dict, batch: dict) -> tuple[dict, dict]:
         params = state["params"]
-        with use_rules(mesh, rules), use_overlap(cfg.mesh):
+        # Each device's arrival at the gradient reduction, for the straggler detector (msjax.parallel.arrival);
+        # the pipeline's stages run the embedding inside their own schedule, where nothing is marked.
+        observed = cfg.observe.window and cfg.observe.own_compute and stages == 1
+        marks = use_arrival_marks(state["step"] + 1) if observed else contextlib.nullcontext()
+        with use_rules(mesh, rules), use_overlap(cfg.mesh), marks:
             if stages > 1:
                 loss, grads = pipelined(params, batch["inputs"], batch["targets"])
-            elif t.microbatches == 1:
-                loss, grads = grad_fn(params, batch["inputs"], batch["targets"])
             else:
-                # Gradient accumulation: microbatch m takes rows m, m + M, m + 2M, ... so every microbatch still
-                # spans all data-parallel devices (each holds contiguous rows).
-                def split(x_bt):
-                    x_mbt = x_bt.reshape(micro, t.microbatches, -1).swapaxes(0, 1)
-                    return jax.lax.with_sharding_constraint(x_mbt, micro_spec)
-
-                def accumulate(carry, mb):
-                    loss_sum, grad_sum = carry
-                    loss, grads = grad_fn(params, mb[0], mb[1])
-                    return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
-
-                zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-                (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros),
-                                                (split(batch["inputs"]), split(batch["targets"])))
-                loss, grads = loss / t.microbatches, jax.tree.map(lambda g: g / t.microbatches, grads)
+                loss, grads = local_grads(params, step_start(batch["inputs"]), batch["targets"])
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)

@@ -7,4 +7,4 @@ Mesh axes, outer to inner: `pipeline`, `data`, `fsdp`, `sequence`, `tensor`.
 """
 
 from .axes import *  # noqa: F401,F403  (the constants are this package's API)
-from .rules import RULE_SETS, Rules, logical_to_mesh_spec, optimizer_state_rules  # noqa: F401
+from .rules import OPTIMIZER_STATE_RULES, RULE_SETS, Rules, logical_to_mesh_spec, optimizer_state_rules  # noqa: F401

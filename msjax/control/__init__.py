@@ -11,16 +11,14 @@ torch's TCPStore with Redis and removing O(n^2) barriers. This package owns that
                  the command stream), through redis-py with bounded reconnect backoff. `connect(url)` is the one
                  way in.
   rendezvous.py  the rendezvous protocol, written once as a generator of Redis commands (sans-IO) and executed
-                 either by redis-py (real workers) or by `resp.py`'s minimal asyncio client (the benchmark's
-                 thousands of simulated workers): O(1) round trips per worker.
-  resp.py        a minimal asyncio RESP2 client (connect, AUTH, one command at a time).
+                 by redis-py (real workers) or by the start-up benchmark's minimal asyncio client
+                 (`scripts/bench_init.py`, thousands of simulated workers): O(1) round trips per worker.
   worker.py      what a worker process does: rendezvous from MSJAX_* variables, then `jax.distributed.initialize`.
   hook.py        `ControlPlaneHook`: the loop's side (the one heartbeat, exit requests, reports, the command
                  channel -> LoopControl).
   metrics.py     per-rank metric rows into a Redis stream.
   phases.py      start-up phase marks a worker's heartbeat carries.
   probe.py       `python -m msjax.control.probe`: a Kubernetes liveness probe reading the heartbeat.
-  bench.py       `scripts/bench_init.py`: N simulated workers through Redis beside torch's TCPStore patterns.
 
 A single-process run without MSJAX_REDIS_URL imports nothing from here that needs Redis and runs unchanged.
 """

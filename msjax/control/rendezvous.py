@@ -2,7 +2,7 @@
 
 The protocol (one definition, `join_protocol`) is a generator that yields Redis commands and receives their replies
 (the "sans-IO" style): `rendezvous()` runs it with redis-py for real workers, and `scripts/bench_init.py` runs
-the very same generator with `msjax.control.resp`'s minimal asyncio client for thousands of simulated workers.
+the very same generator with a minimal asyncio client for thousands of simulated workers.
 
 Per worker, after connecting (and AUTH):
   1. One EVAL of `JOIN_SCRIPT` (atomic in Redis): read the generation (restart count), INCR the arrival count of
@@ -196,16 +196,6 @@ def run_protocol(gen: Generator[Command, Any, Any], execute: Callable[..., Any])
     try:
         while True:
             reply = execute(*gen.send(reply))
-    except StopIteration as stop:
-        return stop.value
-
-
-async def run_protocol_async(gen: Generator[Command, Any, Any], execute) -> Any:
-    """Drives a protocol generator with an async `await execute(*command) -> reply`; returns its value."""
-    reply = None
-    try:
-        while True:
-            reply = await execute(*gen.send(reply))
     except StopIteration as stop:
         return stop.value
 

@@ -5,8 +5,11 @@ runs one `StepObserver` for the whole benchmark, exactly as the loop does in a l
 with `ctx.timings` filled in, windows with the probe and the exchange, scheduled GC, per-rank JSONL and
 TensorBoard) and, with `redis=True`, the control plane's live sink (`msjax.control.metrics.RedisMetricsSink` on a
 private redis-server, flushed once a second by a background thread, as `ControlPlaneHook` does, and flushed once
-more inside the trial so no observed row is sent during a plain trial). The plain arm runs the bare loop with
-Python's automatic GC on, as a run without the observer. Each trial is a whole number of observer periods
+more inside the trial so no observed row is sent during a plain trial), with the step compiled as an observed run
+compiles it (with `observe.own_compute`, each device timestamping its step from inside, `msjax.parallel.arrival`). The plain arm runs the bare
+loop with the step compiled as a run with `observe.window=0` compiles it, and Python's automatic GC on, as a run
+without the observer. (The observer's lag sentinel thread, started once for the whole benchmark, runs through both
+arms.) Each trial is a whole number of observer periods
 (a multiple of `observe.window` and `observe.gc_every` steps: every trial holds the same window ends and
 collections) and ends with a device sync.
 
@@ -22,6 +25,8 @@ time, the probe's share of the window) is read from its window rows.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import gc
 import math
@@ -117,13 +122,18 @@ def overhead_benchmark(cfg: Config, steps: int = 0, pairs: int = 40, vocab_size:
                          f"(lcm of observe.window and observe.gc_every), or 0 for {period}")
     mesh = make_mesh(cfg.mesh)
     program = build_train_program(cfg, mesh, vocab_size=vocab_size or cfg.model.vocab_size or 50304)
+    # The plain arm runs the step compiled without the observer's timestamps inside it (observe.window=0: no
+    # msjax.parallel.arrival marks, which observe.own_compute adds), so what they cost is part of the overhead.
+    unobserved = dataclasses.replace(cfg, observe=dataclasses.replace(cfg.observe, window=0))
+    plain_program = build_train_program(unobserved, mesh, vocab_size=vocab_size or cfg.model.vocab_size or 50304)
     cfg, t = program.config, program.config.train
     tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (t.global_batch, t.seq_len + 1))
     batch = {"inputs": jax.device_put(tokens[:, :-1].astype(np.int32), program.batch_sharding),
              "targets": jax.device_put(tokens[:, 1:].astype(np.int32), program.batch_sharding)}
     state = program.init_fn(jax.random.key(0))
-    for _ in range(3):  # compile and warm up
-        state, metrics = program.step_fn(state, batch)
+    for step_fn in (program.step_fn, plain_program.step_fn):  # compile and warm up (the state layouts are equal)
+        for _ in range(3):
+            state, metrics = step_fn(state, batch)
     jax.block_until_ready(metrics)
     wall: dict[str, list[float]] = {"plain": [], "observed": []}
     cpu: dict[str, list[float]] = {"plain": [], "observed": []}
@@ -154,10 +164,11 @@ def overhead_benchmark(cfg: Config, steps: int = 0, pairs: int = 40, vocab_size:
                     if cfg.observe.gc_every:  # the observer's GC schedule, or Python's automatic GC
                         gc.disable() if observed else gc.enable()
                     flusher = _Flusher(sink) if observed and sink is not None else None
+                    step_fn = program.step_fn if observed else plain_program.step_fn
                     t0, c0 = time.perf_counter(), time.process_time()
                     for _ in range(steps):
                         ctx.timings["issue_t"] = t_issue = time.perf_counter()
-                        state, metrics = program.step_fn(state, batch)
+                        state, metrics = step_fn(state, batch)
                         ctx.timings.update(data_s=0.0, dispatch_s=time.perf_counter() - t_issue)
                         if observed:
                             observed_step += 1

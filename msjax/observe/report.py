@@ -30,8 +30,10 @@ from msjax.sharding_rules.axes import MESH_AXES
 # Heatmaps drawn when the data exists: figure key -> (title, source). "window" figures come from windows.jsonl
 # (means over the run's windows), "step" figures from the per-rank rows (means over steps after compilation).
 HEATMAPS = {
-    "probe_s": ("collective-free compute probe, time per matmul (own compute speed)", "window"),
+    "own_compute_s": ("own compute per step (forward and backward on its devices, timed inside the step)", "window"),
+    "host_lag_s": ("host lag per step (the process could not run: stopped, throttled, descheduled)", "window"),
     "host_stall_s": ("host stall per step (devices waiting for this host)", "step"),
+    "probe_s": ("collective-free compute probe, time per matmul (a second signal)", "window"),
     "compute_s": ("device time per step", "step"),
 }
 
@@ -202,7 +204,7 @@ def plot_curves(run: dict[str, Any], path: Path) -> bool:
 
 
 def plot_timeline(run: dict[str, Any], path: Path) -> bool:
-    """Per-rank step time over steps, and per-rank window figures (probe, host stall) with straggler marks."""
+    """Per-rank step time over steps, and per-rank window figures (own compute, host lag) with straggler marks."""
     import matplotlib.pyplot as plt
 
     if not any(run["ranks"].values()):
@@ -224,17 +226,19 @@ def plot_timeline(run: dict[str, Any], path: Path) -> bool:
     if panels == 2:
         ax = axes[1, 0]
         wsteps = [w["step"] for w in run["windows"]]
-        probe = np.array([w["figures"].get("probe_s", [0.0]) for w in run["windows"]]) * 1e3  # (W, P)
-        for p in range(probe.shape[1]):
-            ax.plot(wsteps, probe[:, p], "o-", label=f"process {p}")
+        for figure, style in (("own_compute_s", "o-"), ("host_lag_s", "s:")):
+            values = np.array([w["figures"].get(figure, [0.0]) for w in run["windows"]]) * 1e3  # (W, P)
+            for p in range(values.shape[1]):
+                ax.plot(wsteps, values[:, p], style, color=f"C{p}",
+                        label=f"process {p} {figure.removesuffix('_s').replace('_', ' ')}")
         for e in run["events"]:
             if e.get("kind") == "straggler":
                 ax.axvline(e["step"], color="red", ls="--", lw=1)
                 ax.text(e["step"], ax.get_ylim()[1], f" straggler: process {e['process']}", color="red",
                         va="top", fontsize=8)
         ax.set_xlabel("step (end of window)")
-        ax.set_ylabel("compute probe (ms per matmul)")
-        ax.set_title("per-rank collective-free compute probe per window (slower rank = larger)")
+        ax.set_ylabel("ms per step (window mean)")
+        ax.set_title("per-rank own compute and host lag per window (the straggler's are larger)")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.savefig(path, dpi=110)

@@ -2,8 +2,10 @@
 
 A synchronous SPMD step ends at the same instant on every rank (its collectives wait for the last arrival), so
 step times cannot show a straggler. What can is each rank's *own share* of the step: the time it needs before it
-joins the collectives (its compute, its data, its host work). `msjax.observe.timing` measures such figures per
-rank and per window of steps; this module compares them across ranks.
+joins the collectives (its forward and backward compute, timed inside the step as each device arrives at the
+gradient reduction, `msjax.parallel.arrival`; its host work). `msjax.observe.timing` measures such figures per
+rank and per window of steps; this module compares them across ranks. Figures may be advisory: scored and
+reported, never flagging a rank by themselves (the collective-free probe).
 
 Score (in the spirit of Megatron-LM's `--log-straggler` and NVIDIA Resiliency Extension's relative scores): for
 rank r and window w, `slowdown[r, w] = x[r, w] / max(median_{j != r} x[j, w], floor)`: the rank's figure over the
@@ -163,12 +165,19 @@ class StragglerDetector:
       floors: figure name -> floor of the score's denominator as a fraction of the median step time
         (`slowdown_scores`); only these figures are scored.
       threshold, persist: see `persistent_stragglers`.
+      advisory: figures of `floors` that are scored and reported but never flag a rank (a second signal).
+    Raises:
+      ValueError: threshold <= 1, persist < 1, or an advisory figure that is not in `floors`.
     """
 
-    def __init__(self, floors: dict[str, float], threshold: float, persist: int):
+    def __init__(self, floors: dict[str, float], threshold: float, persist: int, advisory: Sequence[str] = ()):
         if threshold <= 1.0 or persist < 1:
             raise ValueError(f"threshold={threshold}, persist={persist}: allowed is threshold > 1, persist >= 1")
+        if set(advisory) - set(floors):
+            raise ValueError(f"advisory figures {sorted(set(advisory) - set(floors))} are not scored figures "
+                             f"{sorted(floors)}")
         self.floors, self.threshold, self.persist = dict(floors), threshold, persist
+        self.advisory = frozenset(advisory)
         self._history: dict[str, list[np.ndarray]] = {k: [] for k in floors}
         self._flagged: set[int] = set()
 
@@ -194,7 +203,8 @@ class StragglerDetector:
             s = slowdown_scores(np.stack(self._history[fig], axis=1), floor=floor_frac * step_s)
             if fig not in unscored:
                 scores[fig] = s[:, -1]
-            flagged.update(persistent_stragglers(s, self.threshold, self.persist))
+            if fig not in self.advisory:
+                flagged.update(persistent_stragglers(s, self.threshold, self.persist))
         verdict = WindowVerdict(scores, sorted(flagged), sorted(flagged - self._flagged),
                                 sorted(self._flagged - flagged))
         self._flagged = flagged

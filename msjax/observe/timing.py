@@ -7,6 +7,14 @@ How a step is timed (every process, every step, nothing added to the training th
   dispatch_s   host time inside the jitted step's call (enqueueing; async dispatch returns before the device runs).
   checkpoint_s time the loop was blocked in the checkpoint save that preceded this step (device->host copy).
   gc_s         time of this step's scheduled garbage collection (0 on other steps).
+  start_t, arrive_t  with `observe.own_compute`, timestamps each of this process's devices takes from inside the
+               compiled step (`msjax.parallel.arrival`): when the step begins on it, and when its backward pass has
+               carried the gradient back to the model's input (with gradient accumulation, its last microbatch's).
+  lag_s        wall time by which this process's host lagged: a sentinel thread sleeping in ticks of LAG_TICK_S
+               adds up how late it wakes (`LagSentinel`), late by whatever kept the process from running although
+               it was ready to: stopped (SIGSTOP, a debugger), throttled (a CPU quota), descheduled (a noisy
+               neighbour, a hypervisor's steal time), or its interpreter busy. A lagging process holds up every
+               collective of the steps it is in, wherever in the step the lag falls.
   done_t       when step's outputs became ready on this process's devices, read by a *watcher thread* that
                blocks on the step's metrics (`jax.block_until_ready`) while the training thread runs ahead.
 
@@ -17,21 +25,29 @@ From these, with done_t of the previous step:
                  other ranks wait for the rank whose host issued last, so only that rank shows the stall.
   compute_s    = done_t(s) - max(issue_t(s), done_t(s-1)): the device time of the step (compute and the time spent
                  in its collectives).
+  own_compute_s = max(arrive_t(s)) - min(start_t(s)) over the process's devices: the rank's own compute, the
+                 forward pass and the backward's chain of activation gradients on its devices (MegaScale's per-rank
+                 compute time, which it takes from CUDA events). A slow device, a slow host or a pause during it
+                 makes it longer than the others'; the others' wait for this rank lies after it, in the collectives.
+  host_lag_s   = lag_s accumulated between done_t(s-1) and done_t(s).
   tokens_per_s, mfu from step_s; loss, grad_norm read by the watcher once the step is done; lr from the optax
   schedule at the step (a table computed once on the CPU backend: no device work per step).
 
-The device-side share of a rank (its compute before the step's collectives) is hidden inside one compiled program
-and cannot be read from the host without splitting the step or profiling it. So at the end of each window
-(`observe.window` steps, after the window's last step is done) every rank times a *collective-free probe*: a
-chain of matmuls on each of its own devices (`ComputeProbe`), reported as seconds per matmul. Its cost is budgeted:
-the matrix size is calibrated once at start (the same on every rank), and at every window end the chain is sized
-so the probe takes at most `observe.probe_budget` (default 0.5%) of the window's wall time, following the run's
-step time and the machine's measured speed. A run slowed by a straggler has longer windows, so the probe that
-finds it gets longer too. A throttled GPU, a CPU shared with a noisy neighbour, a host slowed
-from outside: the probe of that rank takes longer, while the others' do not, because nothing in it waits for
-another rank. The window's per-rank figures (probe_s, host_stall_s, data_s, ...) are then gathered with jax's
-multihost all-gather (one collective per window, not per step) and compared with the other ranks' median
-(`msjax.observe.stragglers`). That window boundary is the one host sync the observer adds: one per window.
+At the end of each window (`observe.window` steps, after the window's last step is done) the window's per-rank
+figures (own_compute_s, host_lag_s, host_stall_s, ...) are gathered with jax's multihost all-gather (one
+collective per window, not per step) and compared with the other ranks' median (`msjax.observe.stragglers`): those
+three, the rank's own compute and host time in its steps, decide who is a straggler (own_compute_s only where it is
+timed, `observe.own_compute`). Except that where processes share a host's CPUs as their devices (several
+CPU-backend processes on one machine), own_compute_s is only reported: there each process's compute time follows
+how the OS shares the cores among them, not its own speed. That window
+boundary is the one host sync the observer adds.
+
+A second signal, reported and scored but never flagging a rank by itself: a *collective-free probe* timed by every
+rank at each window end, a chain of matmuls on each of its own devices (`ComputeProbe`), reported as seconds per
+matmul. Its cost is budgeted: the matrix size is calibrated once at start (the same on every rank), and at every
+window end the chain is sized so the probe takes at most `observe.probe_budget` (default 0.5%) of the window's wall
+time. It shows a device that is slow throughout; a rank that stalls now and then can pass a short probe untouched,
+which is why the steps' own figures decide.
 
 Resolution: done_t is when the watcher thread woke, so it lags by the thread's wake-up (tens of microseconds to a
 few milliseconds under load); step figures are meant for windows of steps and heatmaps, not single microseconds.
@@ -66,6 +82,7 @@ from msjax.hooks import Hook, RunContext
 from msjax.observe.events import append_event
 from msjax.observe.stragglers import RankPlace, StragglerDetector, mesh_places
 from msjax.optim import lr_schedule
+from msjax.parallel.arrival import ARRIVALS
 
 # How long the observer waits for a step's results at a window boundary before it gives up (seconds).
 WAIT_TIMEOUT_S = 900.0
@@ -75,13 +92,16 @@ WAIT_TIMEOUT_S = 900.0
 # time from the end of the previous window's probe to the end of this window's probe), observer_s (main-thread
 # time inside the observer's on_step_end over the window, probe and exchange included, the wait for the window's
 # last step to finish on the device excluded: that is queued work, not the observer's) and watcher_cpu_s (CPU time of the
-# observer's watcher thread over the window): window totals.
-WINDOW_FIGURES = ("step_s", "step_median_s", "compute_s", "host_stall_s", "data_s", "checkpoint_s", "gc_s",
-                  "probe_s", "probe_wall_s", "window_s", "observer_s", "watcher_cpu_s")
+# observer's watcher thread over the window): window totals. own_compute_s is the mean over the window's steps that
+# carried arrival marks (0 when none did: a pipelined step marks nothing).
+WINDOW_FIGURES = ("step_s", "step_median_s", "compute_s", "own_compute_s", "host_lag_s", "host_stall_s",
+                  "data_s", "checkpoint_s", "gc_s", "probe_s", "probe_wall_s", "window_s", "observer_s",
+                  "watcher_cpu_s")
 # Per-rank TensorBoard scalars: the figures that differ between ranks. Run-wide values (loss, grad norm, lr,
 # tokens/s, MFU) are the same on every rank and already in the loop's own TensorBoard at the same steps; the JSONL
 # rows and the live sink carry everything. (tensorboardX costs ~40 us of CPU per scalar on this machine.)
-TB_FIGURES = ("step_s", "compute_s", "host_stall_s", "data_s", "dispatch_s", "checkpoint_s", "gc_s")
+TB_FIGURES = ("step_s", "compute_s", "own_compute_s", "host_lag_s", "host_stall_s", "data_s", "dispatch_s",
+              "checkpoint_s", "gc_s")
 # The probe's candidate matrix sides, and the most seconds one matmul (all local devices at once) may take at the
 # size chosen (ComputeProbe.calibrate): 0.2 ms is ~100x a jit dispatch, and a 0.5% budget of a 1 s window still
 # holds over 20 matmuls.
@@ -103,9 +123,45 @@ PROBE_RESCALE_LIMIT = 2.0
 # matmul against 0.38 for the others, in consecutive windows, and were flagged). One process per host, the usual
 # multi-host layout, never takes the lock. The most seconds a probe waits for its turn before it runs anyway:
 PROBE_LOCK_TIMEOUT_S = 60.0
-# Figures the straggler detector scores, with the floor of their denominator as a fraction of the median step
-# time (host stalls are ~0 on healthy ranks: without a floor microseconds of noise would make huge ratios).
-SCORED_FIGURES = {"probe_s": 0.0, "host_stall_s": 0.1}
+# Figures that decide who is a straggler, with the floor of their denominator as a fraction of the median step
+# time: host stalls and lags are ~0 on healthy ranks (without a floor microseconds of noise, or a sentinel's
+# timer slack, would make huge ratios); a rank's own compute is a large part of a compute-bound step, and its floor
+# keeps a step made almost entirely of communication from flagging a rank for a few milliseconds of it.
+SCORED_FIGURES = {"own_compute_s": 0.05, "host_lag_s": 0.1, "host_stall_s": 0.1}
+# Scored and reported, never flagging a rank on their own (the module docstring: the probe is a second signal).
+ADVISORY_FIGURES = {"probe_s": 0.0}
+# The lag sentinel's sleep: 100 wake-ups a second cost ~0.3% of one core, and a pause shorter than a tick still
+# shows (the tick it falls in ends late by it).
+LAG_TICK_S = 0.01
+
+
+class LagSentinel:
+    """A daemon thread that sleeps in ticks of `tick_s` and adds up how late it wakes (see the module docstring,
+    lag_s). `start()`, `stop()`, `lag_s` (the total so far, seconds; read from any thread). A healthy process's
+    total is a small share of the wall time (timer slack, wake-up latency under load); a stopped or throttled
+    one's is most of it."""
+
+    def __init__(self, tick_s: float = LAG_TICK_S):
+        self.tick_s = tick_s
+        self.lag_s = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="msjax-lag-sentinel", daemon=True)
+
+    def _run(self) -> None:
+        # time.sleep, not Event.wait(timeout): half the CPU per tick (~0.3% of a core at 100 ticks a second,
+        # against ~0.65%); stop() then waits up to one tick.
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            time.sleep(self.tick_s)
+            self.lag_s += max(0.0, time.monotonic() - t0 - self.tick_s)  # only this thread writes it
+
+    def start(self) -> "LagSentinel":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10.0)
 
 
 class MetricsSink(Protocol):
@@ -312,8 +368,10 @@ class StepObserver(Hook):
         self._done_step = -1
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        floors = {k: v for k, v in SCORED_FIGURES.items() if cfg.probe or k != "probe_s"}
-        self._detector = StragglerDetector(floors, cfg.threshold, cfg.persist)
+        advisory = dict(ADVISORY_FIGURES) if cfg.probe else {}
+        # rebuilt in on_start once the ranks' hosts are known (own_compute_s may be advisory there)
+        self._detector = StragglerDetector({**SCORED_FIGURES, **advisory}, cfg.threshold, cfg.persist,
+                                           advisory=tuple(advisory))
 
     # ---- set-up and tear-down -----------------------------------------------------------------------------------
 
@@ -332,6 +390,14 @@ class StepObserver(Hook):
         self.places: dict[int, RankPlace] = mesh_places(ctx.mesh.devices, hosts=hosts)
         here = self.places[self.rank].host
         self._shares_host = sum(place.host == here for place in self.places.values()) > 1
+        advisory = dict(ADVISORY_FIGURES) if self.cfg.probe else {}
+        per_host = [place.host for place in self.places.values()]
+        if ctx.mesh.devices.flat[0].platform == "cpu" and len(set(per_host)) < len(per_host):
+            # Processes whose devices are the same host's CPUs: each one's compute time follows how the OS shares
+            # the cores among them, not its own speed (module docstring).
+            advisory["own_compute_s"] = SCORED_FIGURES["own_compute_s"]
+        self._detector = StragglerDetector({**SCORED_FIGURES, **advisory}, self.cfg.threshold, self.cfg.persist,
+                                           advisory=tuple(advisory))
         ranks = self.run_dir / "ranks"
         ranks.mkdir(parents=True, exist_ok=True)
         devs = ctx.mesh.devices
@@ -361,6 +427,8 @@ class StepObserver(Hook):
         self._over_budget_logged = False
         self._observer_s = 0.0  # main-thread seconds inside on_step_end since the last window end
         self._watch_cpu = self._watch_cpu_mark = 0.0  # the watcher thread's CPU seconds (cumulative; at last window)
+        ARRIVALS.clear()  # marks left by an earlier run in this process
+        self._sentinel = LagSentinel().start()
         self._gc_was_enabled = gc.isenabled()
         if self.cfg.gc_every:
             gc.collect()
@@ -405,6 +473,8 @@ class StepObserver(Hook):
         return {p: bytes(row).rstrip(b"\0").decode(errors="replace") for p, row in enumerate(every)}
 
     def on_end(self, ctx: RunContext, error: BaseException | None) -> None:
+        if getattr(self, "_sentinel", None) is not None:
+            self._sentinel.stop()
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=60.0)
@@ -444,6 +514,7 @@ class StepObserver(Hook):
     def _watch(self) -> None:
         """Background thread: waits for each step's results in order and writes its row."""
         prev_done: float | None = None
+        lag_mark = self._sentinel.lag_s
         first = True
         try:
             while True:
@@ -460,14 +531,21 @@ class StepObserver(Hook):
                     if done is None:
                         done = time.perf_counter()
                 if prev_done is None:
-                    step_s, stall, compute = done - issue_t, 0.0, done - issue_t
+                    step_s, stall, start = done - issue_t, 0.0, issue_t
                 else:
                     step_s = done - prev_done
                     stall = max(0.0, issue_t - prev_done)
-                    compute = done - max(issue_t, prev_done)
+                    start = max(issue_t, prev_done)
+                compute = done - start
+                marks = ARRIVALS.take(step)  # every local device's marks: the step is done, so they are in
+                arrived = {}
+                if marks.get("start") and marks.get("arrive"):
+                    arrived["own_compute_s"] = max(0.0, max(marks["arrive"]) - min(marks["start"]))
+                lag_now = self._sentinel.lag_s
+                lag, lag_mark = lag_now - lag_mark, lag_now
                 prev_done = done
-                row = {"step": step, "time": time.time(), "step_s": step_s, "compute_s": compute,
-                       "host_stall_s": stall, **host,
+                row = {"step": step, "time": time.time(), "step_s": step_s, "compute_s": compute, **arrived,
+                       "host_lag_s": lag, "host_stall_s": stall, **host,
                        "tokens_per_s": self.tokens_per_step / step_s if step_s > 0 else 0.0,
                        "mfu": self.step_flops / step_s / self.peak if step_s > 0 else 0.0,
                        "lr": float(self._lr[min(step, len(self._lr)) - 1]), **values}
@@ -494,7 +572,8 @@ class StepObserver(Hook):
             self._jsonl.write(json.dumps(row) + "\n")
             if step % self._tb_every == 0:
                 for k in TB_FIGURES:
-                    self._tb.add_scalar(k, row[k], step)
+                    if k in row:
+                        self._tb.add_scalar(k, row[k], step)
         values = {k: v for k, v in row.items() if k != "step"}
         for sink in self._all_sinks():
             sink.publish(self.rank, step, values)
@@ -521,8 +600,9 @@ class StepObserver(Hook):
             watch_cpu, self._watch_cpu_mark = self._watch_cpu - self._watch_cpu_mark, self._watch_cpu
             if self.cfg.per_rank:
                 self._jsonl.flush()
-        figures = {k: float(np.mean([r[k] for r in rows])) if rows else 0.0
-                   for k in ("step_s", "compute_s", "host_stall_s", "data_s", "checkpoint_s", "gc_s")}
+        figures = {k: float(np.mean([r[k] for r in rows if k in r])) if any(k in r for r in rows) else 0.0
+                   for k in ("step_s", "compute_s", "own_compute_s", "host_lag_s", "host_stall_s", "data_s",
+                             "checkpoint_s", "gc_s")}
         figures["step_median_s"] = float(np.median([r["step_s"] for r in rows])) if rows else 0.0
         probe_plan = None
         if self._probe is not None:
@@ -539,6 +619,8 @@ class StepObserver(Hook):
         if rows:  # a window holding only the compilation step has nothing to compare
             per_fig = {k: every[:, i] for i, k in enumerate(WINDOW_FIGURES)}
             unscored = () if self._probe_planned else ("probe_s",)
+            if not per_fig["own_compute_s"].any():  # no rank's step carried arrival marks
+                unscored += ("own_compute_s",)
             if probe_plan is not None:
                 probe_plan.update(self._replan(per_fig, step))
                 self._probe_planned = True

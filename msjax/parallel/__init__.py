@@ -17,6 +17,9 @@ Communication hidden behind compute (issue 10):
                     block (MegaScale Fig. 3).
   context_parallel  the key/value all-gather over `sequence` whose transpose is a reduce-scatter of dK/dV.
   fsdp_prefetch     layer i+1's FSDP parameter all-gather carried through the layer scan ahead of layer i.
+  zero2             ZeRO-2's gradient reduction written out: `psum_scatter` over `fsdp` under `jax.shard_map`.
+  arrival           per-device timestamps inside the step (its start, the backward's end) for the straggler
+                    detector of `msjax.observe`.
   xla_flags         XLA flag presets per backend, applied before the backend starts.
 
 The model stays single-device code that names its axes: it calls into this package at a few dispatch points, and

@@ -1,11 +1,10 @@
-"""The control plane against a real redis-server: rendezvous outcomes (through redis-py and through the minimal
-asyncio client, running the same protocol), run-state keys, the command channel into LoopControl, reconnection
-after a Redis restart, and one clear error for each bad URL, password or port, with nothing left running."""
+"""The control plane against a real redis-server: rendezvous outcomes through redis-py (the start-up benchmark's
+asyncio client runs the same protocol: tests/scripts/test_bench_init.py), run-state keys, the command channel into
+LoopControl, reconnection after a Redis restart, and one clear error for each bad URL, password or port, with
+nothing left running."""
 
-import asyncio
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -18,8 +17,7 @@ import numpy as np
 import pytest
 
 from msjax.control import ControlError, RendezvousError
-from msjax.control.rendezvous import Assignment, join_protocol, rendezvous, run_protocol_async
-from msjax.control.resp import RespConnection, RespError
+from msjax.control.rendezvous import Assignment, rendezvous
 from msjax.control.server import RedisServer
 from msjax.control.store import Store, connect
 from msjax.control.worker import WorkerContext
@@ -89,34 +87,6 @@ def test_rendezvous_assigns_distinct_ranks_and_rank0s_coordinator(server, client
     members = Store(client, "rdzv-ok").members()
     assert {m["worker_id"] for m in members.values()} == set(ids)
     assert {r: m["worker_id"] for r, m in members.items()} == {a.rank: w for w, a in got.items()}
-
-
-def test_minimal_client_runs_the_same_protocol(server):
-    """64 asyncio workers through msjax.control.resp: the same generator, the same outcome as redis-py."""
-
-    async def main():
-        async def one(i):
-            conn = await RespConnection.open("127.0.0.1", server.port, server.password)
-            try:
-                return await run_protocol_async(join_protocol("rdzv-resp", f"a{i}", 64, f"h{i}:1"), conn.execute)
-            finally:
-                await conn.close()
-
-        return await asyncio.gather(*(one(i) for i in range(64)))
-
-    got = asyncio.run(main())
-    assert sorted(a.rank for a in got) == list(range(64))
-    assert len({a.coordinator for a in got}) == 1
-
-    async def wrong_password():
-        conn = await RespConnection.open("127.0.0.1", server.port, "wrong")
-        try:
-            await conn.execute("PING")
-        finally:
-            await conn.close()
-
-    with pytest.raises(RespError, match="WRONGPASS"):
-        asyncio.run(wrong_password())
 
 
 def test_late_duplicate_rejoin_mismatch_and_timeout(server, client):
@@ -332,26 +302,6 @@ def test_server_dies_with_its_owner():
         owner.stdin.close()
         owner.wait(30)
         assert _wait_dead(pid), f"redis-server {pid} outlived its owner (kill={kill})"
-
-
-def test_bench_init_writes_rows(tmp_path):
-    """scripts/bench_init.py runs the real protocol against a real Redis and writes the documented rows (no timing
-    is asserted: a benchmark reports, it does not pass or fail on speed)."""
-    out = tmp_path / "init.json"
-    proc = subprocess.run([sys.executable, "scripts/bench_init.py", "--ranks=64,128", "--tcpstore=wait",
-                           "--tcpstore_impl=twin", f"--json={out}"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    rows = json.loads(out.read_text())
-    assert [(r["system"], r["ranks"]) for r in rows] == [("redis", 64), ("tcpstore", 64), ("redis", 128),
-                                                         ("tcpstore", 128)]
-    assert all(r["seconds"] > 0 for r in rows)
-    assert all("msjax.control.resp" in r["client"] for r in rows if r["system"] == "redis")
-    assert all("twin" in r["client"] for r in rows if r["system"] == "tcpstore")
-    assert re.search(r"^redis +64 +[0-9.]+ ", proc.stdout, re.M) and re.search(r"^redis +128 ", proc.stdout, re.M)
-    bad = subprocess.run([sys.executable, "scripts/bench_init.py", "--ranks=0"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60)
-    assert bad.returncode == 2 and bad.stderr.startswith("error: --ranks='0'")
 
 
 def test_tls_options_reach_redis_py():

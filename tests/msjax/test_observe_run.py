@@ -9,6 +9,7 @@ import math
 import os
 import signal
 
+import numpy as np
 import pytest
 
 from msjax.hooks import Hook
@@ -108,26 +109,30 @@ def test_profile_requested_mid_run_covers_the_steps_and_changes_no_loss(runs):
     assert [r["loss"] for r in _rows(prof_dir)] == [r["loss"] for r in _rows(plain_dir)]
 
 
-class ReadyAtStepEnd(Hook):
-    """Whether each step's loss is already computed when the hooks after the observer see the step (`is_ready`: no
-    wait), and a host sync of its own (float of the loss, before looking) at the steps in `sync_at`."""
+class InFlightAtStepEnd(Hook):
+    """How many dispatched steps are still being computed when the hooks after the observer see each step (`is_ready`
+    of every earlier step's loss: no wait), with a host sync of its own (float of the loss, before looking) at the
+    steps in `sync_at`."""
 
     def __init__(self, sync_at: tuple[int, ...]):
-        self.sync_at, self.ready = sync_at, {}
+        self.sync_at, self.losses, self.in_flight = sync_at, {}, {}
 
     def on_step_end(self, ctx, step, metrics):
         if step in self.sync_at:
             float(metrics["loss"])
         # the first shard: what a host read (float, np.asarray) waits for; the other devices' replicas may lag
-        self.ready[step] = metrics["loss"].addressable_shards[0].data.is_ready()
+        self.losses[step] = metrics["loss"].addressable_shards[0].data
+        self.in_flight[step] = sum(not x.is_ready() for x in self.losses.values())
 
 
 def test_the_observer_adds_no_host_sync_between_window_ends(tmp_path, small_corpus):
-    """With all per-step metrics on, the loop does not wait for a step before dispatching the next: a step's loss
-    is still being computed when the hooks see the step, except at window ends (the window's one sync) and where a
-    hook syncs on purpose (the control, proving that a sync shows). A per-step sync anywhere before these hooks
-    would make every step ready. The model (width 128, 16 x 64 tokens, 8 devices) is sized so a step's compute
-    outlasts the host's per-step work; the test passed 3 of 3 times beside two busy-loop processes (load 3.9)."""
+    """With all per-step metrics on, the loop does not wait for a step before dispatching the next: between window
+    ends the host runs ahead of the devices, so the steps still being computed pile up when the hooks see a step
+    (several at once), except at window ends (the window's one sync) and where a hook syncs on purpose (the
+    control, proving that a sync shows). A host sync on every step would leave none in flight; one every other
+    step at most one (the step after each sync), so the test asks for 3 in flight at some step of the first window
+    and for most free steps to be unfinished when seen. The model (width 128, 16 x 64 tokens, 8 devices) is sized
+    so a step's compute outlasts the host's per-step work."""
     from tests.msjax.conftest import tiny_run_config
 
     steps, window, sync_at = 16, 8, (12, 13)
@@ -136,9 +141,98 @@ def test_the_observer_adds_no_host_sync_between_window_ends(tmp_path, small_corp
         "train.global_batch": 16, "train.steps": steps, "train.eval_every": 0, "train.log_every": 0,
         "train.sample_tokens": 0, "checkpoint.every": 0, "observe.window": window, "observe.gc_every": 3,
         "optimizer.decay_steps": steps})
-    hook = ReadyAtStepEnd(sync_at)
+    hook = InFlightAtStepEnd(sync_at)
     run(cfg, hooks=[hook])
     assert len(_rows(tmp_path / "run")) == steps  # every step's row was written, by the watcher thread
-    assert all(hook.ready[s] for s in (window, *sync_at)), sorted(hook.ready.items())
+    assert all(hook.in_flight[s] == 0 for s in (window, *sync_at)), sorted(hook.in_flight.items())
     free = [s for s in range(2, steps) if s % window and s not in sync_at]  # step 1 compiles
-    assert sum(not hook.ready[s] for s in free) >= len(free) // 2, hook.ready
+    assert max(hook.in_flight[s] for s in range(2, window)) >= 3, sorted(hook.in_flight.items())
+    assert sum(hook.in_flight[s] > 0 for s in free) >= 0.75 * len(free), sorted(hook.in_flight.items())
+
+
+def test_each_device_times_its_own_forward_and_backward_inside_the_step(layout_tokens):
+    """msjax.parallel.arrival (observe.own_compute) on 8 devices (data 2 x fsdp 2 x tensor 2): every step records a
+    start on each device and an arrival per device and accumulated microbatch, inside the step's wall time. From
+    the first start to the last arrival is the forward pass and the backward's activation-gradient chain: with one
+    microbatch most of the step (marks whose callbacks fired as soon as XLA reached them, not once their block was
+    computed, spanned ~10% of it), never all of it. Evaluation records nothing, and neither does a step compiled
+    without observe.own_compute."""
+    import time
+
+    import jax
+
+    from msjax.mesh import make_mesh
+    from msjax.parallel.arrival import ARRIVALS
+    from msjax.train_step import build_train_program
+    from tests.msjax.layouts import VOCAB, tiny_config
+
+    spans = {}
+    for micro in (2, 1):
+        cfg = tiny_config(**{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "train.microbatches": micro,
+                             "model.d_model": 128, "model.num_heads": 4, "observe.own_compute": True})
+        program = build_train_program(cfg, make_mesh(cfg.mesh, jax.devices()[:8]), vocab_size=VOCAB)
+        state = program.init_fn(jax.random.key(0))
+        batch = {"inputs": jax.device_put(layout_tokens[:, :-1], program.batch_sharding),
+                 "targets": jax.device_put(layout_tokens[:, 1:], program.batch_sharding)}
+        state, metrics = program.step_fn(state, batch)  # compiles
+        jax.block_until_ready(metrics)
+        ARRIVALS.clear()
+        spans[micro] = []
+        for step in range(2, 6):
+            t0 = time.perf_counter()
+            state, metrics = program.step_fn(state, batch)
+            jax.block_until_ready(metrics)
+            wall = time.perf_counter() - t0
+            marks = ARRIVALS.take(step)
+            assert sorted(marks) == ["arrive", "start"]
+            assert (len(marks["start"]), len(marks["arrive"])) == (8, 8 * micro)
+            assert t0 < min(marks["start"]) and max(marks["arrive"]) < t0 + wall
+            spans[micro].append((max(marks["arrive"]) - min(marks["start"])) / wall)
+        jax.block_until_ready(program.eval_fn(state["params"], batch))
+        assert ARRIVALS.take(6) == {}
+    assert 0.35 < np.median(spans[1]) < 1.0, spans
+    unmarked = build_train_program(tiny_config(**{"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}),
+                                   make_mesh(cfg.mesh, jax.devices()[:8]), vocab_size=VOCAB)
+    jax.block_until_ready(unmarked.step_fn(unmarked.init_fn(jax.random.key(0)), batch))
+    assert ARRIVALS.take(1) == {}
+
+
+_LAG_CHILD = """
+import sys, time
+from msjax.observe.timing import LagSentinel
+sentinel = LagSentinel().start()
+print("ready", flush=True)
+time.sleep(float(sys.argv[1]))
+sentinel.stop()
+print(sentinel.lag_s, flush=True)
+"""
+
+
+def test_the_lag_sentinel_counts_the_time_its_process_was_stopped():
+    """Real signals: a process stopped twice for 0.4 s (SIGSTOP, SIGCONT) over 2 s of sleep reports at least 0.7 s
+    of host lag; the same process left alone reports under 0.3 s (its timer slack and wake-up latency)."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    lags = {}
+    for stopped in (True, False):
+        child = subprocess.Popen([sys.executable, "-c", _LAG_CHILD, "2.0"], cwd=root, stdout=subprocess.PIPE,
+                                 text=True)
+        try:
+            assert child.stdout.readline().strip() == "ready"
+            if stopped:
+                for _ in range(2):
+                    time.sleep(0.3)
+                    os.kill(child.pid, signal.SIGSTOP)
+                    time.sleep(0.4)
+                    os.kill(child.pid, signal.SIGCONT)
+            lags[stopped] = float(child.stdout.readline())
+            assert child.wait(30) == 0
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait(10)
+    assert lags[True] >= 0.7 and lags[False] < 0.3, lags

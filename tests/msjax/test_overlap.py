@@ -24,7 +24,7 @@ from msjax.mesh import make_mesh
 from msjax.runtime import CPU_CONCURRENT_SCHEDULER
 from msjax.train_step import build_train_program
 from tests.msjax.hlo_utils import collectives, dependents, is_matmul, parse
-from tests.msjax.layouts import VOCAB, assert_same, run_layout, tiny_config
+from tests.msjax.layouts import TOL, VOCAB, assert_same, run_layout, tiny_config
 
 @pytest.fixture(scope="module")
 def tokens(layout_tokens):
@@ -63,9 +63,24 @@ def test_context_parallel_reduce_scatter_matches_single_device(reference, tokens
     assert_same(reference["parallel"], run_layout(cfg_for("parallel", TP_SP), tokens, 8))
 
 
-def test_zero2_matches_single_device(reference, tokens):
-    cfg = cfg_for("serial", dict(data=2, fsdp=4), **{"mesh.rules": "zero2"})
-    assert_same(reference["serial"], run_layout(cfg, tokens, 8))
+@pytest.mark.parametrize("block,mesh,overlap,micro", [
+    ("serial", dict(data=2, fsdp=4), "none", 1),
+    ("parallel", dict(fsdp=2, sequence=2, tensor=2), "collective_matmul", 2),
+], ids=["d2xf4", "f2xs2xt2-collective_matmul-microbatches2"])
+def test_zero2_matches_single_device(reference, tokens, block, mesh, overlap, micro):
+    """ZeRO-2's hand-written reduction (msjax/parallel/zero2.py) computes the plain data-parallel step's numbers.
+    Besides the losses and norms, Adam's first moment after the steps is compared leaf by leaf: it is linear in
+    each step's reduced gradients (mu = (1 - b1) sum_k b1^k g_k), so a gradient reduced over the wrong devices
+    or divided by the wrong count shows in it even where the global norm hides it. The second layout runs the
+    reduction with gradient accumulation inside and tensor, sequence and collective-matmul regions nested in it."""
+    want = reference[block]  # one whole batch: accumulating microbatches must not change the math
+    cfg = cfg_for(block, mesh, **{"mesh.rules": "zero2", "mesh.tp_overlap": overlap, "train.microbatches": micro})
+    got = run_layout(cfg, tokens, 8)
+    assert_same(want, got)
+    mu_want, mu_got = (jax.device_get(optax.tree_utils.tree_get(r.state["opt_state"], "mu")) for r in (want, got))
+    assert jax.tree.structure(mu_want) == jax.tree.structure(mu_got)
+    for x, y in zip(jax.tree.leaves(mu_want), jax.tree.leaves(mu_got)):
+        np.testing.assert_allclose(y, x, atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("mesh,tp_overlap", [(dict(fsdp=4, tensor=2), "none"),
@@ -187,6 +202,68 @@ def test_zero2_gathers_each_parameter_once_per_step():
     assert len(sharded) == 8  # wte, wpe, wq, wk, wv, wo, w_in, w_out
     assert all(i in comps["ENTRY"].instrs for i in gathers)  # none in a while body (forward/backward scan)
     assert sorted(sorted(i.shapes[0][1]) for i in gathers) == sorted(sorted(s) for s in sharded)
+
+
+def _ring_bytes(instr) -> float:
+    """Bytes one device sends in collective `instr` on a ring of its group (Patarasuk & Yuan 2009): all-reduce
+    2 (n-1)/n of the buffer, reduce-scatter (n-1)/n of its input (n times its result)."""
+    n = instr.group_size()
+    if instr.op == "reduce-scatter":
+        return instr.bytes * (n - 1)
+    return 2 * instr.bytes * (n - 1) / n
+
+
+def test_zero2_reduce_scatters_each_gradient_over_fsdp():
+    """data 2 x fsdp 4, zero2, compiled step: every gradient that the optimizer state splits over fsdp is reduced
+    by ONE reduce-scatter over its 4 fsdp devices (result: this device's 1/4 of the whole gradient) followed by
+    an all-reduce of that quarter over the 2 `data` devices, and no collective carries a whole such gradient
+    (GSPMD left to itself all-reduces each layer's whole gradient over all 8 devices inside the backward loop
+    and slices it). The bytes per device, read off the program, are the ZeRO-2 figure: (f-1)/f of the sharded
+    gradients, plus 2 (d-1)/d of a quarter of them, plus an all-reduce of the small unsharded ones (norms); an
+    all-reduce of everything would move 2 (n-1)/n. The same reduce-scatters are in the StableHLO lowered for
+    GPU and TPU: they are written in the program, not left to one backend's pass."""
+    data, fsdp = 2, 4
+    program = _program(cfg_for("serial", dict(data=data, fsdp=fsdp), **{"mesh.rules": "zero2"}))
+    state = program.abstract_state
+    mu = optax.tree_utils.tree_get(state["opt_state"], "mu")  # laid out as the reduced gradients are
+    sharded, whole = [], []  # (whole shape, shard shape) of the gradients split over fsdp; shapes of the others
+    for m in jax.tree.leaves(mu):
+        spec = tuple(m.sharding.spec) + (None,) * (len(m.shape) - len(m.sharding.spec))
+        if "fsdp" in spec:
+            sharded.append((m.shape, tuple(d // fsdp if s == "fsdp" else d for d, s in zip(m.shape, spec))))
+        else:
+            whole.append(m.shape)
+    assert len(sharded) == 8  # wte, wpe, wq, wk, wv, wo, w_in, w_out
+    comps = parse(program.step_fn.lower(state, program.abstract_batch).compile().as_text())
+
+    scatters = collectives(comps, "reduce-scatter")
+    assert sorted(i.shapes[0][1] for i in scatters) == sorted(shard for _, shard in sharded)
+    assert all(i.group_size() == fsdp for i in scatters)
+    reductions = [i for i in collectives(comps, "all-reduce") if any(dims for _, dims in i.shapes)]
+    carried = [dims for i in reductions for _, dims in i.shapes]
+    # whole gradients, stacked (L, ...) or one layer's slice of them (what the backward loop would reduce)
+    per_layer = {full[1:] for full, _ in sharded if len(full) > 2} | {full for full, _ in sharded}
+    assert not per_layer & set(carried), "a whole ZeRO-2 gradient is all-reduced"
+    quarters = [i for i in reductions if {dims for _, dims in i.shapes} <= {shard for _, shard in sharded}]
+    assert sorted(dims for i in quarters for _, dims in i.shapes) == sorted(shard for _, shard in sharded)
+    assert all(i.group_size() == data for i in quarters)
+    rest = [i for i in reductions if i not in quarters]
+    assert sorted(dims for i in rest for _, dims in i.shapes if dims) == sorted(s for s in whole if s)
+    assert all(i.group_size() == data * fsdp for i in rest)
+
+    n = data * fsdp
+    sharded_bytes = 4 * sum(math.prod(full) for full, _ in sharded)
+    whole_bytes = 4 * sum(math.prod(s) for s in whole)
+    moved = sum(_ring_bytes(i) for i in scatters + reductions)
+    expected = (sharded_bytes * (fsdp - 1) / fsdp + 2 * sharded_bytes / fsdp * (data - 1) / data
+                + 2 * whole_bytes * (n - 1) / n)
+    assert moved == pytest.approx(expected, rel=1e-3, abs=64)  # + the loss and norm scalars
+    assert moved < 0.6 * 2 * (sharded_bytes + whole_bytes) * (n - 1) / n
+
+    traced = program.step_fn.trace(state, program.abstract_batch)
+    for platform in ("cuda", "tpu"):
+        text = traced.lower(lowering_platforms=(platform,)).as_text()
+        assert text.count("stablehlo.reduce_scatter") == len(sharded), platform
 
 
 # The prefetch tests read the loop body's order as a scheduler that seeks concurrency leaves it: XLA:CPU's

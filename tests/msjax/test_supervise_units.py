@@ -227,7 +227,7 @@ def test_straggler_exclusion_is_soft():
 
 def test_flagged_straggler_reaches_the_next_restarts_excluded_hosts(tmp_path):
     """observe.exclude_stragglers end to end on the pure parts: the detector flags process 2 (random figures, its
-    probe 3x the others') -> its host is queued on the control plane's sink -> written to the excluded set ->
+    host lag 3x the others') -> its host is queued on the control plane's sink -> written to the excluded set ->
     the supervisor's restart leaves it out (a spare replaces it); with the option off nothing is recorded."""
 
     import numpy as np
@@ -258,7 +258,7 @@ def test_flagged_straggler_reaches_the_next_restarts_excluded_hosts(tmp_path):
         obs.places = {p: RankPlace(p, f"host{p}", {"data": [p]}, [p]) for p in range(4)}
         for step in (4, 8):
             every = 0.01 * (1 + 0.05 * rng.standard_normal((4, len(WINDOW_FIGURES))))
-            every[2, WINDOW_FIGURES.index("probe_s")] *= 3
+            every[2, WINDOW_FIGURES.index("host_lag_s")] *= 3
             obs._compare(None, step, {k: every[:, i] for i, k in enumerate(WINDOW_FIGURES)}, probe_plan=None)
         assert [s["process"] for s in obs.stragglers] == [2]
         sink.flush()
