@@ -1,8 +1,8 @@
 """Per-device memory: parameters, gradients, optimizer state and activations.
 
-Parameters are counted leaf by leaf from the same shapes and logical axis names as `msjax.model` and split by the
-same rule set (`sharding_rules`), so the analytic state bytes can be compared exactly with what XLA allocates
-(`msjax.planner.compile_check`).
+Parameters are read from the model itself (`param_leaves`: `nnx.eval_shape` of `msjax.model.GPT`, nothing
+allocated), leaf by leaf with their logical axis names, and split by the same rule set (`sharding_rules`), so the
+analytic state bytes can be compared exactly with what XLA allocates (`msjax.planner.compile_check`).
 
 Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"),
 sec. 4: bytes stored per transformer layer per microbatch, with s sequence length, b microbatch size, h hidden
@@ -29,6 +29,7 @@ layer being recomputed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -43,7 +44,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Parameter inventory (mirrors msjax.model: shapes and logical axis names).
+# Parameter inventory: read from the model itself.
 
 
 @dataclass(frozen=True)
@@ -61,29 +62,42 @@ class ParamLeaf:
         return math.prod(self.shape)
 
 
-def param_leaves(model_cfg, vocab: int) -> list[ParamLeaf]:
-    """Every parameter of `msjax.model.GPT` for this config (one entry per leaf; layer leaves unstacked)."""
-    m = model_cfg
-    d, h, g, k, f = m.d_model, m.num_heads, m.kv_heads, m.head_size, m.ff_size
-    E, H, G, K, M, N = ax.EMBED, ax.HEADS, ax.KV_HEADS, ax.HEAD_DIM, ax.MLP, ax.NORM
-    out = [ParamLeaf("wte", (vocab, d), (ax.VOCAB, E), False, "first"),
-           ParamLeaf("wpe", (m.max_seq_len, d), (ax.POSITION, E), False, "first")]
-    layer = [("ln1.scale", (d,), (N,)), ("attn.wq", (d, h, k), (E, H, K)), ("attn.wk", (d, g, k), (E, G, K)),
-             ("attn.wv", (d, g, k), (E, G, K)), ("attn.wo", (h, k, d), (H, K, E)),
-             ("mlp.w_in", (d, f), (E, M)), ("mlp.w_out", (f, d), (M, E))]
-    if m.use_bias:
-        layer += [("ln1.bias", (d,), (N,)), ("attn.bq", (h, k), (H, K)), ("attn.bk", (g, k), (G, K)),
-                  ("attn.bv", (g, k), (G, K)), ("attn.bo", (d,), (N,)), ("mlp.b_in", (f,), (M,)),
-                  ("mlp.b_out", (d,), (N,))]
-    if m.block == "serial":
-        layer += [("ln2.scale", (d,), (N,))] + ([("ln2.bias", (d,), (N,))] if m.use_bias else [])
-    out += [ParamLeaf(n, s, nm, True, "layers") for n, s, nm in layer]
-    out += [ParamLeaf("ln_f.scale", (d,), (N,), False, "last")]
-    if m.use_bias:
-        out += [ParamLeaf("ln_f.bias", (d,), (N,), False, "last")]
-    if not m.tie_embeddings:
-        out += [ParamLeaf("lm_head", (d, vocab), (E, ax.VOCAB), False, "last")]
-    return out
+@functools.lru_cache(maxsize=256)
+def param_leaves(model_cfg, vocab: int) -> tuple[ParamLeaf, ...]:
+    """Every parameter of `msjax.model.GPT` for this config, one entry per leaf (layer leaves unstacked).
+
+    Derived from the model, not listed by hand: `msjax.model.abstract_model` (`nnx.eval_shape`, nothing
+    allocated) of the config with scanned layers, so every layer leaf appears once with a leading `layers` axis,
+    which is dropped here. Shapes and logical axis names are the model's own, so a learned position table exists
+    only for `position=learned`, SwiGLU brings its gate, RMSNorm has no offset, and a tied model has no
+    `lm_head`. Where a leaf lives: the layers' leaves on their stage; a table the embedding indexes by its first
+    axis (`vocab` or `position` rows) at the embedding end; every other leaf (final norm, untied output
+    projection) at the output end.
+
+    Args:
+      model_cfg: `msjax.config.ModelConfig`.
+      vocab: padded vocabulary rows (`layout.resolve_vocab`).
+    Returns:
+      a tuple of ParamLeaf (cached per config and vocabulary: the search plans many layouts of one model).
+    """
+    import jax
+
+    from msjax.model import abstract_model
+
+    m = dataclasses.replace(model_cfg, vocab_size=vocab, scan_layers=True)
+    _, params, specs = abstract_model(m)
+    spec_of = dict(jax.tree_util.tree_flatten_with_path(
+        specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0])
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+        names = tuple(spec_of[path])
+        if names and names[0] == ax.LAYERS:
+            out.append(ParamLeaf(".".join(keys[1:]), tuple(leaf.shape[1:]), names[1:], True, "layers"))
+        else:
+            where = "first" if names and names[0] in (ax.VOCAB, ax.POSITION) else "last"
+            out.append(ParamLeaf(".".join(keys), tuple(leaf.shape), names, False, where))
+    return tuple(out)
 
 
 def shard_elements(leaf: ParamLeaf, rules_name: str, sizes: dict[str, int]) -> int:
@@ -160,7 +174,7 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
                             recompute: str = "none", *, ffn: int | None = None, q_width: int | None = None,
                             kv_width: int | None = None, dropout: bool = True, flash: bool = False,
                             parallel_block: bool = False, act_bytes: int = 2, kv_len: int | None = None,
-                            seq_split: int = 1) -> float:
+                            seq_split: int = 1, gated: bool = False) -> float:
     """Bytes of activations one transformer layer stores for one microbatch (Korthikanti et al. 2022 sec. 4).
 
     With the defaults (ffn=4h, q/kv width h, dropout, no flash, serial block, 16-bit) this is exactly the
@@ -184,6 +198,8 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
       kv_len: keys per query held in the scores (default s).
       seq_split: context parallelism (the `sequence` mesh axis): every per-token tensor is split over this many
         devices, except K and V, which attention gathers whole (see the module docstring).
+      gated: a gated MLP (SwiGLU): the gate and up projections' outputs are kept where GeLU keeps its input,
+        three ffn-wide tensors in all instead of two.
     Returns:
       bytes per layer per microbatch on one device (float).
     """
@@ -205,7 +221,7 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
     inner = tok * (e * q_width / c + e * kv_width  # Q (local queries) and K (gathered) for QK^T
                    + e * kv_width  # V (gathered)
                    + e * q_width / c  # output-projection input
-                   + e * ffn / c + e * ffn / c) / t  # GeLU input, linear-2 input
+                   + (3 if gated else 2) * e * ffn / c) / t  # GeLU input (SwiGLU: gate and up), linear-2 input
     scores = 0.0
     if recompute != "selective":
         if flash:
@@ -252,11 +268,12 @@ def layer_activation_bytes(cfg: Config, layout: Layout, policy: str | None = Non
         return korthikanti_layer_bytes(
             s, b, h, m.num_heads, t, layout.sequence_parallel, policy, ffn=f, q_width=qw, kv_width=kvw,
             dropout=layout.dropout, flash=layout.flash, parallel_block=layout.block == "parallel", act_bytes=e,
-            seq_split=sx)
+            seq_split=sx, gated=m.mlp == "swiglu")
     split_outer = (t if layout.sequence_parallel else 1) * sx
     tok = s * b
     # x, proj out, lin2 out | Q K V (local, before the K/V gather), lin1 out
-    saved = e * tok * (3 * h / split_outer + (qw + 2 * kvw + f) / (t * sx))
+    lin1 = 2 * f if m.mlp == "swiglu" else f  # SwiGLU's linear 1 is the gate and up projections
+    saved = e * tok * (3 * h / split_outer + (qw + 2 * kvw + lin1) / (t * sx))
     if policy == "dots" and not layout.flash:
         saved += e * b * m.num_heads * s * s / t / sx + e * tok * qw / t / sx  # scores and PV output (local queries)
     return saved
@@ -281,7 +298,7 @@ def msjax_layer_activation_bytes(cfg: Config, layout: Layout, scanned: bool | No
         Q and the attention output (b, T / c, q width / t): 2; K and V (b, T / c, kv width / t): 2, or with
           context parallelism (c > 1) the gathered whole-sequence K and V (b, T, kv width / t): 3 (XLA keeps the
           gathered copy in two layouts)
-        MLP (b, T / c, F / t): 3 (linear-1 output, the GeLU's tanh, the GeLU output)
+        MLP (b, T / c, F / t): 3 (linear-1 output, the GeLU's tanh, the GeLU output); SwiGLU 5 (below)
         attention (b, a / t, T / c, T): 2 (the probabilities twice, though `msjax.ops.softmax`'s backward reads
           them once: XLA's fusions compute them once per consumer shape, (b, a, T, T) and the grouped (b, g, r,
           T, T), and keeps both; fused attention keeps a float32 log-sum-exp per query and head instead)
@@ -306,6 +323,12 @@ def msjax_layer_activation_bytes(cfg: Config, layout: Layout, scanned: bool | No
         stream, gathered, mlp = (4 if parallel else 8), 0, 6
     else:
         stream, gathered, mlp = (2 if parallel else 4), (1 if parallel else 2), 3
+    if m.mlp == "swiglu":
+        # autodiff of down(silu(gate) * up) keeps the gate and up outputs, the sigmoid, silu(gate) and the
+        # product: five F-wide tensors where GeLU keeps three (linear-1 output, tanh, GeLU output). Checked on
+        # the compiled step of llama_tiny (unrolled layers: fsdp 8, tensor 2 x fsdp 4; test_planner_compile);
+        # the scanned count is GeLU's plus the same two, not measured.
+        mlp += 2
     tok = b * T
     # K and V: local (b, T / c) without context parallelism; gathered whole over `sequence` with it, where XLA
     # also keeps the gathered copy in its pre-transpose layout (3 whole-sequence K/V-width tensors)
@@ -587,14 +610,16 @@ def stash_layer_bytes(cfg: Config, layout: Layout, scanned: bool | None = None) 
     leaf by leaf in tests/msjax/test_planner.py). In (b x T) tokens x width, with the residual stream split
     over (tensor, sequence) by Megatron-SP and context parallelism and the TP regions over tensor (local queries
     over sequence):
-      none (everything but values of the parameters alone): per LayerNorm its float32 input, its output (compute
-        dtype) and a float32 reciprocal deviation per token; Q, K, V and the attention output; six MLP-width
-        tensors (linear-1 output and GeLU's intermediates); materialised attention's probabilities (compute dtype)
+      none (everything but values of the parameters alone): per LayerNorm (or RMSNorm) its float32 input, its
+        output (compute dtype) and a float32 reciprocal deviation per token; Q, K, V and the attention output;
+        six MLP-width tensors (linear-1 output and GeLU's intermediates, or SwiGLU's gate, up and theirs); RoPE's
+        cosine and sine tables (`rope_table_bytes`; once per slot when scanned); materialised attention's probabilities (compute dtype)
         and float32 scores, per layer when layers are unrolled (with the mask and a float32 copy: 9 bytes per
         score beside the compute-dtype ones), per layer 4 bytes when scanned (the mask is loop-invariant:
         `stash_entry_invariant_bytes`); a fused kernel's float32 log-sum-exp instead.
       dots_no_batch: the layer input (and, serial, the attention residual: the second LayerNorm's input), Q, K
-        and V (local: the gather is not a dot), the linear-1 output; everything else is recomputed.
+        and V (local: the gather is not a dot), the linear-1 output (SwiGLU: gate and up); everything else is
+        recomputed.
       dots: dots_no_batch plus materialised attention's two batched products (scores and P V) in float32.
       full: the layer input.
     Returns:
@@ -612,12 +637,15 @@ def stash_layer_bytes(cfg: Config, layout: Layout, scanned: bool | None = None) 
     if layout.remat == "full":
         return e * tok * d / outer
     if layout.remat in ("dots_no_batch", "dots"):
-        saved = e * tok * ((1 + (n_ln - 1)) * d / outer + (qw + 2 * kvw + f) / (t * c))
+        lin1 = 2 * f if m.mlp == "swiglu" else f  # SwiGLU's linear 1 is the gate and up projections
+        saved = e * tok * ((1 + (n_ln - 1)) * d / outer + (qw + 2 * kvw + lin1) / (t * c))
         if layout.remat == "dots" and not layout.flash:
             saved += 4.0 * (scores + tok * qw / (t * c))
         return saved
     kv = 2 * kvw / (t * c) if c == 1 else 2 * kvw / t  # with c > 1 the gathered, whole-sequence K and V
     saved = n_ln * tok * ((4 + e) * d + 4) / outer + e * tok * (2 * qw / (t * c) + kv + 6 * f / (t * c))
+    if not scanned:
+        saved += rope_table_bytes(cfg, layout)
     if layout.flash:
         return saved + 4.0 * tok * m.num_heads / (t * c)
     extra = e if e != 4 else 0  # float32 compute: the compute-dtype probabilities are the float32 ones
@@ -627,13 +655,25 @@ def stash_layer_bytes(cfg: Config, layout: Layout, scanned: bool | None = None) 
 def stash_entry_invariant_bytes(cfg: Config, layout: Layout, scanned: bool | None = None) -> float:
     """Bytes of a stash slot shared by the chunk's layers: with scanned layers, no remat and materialised
     attention, the causal mask and its float32 companion, hoisted out of the layer loop but per microbatch
-    (b x a/t x T/c x T x 5 bytes); 0 otherwise."""
+    (b x a/t x T/c x T x 5 bytes), and with RoPE its tables (`rope_table_bytes`, hoisted likewise); 0 otherwise."""
     m = cfg.model
     scanned = m.scan_layers if scanned is None else scanned
-    if layout.remat != "none" or layout.flash or not scanned:
+    if layout.remat != "none" or not scanned:
         return 0.0
     b, T, t, c = layout.microbatch_size, cfg.train.seq_len, layout.tensor, layout.sequence
-    return 5.0 * b * (m.num_heads / t) * (T / c) * T
+    mask = 0.0 if layout.flash else 5.0 * b * (m.num_heads / t) * (T / c) * T
+    return mask + rope_table_bytes(cfg, layout)
+
+
+def rope_table_bytes(cfg: Config, layout: Layout) -> float:
+    """Bytes of RoPE's cosine and sine tables that autodiff keeps for the rotation's backward when nothing is
+    rematerialised: two (T / c, K) tables in the compute dtype (the same for every sequence of the microbatch
+    and every head); 0 for learned positions. Read off the pipelined step's residuals (a Llama block in
+    tests/msjax/test_planner.py); with context parallelism (c > 1) the local positions' tables are assumed."""
+    m = cfg.model
+    if m.position != "rope":
+        return 0.0
+    return 2.0 * DTYPE_BYTES[m.dtype] * cfg.train.seq_len / layout.sequence * m.head_size
 
 
 def _msjax_pipeline_report(cfg: Config, layout: Layout, stage: StageParams, device_memory: float,

@@ -53,7 +53,9 @@ def plan_text(plan: Plan) -> str:
     add(f"  batch      {cfg.train.global_batch} sequences x {cfg.train.seq_len} tokens; microbatch "
         f"{lay.microbatch_size} x {lay.microbatches} per replica per step")
     add(f"  model      {L} layers, d_model {mc.d_model}, {mc.num_heads} heads ({mc.kv_heads} kv), d_ff {mc.ff_size}, "
-        f"vocab {lay.vocab}; block {lay.block}, window {lay.window}, attention "
+        f"vocab {lay.vocab}; position {mc.position}, norm {mc.norm}, mlp {mc.mlp}, "
+        f"{'tied' if mc.tie_embeddings else 'untied'} head, biases {'on' if mc.use_bias else 'off'}; block "
+        f"{lay.block}, window {lay.window}, attention "
         f"{'fused (flash)' if lay.flash else 'materialised (xla)'}, remat {lay.remat}, {mc.dtype} activations, "
         f"{mc.param_dtype} parameters, {cfg.optimizer.name}")
     for k, v in plan.auto.items():
@@ -130,6 +132,8 @@ def plan_dict(plan: Plan) -> dict:
     lay, t, m = plan.layout, plan.time, plan.memory
     return {
         "config": plan.config.name,
+        "model": {k: getattr(plan.config.model, k) for k in ("position", "norm", "mlp", "tie_embeddings",
+                                                              "use_bias")},
         "hardware": dataclasses.asdict(plan.hardware),
         "options": dataclasses.asdict(plan.options),
         "layout": dataclasses.asdict(lay),

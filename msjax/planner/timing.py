@@ -1,8 +1,8 @@
 """Step time: compute from FLOPs and bytes, communication from `comm`, overlap modelled term by term.
 
 Compute (per device, per layer and microbatch):
-  GEMMs      2 x tokens x weight-elements / t FLOPs forward, twice that backward (input and weight gradients),
-             at peak x matmul_efficiency.
+  GEMMs      2 x tokens x weight-elements / t FLOPs forward (the MLP: three D x F matrices for SwiGLU, two
+             for GeLU), twice that backward (input and weight gradients), at peak x matmul_efficiency.
   attention  4 x tokens x (a / t) x head_dim x k_bar FLOPs forward (QK^T and PV), where k_bar is the mean
              number of keys a query attends: causal and window-aware for fused kernels, which skip masked
              blocks (msjax.flops.mean_attended_keys); the full sequence for materialised (xla) attention.
@@ -10,8 +10,9 @@ Compute (per device, per layer and microbatch):
              kernels run at peak x attention_efficiency (FlashAttention-2 level for msjax's cuDNN / Pallas kernels,
              FlashAttention-1 level for the megatron baseline), materialised ones at the GEMM rate plus the
              softmax's memory traffic.
-  elementwise  LayerNorms, residual adds and GeLU are memory-bound: bytes read + written / (HBM bandwidth x
-             hbm_efficiency); backward twice the forward traffic.
+  elementwise  norms, residual adds and the MLP activation (GeLU, or SwiGLU's silu(gate) x up) are
+             memory-bound: bytes read + written / (HBM bandwidth x hbm_efficiency); backward twice the forward
+             traffic. RoPE's rotation of Q and K is a small elementwise term inside attention's input, not priced.
   recompute  full remat reruns the forward; dots / dots_no_batch rerun the elementwise ops (and the attention
              core when it is not saved).
   output     the vocabulary projection and softmax cross-entropy: on the last stage (Megatron's pipeline), or
@@ -134,7 +135,8 @@ def layer_times(cfg: Config, layout: Layout, rates: Rates) -> LayerTimes:
     h, f = m.d_model, m.ff_size
     qw, kvw = m.num_heads * m.head_size, m.kv_heads * m.head_size
     tok = b * s / sx  # tokens (and queries) per member of the sequence axis: its chunk
-    widths = {"qkv": h * (qw + 2 * kvw), "out": qw * h, "lin1": h * f, "lin2": f * h}
+    gated = m.mlp == "swiglu"  # SwiGLU's linear 1 is two D x F matrices (gate and up), GeLU's one
+    widths = {"qkv": h * (qw + 2 * kvw), "out": qw * h, "lin1": (2 if gated else 1) * h * f, "lin2": f * h}
     gemm_flops = {k: 2.0 * tok * w / t for k, w in widths.items()}
     gemm = {k: fl / rates.gemm for k, fl in gemm_flops.items()}
     # Keys per query on the pacing member: the last chunk's for fused kernels (masked blocks skipped), every key
@@ -144,7 +146,9 @@ def layer_times(cfg: Config, layout: Layout, rates: Rates) -> LayerTimes:
     outer_tok = b * s / ((t if layout.sequence_parallel else 1) * sx)
     n_ln = 1 if layout.block == "parallel" else 2
     residual = 4 if layout.block == "parallel" else 6  # reads + writes of the residual adds, in units of h
-    elem_bytes = e * (outer_tok * h * (2 * n_ln + residual) + tok * 2 * f / t)
+    # the MLP activation reads and writes (b T / c, F / t) tensors: GeLU reads one and writes one, SwiGLU reads
+    # the gate and up projections and writes their product
+    elem_bytes = e * (outer_tok * h * (2 * n_ln + residual) + tok * (3 if gated else 2) * f / t)
     if layout.flash:
         attn = attn_flops / rates.attention
     else:  # materialised scores: batched matmuls plus softmax traffic (write scores, read, write probs)

@@ -535,13 +535,19 @@ def test_a_plan_that_does_not_fit_exits_3_and_gives_no_throughput(capsys):
     assert "total by remat policy (this layout): none " in text
 
 
-@pytest.mark.parametrize("scan_layers, block, dtype", [(True, "serial", "float32"), (True, "parallel", "bfloat16"),
-                                                       (False, "serial", "bfloat16"), (False, "parallel", "float32")])
-def test_stash_bytes_are_the_steps_residuals(scan_layers, block, dtype):
+# Llama's blocks: RoPE, RMSNorm, SwiGLU, grouped-query heads, no biases, untied output projection
+_LLAMA = {"model.position": "rope", "model.norm": "rmsnorm", "model.mlp": "swiglu", "model.use_bias": False,
+          "model.tie_embeddings": False, "model.num_kv_heads": 2}
+
+
+@pytest.mark.parametrize("scan_layers, block, dtype, llama", [
+    (True, "serial", "float32", False), (True, "parallel", "bfloat16", False), (False, "serial", "bfloat16", False),
+    (False, "parallel", "float32", False), (True, "serial", "float32", True), (False, "serial", "bfloat16", True)])
+def test_stash_bytes_are_the_steps_residuals(scan_layers, block, dtype, llama):
     """The planner's stash slot (`memory.stash_layer_bytes` x layers per chunk + `stash_entry_invariant_bytes`)
     is, to the byte, what the pipelined step's forward saves for its backward (`PipelinedGrads.stash_entry`,
     the residual pytree of the chunk's vjp), under every remat policy, for chunks of one layer (unrolled) and
-    of two (a scan when layers are stacked)."""
+    of two (a scan when layers are stacked), for GPT and Llama blocks."""
     import jax
 
     from msjax.config import Config
@@ -551,7 +557,8 @@ def test_stash_bytes_are_the_steps_residuals(scan_layers, block, dtype):
 
     base = {"model.d_model": 48, "model.num_heads": 4, "model.d_ff": 80, "model.max_seq_len": 16,
             "train.seq_len": 16, "train.global_batch": 6, "mesh.data": 1, "model.vocab_size": 100,
-            "mesh.pipeline": 2, "model.scan_layers": scan_layers, "model.block": block, "model.dtype": dtype}
+            "mesh.pipeline": 2, "model.scan_layers": scan_layers, "model.block": block, "model.dtype": dtype,
+            **(_LLAMA if llama else {})}
     for remat, layers in [(r, 4) for r in ("none", "dots_no_batch", "dots", "full")] + [("none", 2)]:
         cfg = apply_overrides(Config(), {**base, "model.remat": remat, "model.num_layers": layers}).validate()
         program = build_train_program(cfg, make_mesh(cfg.mesh, jax.devices()[:2]))
@@ -562,3 +569,36 @@ def test_stash_bytes_are_the_steps_residuals(scan_layers, block, dtype):
         scanned = scan_layers and chunk > 1
         assert chunk * mem.stash_layer_bytes(cfg, lay, scanned) + mem.stash_entry_invariant_bytes(
             cfg, lay, scanned) == stash, (remat, layers)
+
+
+@pytest.mark.parametrize("preset, params", [("llama3_8b", 8_030_261_248), ("llama3_70b", 70_553_706_496),
+                                            ("gpt175b", 174_770_774_016)])
+def test_parameter_inventory_is_the_models_own(preset, params):
+    """The planner's parameters come from the model (`nnx.eval_shape`): Llama 3's published totals (the Hugging
+    Face checkpoints' parameter counts: no position table under RoPE, SwiGLU's gate, RMSNorm without offsets, an
+    untied head), and GPT-3 175B by hand: 96 parallel blocks of 12 h^2 weights and 11 h of biases and LayerNorm
+    (one per block), the 64,000-row token and 2048-row position tables, the final LayerNorm."""
+    cfg = load_preset(preset)
+    vocab = cfg.model.padded_vocab()
+    assert mem.total_params(cfg, vocab) == params
+    if preset == "gpt175b":
+        h = 12288
+        assert params == 96 * (12 * h * h + 11 * h) + (64000 + 2048) * h + 2 * h
+    names = {leaf.name for leaf in mem.param_leaves(cfg.model, vocab)}
+    llama = preset.startswith("llama")
+    assert ("wpe" in names) != llama and ("mlp.w_gate" in names) == llama and ("lm_head" in names) == llama
+    assert ("ln1.bias" in names) != llama
+
+
+def test_llama_timing_prices_three_mlp_matrices():
+    """SwiGLU's MLP is three D x F matmuls: the planner's per-layer GEMM FLOPs are 2 x tokens x (the attention
+    projections + 3 D F) / t, the model's own FLOP count (msjax.flops) per layer."""
+    cfg = apply_overrides(load_preset("llama3_8b"), {"mesh.tensor": 8})
+    plan = make_plan(cfg, PlanOptions(devices=8, hardware="h100"))
+    lay, m = plan.layout, cfg.model
+    rates = timing.Rates(1.0, 1.0, 1e30)  # one FLOP per second: times are FLOPs
+    lt = timing.layer_times(cfg, lay, rates)
+    tok = lay.microbatch_size * cfg.train.seq_len
+    d, f, qw, kvw = m.d_model, m.ff_size, m.num_heads * m.head_size, m.kv_heads * m.head_size
+    assert sum(lt.gemm.values()) == pytest.approx(2 * tok * (d * (2 * qw + 2 * kvw) + 3 * d * f) / 8)
+    assert "position rope, norm rmsnorm, mlp swiglu" in plan_text(plan)

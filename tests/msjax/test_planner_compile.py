@@ -49,6 +49,10 @@ MEMORY_CASES = [(p, o, n) for p, o, n in CASES if n <= 8] + [
     ("gpt_tiny", {"mesh.tensor": 2, "mesh.fsdp": 4, "mesh.tp_overlap": "collective_matmul"}, 8),
     ("gpt_tiny", {"mesh.fsdp": 8, "model.scan_layers": True, "mesh.fsdp_prefetch": True}, 8),
     ("gpt_tiny", {"mesh.fsdp": 4, "mesh.tensor": 2, "mesh.rules": "zero2"}, 8),
+    # Llama blocks (RoPE, RMSNorm, SwiGLU, grouped-query heads, untied head): the inventory comes from the model
+    ("llama_tiny", {"mesh.tensor": 2, "mesh.fsdp": 4, "model.vocab_size": 4096}, 8),
+    ("llama_tiny", {"mesh.pipeline": 2, "mesh.tensor": 2, "mesh.fsdp": 2, "mesh.data": 1,
+                    "model.vocab_size": 4096}, 8),
 ] + PIPELINE_FIT_CASES
 
 
