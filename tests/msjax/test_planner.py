@@ -602,3 +602,33 @@ def test_llama_timing_prices_three_mlp_matrices():
     d, f, qw, kvw = m.d_model, m.ff_size, m.num_heads * m.head_size, m.kv_heads * m.head_size
     assert sum(lt.gemm.values()) == pytest.approx(2 * tok * (d * (2 * qw + 2 * kvw) + 3 * d * f) / 8)
     assert "position rope, norm rmsnorm, mlp swiglu" in plan_text(plan)
+
+
+@pytest.mark.parametrize("llama", [False, True], ids=["gpt", "llama"])
+def test_planner_step_flops_are_the_executed_steps(llama):
+    """The planner's hardware FLOPs of a step (GEMMs, attention core, output layer; forward and backward, one
+    device, no remat) equal the matmul FLOPs of the traced gradient (`msjax.flops.executed_matmul_flops`), for a
+    GPT and a Llama block, less the one contraction the model's softmax backward adds per score row (2 B H T T per
+    layer, element-wise work the planner prices as memory traffic)."""
+    import jax
+    import jax.numpy as jnp
+
+    from msjax.config import Config
+    from msjax.flops import executed_matmul_flops
+    from msjax.model import abstract_model, apply
+
+    cfg = apply_overrides(Config(), {
+        "model.num_layers": 3, "model.d_model": 32, "model.num_heads": 4, "model.d_ff": 48, "model.max_seq_len": 16,
+        "model.vocab_size": 100, "model.attention.impl": "xla", "train.seq_len": 16, "train.global_batch": 4,
+        "mesh.data": 1, **(_LLAMA if llama else {})}).validate()
+    plan = make_plan(cfg, PlanOptions(devices=1, hardware="a100-80g"))
+    assert plan.layout.remat == "none" and not plan.layout.flash
+    graphdef, params, _ = abstract_model(dataclasses.replace(cfg.model, vocab_size=plan.layout.vocab))
+    tokens = jax.ShapeDtypeStruct((4, 16), jnp.int32)
+
+    def loss(p, t):
+        return apply(graphdef, p, t).astype(jnp.float32).sum()
+
+    executed = executed_matmul_flops(jax.grad(loss), params, tokens)
+    softmax_rows = 2 * 4 * 4 * 16 * 16 * 3
+    assert plan.time.hw_flops_per_step == pytest.approx(executed - softmax_rows, rel=1e-12)
