@@ -18,7 +18,8 @@ The per-step inventory (per device, most loaded pipeline stage) follows the layo
                          and reduce-scatters dK and dV in the backward: (c - 1) / c of 2 b T (G / t) K elements
                          each way (`memory.gathered_kv_bytes`). K and V are one call (two in XLA; the latency
                          term is negligible at these sizes).
-  FSDP   (fsdp)          per layer and microbatch: weights all-gathered for the forward and again for the
+  FSDP   (fsdp)          per layer and microbatch (not under the zero2 rule set, whose fsdp axis joins DP's
+                         reduce-scatter and all-gather): weights all-gathered for the forward and again for the
                          backward (in the compute dtype), gradients reduce-scattered (ZeRO-3).
   DP     (data, sequence) once per step after accumulation: all-reduce of the gradients (ZeRO-0), or reduce-
                          scatter of the gradients + all-gather of the updated parameters (ZeRO-1/2,
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 from msjax.config import Config
 from msjax.hardware import Hardware
-from msjax.planner.layout import Layout, Link, group_link
+from msjax.planner.layout import Layout, Link, group_link, zero2_over_fsdp
 from msjax.planner.memory import (
     DTYPE_BYTES, StageParams, ends_elements, gathered_kv_bytes, state_bytes_per_element,
 )
@@ -138,19 +139,24 @@ def inventory(cfg: Config, layout: Layout, hw: Hardware, stage: StageParams) -> 
         add("SEQ all-gather (K, V)", "SEQ", ("sequence",), "all-gather", sx, kv, layers * mb * kv_gathers(layout))
         add("SEQ reduce-scatter (dK, dV)", "SEQ", ("sequence",), "reduce-scatter", sx, kv, layers * mb)
     # FSDP (ZeRO-3 over fsdp): gather weights for each forward-like pass and the backward; scatter gradients.
-    layer_w = stage.layer_total / t
-    embed_w = stage.embed_total / t
-    add("FSDP all-gather (weights)", "FSDP", ("fsdp",), "all-gather", f, e * layer_w,
-        layers * mb * (fwd_like + 1.0))
-    add("FSDP reduce-scatter (grads)", "FSDP", ("fsdp",), "reduce-scatter", f, ge * layer_w, layers * mb)
-    add("FSDP all-gather (embedding)", "FSDP", ("fsdp",), "all-gather", f, e * embed_w, mb * 2.0)
-    add("FSDP reduce-scatter (embedding)", "FSDP", ("fsdp",), "reduce-scatter", f, ge * embed_w, mb)
-    # DP over data (and sequence, where parameters are replicated too), once per step.
+    # Under the zero2 rule set the fsdp axis holds ZeRO-2 instead: its collectives are the DP group's below.
+    zero2 = zero2_over_fsdp(cfg, layout)
+    if not zero2:
+        layer_w = stage.layer_total / t
+        embed_w = stage.embed_total / t
+        add("FSDP all-gather (weights)", "FSDP", ("fsdp",), "all-gather", f, e * layer_w,
+            layers * mb * (fwd_like + 1.0))
+        add("FSDP reduce-scatter (grads)", "FSDP", ("fsdp",), "reduce-scatter", f, ge * layer_w, layers * mb)
+        add("FSDP all-gather (embedding)", "FSDP", ("fsdp",), "all-gather", f, e * embed_w, mb * 2.0)
+        add("FSDP reduce-scatter (embedding)", "FSDP", ("fsdp",), "reduce-scatter", f, ge * embed_w, mb)
+    # DP over data (and sequence, where parameters are replicated too), once per step; with the zero2 rule set
+    # over fsdp as well: a reduce-scatter over fsdp and an all-reduce of the shards over the rest move
+    # 2 (1 - 1 / (d f)) of the bytes, what one reduce-scatter + all-gather over the whole group moves.
     elements = layers * stage.layer_elements + (ends_elements(cfg, layout, stage) if msjax_pp else
                                                 max(stage.first_elements, stage.last_elements))
-    dp_axes = ("data", "sequence") if sx > 1 else ("data",)
-    n_dp = layout.data * sx
-    if layout.zero_stage == 0:
+    dp_axes = ("data",) + (("fsdp",) if zero2 else ()) + (("sequence",) if sx > 1 else ())
+    n_dp = layout.data * sx * (f if zero2 else 1)
+    if layout.zero_stage == 0 and not zero2:
         add("DP all-reduce (grads)", "DP", dp_axes, "all-reduce", n_dp, ge * elements, 1)
     else:
         add("DP reduce-scatter (grads)", "DP", dp_axes, "reduce-scatter", n_dp, ge * elements, 1)

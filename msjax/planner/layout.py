@@ -195,6 +195,14 @@ def check_model_split(cfg: Config, sizes: dict[str, int], vocab: int) -> None:
                         "sequence; use 'tp' or 'fsdp_tp'")
 
 
+def zero2_over_fsdp(cfg: Config, layout: "Layout") -> bool:
+    """Whether the `fsdp` axis holds ZeRO-2, not ZeRO-3: a rule set whose gradients and optimizer state are laid
+    out apart from its parameters (`sharding_rules.OPTIMIZER_STATE_RULES`, the `zero2` rule set) replicates the
+    parameters over `fsdp` and shards the rest; the step then reduce-scatters the gradients and all-gathers the
+    updated parameters once per step, with no per-layer gathers (the rule set decides, not a planner option)."""
+    return layout.fsdp > 1 and cfg.mesh.rules in OPTIMIZER_STATE_RULES
+
+
 def legal_virtual_stages(num_layers: int, pipeline: int, microbatches: int) -> list[int]:
     """Chunk counts v for interleaved 1F1B: v divides the layers per stage, and (v > 1) the microbatch count is
     a multiple of the stage count (Megatron-LM's requirement for the interleaved schedule)."""

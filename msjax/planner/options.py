@@ -38,7 +38,8 @@ class PlanOptions:
       microbatch_size: sequences per microbatch per data-parallel replica; 0 picks the best legal value.
       zero_stage: what is sharded over the `data` axis (Rajbhandari et al. 2020): 0 nothing (what the msjax
         train step does), 1 optimizer state, 2 optimizer state and gradients. Sharding parameters too (ZeRO-3)
-        is the `fsdp` mesh axis. -1 picks the smallest stage that fits.
+        is the `fsdp` mesh axis; the `zero2` rule set (`mesh.rules`) makes that axis ZeRO-2 instead, priced from
+        the rule set, not from this option. -1 picks the smallest stage that fits.
       sequence_parallel: Megatron-SP (Korthikanti et al. 2022 sec. 4.2.2): between tensor-parallel regions the
         activations are split over the `tensor` axis along the sequence (all-gather / reduce-scatter instead of
         all-reduce; same bytes, 1/t of the activation memory). msjax always does this when tensor > 1 (its rule

@@ -62,7 +62,7 @@ from msjax import flops as model_flops
 from msjax.config import Config
 from msjax.hardware import Hardware
 from msjax.planner import comm as comm_mod
-from msjax.planner.layout import Layout
+from msjax.planner.layout import Layout, zero2_over_fsdp
 from msjax.parallel.schedule import bubble_fraction, in_flight
 from msjax.planner.memory import DTYPE_BYTES, StageParams, ends_elements, in_flight_chunks
 from msjax.planner.options import (
@@ -348,7 +348,8 @@ def step_time(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions, stag
     ends_held = ends_elements(cfg, layout, stage) if (p > 1 and layout.baseline == "msjax") else \
         max(stage.first_elements, stage.last_elements)
     elements = layers * stage.layer_elements + ends_held
-    local = elements / (layout.data if layout.zero_stage >= 1 else 1)
+    local = elements / ((layout.data if layout.zero_stage >= 1 else 1)
+                        * (layout.fsdp if zero2_over_fsdp(cfg, layout) else 1))
     optimizer = local * OPTIMIZER_BYTES_PER_PARAM[cfg.optimizer.name] / rates.hbm
     hidden = {k: max(0.0, total.get(k, 0.0) - exposed.get(k, 0.0)) for k in total}
     contention = OVERLAP_SLOWDOWN * sum(hidden.values())

@@ -632,3 +632,24 @@ def test_planner_step_flops_are_the_executed_steps(llama):
     executed = executed_matmul_flops(jax.grad(loss), params, tokens)
     softmax_rows = 2 * 4 * 4 * 16 * 16 * 3
     assert plan.time.hw_flops_per_step == pytest.approx(executed - softmax_rows, rel=1e-12)
+
+
+def test_zero2_rule_set_is_priced_as_zero2_not_fsdp():
+    """mesh.rules=zero2 over an fsdp axis of F is ZeRO-2 (the rule set decides): one gradient reduce-scatter and one
+    parameter all-gather per step, no per-layer weight gathers, the optimizer update on 1/F of the state. The
+    planner prices it as the same ZeRO-2 over a data axis of F (the planner's own zero_stage=2), collective for
+    collective, with the same step time."""
+    base = {"mesh.tensor": 8, "train.global_batch": 64, "model.remat": "full"}
+    rules = make_plan(apply_overrides(load_preset("llama3_8b"), {**base, "mesh.rules": "zero2", "mesh.fsdp": 8,
+                                                                  "mesh.data": 1}),
+                      PlanOptions(devices=64, hardware="h100", zero_stage=0, microbatch_size=1))
+    data = make_plan(apply_overrides(load_preset("llama3_8b"), {**base, "mesh.rules": "tp", "mesh.data": 8}),
+                     PlanOptions(devices=64, hardware="h100", zero_stage=2, microbatch_size=1))
+    assert not [c for c in rules.collectives if c.group == "FSDP"]
+
+    def dp(plan):
+        return sorted((c.op, c.size, c.tensor_bytes, c.calls, c.link.kind) for c in plan.collectives if c.group == "DP")
+
+    assert dp(rules) == dp(data) and len(dp(rules)) == 2
+    assert rules.time.optimizer == pytest.approx(data.time.optimizer, rel=1e-12)
+    assert rules.time.step == pytest.approx(data.time.step, rel=1e-12)
