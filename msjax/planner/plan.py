@@ -163,3 +163,37 @@ def make_plan(cfg: Config, opts: PlanOptions) -> Plan:
     best.auto = auto
     return best
 
+
+
+def run_overrides(plan: Plan) -> tuple[dict, str]:
+    """The config overrides that make msjax's train step run this plan's layout, and a note ("" when none).
+
+    The planner's own choices map onto config keys, so the config, not the planner, is what a run reads: the mesh
+    sizes; `pipeline.virtual_stages` and `pipeline.microbatches` (M = the microbatches per replica per step) with
+    pipeline stages, otherwise `train.microbatches` (gradient accumulation); `model.remat`; and ZeRO-1/2 over
+    `data` as the `zero2` rule set over an `fsdp` axis of that size (parameters replicated over it, gradients and
+    optimizer state sharded: the same collectives, `test_zero2_rule_set_is_priced_as_zero2_not_fsdp`; msjax has
+    no ZeRO-1 alone, so ZeRO-1 runs as ZeRO-2, which holds less). ZeRO over `data` beside an FSDP axis has no
+    rule set: the note says so and the overrides keep ZeRO-0.
+
+    Returns:
+      (overrides, note): dotted config keys to values, for `msjax.config.apply_overrides` or the command line.
+    """
+    lay = plan.layout
+    sizes = lay.axis_sizes()
+    rules, note = plan.config.mesh.rules, ""
+    if lay.zero_stage >= 1 and lay.data > 1:
+        if lay.fsdp == 1:
+            sizes["fsdp"], sizes["data"], rules = lay.data, 1, "zero2"
+        else:
+            note = (f"ZeRO-{lay.zero_stage} over data beside fsdp={lay.fsdp} has no rule set in msjax; the overrides "
+                    "run ZeRO-0 over data")
+    out = {f"mesh.{k}": v for k, v in sizes.items()}
+    out["mesh.rules"] = rules
+    if lay.pipeline > 1:
+        out.update({"pipeline.virtual_stages": lay.virtual_stages, "pipeline.microbatches": lay.microbatches,
+                    "train.microbatches": 1})
+    else:
+        out["train.microbatches"] = lay.microbatches
+    out["model.remat"] = lay.remat
+    return out, note

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from msjax.planner import memory as mem
-from msjax.planner.plan import Plan
+from msjax.planner.plan import Plan, run_overrides
 from msjax.planner.search import SearchResult, reason_kind
 
 GiB = 2**30
@@ -60,6 +60,8 @@ def plan_text(plan: Plan) -> str:
         f"{mc.param_dtype} parameters, {cfg.optimizer.name}")
     for k, v in plan.auto.items():
         add(f"  auto       {k} = {v}")
+    overrides, note = run_overrides(plan)
+    add("  run with   " + " ".join(f"--{k}={v}" for k, v in overrides.items()) + (f"  ({note})" if note else ""))
     add("")
     add(f"{'Memory per device (most loaded stage)':74s}GiB")
     pe, ge, oe = mem.state_bytes_per_element(cfg, lay)
@@ -138,6 +140,7 @@ def plan_dict(plan: Plan) -> dict:
         "options": dataclasses.asdict(plan.options),
         "layout": dataclasses.asdict(lay),
         "auto": plan.auto,
+        "run_overrides": run_overrides(plan)[0],
         "memory": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer, "activations": m.activations,
                    "working": m.working, "total": m.total, "capacity": m.capacity, "fits": m.fits,
                    "per_layer_activation": m.per_layer_activation, "in_flight_layers": m.in_flight_layers,

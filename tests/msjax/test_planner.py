@@ -653,3 +653,27 @@ def test_zero2_rule_set_is_priced_as_zero2_not_fsdp():
     assert dp(rules) == dp(data) and len(dp(rules)) == 2
     assert rules.time.optimizer == pytest.approx(data.time.optimizer, rel=1e-12)
     assert rules.time.step == pytest.approx(data.time.step, rel=1e-12)
+
+
+def test_run_overrides_express_the_plan_in_the_config():
+    """The planner's choices (mesh, interleaving, microbatches, ZeRO-2 over data, remat) come back as config keys:
+    the flagship's config with them applied validates, and planning that config with nothing left to choose gives
+    the same layout and step time; the report prints them as flags."""
+    from msjax.planner.plan import run_overrides
+
+    cfg = apply_overrides(load_preset("gpt175b"), {"train.global_batch": 6144})
+    plan = make_plan(cfg, PlanOptions(devices=12288, hardware="a100-80g"))
+    overrides, note = run_overrides(plan)
+    assert note == "" and plan.layout.zero_stage >= 1
+    assert overrides["mesh.rules"] == "zero2" and overrides["mesh.fsdp"] == 192 and overrides["mesh.data"] == 1
+    run_cfg = apply_overrides(cfg, overrides).validate()
+    again = make_plan(run_cfg, PlanOptions(devices=12288, hardware="a100-80g", zero_stage=0, microbatch_size=1,
+                                           virtual_stages=run_cfg.pipeline.virtual_stages))
+    assert run_cfg.pipeline.microbatches == again.layout.microbatches == plan.layout.microbatches
+    assert again.time.step == pytest.approx(plan.time.step, rel=1e-12) and again.mfu >= 0.55
+    assert "run with   --mesh.pipeline=8 --mesh.data=1 --mesh.fsdp=192" in plan_text(plan)
+    # ZeRO over data beside an FSDP axis has no rule set: said, and not pretended
+    cfg = apply_overrides(load_preset("gpt_tiny"), {"mesh.fsdp": 2, "mesh.tensor": 2})
+    plan = make_plan(cfg, PlanOptions(devices=8, hardware="a100-80g", zero_stage=1))
+    overrides, note = run_overrides(plan)
+    assert "has no rule set" in note and overrides["mesh.rules"] == "fsdp_tp" and overrides["mesh.data"] == 2
