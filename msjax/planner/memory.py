@@ -613,10 +613,10 @@ def stash_layer_bytes(cfg: Config, layout: Layout, scanned: bool | None = None) 
       none (everything but values of the parameters alone): per LayerNorm (or RMSNorm) its float32 input, its
         output (compute dtype) and a float32 reciprocal deviation per token; Q, K, V and the attention output;
         six MLP-width tensors (linear-1 output and GeLU's intermediates, or SwiGLU's gate, up and theirs); RoPE's
-        cosine and sine tables (`rope_table_bytes`; once per slot when scanned); materialised attention's probabilities (compute dtype)
-        and float32 scores, per layer when layers are unrolled (with the mask and a float32 copy: 9 bytes per
-        score beside the compute-dtype ones), per layer 4 bytes when scanned (the mask is loop-invariant:
-        `stash_entry_invariant_bytes`); a fused kernel's float32 log-sum-exp instead.
+        cosine and sine tables (`rope_table_bytes`; once per slot when scanned); materialised attention's
+        probabilities (compute dtype) and float32 scores, per layer when layers are unrolled (with the mask and a
+        float32 copy: 9 bytes per score beside the compute-dtype ones), per layer 4 bytes when scanned (the mask
+        is loop-invariant: `stash_entry_invariant_bytes`); a fused kernel's float32 log-sum-exp instead.
       dots_no_batch: the layer input (and, serial, the attention residual: the second LayerNorm's input), Q, K
         and V (local: the gather is not a dot), the linear-1 output (SwiGLU: gate and up); everything else is
         recomputed.
