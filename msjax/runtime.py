@@ -132,48 +132,23 @@ def cache_on_every_process() -> bool:
     - jax's public alternative, `jax_share_binary_between_hosts` (process 0 compiles and sends the executable
       through the coordination service under its cache key), deadlocks on CPU for the same reason: process 1
       waits for its own key, which process 0 never sets ("GetKeyValue() timed out with key: jit_step-7480...",
-      2 local processes). No public option writes from other processes (jax issue 18819).
+      2 local processes). No public option writes from other processes (jax GitHub issue 18819).
     So on the CPU backend, a process k > 0 writes its own entry, under its own key, with jax's own writer
     (`compilation_cache.put_executable_and_time`) and jax's own conditions (no host callbacks; at least
     `jax_persistent_cache_min_compile_time_secs` of compiling; the entry-size floor is checked by the writer).
     Keys differ per process, so no two processes write the same file. Other platforms keep jax's behaviour.
-    This wraps a private jax function: when its signature is not the one read (another jax version), nothing is
-    changed and False is returned.
+    The wrapper and the private names it touches are in `msjax.compat.cache_every_process`; when the writer's
+    signature is not the one read (another jax version), nothing is changed and False is returned.
     """
     if "every_process" in _state:
         return bool(_state["every_process"])
     _state["every_process"] = False
     if os.environ.get("MSJAX_CACHE_EVERY_PROCESS", "1") == "0":
         return False
-    import inspect
-    import warnings
+    from msjax import compat
 
-    from jax._src import compilation_cache, compiler, config, distributed
-
-    original = getattr(compiler, "_cache_write", None)
-    expected = ["cache_key", "compile_time_secs", "module_name", "backend", "executable", "host_callbacks"]
-    if original is None or list(inspect.signature(original).parameters) != expected:
-        return False
-
-    def cache_write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
-        if distributed.global_state.process_id in (None, 0) or getattr(backend, "platform", "") != "cpu":
-            return original(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
-        if host_callbacks or compile_time_secs < config.persistent_cache_min_compile_time_secs.value:
-            return None
-        try:
-            compilation_cache.put_executable_and_time(cache_key, module_name, executable, backend,
-                                                      int(compile_time_secs))
-        except Exception as ex:  # noqa: BLE001 - jax's own policy: a failed cache write warns, the run goes on
-            if config.raise_persistent_cache_errors.value:
-                raise
-            warnings.warn(f"msjax: error writing persistent compilation cache entry for {module_name!r}: "
-                          f"{type(ex).__name__}: {ex}")
-        return None
-
-    cache_write.__wrapped__ = original  # type: ignore[attr-defined]
-    compiler._cache_write = cache_write
-    _state["every_process"] = True
-    return True
+    _state["every_process"] = compat.cache_every_process()
+    return bool(_state["every_process"])
 
 
 def cpu_device_count() -> int:

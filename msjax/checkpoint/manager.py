@@ -54,10 +54,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as ocp_policies
-from orbax.checkpoint._src.futures import future as ocp_future
-from orbax.checkpoint._src.futures import synchronization as ocp_sync
 
 from msjax import paths
+from msjax.compat import orbax_future as ocp_future
+from msjax.compat import orbax_synchronization as ocp_sync
 from msjax.checkpoint import replica
 from msjax.checkpoint.integrity import checksum_state, combine_partials, mismatches, write_record
 from msjax.checkpoint.tiers import LocalTier, ObjectTier, make_tier
@@ -227,7 +227,7 @@ def _meet(what: str, timeout_s: float) -> None:
     own short timeout, and process 0 may be downloading or moving a checkpoint for minutes meanwhile."""
     if jax.process_count() == 1:
         return
-    from jax._src import distributed as jax_distributed  # jax has no public barrier outside collectives
+    from msjax.compat import jax_distributed  # jax has no public barrier outside collectives
 
     jax_distributed.global_state.client.wait_at_barrier(f"msjax_checkpoint_{next(_barriers)}_{what}",
                                                         int(timeout_s * 1000))
@@ -491,7 +491,7 @@ class Checkpointer:
 
     def _publish_partial(self, step: int, fetch) -> None:
         """This process's partial checksums of `step`, to jax's coordination service (no collective)."""
-        from jax._src import distributed as jax_distributed  # jax has no public key-value store
+        from msjax.compat import jax_distributed  # jax has no public key-value store
 
         jax_distributed.global_state.client.key_value_set_bytes(self._kv_key(step, jax.process_index()),
                                                                 fetch.local().astype(np.uint64).tobytes())
@@ -500,7 +500,7 @@ class Checkpointer:
         """Process 0's worker thread in a multi-process run: waits (at most checkpoint.timeout_s) for every
         process's partial checksums, adds them, then completes the step as `_complete_step`. A state with NaN or
         Inf is never made complete (its directory is deleted), and the newest complete checkpoint stays."""
-        from jax._src import distributed as jax_distributed
+        from msjax.compat import jax_distributed
 
         client = jax_distributed.global_state.client
         every = []

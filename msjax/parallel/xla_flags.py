@@ -89,9 +89,9 @@ def backend_started() -> bool:
     """Whether jax has initialised a backend already (after which XLA_FLAGS changes are ignored)."""
     if "jax" not in sys.modules:
         return False
-    from jax._src import xla_bridge  # no public API says this; jax's own check, used read-only
+    from msjax.compat import backends_are_initialized  # no public API says this; jax's own check, read-only
 
-    return xla_bridge.backends_are_initialized()
+    return backends_are_initialized()
 
 
 def apply(tp_overlap: str = "none", backend: str | None = None) -> str:
