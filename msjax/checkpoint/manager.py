@@ -45,7 +45,6 @@ import sys
 import threading
 import time
 import uuid
-import warnings
 import hashlib
 from pathlib import Path
 from typing import Any, Callable
@@ -186,22 +185,6 @@ def _os_error(e: BaseException) -> BaseException:
             return seen
         seen = seen.__cause__ or seen.__context__
     return e
-
-
-class _OrbaxTracebacks(logging.Filter):
-    """Orbax logs every failed background write with its whole traceback (hundreds of lines) before it re-raises
-    it to us (and again on every later wait); we report it once, as CheckpointWriteError. This drops the records
-    with a traceback that Orbax's own files log."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname)
-
-
-_FILTER = _OrbaxTracebacks()
-logging.getLogger("absl").addFilter(_FILTER)
-# After a failed write Orbax leaves the coroutines of the abandoned save unawaited; Python reports each one at
-# exit. The failure itself was reported once, as CheckpointWriteError.
-warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
 
 
 def _rotate(tier: LocalTier | ObjectTier, keep: int) -> None:
