@@ -156,10 +156,8 @@ def overhead_benchmark(cfg: Config, steps: int = 0, pairs: int = 40, vocab_size:
             store = Store(connect(server.url), "bench-observe")
             stack.callback(store.client.close)
             sink = RedisMetricsSink(store)
-        obs = StepObserver(cfg.observe)
+        obs = StepObserver(cfg.observe, sinks=[sink] if sink is not None else [])  # as msjax.train.build_hooks
         obs.on_start(ctx)
-        if sink is not None:
-            ctx.extra["metrics_sink"] = sink  # as ControlPlaneHook puts it, after the observer's on_start
         stack.callback(lambda: obs.on_end(ctx, None))  # its sink's final flush
         try:
             for r in range(-1, pairs):  # pair -1 warms both arms up (first rows, files, threads) and is not kept

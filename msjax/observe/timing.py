@@ -30,8 +30,8 @@ From these, with done_t of the previous step:
                  compute time, which it takes from CUDA events). A slow device, a slow host or a pause during it
                  makes it longer than the others'; the others' wait for this rank lies after it, in the collectives.
   host_lag_s   = lag_s accumulated between done_t(s-1) and done_t(s).
-  tokens_per_s, mfu from step_s; loss, grad_norm read by the watcher once the step is done; lr from the optax
-  schedule at the step (a table computed once on the CPU backend: no device work per step).
+  tokens_per_s, mfu from step_s; loss, grad_norm read by the watcher once the step is done; lr of the step from
+  the run's table of the optimizer's schedule (`RunContext.learning_rates`, `msjax.optim.learning_rates`).
 
 At the end of each window (`observe.window` steps, after the window's last step is done) the window's per-rank
 figures (own_compute_s, host_lag_s, host_stall_s, ...) are gathered with jax's multihost all-gather (one
@@ -39,8 +39,8 @@ collective per window, not per step) and compared with the other ranks' median (
 three, the rank's own compute and host time in its steps, decide who is a straggler (own_compute_s only where it is
 timed, `observe.own_compute`). Except that where processes share a host's CPUs as their devices (several
 CPU-backend processes on one machine), own_compute_s is only reported: there each process's compute time follows
-how the OS shares the cores among them, not its own speed. That window
-boundary is the one host sync the observer adds.
+how the OS shares the cores among them, not its own speed. That window boundary is the one host sync the
+observer adds.
 
 A second signal, reported and scored but never flagging a rank by itself: a *collective-free probe* timed by every
 rank at each window end, a chain of matmuls on each of its own devices (`ComputeProbe`), reported as seconds per
@@ -69,7 +69,7 @@ import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -81,7 +81,7 @@ from msjax.hardware import mesh_peak_flops
 from msjax.hooks import Hook, RunContext
 from msjax.observe.events import append_event
 from msjax.observe.stragglers import RankPlace, StragglerDetector, mesh_places
-from msjax.optim import lr_schedule
+from msjax.optim import learning_rates
 from msjax.parallel.arrival import ARRIVALS
 
 # How long the observer waits for a step's results at a window boundary before it gives up (seconds).
@@ -354,12 +354,18 @@ class StepObserver(Hook):
 
     Args:
       cfg: the run's `ObserveConfig` (`config.observe`).
-      sinks: extra `MetricsSink`s; a control plane may also put one in `ctx.extra["metrics_sink"]`.
+      sinks: `MetricsSink`s that get every row (the control plane's live sink among them, when the run has one);
+        closed (when they have a `close`) at the end of the run.
+      exclude_host: `exclude_host(host, reason)` records a host for exclusion at the next restart (the control
+        plane's, `RedisMetricsSink.exclude_host`); None without a control plane. Used with
+        `observe.exclude_stragglers`.
     """
 
-    def __init__(self, cfg: Any, sinks: Sequence[MetricsSink] = ()):
+    def __init__(self, cfg: Any, sinks: Sequence[MetricsSink] = (),
+                 exclude_host: Callable[[str, str], None] | None = None):
         self.cfg = cfg
         self.sinks = list(sinks)
+        self.exclude_host = exclude_host
         self.stragglers: list[dict[str, Any]] = []  # events raised, for callers and tests
         self.window_rows: list[dict[str, Any]] = []
         self._queue: queue.Queue = queue.Queue()
@@ -382,10 +388,9 @@ class StepObserver(Hook):
         self.tokens_per_step = t.global_batch * t.seq_len
         self.step_flops = flops_per_token(cfg.model, t.seq_len) * self.tokens_per_step
         self.peak, _ = mesh_peak_flops(ctx.mesh.devices.flat)
-        with jax.default_device(jax.local_devices(backend="cpu")[0]):  # no work on the accelerators
-            sched = lr_schedule(cfg.optimizer, t.steps)
-            # One jitted program: evaluated op by op, the schedule compiled ~15 tiny programs (~0.45 s of start-up).
-            self._lr = np.asarray(jax.jit(jax.vmap(sched))(jnp.arange(t.steps)))  # lr of step s is entry s - 1
+        # lr of step s is entry s - 1: the loop's own table, or the same function's when the hook runs outside it
+        lrs = ctx.learning_rates
+        self._lr = np.asarray(lrs if lrs is not None else learning_rates(cfg.optimizer, t.steps))
         hosts = self._gather_hosts()
         self.places: dict[int, RankPlace] = mesh_places(ctx.mesh.devices, hosts=hosts)
         here = self.places[self.rank].host
@@ -413,7 +418,6 @@ class StepObserver(Hook):
             self._jsonl = open(ranks / f"rank{self.rank}.jsonl", "a")
             self._tb = SummaryWriter(str(self.run_dir / "tb" / f"rank{self.rank}"))
         self._tb_every = max(1, t.log_every)  # TensorBoard at the loop's log cadence (per-step rows are in JSONL)
-        self._extra = ctx.extra  # a control plane may put its sink there in its own on_start, after ours
         local = [d for d in ctx.mesh.devices.flat if d.process_index == self.rank]
         self._probe = None
         if self.cfg.window and self.cfg.probe:
@@ -480,7 +484,7 @@ class StepObserver(Hook):
             self._thread.join(timeout=60.0)
             if self._thread.is_alive():
                 _log("observe: the metrics thread did not finish within 60 s after the loop ended; leaving it")
-        for sink in self._all_sinks():
+        for sink in self.sinks:
             close = getattr(sink, "close", None)
             if close is not None:
                 close()
@@ -575,12 +579,8 @@ class StepObserver(Hook):
                     if k in row:
                         self._tb.add_scalar(k, row[k], step)
         values = {k: v for k, v in row.items() if k != "step"}
-        for sink in self._all_sinks():
+        for sink in self.sinks:
             sink.publish(self.rank, step, values)
-
-    def _all_sinks(self) -> list[MetricsSink]:
-        extra_sink = getattr(self, "_extra", {}).get("metrics_sink")
-        return self.sinks + ([extra_sink] if extra_sink is not None else [])
 
     # ---- every window -------------------------------------------------------------------------------------------
 
@@ -681,7 +681,7 @@ class StepObserver(Hook):
     def _exclude(self, place: RankPlace, step: int, why: dict[str, float]) -> None:
         """With `observe.exclude_stragglers`, hands the straggler's host to the control plane (its background
         thread records it in the run's excluded hosts; the supervisor leaves it out at the next restart)."""
-        exclude = self._extra.get("exclude_host")
+        exclude = self.exclude_host
         if not self.cfg.exclude_stragglers or not place.host:
             return
         if exclude is None:
