@@ -91,15 +91,15 @@ WAIT_TIMEOUT_S = 900.0
 # (seconds per matmul of the window-end probe), probe_wall_s (that probe's wall time), window_s (main-thread wall
 # time from the end of the previous window's probe to the end of this window's probe), observer_s (main-thread
 # time inside the observer's on_step_end over the window, probe and exchange included, the wait for the window's
-# last step to finish on the device excluded: that is queued work, not the observer's) and watcher_cpu_s (CPU time of the
-# observer's watcher thread over the window): window totals. own_compute_s is the mean over the window's steps that
+# last step to finish on the device excluded: that is queued work, not the observer's) and watcher_cpu_s (CPU time
+# of the observer's watcher thread over the window): window totals. own_compute_s is the mean over the window's steps that
 # carried arrival marks (0 when none did: a pipelined step marks nothing).
 WINDOW_FIGURES = ("step_s", "step_median_s", "compute_s", "own_compute_s", "host_lag_s", "host_stall_s",
                   "data_s", "checkpoint_s", "gc_s", "probe_s", "probe_wall_s", "window_s", "observer_s",
                   "watcher_cpu_s")
 # Per-rank TensorBoard scalars: the figures that differ between ranks. Run-wide values (loss, grad norm, lr,
 # tokens/s, MFU) are the same on every rank and already in the loop's own TensorBoard at the same steps; the JSONL
-# rows and the live sink carry everything. (tensorboardX costs ~40 us of CPU per scalar on this machine.)
+# rows and the live sink carry everything (each TensorBoard scalar costs tens of microseconds of CPU).
 TB_FIGURES = ("step_s", "compute_s", "own_compute_s", "host_lag_s", "host_stall_s", "data_s", "dispatch_s",
               "checkpoint_s", "gc_s")
 # The probe's candidate matrix sides, and the most seconds one matmul (all local devices at once) may take at the
@@ -110,17 +110,16 @@ PROBE_MATMUL_S = 2e-4
 PROBE_MAX_CHAIN = 1 << 16
 # A budget is spent as several short calls (median taken) rather than one long one: calls of ~4 ms fit in an OS
 # scheduler slice on a healthy host even under load, while a rank throttled throughout is slow in every call
-# (a CFS quota of 1 ms per 10 ms stretches a 4 ms call to ~40 ms). Measured on the 4-worker straggler test at
-# load ~7: 3 calls of ~20 ms gave the throttled worker scores 7.1 and 3.1 (healthy calls preempted as well).
+# (a CFS quota of 1 ms per 10 ms stretches a 4 ms call to ~40 ms). Longer calls are preempted on healthy ranks
+# too, which blurs the throttled rank's score.
 PROBE_CALL_S = 4e-3
 PROBE_MAX_REPEATS = 25
 # Per window the probe's cost model follows the measured probe time (median over ranks), by at most this factor
 # either way: a load burst during one probe does not swing the next probe's size by more.
 PROBE_RESCALE_LIMIT = 2.0
 # Processes on one host (a local multi-process run) time their window-end probes one at a time, under a host-wide
-# file lock: run together they compete for the same cores, and whichever the OS serves last looks slow (CI, an
-# unslowed 4-process run on 2 cores beside another test: healthy workers 1 and 2 probed at 3.37 and 2.61 ms per
-# matmul against 0.38 for the others, in consecutive windows, and were flagged). One process per host, the usual
+# file lock: run together they compete for the same cores, and whichever the OS serves last looks slow (healthy
+# workers of an unslowed 4-process run on 2 cores were flagged that way). One process per host, the usual
 # multi-host layout, never takes the lock. The most seconds a probe waits for its turn before it runs anyway:
 PROBE_LOCK_TIMEOUT_S = 60.0
 # Figures that decide who is a straggler, with the floor of their denominator as a fraction of the median step
@@ -251,12 +250,11 @@ class ComputeProbe:
     changing it compiles nothing.
 
     Why several short calls and a median when the budget allows (`plan`), 1 call otherwise: a healthy rank
-    preempted once by the OS loses one call, which the median drops (a single call would show it whole: a
-    one-window spike, seen here at 5x under load 8); a rank slowed throughout (a throttled GPU, a CPU cgroup quota)
-    is slow in every call. A throttle that works in slices (CFS: 1 ms of CPU per 10 ms) shows in every call only
-    when a call outlasts its quota slice: a probe of a few matmuls can slip through between pauses. The budget grows with the window's wall time,
-    so once a straggler slows the run its probe gets longer (measured: 0.45 s calls on the throttled worker of
-    tests/msjax/test_observe_multiprocess.py).
+    preempted once by the OS loses one call, which the median drops (a single call would show it whole, as a
+    one-window spike); a rank slowed throughout (a throttled GPU, a CPU cgroup quota) is slow in every call. A
+    throttle that works in slices (CFS: 1 ms of CPU per 10 ms) shows in every call only when a call outlasts its
+    quota slice: a probe of a few matmuls can slip through between pauses. The budget grows with the window's wall
+    time, so once a straggler slows the run its probe gets longer.
 
     Args:
       devices: the devices to probe (this process's devices of the mesh).
@@ -330,8 +328,8 @@ class ComputeProbe:
 
     def rescale(self, measured_s: float, limit: float = PROBE_RESCALE_LIMIT) -> float:
         """Follows the machine's speed: multiplies the cost model by measured / predicted wall time of a probe of
-        the current plan (`measured_s`: the probe's whole wall time), clamped to [1/limit, limit] (one probe hit by a burst of load moves the model by at
-        most that). Returns the factor applied."""
+        the current plan (`measured_s`: the probe's whole wall time), clamped to [1/limit, limit] (one probe hit by
+        a burst of load moves the model by at most that). Returns the factor applied."""
         predicted = self.repeats * self.cost.predict(self.chain)
         factor = min(limit, max(1.0 / limit, measured_s / max(predicted, 1e-12)))
         self.cost = self.cost.scaled(factor)
@@ -424,8 +422,8 @@ class StepObserver(Hook):
             self._probe = ComputeProbe(local)
             self._probe.cost = self._agreed_cost(self._probe)
             self._probe.chain = self._probe.repeats = 1  # no step time yet, no budget: the smallest probe at first
-        # The first window's probe is that single 1-matmul call: one preemption shows in it whole (scores of 9
-        # and 23 seen on healthy workers of a loaded 2-core machine), so it is recorded but not scored; probes
+        # The first window's probe is that single 1-matmul call: one preemption shows in it whole (a healthy
+        # worker of a loaded machine can score far past any threshold), so it is recorded but not scored; probes
         # are scored from the first one planned to the window's budget (`_replan`).
         self._probe_planned = False
         self._over_budget_logged = False
@@ -527,8 +525,8 @@ class StepObserver(Hook):
                     return
                 step, metrics, issue_t, host = item
                 # The step's outputs become ready together: the first conversion waits for the step, and its end
-                # is the step's done time. float(np.asarray(x)) per scalar costs ~15 us of CPU here, where
-                # block_until_ready + jax.device_get of the dict cost ~100-350 us.
+                # is the step's done time. float(np.asarray(x)) per scalar costs several times less CPU than
+                # block_until_ready + jax.device_get of the whole dict.
                 values, done = {}, None
                 for k, v in metrics.items():
                     values[k] = float(np.asarray(v))

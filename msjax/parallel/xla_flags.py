@@ -24,7 +24,7 @@ gpu-performance; the flags' definitions and defaults in xla/debug_options_flags.
   --xla_gpu_multi_streamed_windowed_einsum=true  run the windowed einsum's partial matmuls on several streams so
       they overlap with its collective-permutes.
 
-CPU: no preset. Measured here (2-core Xeon, 8 fake devices, gpt_tiny-sized step, docs/overlap.md): XLA:CPU runs
+CPU: no preset. Measured on a 2-core CPU machine (8 fake devices, gpt_tiny-sized step, docs/overlap.md): XLA:CPU runs
 collectives synchronously in-process and its scheduler has no latency-hiding mode, so there is nothing to hide
 communication behind; no flag was found that made the step faster.
 
