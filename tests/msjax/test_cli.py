@@ -85,7 +85,7 @@ HELP_FLAGS = {"train.py": "--train.steps", "bench.py": "--reference_cmd", "plan.
               "bench_checkpoint.py": "--local_dir", "bench_init.py": "--barriers",
               "bench_parallel.py": "--layouts", "bench_recovery.py": "--faults_per_kind",
               "launch.py": "--num_processes", "convert.py": "--from_hf", "generate.py": "--max_new_tokens",
-              "bench_generate.py": "--new_tokens", "bench_convert.py": "--width"}
+              "bench_generate.py": "--new_tokens", "bench_convert.py": "--width", "results.py": "--record"}
 
 
 def test_help_flags_cover_every_script():
