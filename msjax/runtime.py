@@ -244,11 +244,17 @@ UNAWAITED_COROUTINE = r"coroutine .* was never awaited"
 
 
 def quiet_failed_checkpoint_writes() -> None:
-    """Adds `OrbaxTracebacks` to the `absl` logger (Orbax logs through absl) and ignores RuntimeWarnings matching
-    `UNAWAITED_COROUTINE`. Idempotent."""
+    """Adds `OrbaxTracebacks` to absl's logger (Orbax logs through absl) and ignores RuntimeWarnings matching
+    `UNAWAITED_COROUTINE`. Idempotent.
+
+    absl's logger is taken from absl itself (`absl.logging`, which Orbax depends on), never made first with
+    `logging.getLogger("absl")`: absl would then adopt a plain Logger, whose records name absl's wrapper as their
+    file instead of Orbax's, and the filter would let Orbax's tracebacks through."""
     if "quiet" in _state:
         return
-    logging.getLogger("absl").addFilter(OrbaxTracebacks())
+    from absl import logging as absl_logging
+
+    absl_logging.get_absl_logger().addFilter(OrbaxTracebacks())
     warnings.filterwarnings("ignore", message=UNAWAITED_COROUTINE, category=RuntimeWarning)
     _state["quiet"] = True
 

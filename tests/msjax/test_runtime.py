@@ -269,7 +269,7 @@ def snapshot():
         "warnings": [repr(f) for f in warnings.filters],
         "jax_config": {k: repr(v) for k, v in jax.config.values.items()} if jax else {},
         "loggers": {name: [lg.level, [type(f).__name__ for f in lg.filters], [type(h).__name__ for h in lg.handlers],
-                           lg.propagate, lg.disabled] for name, lg in loggers.items()},
+                           lg.propagate, lg.disabled, type(lg).__name__] for name, lg in loggers.items()},
         "signals": {s.name: repr(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1,
                                                                  signal.SIGUSR2, signal.SIGHUP)},
         "recursion": sys.getrecursionlimit(),
@@ -284,7 +284,8 @@ def diff(a, b):
                        if a[key].get(k) != b[key].get(k)}
             # a logger created by an import (getLogger(__name__)) at its defaults is not a change of state
             if key == "loggers":
-                changed = {k: v for k, v in changed.items() if not (v[0] is None and v[1] == [0, [], [], True, False])}
+                changed = {k: v for k, v in changed.items()
+                           if not (v[0] is None and v[1] == [0, [], [], True, False, "Logger"])}
         else:
             changed = [a[key], b[key]] if a[key] != b[key] else None
         if changed:
