@@ -68,7 +68,7 @@ def align_first_step(step_fn, *args, timeout_s: float = FIRST_STEP_BARRIER_TIMEO
     step_fn.lower(*args).compile()
     _barriers += 1
     # jax has no public barrier outside collectives; its distributed client's barrier is the coordination service's.
-    from jax._src import distributed as jax_distributed
+    from msjax.compat import jax_distributed
 
     jax_distributed.global_state.client.wait_at_barrier(f"msjax_first_step_compiled_{_barriers}",
                                                         int(timeout_s * 1000))

@@ -8,6 +8,9 @@ control-plane poller) and the loop reads once per step without touching the devi
 
 Rules for hooks: `on_step_end` runs on every step and must not block on the device (its `metrics` are device
 arrays still being computed; reading them forces a host sync); `on_log` runs at logging steps with host floats.
+A hook gets what it shares with another hook through its constructor (the step observer gets the control plane's
+metrics sink as an argument), and what it may read about the run through `RunContext`'s typed fields; the run's
+hook list is built in one place, `msjax.train.build_hooks`, from the config.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
+
+import numpy as np
 
 
 class LoopControl:
@@ -78,7 +83,8 @@ class RunContext:
       program: the TrainProgram (msjax.train_step).
       start_step: the step the run starts from (0, or the restored checkpoint's step).
       control: the loop's LoopControl.
-      extra: free-form values hooks share with each other (e.g. the control-plane client).
+      learning_rates: (train.steps,) float32, the learning rate of step s at index s - 1
+        (`msjax.optim.learning_rates`), or None where no loop made it (a hook driven by hand).
       timings: host times of the current step, written by the loop before `on_step_end`: `issue_t` (perf_counter
         seconds when the step was called), `data_s` (waiting for the batch), `dispatch_s` (inside the step call),
         `checkpoint_s` (blocked in the checkpoint save after the previous step). Seconds.
@@ -90,7 +96,7 @@ class RunContext:
     program: Any
     start_step: int
     control: LoopControl
-    extra: dict[str, Any] = field(default_factory=dict)
+    learning_rates: np.ndarray | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
 

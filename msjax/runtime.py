@@ -1,44 +1,38 @@
-"""Process set-up applied once on `import msjax`: the C allocator, jax's persistent compilation cache, and the size
-of XLA:CPU's thread pools when one process drives several CPU devices.
+"""Process set-up, applied once on `import msjax`: the one place where importing msjax changes process-wide state.
 
-Both exist because of measurements on a 2-core CPU machine (shared/FIELD_NOTES.md, "CPU speed: the allocator"):
+`setup()` (called from msjax/__init__.py) changes exactly this, each for a reason below and each with an opt-out;
+no other module changes process-wide state on import (tests/msjax/test_runtime.py checks both):
 
-- glibc malloc hands XLA:CPU's large per-step buffers (above its dynamic mmap threshold) back to the OS with
-  munmap/trim and page-faults them in again on the next step: on shakespeare_char ~25% of the wall time was system
-  time and ~12,000 minor faults per step. `mallopt` (through ctypes, so nothing has to be set before Python
-  starts, unlike GLIBC_TUNABLES or LD_PRELOAD) raises the mmap threshold to 1 GiB and turns trimming off,
-  so freed buffers stay in the heap and are reused. The price is that the process keeps its peak heap.
-  It also caps glibc at one arena: memory freed by XLA's worker threads lives in per-thread arenas, whose 64 MiB
-  heaps glibc unmaps whole when they fall empty whatever the trim threshold says (and maps again on the next
-  step). That starts at random well into a run: a shakespeare_char step loop ran 0 faults per step for 1,800
-  steps, then 2,215 (a 2000-step job: 22.8 s system time, 8.4 million faults, against 3.7 s and 0.16 million);
-  under strace, 45,123 mprotect + 5,487 munmap calls in 2000 steps with the default arenas, 822 + 4,124 (mostly
-  start-up) and 0 faults per step after the first 200 with one arena. The one arena's lock cost no step time
-  measurable here (2 cores; shakespeare_char, 100-step windows after the first: 37.0-42.8 ms with one arena,
-  35.5-47.1 ms with the default arenas, 2 alternating processes each; no finer A/B was made).
-- Compiling the train step takes seconds of every run; jax's persistent compilation cache keeps the compiled
-  executables in the user's cache directory (XDG), so a repeated run skips most of that.
-- With several CPU processes jax caches only process 0's executables, and no other process ever hits: see
-  `cache_on_every_process` (measured: a restarted 2-process run's process 1 compiled its whole first step again,
-  28-55 s on the loaded 2-core machine, while process 0 loaded it from the cache).
-
-- Several CPU devices in one process (`--xla_force_host_platform_device_count=N`, as the tests and CPU layout runs
-  use) can deadlock XLA:CPU's in-process collectives in two ways: see `size_cpu_thread_pools` and
-  `order_cpu_collectives`.
-
-Opt-outs, for a user who wants the plain defaults: `MSJAX_MALLOPT=0` leaves malloc alone; an explicit
-`JAX_COMPILATION_CACHE_DIR` (or `jax.config.update("jax_compilation_cache_dir", ...)` before import) wins, and
-`MSJAX_COMPILATION_CACHE=0` turns our default off; `MSJAX_CACHE_EVERY_PROCESS=0` leaves jax's process-0-only
-cache writes alone.
+- glibc malloc (`tune_malloc`): mmap threshold 1 GiB, heap trimming off, one arena. glibc hands XLA:CPU's large
+  per-step buffers back to the OS (munmap/trim, and whole per-thread arena heaps when they fall empty) and
+  page-faults them in again on the next step: a large share of a CPU run's wall time went to system time and
+  minor faults (docs/cpu_speed.md). `mallopt` through ctypes needs nothing set before Python starts, unlike
+  GLIBC_TUNABLES or LD_PRELOAD. The price: the process keeps its peak heap. `MSJAX_MALLOPT=0` leaves malloc alone.
+- jax's persistent compilation cache (`enable_compilation_cache`): `jax_compilation_cache_dir` set to
+  `cache_home()/jax`, so a repeated run skips most of the seconds of compiling its step. A directory the user
+  chose (`JAX_COMPILATION_CACHE_DIR`, or `jax.config.update` before import) wins; `MSJAX_COMPILATION_CACHE=0`
+  turns the default off.
+- jax's cache writer (`cache_on_every_process`): with several CPU processes jax caches only process 0's
+  executables and no other process ever hits, so a restarted job's other processes compile everything again.
+  `MSJAX_CACHE_EVERY_PROCESS=0` leaves jax's writer alone.
+- `PJRT_NPROC` and `XLA_FLAGS` in os.environ, only when this process asks for several CPU devices
+  (`--xla_force_host_platform_device_count=N`, as tests and CPU layout runs do): two ways XLA:CPU's in-process
+  collectives can deadlock (`size_cpu_thread_pools`, `order_cpu_collectives`). A value the user set wins.
+- Log noise of a failed asynchronous checkpoint write (`quiet_failed_checkpoint_writes`): a filter on the `absl`
+  logger drops the tracebacks Orbax's own files log (msjax.checkpoint reports the failure once, as
+  CheckpointWriteError), and a warnings filter ignores "coroutine ... was never awaited" RuntimeWarnings, which
+  Python prints at exit for the coroutines of the save Orbax abandoned.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
 # glibc <malloc.h>: mallopt parameter numbers.
@@ -132,48 +126,23 @@ def cache_on_every_process() -> bool:
     - jax's public alternative, `jax_share_binary_between_hosts` (process 0 compiles and sends the executable
       through the coordination service under its cache key), deadlocks on CPU for the same reason: process 1
       waits for its own key, which process 0 never sets ("GetKeyValue() timed out with key: jit_step-7480...",
-      2 local processes). No public option writes from other processes (jax issue 18819).
+      2 local processes). No public option writes from other processes (jax GitHub issue 18819).
     So on the CPU backend, a process k > 0 writes its own entry, under its own key, with jax's own writer
     (`compilation_cache.put_executable_and_time`) and jax's own conditions (no host callbacks; at least
     `jax_persistent_cache_min_compile_time_secs` of compiling; the entry-size floor is checked by the writer).
     Keys differ per process, so no two processes write the same file. Other platforms keep jax's behaviour.
-    This wraps a private jax function: when its signature is not the one read (another jax version), nothing is
-    changed and False is returned.
+    The wrapper and the private names it touches are in `msjax.compat.cache_every_process`; when the writer's
+    signature is not the one read (another jax version), nothing is changed and False is returned.
     """
     if "every_process" in _state:
         return bool(_state["every_process"])
     _state["every_process"] = False
     if os.environ.get("MSJAX_CACHE_EVERY_PROCESS", "1") == "0":
         return False
-    import inspect
-    import warnings
+    from msjax import compat
 
-    from jax._src import compilation_cache, compiler, config, distributed
-
-    original = getattr(compiler, "_cache_write", None)
-    expected = ["cache_key", "compile_time_secs", "module_name", "backend", "executable", "host_callbacks"]
-    if original is None or list(inspect.signature(original).parameters) != expected:
-        return False
-
-    def cache_write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
-        if distributed.global_state.process_id in (None, 0) or getattr(backend, "platform", "") != "cpu":
-            return original(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
-        if host_callbacks or compile_time_secs < config.persistent_cache_min_compile_time_secs.value:
-            return None
-        try:
-            compilation_cache.put_executable_and_time(cache_key, module_name, executable, backend,
-                                                      int(compile_time_secs))
-        except Exception as ex:  # noqa: BLE001 - jax's own policy: a failed cache write warns, the run goes on
-            if config.raise_persistent_cache_errors.value:
-                raise
-            warnings.warn(f"msjax: error writing persistent compilation cache entry for {module_name!r}: "
-                          f"{type(ex).__name__}: {ex}")
-        return None
-
-    cache_write.__wrapped__ = original  # type: ignore[attr-defined]
-    compiler._cache_write = cache_write
-    _state["every_process"] = True
-    return True
+    _state["every_process"] = compat.cache_every_process()
+    return bool(_state["every_process"])
 
 
 def cpu_device_count() -> int:
@@ -196,11 +165,10 @@ def size_cpu_thread_pools() -> int | None:
     max(cores, devices). A device program resumes on an intra-op thread after an asynchronous thunk and may then
     block that thread in a collective's rendezvous; another device's parallel matmul queues its pieces on the same
     pool. With as many threads as devices, the blocked rendezvous can hold every thread those pieces need: a
-    deadlock, which XLA ends with an abort after `xla_cpu_collective_call_terminate_timeout_seconds`. Measured on
-    a 2-core machine with another process loading it, 8 devices, a loop of matmul + psum + ppermute in
-    `shard_map`: at 8 threads it deadlocked within 60 s in each of 3 runs (2 to 5 of 8 devices arrived); at 16
-    and 32 threads 60 s ran clean (1,092 and 734-770 steps). CI saw it once as an abort in an 8-device test.
-    The extra threads sleep unless there is parallel work; a single-device process is left alone.
+    deadlock, which XLA ends with an abort after `xla_cpu_collective_call_terminate_timeout_seconds`. On a loaded
+    2-core machine a loop of matmul + psum + ppermute in `shard_map` over 8 devices deadlocked with 8 pool threads
+    and ran clean with 16 or 32. The extra threads sleep unless there is parallel work; a single-device process is
+    left alone.
     """
     if "pools" in _state:
         return _state["pools"]  # type: ignore[return-value]
@@ -237,13 +205,10 @@ def order_cpu_collectives() -> bool:
     waited in the permute, the eighth in the loop's all-gather for its partner, one of the 7, and XLA aborted at
     its rendezvous timeout (CI lost a worker this way, in `test_layouts_match_single_device`). Why the eighth
     never reached the permute it started first is not established. With the scheduler off the permute comes
-    after the loop. Measured on the 2-core machine with a second process loading it, that layout's 4-step run
-    repeated for 120 s: scheduler on, the process aborted within 5 runs in each of 4 tries (3 at 16 pool threads,
-    1 at 64); off, 6 tries ran clean (66 to 97 runs each). The scheduler changes the order of the program,
-    not what it computes; on fake CPU devices there is no link whose time it could hide (docs/overlap.md). It
-    does change compiled temp memory (the planner's estimate, within 10% of the default's bytes, came out
-    1.12-1.40x those compiled with it off on its 12 test layouts), so the compile-only check whose figures the
-    planner is fitted to (`msjax.planner.compile_check`) compiles in a subprocess that keeps the default. The
+    after the loop, and that layout's repeated runs no longer aborted. The scheduler changes the order of the
+    program, not what it computes; on fake CPU devices there is no link whose time it could hide
+    (docs/overlap.md). It does change compiled temp memory, so the compile-only check whose figures the planner
+    is fitted to (`msjax.planner.compile_check`) compiles in a subprocess that keeps the default. The
     flag is read per process, not per compilation: `compiler_options` did not change the schedule. One CPU
     device has no collectives and is left alone; GPU and TPU compilers do not read the flag.
     """
@@ -265,12 +230,42 @@ def concurrent_scheduler_on() -> bool:
     return not values or values[-1].lower() not in ("false", "0")
 
 
+class OrbaxTracebacks(logging.Filter):
+    """Drops the log records with a traceback that Orbax's own files log: Orbax logs every failed background write
+    with its whole traceback (hundreds of lines) before it re-raises it (and again on every later wait), and
+    msjax.checkpoint reports it once, as CheckpointWriteError."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+# The coroutines of a save Orbax abandoned after a failed write are never awaited; Python warns of each at exit.
+UNAWAITED_COROUTINE = r"coroutine .* was never awaited"
+
+
+def quiet_failed_checkpoint_writes() -> None:
+    """Adds `OrbaxTracebacks` to absl's logger (Orbax logs through absl) and ignores RuntimeWarnings matching
+    `UNAWAITED_COROUTINE`. Idempotent.
+
+    absl's logger is taken from absl itself (`absl.logging`, which Orbax depends on), never made first with
+    `logging.getLogger("absl")`: absl would then adopt a plain Logger, whose records name absl's wrapper as their
+    file instead of Orbax's, and the filter would let Orbax's tracebacks through."""
+    if "quiet" in _state:
+        return
+    from absl import logging as absl_logging
+
+    absl_logging.get_absl_logger().addFilter(OrbaxTracebacks())
+    warnings.filterwarnings("ignore", message=UNAWAITED_COROUTINE, category=RuntimeWarning)
+    _state["quiet"] = True
+
+
 def setup() -> None:
-    """All of the above; called from `msjax/__init__.py` so every entry point (scripts, notebooks, tests) gets
-    them. malloc is tuned first, before jax is imported and allocates; the thread pools are sized before jax
-    creates its CPU client (on first use, not on import)."""
+    """Everything of the module docstring; called from `msjax/__init__.py` so every entry point (scripts,
+    notebooks, tests) gets it. malloc is tuned first, before jax is imported and allocates; the thread pools are
+    sized before jax creates its CPU client (on first use, not on import)."""
     tune_malloc()
     size_cpu_thread_pools()
     order_cpu_collectives()
     enable_compilation_cache()
     cache_on_every_process()
+    quiet_failed_checkpoint_writes()

@@ -16,7 +16,7 @@ import math
 import signal
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import jax
 from tqdm import tqdm
@@ -31,7 +31,7 @@ from msjax.faults import NonFiniteStop, StopOnSignal
 from msjax.hooks import Hook, Hooks, LoopControl, RunContext
 from msjax.mesh import make_mesh
 from msjax.metrics import MetricsWriter
-from msjax.observe import loop_hooks
+from msjax.observe import MetricsSink, loop_hooks
 from msjax.optim import learning_rates
 from msjax.parallel.pipeline import pipeline_rules
 from msjax.parallel.schedule import pipeline_summary
@@ -42,6 +42,9 @@ from msjax.parallel import xla_flags
 from msjax.generate import Generator
 from msjax.train_step import TrainProgram, build_train_program
 
+
+if TYPE_CHECKING:
+    from msjax.control.hook import ControlPlaneHook
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +67,39 @@ def evaluate(program: TrainProgram, params: Any, batches: list[dict]) -> float:
     return float(sum(float(x) for x in losses) / len(losses))
 
 
-def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = None) -> dict[str, Any]:
+def build_hooks(cfg: Config, control_plane: "ControlPlaneHook | None" = None, sinks: Sequence[MetricsSink] = (),
+                extra: Sequence[Hook] = ()) -> list[Hook]:
+    """The run's hooks, in the order the loop calls them (`on_end` in reverse), from its config: fault handling
+    (`StopOnSignal`; `NonFiniteStop` with train.nonfinite=stop), observability (`msjax.observe.loop_hooks`: the
+    step observer and the profiler, per the `observe` section), the control plane, then `extra`.
+
+    What hooks share is passed here, explicitly: the step observer publishes to `sinks` and, when the run joined a
+    control plane, to its metrics sink, and records straggler exclusions through it.
+
+    Args:
+      cfg: the run's config.
+      control_plane: the process's `msjax.control.hook.ControlPlaneHook`, or None outside a control plane.
+      sinks: further live metric sinks for the step observer (`msjax.observe.MetricsSink`).
+      extra: the caller's own hooks, called last.
+    """
+    fault_hooks = [StopOnSignal(), *([NonFiniteStop()] if cfg.train.nonfinite == "stop" else [])]
+    sinks, exclude_host, plane = list(sinks), None, []
+    if control_plane is not None:
+        sinks.append(control_plane.metrics)
+        exclude_host, plane = control_plane.metrics.exclude_host, [control_plane]
+    return [*fault_hooks, *loop_hooks(cfg, sinks=sinks, exclude_host=exclude_host), *plane, *extra]
+
+
+def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = None,
+        control_plane: "ControlPlaneHook | None" = None, sinks: Sequence[MetricsSink] = ()) -> dict[str, Any]:
     """Trains `cfg` and returns a summary: final train/val loss, tokens/s, MFU, step and wall times.
 
     Args:
       cfg: the run's config.
-      hooks: subsystems joining the loop (`msjax.hooks`): control plane, observers, fault handlers.
+      hooks: the caller's own hooks (`msjax.hooks`), called after the run's own (`build_hooks`).
       control: requests to the loop (stop, checkpoint now, profile); a fresh LoopControl by default.
+      control_plane: the process's control-plane hook, when it joined one (`build_hooks`).
+      sinks: further live metric sinks for the step observer (`build_hooks`).
 
     Raises:
       ConfigError: a config that does not fit the devices or data (mesh size, memory estimate, vocabulary, batch
@@ -153,10 +182,9 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
     writer = MetricsWriter(run_dir, start_step=start_step, loggers=t.loggers, name=cfg.name, config=to_dict(cfg))
     lrs = learning_rates(cfg.optimizer, t.steps)  # lr of step s at s - 1, logged with the loss
     control = control or LoopControl()
-    fault_hooks = [StopOnSignal(), *([NonFiniteStop()] if t.nonfinite == "stop" else [])]
-    hook = Hooks([*fault_hooks, *loop_hooks(cfg), *hooks])
+    hook = Hooks(build_hooks(cfg, control_plane, sinks, extra=hooks))
     ctx = RunContext(config=cfg, run_dir=run_dir, mesh=mesh, program=program, start_step=start_step,
-                     control=control)
+                     control=control, learning_rates=lrs)
     hook.on_start(ctx)
     batch_spec = jax.ShapeDtypeStruct((t.global_batch, t.seq_len), "int32", sharding=program.batch_sharding)
     distributed.align_first_step(program.step_fn, state, {"inputs": batch_spec, "targets": batch_spec})
@@ -300,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 distributed.initialize()
                 phases.mark("distributed")
             with logging_redirect_tqdm():  # log records go around the progress bar, not through it
-                summary = summary_json(run(cfg, hooks=[hook] if hook else []))
+                summary = summary_json(run(cfg, control_plane=hook))
         except ControlError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -45,7 +45,6 @@ import sys
 import threading
 import time
 import uuid
-import warnings
 import hashlib
 from pathlib import Path
 from typing import Any, Callable
@@ -54,10 +53,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as ocp_policies
-from orbax.checkpoint._src.futures import future as ocp_future
-from orbax.checkpoint._src.futures import synchronization as ocp_sync
 
 from msjax import paths
+from msjax.compat import orbax_future as ocp_future
+from msjax.compat import orbax_synchronization as ocp_sync
 from msjax.checkpoint import replica
 from msjax.checkpoint.integrity import checksum_state, combine_partials, mismatches, write_record
 from msjax.checkpoint.tiers import LocalTier, ObjectTier, make_tier
@@ -188,22 +187,6 @@ def _os_error(e: BaseException) -> BaseException:
     return e
 
 
-class _OrbaxTracebacks(logging.Filter):
-    """Orbax logs every failed background write with its whole traceback (hundreds of lines) before it re-raises
-    it to us (and again on every later wait); we report it once, as CheckpointWriteError. This drops the records
-    with a traceback that Orbax's own files log."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname)
-
-
-_FILTER = _OrbaxTracebacks()
-logging.getLogger("absl").addFilter(_FILTER)
-# After a failed write Orbax leaves the coroutines of the abandoned save unawaited; Python reports each one at
-# exit. The failure itself was reported once, as CheckpointWriteError.
-warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning)
-
-
 def _rotate(tier: LocalTier | ObjectTier, keep: int) -> None:
     """Deletes the checkpoints of `tier` older than its newest `keep` recorded ones (record first). Steps without
     a record that are newer than those may be a write in flight and are left alone; so are damaged ones newer
@@ -227,7 +210,7 @@ def _meet(what: str, timeout_s: float) -> None:
     own short timeout, and process 0 may be downloading or moving a checkpoint for minutes meanwhile."""
     if jax.process_count() == 1:
         return
-    from jax._src import distributed as jax_distributed  # jax has no public barrier outside collectives
+    from msjax.compat import jax_distributed  # jax has no public barrier outside collectives
 
     jax_distributed.global_state.client.wait_at_barrier(f"msjax_checkpoint_{next(_barriers)}_{what}",
                                                         int(timeout_s * 1000))
@@ -491,7 +474,7 @@ class Checkpointer:
 
     def _publish_partial(self, step: int, fetch) -> None:
         """This process's partial checksums of `step`, to jax's coordination service (no collective)."""
-        from jax._src import distributed as jax_distributed  # jax has no public key-value store
+        from msjax.compat import jax_distributed  # jax has no public key-value store
 
         jax_distributed.global_state.client.key_value_set_bytes(self._kv_key(step, jax.process_index()),
                                                                 fetch.local().astype(np.uint64).tobytes())
@@ -500,7 +483,7 @@ class Checkpointer:
         """Process 0's worker thread in a multi-process run: waits (at most checkpoint.timeout_s) for every
         process's partial checksums, adds them, then completes the step as `_complete_step`. A state with NaN or
         Inf is never made complete (its directory is deleted), and the newest complete checkpoint stays."""
-        from jax._src import distributed as jax_distributed
+        from msjax.compat import jax_distributed
 
         client = jax_distributed.global_state.client
         every = []

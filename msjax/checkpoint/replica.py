@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 # Orbax's broadcast and replica helpers are not exported (orbax-checkpoint 0.12.8 keeps them in _src).
-from orbax.checkpoint._src.multihost import multislice
+from msjax.compat import orbax_multislice as multislice
 
 DATA_AXIS = "data"
 PRIMARY_REPLICA = 0

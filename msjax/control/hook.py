@@ -32,8 +32,8 @@ so the device queue is already drained) by `multihost_utils.broadcast_one_to_all
 `train.log_every` steps, and every process applies the same request after the same step. A stop command may
 name the signal it relays (the launcher's Ctrl-C): the loop then ends as if it had received that signal.
 
-Per-rank metrics: the hook hands the step observer a `RedisMetricsSink` (`ctx.extra["metrics_sink"]`), and
-straggler exclusions travel the same way (`ctx.extra["exclude_host"]`).
+Per-rank metrics: the hook's `metrics` (a `RedisMetricsSink`) is the step observer's live sink, and its
+`metrics.exclude_host` records straggler exclusions; `msjax.train.build_hooks` passes both to the observer.
 
 Redis going away (a restart) is survived: redis-py retries each command with bounded backoff; past that the
 thread logs once, keeps retrying with its own backoff (capped at `max_backoff_s`), and logs again when Redis is
@@ -123,8 +123,6 @@ class ControlPlaneHook(Hook):
         self.step = self.start_step = ctx.start_step
         self.state = "running"
         self._ckpt_dir = checkpoint_dir(ctx.config.checkpoint, str(ctx.run_dir))
-        ctx.extra["metrics_sink"] = self.metrics  # msjax.observe publishes every per-step row to it
-        ctx.extra["exclude_host"] = self.metrics.exclude_host
         self._safe(lambda: self.store.post_event("loop_start", rank=self.rank, step=ctx.start_step,
                                                  generation=self.generation))
         self._safe(self._beat)  # the supervisor learns the restore step at once

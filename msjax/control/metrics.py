@@ -1,7 +1,7 @@
 """Live per-rank metrics into the run's Redis, so the supervisor (or any tool) sees every rank while it trains.
 
-`RedisMetricsSink` is the control plane's `msjax.observe.MetricsSink`. It is handed to the loop by
-`ControlPlaneHook` (`ctx.extra["metrics_sink"]`) whenever the run joined a control plane (MSJAX_REDIS_URL): the
+`RedisMetricsSink` is the control plane's `msjax.observe.MetricsSink`: `ControlPlaneHook.metrics`, passed to the
+step observer by `msjax.train.build_hooks` whenever the run joined a control plane (MSJAX_REDIS_URL): the
 step observer publishes every per-step row it writes to `<run_dir>/ranks/rank<i>.jsonl`, and those same rows go
 to the `msjax:{run_id}:metrics` stream (`Store.publish_metrics`: JSON, XADD MAXLEN ~, never pickle).
 

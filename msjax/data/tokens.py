@@ -467,7 +467,7 @@ class _Group:
         return _Group(fingerprint)
 
     def _meet(self, what: str) -> None:
-        from jax._src import distributed as jax_distributed  # jax has no public barrier outside collectives
+        from msjax.compat import jax_distributed  # jax has no public barrier outside collectives
 
         jax_distributed.global_state.client.wait_at_barrier(f"msjax_tokens_{self.fp}_{next(_rounds)}_{what}",
                                                             int(_SHARE_WAIT_S * 1000))

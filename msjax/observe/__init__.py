@@ -10,14 +10,14 @@ timelines as PNGs + index.html) and Weights & Biases as a sink of the loop's met
 `msjax.metrics` when `train.loggers` names it).
 
 Everything joins the loop through `msjax.hooks` (`loop_hooks(config)`), so a run without it runs the same code.
-Seams for the control plane: `MetricsSink.publish(rank, step, values)` (or `ctx.extra["metrics_sink"]`) for live
-metrics, `LoopControl.request_profile` for traces, and the pure functions of `stragglers` for scoring figures that
+Seams for the control plane: a `MetricsSink` (`publish(rank, step, values)`) and an `exclude_host` callable passed
+to `loop_hooks` for live metrics and straggler exclusion, `LoopControl.request_profile` for traces, and the pure functions of `stragglers` for scoring figures that
 arrive through a store instead of jax's all-gather.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from msjax.hooks import Hook
 from msjax.observe.events import append_event, read_events
@@ -27,10 +27,17 @@ from msjax.observe.stragglers import (RankPlace, StragglerDetector, WindowVerdic
 from msjax.observe.timing import MetricsSink, StepObserver
 
 
-def loop_hooks(config: Any, sinks: Sequence[MetricsSink] = ()) -> list[Hook]:
-    """The observability hooks for a run of `config` (its `observe` section): step observer, then profiler."""
+def loop_hooks(config: Any, sinks: Sequence[MetricsSink] = (),
+               exclude_host: Callable[[str, str], None] | None = None) -> list[Hook]:
+    """The observability hooks for a run of `config` (its `observe` section): step observer, then profiler.
+
+    Args:
+      sinks: live metric sinks that get every per-step row (`StepObserver`).
+      exclude_host: records a straggler's host for exclusion at the next restart (`StepObserver`).
+    """
     o = config.observe
-    return [StepObserver(o, sinks=sinks), ProfileHook(o.profile_steps, signal_steps=o.profile_signal_steps)]
+    return [StepObserver(o, sinks=sinks, exclude_host=exclude_host),
+            ProfileHook(o.profile_steps, signal_steps=o.profile_signal_steps)]
 
 
 __all__ = ["MetricsSink", "ProfileHook", "RankPlace", "StepObserver", "append_event", "loop_hooks", "mesh_places",

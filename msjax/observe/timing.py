@@ -30,8 +30,8 @@ From these, with done_t of the previous step:
                  compute time, which it takes from CUDA events). A slow device, a slow host or a pause during it
                  makes it longer than the others'; the others' wait for this rank lies after it, in the collectives.
   host_lag_s   = lag_s accumulated between done_t(s-1) and done_t(s).
-  tokens_per_s, mfu from step_s; loss, grad_norm read by the watcher once the step is done; lr from the optax
-  schedule at the step (a table computed once on the CPU backend: no device work per step).
+  tokens_per_s, mfu from step_s; loss, grad_norm read by the watcher once the step is done; lr of the step from
+  the run's table of the optimizer's schedule (`RunContext.learning_rates`, `msjax.optim.learning_rates`).
 
 At the end of each window (`observe.window` steps, after the window's last step is done) the window's per-rank
 figures (own_compute_s, host_lag_s, host_stall_s, ...) are gathered with jax's multihost all-gather (one
@@ -39,8 +39,8 @@ collective per window, not per step) and compared with the other ranks' median (
 three, the rank's own compute and host time in its steps, decide who is a straggler (own_compute_s only where it is
 timed, `observe.own_compute`). Except that where processes share a host's CPUs as their devices (several
 CPU-backend processes on one machine), own_compute_s is only reported: there each process's compute time follows
-how the OS shares the cores among them, not its own speed. That window
-boundary is the one host sync the observer adds.
+how the OS shares the cores among them, not its own speed. That window boundary is the one host sync the
+observer adds.
 
 A second signal, reported and scored but never flagging a rank by itself: a *collective-free probe* timed by every
 rank at each window end, a chain of matmuls on each of its own devices (`ComputeProbe`), reported as seconds per
@@ -69,7 +69,7 @@ import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -81,7 +81,7 @@ from msjax.hardware import mesh_peak_flops
 from msjax.hooks import Hook, RunContext
 from msjax.observe.events import append_event
 from msjax.observe.stragglers import RankPlace, StragglerDetector, mesh_places
-from msjax.optim import lr_schedule
+from msjax.optim import learning_rates
 from msjax.parallel.arrival import ARRIVALS
 
 # How long the observer waits for a step's results at a window boundary before it gives up (seconds).
@@ -91,15 +91,15 @@ WAIT_TIMEOUT_S = 900.0
 # (seconds per matmul of the window-end probe), probe_wall_s (that probe's wall time), window_s (main-thread wall
 # time from the end of the previous window's probe to the end of this window's probe), observer_s (main-thread
 # time inside the observer's on_step_end over the window, probe and exchange included, the wait for the window's
-# last step to finish on the device excluded: that is queued work, not the observer's) and watcher_cpu_s (CPU time of the
-# observer's watcher thread over the window): window totals. own_compute_s is the mean over the window's steps that
+# last step to finish on the device excluded: that is queued work, not the observer's) and watcher_cpu_s (CPU time
+# of the observer's watcher thread over the window): window totals. own_compute_s is the mean over the window's steps that
 # carried arrival marks (0 when none did: a pipelined step marks nothing).
 WINDOW_FIGURES = ("step_s", "step_median_s", "compute_s", "own_compute_s", "host_lag_s", "host_stall_s",
                   "data_s", "checkpoint_s", "gc_s", "probe_s", "probe_wall_s", "window_s", "observer_s",
                   "watcher_cpu_s")
 # Per-rank TensorBoard scalars: the figures that differ between ranks. Run-wide values (loss, grad norm, lr,
 # tokens/s, MFU) are the same on every rank and already in the loop's own TensorBoard at the same steps; the JSONL
-# rows and the live sink carry everything. (tensorboardX costs ~40 us of CPU per scalar on this machine.)
+# rows and the live sink carry everything (each TensorBoard scalar costs tens of microseconds of CPU).
 TB_FIGURES = ("step_s", "compute_s", "own_compute_s", "host_lag_s", "host_stall_s", "data_s", "dispatch_s",
               "checkpoint_s", "gc_s")
 # The probe's candidate matrix sides, and the most seconds one matmul (all local devices at once) may take at the
@@ -110,17 +110,16 @@ PROBE_MATMUL_S = 2e-4
 PROBE_MAX_CHAIN = 1 << 16
 # A budget is spent as several short calls (median taken) rather than one long one: calls of ~4 ms fit in an OS
 # scheduler slice on a healthy host even under load, while a rank throttled throughout is slow in every call
-# (a CFS quota of 1 ms per 10 ms stretches a 4 ms call to ~40 ms). Measured on the 4-worker straggler test at
-# load ~7: 3 calls of ~20 ms gave the throttled worker scores 7.1 and 3.1 (healthy calls preempted as well).
+# (a CFS quota of 1 ms per 10 ms stretches a 4 ms call to ~40 ms). Longer calls are preempted on healthy ranks
+# too, which blurs the throttled rank's score.
 PROBE_CALL_S = 4e-3
 PROBE_MAX_REPEATS = 25
 # Per window the probe's cost model follows the measured probe time (median over ranks), by at most this factor
 # either way: a load burst during one probe does not swing the next probe's size by more.
 PROBE_RESCALE_LIMIT = 2.0
 # Processes on one host (a local multi-process run) time their window-end probes one at a time, under a host-wide
-# file lock: run together they compete for the same cores, and whichever the OS serves last looks slow (CI, an
-# unslowed 4-process run on 2 cores beside another test: healthy workers 1 and 2 probed at 3.37 and 2.61 ms per
-# matmul against 0.38 for the others, in consecutive windows, and were flagged). One process per host, the usual
+# file lock: run together they compete for the same cores, and whichever the OS serves last looks slow (healthy
+# workers of an unslowed 4-process run on 2 cores were flagged that way). One process per host, the usual
 # multi-host layout, never takes the lock. The most seconds a probe waits for its turn before it runs anyway:
 PROBE_LOCK_TIMEOUT_S = 60.0
 # Figures that decide who is a straggler, with the floor of their denominator as a fraction of the median step
@@ -251,12 +250,11 @@ class ComputeProbe:
     changing it compiles nothing.
 
     Why several short calls and a median when the budget allows (`plan`), 1 call otherwise: a healthy rank
-    preempted once by the OS loses one call, which the median drops (a single call would show it whole: a
-    one-window spike, seen here at 5x under load 8); a rank slowed throughout (a throttled GPU, a CPU cgroup quota)
-    is slow in every call. A throttle that works in slices (CFS: 1 ms of CPU per 10 ms) shows in every call only
-    when a call outlasts its quota slice: a probe of a few matmuls can slip through between pauses. The budget grows with the window's wall time,
-    so once a straggler slows the run its probe gets longer (measured: 0.45 s calls on the throttled worker of
-    tests/msjax/test_observe_multiprocess.py).
+    preempted once by the OS loses one call, which the median drops (a single call would show it whole, as a
+    one-window spike); a rank slowed throughout (a throttled GPU, a CPU cgroup quota) is slow in every call. A
+    throttle that works in slices (CFS: 1 ms of CPU per 10 ms) shows in every call only when a call outlasts its
+    quota slice: a probe of a few matmuls can slip through between pauses. The budget grows with the window's wall
+    time, so once a straggler slows the run its probe gets longer.
 
     Args:
       devices: the devices to probe (this process's devices of the mesh).
@@ -330,8 +328,8 @@ class ComputeProbe:
 
     def rescale(self, measured_s: float, limit: float = PROBE_RESCALE_LIMIT) -> float:
         """Follows the machine's speed: multiplies the cost model by measured / predicted wall time of a probe of
-        the current plan (`measured_s`: the probe's whole wall time), clamped to [1/limit, limit] (one probe hit by a burst of load moves the model by at
-        most that). Returns the factor applied."""
+        the current plan (`measured_s`: the probe's whole wall time), clamped to [1/limit, limit] (one probe hit by
+        a burst of load moves the model by at most that). Returns the factor applied."""
         predicted = self.repeats * self.cost.predict(self.chain)
         factor = min(limit, max(1.0 / limit, measured_s / max(predicted, 1e-12)))
         self.cost = self.cost.scaled(factor)
@@ -354,12 +352,18 @@ class StepObserver(Hook):
 
     Args:
       cfg: the run's `ObserveConfig` (`config.observe`).
-      sinks: extra `MetricsSink`s; a control plane may also put one in `ctx.extra["metrics_sink"]`.
+      sinks: `MetricsSink`s that get every row (the control plane's live sink among them, when the run has one);
+        closed (when they have a `close`) at the end of the run.
+      exclude_host: `exclude_host(host, reason)` records a host for exclusion at the next restart (the control
+        plane's, `RedisMetricsSink.exclude_host`); None without a control plane. Used with
+        `observe.exclude_stragglers`.
     """
 
-    def __init__(self, cfg: Any, sinks: Sequence[MetricsSink] = ()):
+    def __init__(self, cfg: Any, sinks: Sequence[MetricsSink] = (),
+                 exclude_host: Callable[[str, str], None] | None = None):
         self.cfg = cfg
         self.sinks = list(sinks)
+        self.exclude_host = exclude_host
         self.stragglers: list[dict[str, Any]] = []  # events raised, for callers and tests
         self.window_rows: list[dict[str, Any]] = []
         self._queue: queue.Queue = queue.Queue()
@@ -382,10 +386,9 @@ class StepObserver(Hook):
         self.tokens_per_step = t.global_batch * t.seq_len
         self.step_flops = flops_per_token(cfg.model, t.seq_len) * self.tokens_per_step
         self.peak, _ = mesh_peak_flops(ctx.mesh.devices.flat)
-        with jax.default_device(jax.local_devices(backend="cpu")[0]):  # no work on the accelerators
-            sched = lr_schedule(cfg.optimizer, t.steps)
-            # One jitted program: evaluated op by op, the schedule compiled ~15 tiny programs (~0.45 s of start-up).
-            self._lr = np.asarray(jax.jit(jax.vmap(sched))(jnp.arange(t.steps)))  # lr of step s is entry s - 1
+        # lr of step s is entry s - 1: the loop's own table, or the same function's when the hook runs outside it
+        lrs = ctx.learning_rates
+        self._lr = np.asarray(lrs if lrs is not None else learning_rates(cfg.optimizer, t.steps))
         hosts = self._gather_hosts()
         self.places: dict[int, RankPlace] = mesh_places(ctx.mesh.devices, hosts=hosts)
         here = self.places[self.rank].host
@@ -413,15 +416,14 @@ class StepObserver(Hook):
             self._jsonl = open(ranks / f"rank{self.rank}.jsonl", "a")
             self._tb = SummaryWriter(str(self.run_dir / "tb" / f"rank{self.rank}"))
         self._tb_every = max(1, t.log_every)  # TensorBoard at the loop's log cadence (per-step rows are in JSONL)
-        self._extra = ctx.extra  # a control plane may put its sink there in its own on_start, after ours
         local = [d for d in ctx.mesh.devices.flat if d.process_index == self.rank]
         self._probe = None
         if self.cfg.window and self.cfg.probe:
             self._probe = ComputeProbe(local)
             self._probe.cost = self._agreed_cost(self._probe)
             self._probe.chain = self._probe.repeats = 1  # no step time yet, no budget: the smallest probe at first
-        # The first window's probe is that single 1-matmul call: one preemption shows in it whole (scores of 9
-        # and 23 seen on healthy workers of a loaded 2-core machine), so it is recorded but not scored; probes
+        # The first window's probe is that single 1-matmul call: one preemption shows in it whole (a healthy
+        # worker of a loaded machine can score far past any threshold), so it is recorded but not scored; probes
         # are scored from the first one planned to the window's budget (`_replan`).
         self._probe_planned = False
         self._over_budget_logged = False
@@ -480,7 +482,7 @@ class StepObserver(Hook):
             self._thread.join(timeout=60.0)
             if self._thread.is_alive():
                 _log("observe: the metrics thread did not finish within 60 s after the loop ended; leaving it")
-        for sink in self._all_sinks():
+        for sink in self.sinks:
             close = getattr(sink, "close", None)
             if close is not None:
                 close()
@@ -523,8 +525,8 @@ class StepObserver(Hook):
                     return
                 step, metrics, issue_t, host = item
                 # The step's outputs become ready together: the first conversion waits for the step, and its end
-                # is the step's done time. float(np.asarray(x)) per scalar costs ~15 us of CPU here, where
-                # block_until_ready + jax.device_get of the dict cost ~100-350 us.
+                # is the step's done time. float(np.asarray(x)) per scalar costs several times less CPU than
+                # block_until_ready + jax.device_get of the whole dict.
                 values, done = {}, None
                 for k, v in metrics.items():
                     values[k] = float(np.asarray(v))
@@ -575,12 +577,8 @@ class StepObserver(Hook):
                     if k in row:
                         self._tb.add_scalar(k, row[k], step)
         values = {k: v for k, v in row.items() if k != "step"}
-        for sink in self._all_sinks():
+        for sink in self.sinks:
             sink.publish(self.rank, step, values)
-
-    def _all_sinks(self) -> list[MetricsSink]:
-        extra_sink = getattr(self, "_extra", {}).get("metrics_sink")
-        return self.sinks + ([extra_sink] if extra_sink is not None else [])
 
     # ---- every window -------------------------------------------------------------------------------------------
 
@@ -681,7 +679,7 @@ class StepObserver(Hook):
     def _exclude(self, place: RankPlace, step: int, why: dict[str, float]) -> None:
         """With `observe.exclude_stragglers`, hands the straggler's host to the control plane (its background
         thread records it in the run's excluded hosts; the supervisor leaves it out at the next restart)."""
-        exclude = self._extra.get("exclude_host")
+        exclude = self.exclude_host
         if not self.cfg.exclude_stragglers or not place.host:
             return
         if exclude is None:

@@ -2,14 +2,14 @@
 
 This package owns two subsystems. Nothing is imported here, so importing one module does not pull in the others.
 
-Pipeline parallelism (issue 9):
+Pipeline parallelism:
   schedule          the interleaved-1F1B tick table, its bubble and microbatches in flight (pure Python, so the
                     planner prices the same numbers).
   pipeline          the pipelined gradient computation inside the one jitted train step, `shard_map` over the
                     `pipeline` mesh axis. The layout and memory check run before anything is allocated lives with
                     the planner (`msjax.planner.preflight`).
 
-Communication hidden behind compute (issue 10):
+Communication hidden behind compute:
   options           the active overlap switches (`mesh.tp_overlap`, `mesh.fsdp_prefetch`) for traced code, set
                     by the train step next to the sharding rules.
   collective_matmul Megatron-SP's all-gather -> matmul and matmul -> reduce-scatter decomposed into bidirectional

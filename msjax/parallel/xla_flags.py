@@ -24,7 +24,7 @@ gpu-performance; the flags' definitions and defaults in xla/debug_options_flags.
   --xla_gpu_multi_streamed_windowed_einsum=true  run the windowed einsum's partial matmuls on several streams so
       they overlap with its collective-permutes.
 
-CPU: no preset. Measured here (2-core Xeon, 8 fake devices, gpt_tiny-sized step, docs/overlap.md): XLA:CPU runs
+CPU: no preset. Measured on a 2-core CPU machine (8 fake devices, gpt_tiny-sized step, docs/overlap.md): XLA:CPU runs
 collectives synchronously in-process and its scheduler has no latency-hiding mode, so there is nothing to hide
 communication behind; no flag was found that made the step faster.
 
@@ -89,9 +89,9 @@ def backend_started() -> bool:
     """Whether jax has initialised a backend already (after which XLA_FLAGS changes are ignored)."""
     if "jax" not in sys.modules:
         return False
-    from jax._src import xla_bridge  # no public API says this; jax's own check, used read-only
+    from msjax.compat import backends_are_initialized  # no public API says this; jax's own check, read-only
 
-    return xla_bridge.backends_are_initialized()
+    return backends_are_initialized()
 
 
 def apply(tp_overlap: str = "none", backend: str | None = None) -> str:

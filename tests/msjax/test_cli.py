@@ -85,7 +85,7 @@ HELP_FLAGS = {"train.py": "--train.steps", "bench.py": "--reference_cmd", "plan.
               "bench_checkpoint.py": "--local_dir", "bench_init.py": "--barriers",
               "bench_parallel.py": "--layouts", "bench_recovery.py": "--faults_per_kind",
               "launch.py": "--num_processes", "convert.py": "--from_hf", "generate.py": "--max_new_tokens",
-              "bench_generate.py": "--new_tokens", "bench_convert.py": "--width"}
+              "bench_generate.py": "--new_tokens", "bench_convert.py": "--width", "results.py": "--record"}
 
 
 def test_help_flags_cover_every_script():
@@ -299,7 +299,8 @@ def test_log_every_zero_trains_and_library_messages_reach_the_log(tmp_path):
 def test_recipe_row_of_a_failed_run_keeps_the_error_message():
     """bench.py --recipe on a run that fails: the row's error holds the child's message naming the bad argument,
     not only the closing line ("error: see the message above", which used to be all it kept)."""
-    from msjax.bench import msjax_recipe_row, time_command
+    bench = _load_script("bench.py")
+    msjax_recipe_row, time_command = bench.msjax_recipe_row, bench.time_command
 
     # a stray argument (e.g. `--json out.json` for `--json=out.json`): tyro boxes the message, then msjax closes
     timed = time_command([sys.executable, str(SCRIPTS / "train.py"), "--config=shakespeare_char", "out.json"],

@@ -13,19 +13,17 @@ import numpy as np
 import pytest
 
 from msjax.config import DataConfig
+from msjax.configs.shakespeare_char import CORPUS
 from msjax.data import DataError, DataWarning, prepare_data, read_documents
 from msjax.data.corpus import read_pieces, split_text
 
 REPO = Path(__file__).resolve().parents[2]
-SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+SHAKESPEARE = Path(str(CORPUS))  # the corpus shipped in the package
 
 
 def _one_line_corpus(path: Path, mib: int) -> Path:
-    """Real text (tinyshakespeare, or the stdlib's textwrap.py) repeated to `mib` MiB on a single line."""
-    import sysconfig
-
-    src = SHAKESPEARE if SHAKESPEARE.is_file() else Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"
-    text = src.read_text().replace("\n", " ").encode()
+    """Real text (tinyshakespeare) repeated to `mib` MiB on a single line."""
+    text = SHAKESPEARE.read_text().replace("\n", " ").encode()
     with open(path, "wb") as f:
         for _ in range(-(-(mib << 20) // len(text))):
             f.write(text)
@@ -36,6 +34,7 @@ def _one_line_corpus(path: Path, mib: int) -> Path:
 _MEASURE = r"""
 import json, resource, sys
 from msjax.config import DataConfig
+from msjax.configs.shakespeare_char import CORPUS
 from msjax.data import prepare_data
 import tokenizers, numpy
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -58,3 +58,33 @@ def test_loop_control_is_thread_safe_and_consumes_requests():
     assert control.take_profile_request() == (5, 2) and control.take_profile_request() is None
     with pytest.raises(ValueError, match="count >= 1"):
         control.request_profile(5, 0)
+
+
+def test_the_hook_list_is_built_from_the_config_and_shares_through_constructor_arguments():
+    """build_hooks: fault handling, then observability, then the control plane, then the caller's; the step
+    observer gets the control plane's metrics sink and straggler exclusion as constructor arguments."""
+    from msjax.config import Config, apply_overrides
+    from msjax.faults import NonFiniteStop, StopOnSignal
+    from msjax.observe import ProfileHook, StepObserver
+    from msjax.train import build_hooks
+
+    class Plane(Hook):  # what build_hooks reads of msjax.control.hook.ControlPlaneHook: its metrics sink
+        def __init__(self):
+            self.metrics = Sink()
+
+    class Sink:
+        def publish(self, rank, step, values):
+            pass
+
+        def exclude_host(self, host, reason=""):
+            pass
+
+    mine, own_sink, plane = Recorder(), Sink(), Plane()
+    hooks = build_hooks(apply_overrides(Config(), {"train.nonfinite": "stop"}), plane, sinks=[own_sink],
+                        extra=[mine])
+    assert [type(h) for h in hooks] == [StopOnSignal, NonFiniteStop, StepObserver, ProfileHook, Plane, Recorder]
+    observer = hooks[2]
+    assert observer.sinks == [own_sink, plane.metrics] and observer.exclude_host == plane.metrics.exclude_host
+    alone = build_hooks(apply_overrides(Config(), {"train.nonfinite": "skip"}))
+    assert [type(h) for h in alone] == [StopOnSignal, StepObserver, ProfileHook]
+    assert alone[1].sinks == [] and alone[1].exclude_host is None

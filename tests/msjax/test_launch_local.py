@@ -18,14 +18,13 @@ from pathlib import Path
 
 import pytest
 
+from msjax.configs.shakespeare_char import CORPUS
 from msjax.control.server import RedisServer
 from msjax.control.store import Store, connect
 
 ROOT = Path(__file__).resolve().parents[2]
-SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+SHAKESPEARE = Path(str(CORPUS))  # the corpus shipped in the package
 TOL = 1e-5
-
-pytestmark = pytest.mark.skipif(not SHAKESPEARE.exists(), reason=f"needs {SHAKESPEARE}")
 
 
 def _flags(tmp: Path, run: str, steps: int) -> list[str]:

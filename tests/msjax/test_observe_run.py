@@ -20,15 +20,13 @@ STEPS, WINDOW, GC_EVERY = 8, 4, 3
 
 
 class Probe(Hook):
-    """Records what the loop looks like from a hook; optionally sends SIGUSR1 to this process at one step."""
+    """Records what the loop looks like from a hook and, as a live metrics sink, what the observer publishes;
+    optionally sends SIGUSR1 to this process at one step."""
 
     def __init__(self, signal_at: int | None = None):
         self.signal_at = signal_at
         self.gc_enabled: list[bool] = []
         self.published: list[tuple[int, int, dict]] = []
-
-    def on_start(self, ctx):
-        ctx.extra["metrics_sink"] = self
 
     def publish(self, rank, step, values):
         self.published.append((rank, step, values))
@@ -55,7 +53,7 @@ def runs(tmp_path_factory, small_corpus):
             "observe.gc_every": GC_EVERY, "observe.profile_signal_steps": 2})
         probe = Probe(signal_at)
         gc_before = gc.isenabled()
-        run(cfg, hooks=[probe])
+        run(cfg, hooks=[probe], sinks=[probe])
         out[name] = (tmp / "run", probe, gc_before)
     return out
 

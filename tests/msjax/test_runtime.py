@@ -252,3 +252,99 @@ def test_concurrent_scheduler_on_reads_the_last_flag(monkeypatch, flags, on):
 
     monkeypatch.setenv("XLA_FLAGS", flags)
     assert concurrent_scheduler_on() is on
+
+
+# Imports msjax's dependencies, then msjax (the one place that changes process-wide state, msjax.runtime.setup),
+# then every module of the package, and prints what changed at each stage: environment variables, warnings filters, jax's config, loggers'
+# levels, filters and handlers, signal handlers, the recursion limit and live threads.
+_IMPORT_STATE = r"""
+import importlib, json, logging, os, pkgutil, signal, sys, threading, warnings
+
+def snapshot():
+    jax = sys.modules.get("jax")
+    loggers = {name: lg for name, lg in logging.root.manager.loggerDict.items() if isinstance(lg, logging.Logger)}
+    loggers[""] = logging.root
+    return {
+        "env": dict(os.environ),
+        "warnings": [repr(f) for f in warnings.filters],
+        "jax_config": {k: repr(v) for k, v in jax.config.values.items()} if jax else {},
+        "loggers": {name: [lg.level, [type(f).__name__ for f in lg.filters], [type(h).__name__ for h in lg.handlers],
+                           lg.propagate, lg.disabled, type(lg).__name__] for name, lg in loggers.items()},
+        "signals": {s.name: repr(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1,
+                                                                 signal.SIGUSR2, signal.SIGHUP)},
+        "recursion": sys.getrecursionlimit(),
+        "threads": sorted(t.name for t in threading.enumerate()),
+    }
+
+def diff(a, b):
+    out = {}
+    for key in a:
+        if isinstance(a[key], dict):
+            changed = {k: [a[key].get(k), b[key].get(k)] for k in set(a[key]) | set(b[key])
+                       if a[key].get(k) != b[key].get(k)}
+            # a logger created by an import (getLogger(__name__)) at its defaults is not a change of state
+            if key == "loggers":
+                changed = {k: v for k, v in changed.items()
+                           if not (v[0] is None and v[1] == [0, [], [], True, False, "Logger"])}
+        else:
+            changed = [a[key], b[key]] if a[key] != b[key] else None
+        if changed:
+            out[key] = changed
+    return out
+
+# What msjax's dependencies change when imported is theirs (seen: orbax.checkpoint adds a StreamHandler to the root
+# logger; flax.nnx imports treescope, which imports IPython, which raises the recursion limit and adds a warnings
+# filter): they are imported first, so that what follows is msjax's own doing.
+for name in ("jax", "jax.numpy", "flax.nnx", "optax", "orbax.checkpoint", "tensorstore", "grain", "tokenizers",
+             "numpy", "pyarrow", "tensorboardX", "tqdm", "redis", "yaml", "matplotlib", "tyro", "fsspec",
+             "safetensors"):
+    importlib.import_module(name)
+s0 = snapshot()
+import msjax
+s1 = snapshot()
+failed = []
+for m in pkgutil.walk_packages(msjax.__path__, "msjax."):
+    if m.name.endswith("__main__"):
+        continue
+    try:
+        importlib.import_module(m.name)
+    except ImportError as e:  # an optional dependency that is not installed: that module cannot change anything
+        failed.append(f"{m.name}: {e}")
+s2 = snapshot()
+print(json.dumps({"msjax": diff(s0, s1), "modules": diff(s1, s2), "failed": failed,
+                  "count": len([n for n in sys.modules if n.startswith("msjax.")])}))
+"""
+
+
+def _import_state(env_extra: dict[str, str]) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC", "MSJAX_PJRT_NPROC", "XLA_FLAGS")}
+    env.update(env_extra)
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_STATE], capture_output=True, text=True, timeout=300,
+                          cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_importing_a_module_changes_no_process_state_beyond_what_runtime_names(tmp_path):
+    """`import msjax` changes exactly what msjax/runtime.py's docstring lists; importing every other module of
+    the package after it changes nothing at all."""
+    state = _import_state({"XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+                           "MSJAX_CACHE_HOME": str(tmp_path / "cache")})
+    assert state["count"] > 100 and state["failed"] == [], state["failed"]
+    assert state["modules"] == {}, state["modules"]
+    changed = state["msjax"]
+    assert sorted(changed) == ["env", "jax_config", "loggers", "warnings"], changed
+    assert sorted(changed["env"]) == ["MSJAX_PJRT_NPROC", "PJRT_NPROC", "XLA_FLAGS"]  # 4 CPU devices asked for
+    assert changed["env"]["XLA_FLAGS"][1].endswith("--xla_cpu_enable_concurrency_optimized_scheduler=false")
+    assert changed["jax_config"] == {"jax_compilation_cache_dir": ["None", repr(str(tmp_path / "cache" / "jax"))]}
+    assert changed["loggers"]["absl"][1][1] == ["OrbaxTracebacks"]
+    before, after = changed["warnings"]
+    assert after[1:] == before and "never awaited" in after[0]
+
+
+def test_with_one_device_and_the_opt_outs_import_msjax_leaves_env_and_jax_config_alone():
+    state = _import_state({"MSJAX_COMPILATION_CACHE": "0", "MSJAX_CACHE_EVERY_PROCESS": "0",
+                           "JAX_PLATFORMS": "cpu"})
+    assert "env" not in state["msjax"] and "jax_config" not in state["msjax"], state["msjax"]
+    assert state["modules"] == {}, state["modules"]

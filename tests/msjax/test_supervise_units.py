@@ -252,8 +252,9 @@ def test_flagged_straggler_reaches_the_next_restarts_excluded_hosts(tmp_path):
     for enabled in (True, False):
         store = FakeStore()
         sink = RedisMetricsSink(store)
-        obs = StepObserver(ObserveConfig(window=4, persist=2, exclude_stragglers=enabled))
-        obs.rank, obs.run_dir, obs._extra = 0, tmp_path / str(enabled), {"exclude_host": sink.exclude_host}
+        obs = StepObserver(ObserveConfig(window=4, persist=2, exclude_stragglers=enabled),
+                           exclude_host=sink.exclude_host)
+        obs.rank, obs.run_dir = 0, tmp_path / str(enabled)
         obs.run_dir.joinpath("ranks").mkdir(parents=True)
         obs.places = {p: RankPlace(p, f"host{p}", {"data": [p]}, [p]) for p in range(4)}
         for step in (4, 8):

@@ -6,9 +6,11 @@ import jax
 import numpy as np
 import pytest
 
-from msjax.bench import plain_jax_comparison
-from msjax.bench_reference import plain_train_step
 from msjax.config import apply_overrides, load_preset
+from tests.scripts.loader import load_script
+
+plain_jax_comparison = load_script("bench").plain_jax_comparison
+plain_train_step = load_script("bench_reference").plain_train_step
 
 
 def test_plain_step_is_msjax_sized_starts_at_log_v_and_learns():

@@ -3,7 +3,7 @@
 No logical axis names, no sharding constraints, no NNX: one fused (D, 3D) QKV matmul, (B, H, T, T) attention, tied
 embeddings, AdamW. It computes the same model as msjax's serial block at a config's shapes (same parameter count
 and model FLOPs; its own initialisation), so the two steps' times say how much of the step time is msjax's
-graph and how much is what XLA makes of the model itself on this backend (issue 14's CPU goal: docs/cpu_speed.md).
+graph and how much is what XLA makes of the model itself on this backend (docs/cpu_speed.md).
 It is a yardstick only: nothing in the training stack uses it.
 
 Legend: B batch, T sequence, D model width, H heads, K head dim, F MLP width, V vocabulary, L layers.

@@ -5,7 +5,10 @@ import numpy as np
 import pytest
 
 from msjax.config import Config, apply_overrides
-from msjax.observe.bench import median_ci, trial_period
+from tests.scripts.loader import load_script
+
+bench_observe = load_script("bench_observe")
+median_ci, trial_period = bench_observe.median_ci, bench_observe.trial_period
 
 
 @pytest.mark.parametrize("n", [6, 40, 101])
