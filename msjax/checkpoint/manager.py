@@ -308,6 +308,9 @@ _REPLICA_NOTES_LOGGED: set[str] = set()  # reasons already logged by Checkpointe
 class Checkpointer:
     """Saves, verifies, rotates and restores checkpoints of (train state, data loader position).
 
+    Opening one deletes the interrupted writes (committed steps without an integrity record) of both tiers, so a
+    restarted run can write those steps again; verified steps are never deleted there.
+
     Args:
       cfg: checkpoint config (`every`, `keep`, `local_dir`, `local_keep`, `async_save`, `timeout_s`,
         `replica_restore`).
@@ -330,6 +333,8 @@ class Checkpointer:
         self.directory = directory
         self.local_directory = self.local.root if self.local is not None else None
         self.write_directory: Path = self.local_directory or Path(directory)
+        # What the first restore reports as passed over, "<path>: <reason>" (see `skipped`).
+        self._interrupted = self._discard_interrupted(cfg.timeout_s)
         # Orbax decides when to save: every `every` steps, and when jax's preemption sync point is reached.
         # Its InitialSavePolicy (save the first step of a run) is left out: the first step is not worth a write.
         policies = [ocp_policies.PreemptionCheckpointingPolicy()]
@@ -356,6 +361,33 @@ class Checkpointer:
         self.last_restore_timing: dict[str, float] = {}
         self.verified_step: int | None = None  # the newest step known complete (written, or restored + verified)
         self._closed = False
+
+    def _discard_interrupted(self, timeout_s: float) -> list[str]:
+        """Deletes every committed step without an integrity record (a write cut short, e.g. by kill -9 between
+        Orbax's commit and the record) from both tiers, before Orbax lists the steps: left in place, such a step
+        makes Orbax refuse a later save of the same step (StepAlreadyExistsError), so a restarted run that has no
+        verified checkpoint yet, or resumes from an older one, would crash when it reaches that step again. A step
+        with a record, readable or not, is never deleted here (a damaged one is moved aside by `restore`).
+
+        Every process lists before any deletion and waits for process 0's deletions, so all of them report the
+        same steps and Orbax's manager lists the same steps on each. Returns "<path>: interrupted write" for each.
+        """
+        found = []
+        for tier in self._tier_list:
+            for step in tier.steps():
+                try:
+                    recorded = tier.record(step) is not None
+                except ValueError:
+                    recorded = True  # unreadable, not absent: the restore reports it and moves it aside
+                if not recorded:
+                    found.append((tier, step))
+        _meet("open_listed", timeout_s)
+        for tier, step in found:
+            _warn(f"checkpoint {tier.path(step)} has no integrity record (its write was interrupted); deleted")
+            if jax.process_index() == 0:
+                tier.delete(step)
+        _meet("open_discarded", timeout_s)
+        return [f"{tier.path(step)}: interrupted write" for tier, step in found]
 
     # ---- listing ----------------------------------------------------------------------------------------------
 
@@ -601,7 +633,8 @@ class Checkpointer:
         Raises:
           CheckpointError: no checkpoint in either tier passes verification (lists what was tried).
         """
-        tried = self.skipped = []
+        tried = self.skipped = self._interrupted  # the interrupted writes deleted when this checkpointer opened
+        self._interrupted = []
         replica_plan, why = replica.plan(abstract_state) if self.cfg.replica_restore else (None, "off")
         self.replica_restore = replica_plan is not None
         if self.cfg.replica_restore and replica_plan is None and why not in _REPLICA_NOTES_LOGGED:
