@@ -16,7 +16,8 @@ the loop never waits on Redis and no step adds a host sync. Every `period_s` it:
   - on rank 0, records the newest verified checkpoint (tier "persistent") and blocks on the command stream
     (XREAD BLOCK, one period at a time), queueing what arrives.
 The first step's beat goes out at once (the supervisor's recovery time ends when it sees every worker's first
-step); a non-finite loss at a logging step is reported (`Store.report`).
+step); a non-finite loss at a logging step is reported (`Store.report`), and so is the one that ends the loop
+with `train.nonfinite=stop` (at `on_end`, before the process exits).
 
 Signals, with several processes: SIGTERM or SIGINT to any worker (a scheduler's preemption of one pod or task, a
 step's scancel) becomes a stop command naming the signal, sent by this thread (never from the signal handler), so
@@ -176,6 +177,12 @@ class ControlPlaneHook(Hook):
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous = {}
+        from msjax.faults import NonFiniteLossError
+
+        if isinstance(error, NonFiniteLossError):
+            # train.nonfinite=stop raised at the step itself, before any logging step could report it: report it
+            # now, before the process exits, so the supervisor reads "non-finite loss", not a bare exit status 1.
+            self._safe(lambda: self.store.report(self.rank, "nonfinite", step=error.step, loss=repr(error.loss)))
         self._publish_checkpoint()
         self._safe(lambda: self.store.post_event("loop_end", rank=self.rank, step=self.step,
                                                  error=None if error is None else repr(error)[:500]))

@@ -20,9 +20,12 @@ still being written when the kill lands is not restorable, which can cost one mo
 import importlib.util
 import io
 import json
+import os
 import random
 import re
+import signal
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -33,6 +36,7 @@ import pytest
 
 from msjax import cli
 from msjax.checkpoint import Checkpointer
+from msjax.checkpoint.integrity import RECORD_NAME
 from msjax.config import config_from_flags
 from msjax.launch.cli import run_supervised
 from msjax.launch.options import LaunchOptions
@@ -73,8 +77,8 @@ def _flags(corpus: Path, run_dir: Path, cache: Path, **extra) -> list[str]:
 
 
 def _supervise(tmp: Path, corpus: Path, cache: Path, monkeypatch, *faults, **cfg) -> tuple[int, str, list[dict]]:
-    """Runs a supervised 2-host job to its end with `faults` injected; returns (exit code, the terminal's text,
-    events) and checks that nothing it started survived."""
+    """Runs a supervised 2-host job to its end with `faults` injected (bench_recovery's Faults, or watchers
+    themselves); returns (exit code, the terminal's text, events) and checks that nothing it started survived."""
     tag = uuid.uuid4().hex
     monkeypatch.setenv("SUPERVISE_TEST_TAG", tag)
     flags = _flags(corpus, tmp / "run", cache, **cfg)
@@ -82,7 +86,9 @@ def _supervise(tmp: Path, corpus: Path, cache: Path, monkeypatch, *faults, **cfg
     out = io.StringIO()
     code = run_supervised(LaunchOptions(num_processes=2, devices_per_process=2, supervise=True), config,
                           f"e2e-{tag[:8]}", flags, out=out,
-                          watchers=[bench.FaultInjector(list(faults), tmp / "health")])
+                          watchers=[bench.FaultInjector([f for f in faults if isinstance(f, bench.Fault)],
+                                                        tmp / "health"),
+                                    *(f for f in faults if not isinstance(f, bench.Fault))])
     left = []
     for p in psutil.process_iter():
         try:
@@ -190,6 +196,86 @@ def test_kill_sigstop_and_sigterm_recover_to_the_uninterrupted_parameters(tmp_pa
     assert "Traceback" not in out and not re.search(r"^\[rank \d\]\s+@\s+0x", out, re.M), note
     # the same thing, fault-free: the reference run's terminal has rank 0's lines and nothing of rank 1
     assert 1 not in _terminal_ranks(reference[1])
+    for x, y in zip(_final_params(reference[0]), _final_params(tmp_path / "run")):
+        np.testing.assert_array_equal(x, y)
+
+
+_ORBAX_TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
+
+
+def _save_in_flight(ckpt_dir: Path) -> tuple[str, int] | None:
+    """An unfinished save in `ckpt_dir`: ("write", step) while Orbax writes its temporary directory, ("commit",
+    step) for a committed step whose integrity record is not there yet; None when every save is complete."""
+    try:
+        names = [p.name for p in ckpt_dir.iterdir()]
+    except FileNotFoundError:
+        return None
+    for name in names:
+        if m := _ORBAX_TMP.match(name):
+            return "write", int(m.group(1))
+    for name in names:
+        if name.isdigit() and not (ckpt_dir / name / RECORD_NAME).exists():
+            return "commit", int(name)
+    return None
+
+
+class KillDuringSaves:
+    """A watcher that, in each of the first `kills` attempts, once every worker has stepped a random 2-4 steps past
+    its restore step, watches the checkpoint directory (every 2 ms, up to 5 s per poll) until the save of such a
+    step is unfinished there, then after a random 0-30 ms sends SIGKILL to a random worker (its pid from the
+    heartbeat). `seen` keeps (attempt, phase, step of the unfinished save) per kill."""
+
+    def __init__(self, ckpt_dir: Path, kills: int, rng: random.Random):
+        self.ckpt_dir, self.kills, self.rng = ckpt_dir, kills, rng
+        self.seen: list[tuple[int, str, int]] = []
+        self.after: dict[int, int] = {}
+
+    def __call__(self, progress) -> None:
+        if len(self.seen) == self.kills or any(a == progress.attempt for a, _, _ in self.seen):
+            return
+        beats = progress.beats
+        after = self.after.setdefault(progress.attempt, self.rng.randint(2, 4))
+        if len(beats) < len(progress.workers) or any(
+                b.get("step") is None or b["step"] < (b.get("start_step") or 0) + after for b in beats.values()):
+            return
+        start = max(b.get("start_step") or 0 for b in beats.values())
+        deadline = time.monotonic() + 5
+        while (unfinished := _save_in_flight(self.ckpt_dir)) is None or unfinished[1] < start + after:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.002)
+        time.sleep(self.rng.uniform(0, 0.03))
+        rank = self.rng.randrange(len(progress.workers))
+        os.kill(beats[rank]["pid"], signal.SIGKILL)
+        self.seen.append((progress.attempt, *unfinished))
+        progress.emit("fault_injected", fault="kill", rank=rank, host=progress.workers[rank].host,
+                      step=beats[rank]["step"], attempt=progress.attempt, save_seen=list(unfinished))
+
+
+@pytest.mark.slow
+def test_kills_during_saves_restart_from_the_step_the_restart_event_names(tmp_path, small_corpus, cache, reference,
+                                                                       monkeypatch):
+    """Three attempts each end with kill -9 of a random worker while a save is unfinished (asynchronous saves at
+    every step, so the kill lands while Orbax writes, between its commit and the integrity record, or just
+    after): every restart event names exactly the step every restarted worker resumes from (the supervisor reads
+    `latest_verified`, the record the restore trusts), an unfinished save is never what the run resumes from, and
+    the run ends with the uninterrupted run's parameters, bit for bit."""
+    rng = random.Random()
+    killer = KillDuringSaves(tmp_path / "run" / "checkpoints", 3, rng)
+    code, out, events = _supervise(tmp_path, small_corpus, cache, monkeypatch, killer, **{
+        "checkpoint.every": 1, "checkpoint.async_save": True, "checkpoint.keep": 2, "supervisor.restart_budget": 4,
+        "supervisor.diagnose": False})
+    note = f"{killer.seen}\n{out[-4000:]}"
+    assert code == 0 and len(killer.seen) == 3, note
+    restarts = {e["attempt"]: e["resume_step"] for e in events if e["kind"] == "restart"}
+    assert sorted(restarts) == [1, 2, 3], note
+    for attempt, resume_step in restarts.items():
+        starts = [e["start_step"] for e in events if e["kind"] == "worker_start" and e["attempt"] == attempt]
+        assert starts == [resume_step or 0] * 2, (attempt, resume_step, starts, note)  # None: no checkpoint yet
+        # the save that was unfinished when the kill was sent is resumed from only if it was complete by then
+        _, phase, step = killer.seen[attempt - 1]
+        assert (resume_step or 0) <= step, (attempt, phase, step, resume_step, note)
+    print("kills during saves (attempt, phase seen, its step) -> resume steps:", killer.seen, restarts)
     for x, y in zip(_final_params(reference[0]), _final_params(tmp_path / "run")):
         np.testing.assert_array_equal(x, y)
 

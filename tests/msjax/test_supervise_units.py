@@ -74,6 +74,9 @@ def test_no_first_heartbeat_within_the_startup_timeout():
 def test_nonfinite_loss_report_is_a_failure():
     (f,) = detect_failures([_w(0), _w(1, nonfinite=(8, float("nan")))], now=100.0, **T)
     assert (f.rank, f.kind) == (1, "nonfinite") and "step 8" in f.detail
+    # train.nonfinite=stop: the worker reported it, then exited 1; the report says why, not the bare status
+    (f,) = detect_failures([_w(0), _w(1, nonfinite=(8, float("nan")), exit_code=1)], now=100.0, **T)
+    assert (f.rank, f.kind) == (1, "nonfinite") and "step 8" in f.detail and "exit code 1" in f.detail
 
 
 def test_a_step_that_stops_while_others_advance_is_stalled():
