@@ -355,6 +355,9 @@ class Checkpointer:
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="msjax-checkpoint")
         self._instance = next(_instances)
         self._worker_jobs: list[tuple[int, concurrent.futures.Future]] = []
+        # Held by the worker while it rotates (deletes step directories) and by the loop while Orbax re-lists the
+        # steps: a listing that stats a directory the worker is deleting fails with FileNotFoundError.
+        self._rotation = threading.Lock()
         self.replica_restore = False  # whether the last restore read one replica and broadcast
         self.skipped: list[str] = []  # what the last restore passed over, "<path>: <reason>", newest first
         self.last_save_timing: dict[str, float] = {}
@@ -507,9 +510,10 @@ class Checkpointer:
             return
         checksums, finite = fetch()
         if not finite:  # never made complete: deleted before its record exists
-            if jax.process_index() == 0:
-                shutil.rmtree(self.write_directory / str(step), ignore_errors=True)
-            self._manager.reload()
+            with self._rotation:
+                if jax.process_index() == 0:
+                    shutil.rmtree(self.write_directory / str(step), ignore_errors=True)
+                self._manager.reload()
             raise NonFiniteStateError(f"the state of step {step} holds NaN or Inf; its checkpoint was deleted "
                                       f"before completion (the newest complete checkpoint is step "
                                       f"{self.verified_step})")
@@ -546,7 +550,8 @@ class Checkpointer:
             every.append(np.frombuffer(raw, np.uint64).reshape(len(keys), 3))
         checksums, finite = combine_partials(keys, np.stack(every))
         if not finite:
-            shutil.rmtree(self.write_directory / str(step), ignore_errors=True)
+            with self._rotation:
+                shutil.rmtree(self.write_directory / str(step), ignore_errors=True)
             logging.getLogger(__name__).error("the state of step %d holds NaN or Inf; its checkpoint was deleted "
                                               "before completion", step)
             return
@@ -570,8 +575,10 @@ class Checkpointer:
             except Exception as e:  # noqa: BLE001 - OSError, or the object store's own error types
                 raise CheckpointWriteError(f"the checkpoint of step {step} could not be copied to the persistent "
                                            f"tier {self.persistent.path(step)}: {type(e).__name__}: {e}") from None
-            _rotate(self.local, self.cfg.local_keep)
-        _rotate(self.persistent, self.cfg.keep)
+            with self._rotation:
+                _rotate(self.local, self.cfg.local_keep)
+        with self._rotation:
+            _rotate(self.persistent, self.cfg.keep)
 
     def _reap_worker(self, block: bool) -> None:
         while self._worker_jobs and (block or self._worker_jobs[0][1].done()):
@@ -581,7 +588,8 @@ class Checkpointer:
             except concurrent.futures.TimeoutError:
                 raise CheckpointWriteError(f"gave up after {self.cfg.timeout_s:.0f} s waiting for the checkpoint "
                                            f"of step {step} to be completed (checkpoint.timeout_s)") from None
-            self._manager.reload()  # rotation deleted directories under Orbax (here, not in the worker: races)
+            with self._rotation:  # a later step's job may be rotating now
+                self._manager.reload()  # rotation deleted directories under Orbax (here, not in the worker: races)
 
     def wait(self) -> None:
         """Blocks until every started checkpoint is complete (written, recorded, copied), at most
