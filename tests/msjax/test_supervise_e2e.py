@@ -420,6 +420,62 @@ def test_a_frozen_training_thread_is_a_stall_and_the_run_recovers(tmp_path, smal
         np.testing.assert_array_equal(x, y)
 
 
+class StragglerThenKill:
+    """A watcher: in attempt 0, once worker `rank` has stepped, throttles it from outside (test_observe_multiprocess's
+    Slowdown: SIGSTOP 18 ms in every 20, a CPU cut to a tenth); once rank 0's log says the straggler's host was
+    recorded for exclusion, ends the throttle and, a heartbeat period later (the record reaches Redis from the
+    control thread), kills rank 0 with SIGKILL, so that the job restarts."""
+
+    def __init__(self, rank: int, log: Path):
+        self.rank, self.log = rank, log
+        self.slowdown = None
+        self.flagged_at: float | None = None
+        self.killed = False
+
+    def __call__(self, progress) -> None:
+        from tests.msjax.test_observe_multiprocess import Slowdown
+
+        if progress.attempt or self.killed:
+            return
+        beat = progress.beats.get(self.rank)
+        if self.slowdown is None and beat is not None and (beat.get("step") or 0) >= 1:
+            self.slowdown = Slowdown(beat["pid"], 0.018, 0.002)
+        if self.flagged_at is None and self.log.exists() and "recorded for exclusion" in self.log.read_text():
+            self.flagged_at = time.monotonic()
+            self.slowdown.close()
+        if self.flagged_at is not None and time.monotonic() - self.flagged_at > 2 * PERIOD and 0 in progress.beats:
+            os.kill(progress.beats[0]["pid"], signal.SIGKILL)
+            self.killed = True
+            progress.emit("fault_injected", fault="kill", rank=0, host=progress.workers[0].host,
+                          step=progress.beats[0]["step"], attempt=progress.attempt)
+
+    def close(self) -> None:
+        if self.slowdown is not None:
+            self.slowdown.close()
+
+
+@pytest.mark.slow
+def test_a_flagged_straggler_is_excluded_at_the_next_restart(tmp_path, small_corpus, cache, monkeypatch):
+    """observe.exclude_stragglers under the supervisor, 2 hosts and a spare: worker 1, throttled from outside, is
+    flagged by the straggler detector, which records host1 in the run's excluded hosts (Redis); when the job next
+    restarts (rank 0 killed), host1 is left out and the spare host2 takes its place; the run finishes."""
+    watcher = StragglerThenKill(1, tmp_path / "run" / "logs" / "attempt0.rank0.log")
+    try:
+        code, out, events = _supervise(tmp_path, small_corpus, cache, monkeypatch, watcher, **{
+            "train.steps": 24, "optimizer.decay_steps": 24, "observe.window": 4, "observe.persist": 2,
+            "observe.exclude_stragglers": True, "supervisor.spares": 1, "supervisor.diagnose": False,
+            "supervisor.standby": False})
+    finally:
+        watcher.close()
+    note = out[-4000:]
+    assert code == 0 and watcher.killed, note
+    excluded = [e for e in events if e["kind"] == "excluded"]
+    assert [(e["host"], e["reason"]) for e in excluded] == [("host1", "straggler (observe.exclude_stragglers)")], note
+    launches = [e for e in events if e["kind"] == "launch"]
+    assert [e["hosts"] for e in launches] == [["host0", "host1"], ["host0", "host2"]], note
+    assert "[supervisor] excluded host1: persistently slow (a straggler)" in out, note
+
+
 @pytest.mark.slow
 def test_fault_loop_ends_on_the_restart_budget(tmp_path, small_corpus, cache, monkeypatch):
     code, out, events = _supervise(tmp_path, small_corpus, cache, monkeypatch, bench.Fault("kill", 1, 0, None),
