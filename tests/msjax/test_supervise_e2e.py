@@ -11,9 +11,18 @@ the one heartbeat, once the worker reports the step).
   uninterrupted run's bit for bit. The terminal shows what an unsupervised run shows (rank 0's lines and every
   rank's warnings and errors, `[rank R] `), and a worker that left because its peer died says so in one line:
   no traceback, no C++ stack.
+- kill -9 of a random worker while a save is unfinished (between Orbax's commit and the integrity record, or while
+  Orbax writes), three times, then a worker's training thread frozen by ptrace while its heartbeat thread beats on
+  (a stall): every restart event names the step every worker resumes from; the parameters end bit-identical.
+- a failed self-check (SIGABRT and the run's site health check failing on that host) on 3 hosts x 1 device: the
+  host is excluded, no layout of the batch fits the 2 devices left, status 3.
+- a non-finite loss (train.nonfinite=stop, a diverging learning rate): detected as such, restarted from the
+  verified step, a fault loop ended by the budget.
+- a straggler throttled from outside (observe.exclude_stragglers): its host is left out at the next restart, the
+  spare takes its place.
 - a fault loop (the same worker killed at every start): the restart budget ends the run with a report.
 No process is left behind (every descendant carries a tag in its environment; none may survive the run).
-Checkpoints are written synchronously here so "at most one interval" is exact (an asynchronous save that is
+Checkpoints are written synchronously unless a test says otherwise, so "at most one interval" is exact (an asynchronous save that is
 still being written when the kill lands is not restorable, which can cost one more interval).
 """
 
@@ -225,7 +234,7 @@ def _save_in_flight(ckpt_dir: Path, phase: str) -> int | None:
 
 
 class KillDuringSaves:
-    """A watcher that, in each of the first `kills` attempts, once every worker has stepped a random 2-4 steps past
+    """A watcher that, in each of the first `kills` attempts, once every worker has stepped a random 1-3 steps past
     its restore step, watches the checkpoint directory (every 2 ms, up to 5 s per poll) until the save of such a
     step is unfinished there in the attempt's phase (commit, write, then either, as `_save_in_flight` names them),
     then after a random 0-10 ms sends SIGKILL to a random worker (its pid from the heartbeat). `seen` keeps
@@ -240,7 +249,7 @@ class KillDuringSaves:
         if len(self.seen) == self.kills or any(a == progress.attempt for a, _, _ in self.seen):
             return
         beats = progress.beats
-        after = self.after.setdefault(progress.attempt, self.rng.randint(2, 4))
+        after = self.after.setdefault(progress.attempt, self.rng.randint(1, 3))
         if len(beats) < len(progress.workers) or any(
                 b.get("step") is None or b["step"] < (b.get("start_step") or 0) + after for b in beats.values()):
             return
@@ -260,30 +269,95 @@ class KillDuringSaves:
                       step=beats[rank]["step"], attempt=progress.attempt, save_seen=list(unfinished))
 
 
+# Freezes one thread of another process, the rest of it running on: PTRACE_SEIZE + PTRACE_INTERRUPT of that thread
+# only (ptrace(2) attaches to single threads; SIGSTOP would stop the whole process, its heartbeat thread too), held
+# until the process exits (reaped here, as its tracer must) or HOLD seconds pass (then the kernel detaches the
+# thread and it runs on). argv: the thread id (a process's main thread: its pid), HOLD.
+FREEZE_THREAD = r"""
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+PTRACE_SEIZE, PTRACE_INTERRUPT, WALL = 0x4206, 0x4207, 0x40000000
+tid, hold = int(sys.argv[1]), float(sys.argv[2])
+for request in (PTRACE_SEIZE, PTRACE_INTERRUPT):
+    if libc.ptrace(request, tid, None, None) != 0:
+        sys.exit(f"ptrace {request:#x} of thread {tid}: errno {ctypes.get_errno()}")
+print("frozen", flush=True)
+deadline = time.monotonic() + hold
+while time.monotonic() < deadline:
+    got, status = os.waitpid(tid, os.WNOHANG | WALL)
+    if got == tid and (os.WIFEXITED(status) or os.WIFSIGNALED(status)):
+        break
+    time.sleep(0.05)
+"""
+
+
+class FreezeTrainingThread:
+    """A watcher that, in attempt `attempt`, once worker `rank` has stepped `after` steps past its restore step,
+    freezes its main thread (the training loop) with FREEZE_THREAD: the loop stops as a host thread deadlocked in
+    a driver call or a stuck filesystem read would, while the worker's heartbeat thread goes on beating."""
+
+    def __init__(self, rank: int, after: int, attempt: int = 0, hold_s: float = 180.0):
+        self.rank, self.after, self.attempt, self.hold_s = rank, after, attempt, hold_s
+        self.proc: subprocess.Popen | None = None
+
+    def __call__(self, progress) -> None:
+        beat = progress.beats.get(self.rank)
+        if (self.proc is not None or progress.attempt != self.attempt or beat is None
+                or (beat.get("step") or 0) < (beat.get("start_step") or 0) + self.after):
+            return
+        self.proc = subprocess.Popen([sys.executable, "-c", FREEZE_THREAD, str(beat["pid"]), str(self.hold_s)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "frozen", self.proc.communicate(timeout=30)
+        progress.emit("fault_injected", fault="freeze", rank=self.rank, host=progress.workers[self.rank].host,
+                      step=beat["step"], attempt=progress.attempt)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.communicate(timeout=30)
+
+
 @pytest.mark.slow
-def test_kills_during_saves_restart_from_the_step_the_restart_event_names(tmp_path, small_corpus, cache, reference,
-                                                                       monkeypatch):
-    """Three attempts each end with kill -9 of a random worker while a save is unfinished (asynchronous saves at
-    every step, so the kill lands while Orbax writes, between its commit and the integrity record, or just
-    after): every restart event names exactly the step every restarted worker resumes from (the supervisor reads
-    `latest_verified`, the record the restore trusts), an unfinished save is never what the run resumes from, and
-    the run ends with the uninterrupted run's parameters, bit for bit."""
+def test_kills_during_saves_and_a_frozen_training_thread_restart_from_the_step_the_restart_event_names(
+        tmp_path, small_corpus, cache, reference, monkeypatch):
+    """Attempts 0-2 each end with kill -9 of a random worker while a save is unfinished (asynchronous saves at every
+    step; the kill lands between Orbax's commit and the integrity record, or while Orbax writes): every restart
+    event names exactly the step every restarted worker resumes from (the supervisor reads `latest_verified`, the
+    record the restore trusts), and an unfinished save is never what the run resumes from. In attempt 3 one
+    worker's training thread is frozen (FREEZE_THREAD) while its heartbeat thread beats on: no heartbeat is
+    missed, but no step advances (its peers wait for it in the step's collectives), so after
+    `supervisor.stall_timeout_s` the job is failed as stalled and every worker asked to leave (the frozen one too:
+    its heartbeat thread reads the request), and restarted likewise. The run ends with the uninterrupted run's
+    parameters, bit for bit."""
     rng = random.Random()
     killer = KillDuringSaves(tmp_path / "run" / "checkpoints", 3, rng)
-    code, out, events = _supervise(tmp_path, small_corpus, cache, monkeypatch, killer, **{
-        "checkpoint.every": 1, "checkpoint.async_save": True, "checkpoint.keep": 2, "supervisor.restart_budget": 4,
-        "supervisor.diagnose": False})
+    freezer = FreezeTrainingThread(rng.randint(0, 1), after=1, attempt=3)
+    try:
+        code, out, events = _supervise(tmp_path, small_corpus, cache, monkeypatch, killer, freezer, **{
+            "checkpoint.every": 1, "checkpoint.async_save": True, "checkpoint.keep": 2,
+            "supervisor.restart_budget": 5, "supervisor.diagnose": False, "supervisor.stall_timeout_s": STALL})
+    finally:
+        freezer.close()
     note = f"{killer.seen}\n{out[-4000:]}"
-    assert code == 0 and len(killer.seen) == 3, note
+    assert code == 0 and len(killer.seen) == 3 and freezer.proc is not None, note
     restarts = {e["attempt"]: e["resume_step"] for e in events if e["kind"] == "restart"}
-    assert sorted(restarts) == [1, 2, 3], note
+    assert sorted(restarts) == [1, 2, 3, 4], note
     for attempt, resume_step in restarts.items():
         starts = [e["start_step"] for e in events if e["kind"] == "worker_start" and e["attempt"] == attempt]
         assert starts == [resume_step or 0] * 2, (attempt, resume_step, starts, note)  # None: no checkpoint yet
+    for attempt, phase, step in killer.seen:
         # the save that was unfinished when the kill was sent is resumed from only if it was complete by then
-        _, phase, step = killer.seen[attempt - 1]
-        assert (resume_step or 0) <= step, (attempt, phase, step, resume_step, note)
+        assert (restarts[attempt + 1] or 0) <= step, (attempt, phase, step, restarts, note)
     print("kills during saves (attempt, phase seen, its step) -> resume steps:", killer.seen, restarts)
+    detected = [e for e in events if e["kind"] == "detected"]
+    assert [{f["kind"] for f in d["failures"]} for d in detected] == [{"exit"}] * 3 + [{"stalled"}], note
+    assert freezer.rank in {f["rank"] for f in detected[3]["failures"]}, note
+    freeze = fault_figures(events)[3]
+    # the stall rule, not a heartbeat timeout: the last step may have advanced up to a heartbeat before the freeze
+    assert freeze["kind"] == "freeze" and STALL - 2 * PERIOD <= freeze["detection_s"] <= STALL + TIMEOUT, (freeze,
+                                                                                                          note)
     for x, y in zip(_final_params(reference[0]), _final_params(tmp_path / "run")):
         np.testing.assert_array_equal(x, y)
 
@@ -340,84 +414,6 @@ def test_a_non_finite_loss_is_detected_as_such_and_the_restart_resumes_from_the_
     assert restart["resume_step"] is not None and starts == [restart["resume_step"]] * 2, (restart, starts, note)
     bad_step = int(re.search(r"reported at step (\d+)", detected[0]["failures"][0]["detail"]).group(1))
     assert restart["resume_step"] < bad_step, (restart, bad_step, note)
-
-
-# Freezes one thread of another process, the rest of it running on: PTRACE_SEIZE + PTRACE_INTERRUPT of that thread
-# only (ptrace(2) attaches to single threads; SIGSTOP would stop the whole process, its heartbeat thread too), held
-# until the process exits (reaped here, as its tracer must) or HOLD seconds pass (then the kernel detaches the
-# thread and it runs on). argv: the thread id (a process's main thread: its pid), HOLD.
-FREEZE_THREAD = r"""
-import ctypes, os, sys, time
-libc = ctypes.CDLL(None, use_errno=True)
-libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
-PTRACE_SEIZE, PTRACE_INTERRUPT, WALL = 0x4206, 0x4207, 0x40000000
-tid, hold = int(sys.argv[1]), float(sys.argv[2])
-for request in (PTRACE_SEIZE, PTRACE_INTERRUPT):
-    if libc.ptrace(request, tid, None, None) != 0:
-        sys.exit(f"ptrace {request:#x} of thread {tid}: errno {ctypes.get_errno()}")
-print("frozen", flush=True)
-deadline = time.monotonic() + hold
-while time.monotonic() < deadline:
-    got, status = os.waitpid(tid, os.WNOHANG | WALL)
-    if got == tid and (os.WIFEXITED(status) or os.WIFSIGNALED(status)):
-        break
-    time.sleep(0.05)
-"""
-
-
-class FreezeTrainingThread:
-    """A watcher that, in attempt 0, once worker `rank` has stepped `after` steps, freezes its main thread (the
-    training loop) with FREEZE_THREAD: the loop stops as a host thread deadlocked in a driver call or a stuck
-    filesystem read would, while the worker's heartbeat thread goes on beating."""
-
-    def __init__(self, rank: int, after: int, hold_s: float = 180.0):
-        self.rank, self.after, self.hold_s = rank, after, hold_s
-        self.proc: subprocess.Popen | None = None
-
-    def __call__(self, progress) -> None:
-        beat = progress.beats.get(self.rank)
-        if self.proc is not None or progress.attempt or beat is None or (beat.get("step") or 0) < self.after:
-            return
-        self.proc = subprocess.Popen([sys.executable, "-c", FREEZE_THREAD, str(beat["pid"]), str(self.hold_s)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert self.proc.stdout.readline().strip() == "frozen", self.proc.communicate(timeout=30)
-        progress.emit("fault_injected", fault="freeze", rank=self.rank, host=progress.workers[self.rank].host,
-                      step=beat["step"], attempt=progress.attempt)
-
-    def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-        if self.proc is not None:
-            self.proc.communicate(timeout=30)
-
-
-@pytest.mark.slow
-def test_a_frozen_training_thread_is_a_stall_and_the_run_recovers(tmp_path, small_corpus, cache, reference,
-                                                                  monkeypatch):
-    """One worker's training thread frozen (FREEZE_THREAD) while its heartbeat thread beats on: no heartbeat is
-    missed, but no step advances (its peers wait for it in the step's collectives), so after
-    `supervisor.stall_timeout_s` the supervisor fails the job as stalled, asks every worker to leave (the frozen
-    one leaves too: its heartbeat thread reads the request), restarts from the step the restart event names, and
-    the run ends with the uninterrupted run's parameters, bit for bit."""
-    freezer = FreezeTrainingThread(random.randint(0, 1), after=random.randint(3, 5))
-    try:
-        code, out, events = _supervise(tmp_path, small_corpus, cache, monkeypatch, freezer, **{
-            "supervisor.stall_timeout_s": STALL, "supervisor.diagnose": False, "supervisor.standby": False})
-    finally:
-        freezer.close()
-    note = out[-4000:]
-    assert code == 0 and freezer.proc is not None, note
-    (detected,) = [e for e in events if e["kind"] == "detected"]
-    assert {f["kind"] for f in detected["failures"]} == {"stalled"}, note
-    assert freezer.rank in {f["rank"] for f in detected["failures"]}, note
-    figures = fault_figures(events)
-    # the stall rule, not a heartbeat timeout: the last step may have advanced up to a heartbeat before the freeze
-    assert STALL - 2 * PERIOD <= figures[0]["detection_s"] <= STALL + TIMEOUT, (figures, note)
-    (restart,) = [e for e in events if e["kind"] == "restart"]
-    starts = [e["start_step"] for e in events if e["kind"] == "worker_start" and e["attempt"] == 1]
-    assert starts == [restart["resume_step"] or 0] * 2, (restart, starts, note)
-    for x, y in zip(_final_params(reference[0]), _final_params(tmp_path / "run")):
-        np.testing.assert_array_equal(x, y)
 
 
 class StragglerThenKill:
