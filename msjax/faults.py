@@ -31,7 +31,16 @@ from msjax.hooks import Hook, LoopControl, RunContext
 
 
 class NonFiniteLossError(RuntimeError):
-    """The loss or gradient norm was not finite and `train.nonfinite=stop`."""
+    """The loss or gradient norm was not finite and `train.nonfinite=stop`.
+
+    Attributes:
+      step: the step whose loss or gradient norm was not finite (None when not given).
+      loss: that step's loss (float; may be finite when only the gradient norm was not).
+    """
+
+    def __init__(self, message: str, step: int | None = None, loss: float = float("nan")):
+        super().__init__(message)
+        self.step, self.loss = step, loss
 
 
 class StopOnSignal(Hook):
@@ -90,4 +99,4 @@ class NonFiniteStop(Hook):
             raise NonFiniteLossError(
                 f"step {step}: the loss ({loss}) or gradient norm ({grad_norm}) is not finite; the update was not "
                 "applied and the run stops (train.nonfinite=stop). --resume rolls back to the newest verified "
-                "checkpoint; train.nonfinite=skip would skip such steps instead.")
+                "checkpoint; train.nonfinite=skip would skip such steps instead.", step=step, loss=loss)

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = ("msjax-train", "msjax-launch", "msjax-supervise", "msjax-plan", "msjax-report", "msjax-redis")
+COMMANDS = ("msjax-train", "msjax-launch", "msjax-supervise", "msjax-plan", "msjax-report", "msjax-redis",
+            "msjax-output")
 
 
 def test_the_import_tree_is_the_file_tree():

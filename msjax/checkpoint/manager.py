@@ -291,6 +291,9 @@ _REPLICA_NOTES_LOGGED: set[str] = set()  # reasons already logged by Checkpointe
 class Checkpointer:
     """Saves, verifies, rotates and restores checkpoints of (train state, data loader position).
 
+    Opening one deletes the interrupted writes (committed steps without an integrity record) of both tiers, so a
+    restarted run can write those steps again; verified steps are never deleted there.
+
     Args:
       cfg: checkpoint config (`every`, `keep`, `local_dir`, `local_keep`, `async_save`, `timeout_s`,
         `replica_restore`).
@@ -313,6 +316,8 @@ class Checkpointer:
         self.directory = directory
         self.local_directory = self.local.root if self.local is not None else None
         self.write_directory: Path = self.local_directory or Path(directory)
+        # What the first restore reports as passed over, "<path>: <reason>" (see `skipped`).
+        self._interrupted = self._discard_interrupted(cfg.timeout_s)
         # Orbax decides when to save: every `every` steps, and when jax's preemption sync point is reached.
         # Its InitialSavePolicy (save the first step of a run) is left out: the first step is not worth a write.
         policies = [ocp_policies.PreemptionCheckpointingPolicy()]
@@ -333,12 +338,42 @@ class Checkpointer:
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="msjax-checkpoint")
         self._instance = next(_instances)
         self._worker_jobs: list[tuple[int, concurrent.futures.Future]] = []
+        # Held by the worker while it rotates (deletes step directories) and by the loop while Orbax re-lists the
+        # steps: a listing that stats a directory the worker is deleting fails with FileNotFoundError.
+        self._rotation = threading.Lock()
         self.replica_restore = False  # whether the last restore read one replica and broadcast
         self.skipped: list[str] = []  # what the last restore passed over, "<path>: <reason>", newest first
         self.last_save_timing: dict[str, float] = {}
         self.last_restore_timing: dict[str, float] = {}
         self.verified_step: int | None = None  # the newest step known complete (written, or restored + verified)
         self._closed = False
+
+    def _discard_interrupted(self, timeout_s: float) -> list[str]:
+        """Deletes every committed step without an integrity record (a write cut short, e.g. by kill -9 between
+        Orbax's commit and the record) from both tiers, before Orbax lists the steps: left in place, such a step
+        makes Orbax refuse a later save of the same step (StepAlreadyExistsError), so a restarted run that has no
+        verified checkpoint yet, or resumes from an older one, would crash when it reaches that step again. A step
+        with a record, readable or not, is never deleted here (a damaged one is moved aside by `restore`).
+
+        Every process lists before any deletion and waits for process 0's deletions, so all of them report the
+        same steps and Orbax's manager lists the same steps on each. Returns "<path>: interrupted write" for each.
+        """
+        found = []
+        for tier in self._tier_list:
+            for step in tier.steps():
+                try:
+                    recorded = tier.record(step) is not None
+                except ValueError:
+                    recorded = True  # unreadable, not absent: the restore reports it and moves it aside
+                if not recorded:
+                    found.append((tier, step))
+        _meet("open_listed", timeout_s)
+        for tier, step in found:
+            _warn(f"checkpoint {tier.path(step)} has no integrity record (its write was interrupted); deleted")
+            if jax.process_index() == 0:
+                tier.delete(step)
+        _meet("open_discarded", timeout_s)
+        return [f"{tier.path(step)}: interrupted write" for tier, step in found]
 
     # ---- listing ----------------------------------------------------------------------------------------------
 
@@ -458,9 +493,10 @@ class Checkpointer:
             return
         checksums, finite = fetch()
         if not finite:  # never made complete: deleted before its record exists
-            if jax.process_index() == 0:
-                shutil.rmtree(self.write_directory / str(step), ignore_errors=True)
-            self._manager.reload()
+            with self._rotation:
+                if jax.process_index() == 0:
+                    shutil.rmtree(self.write_directory / str(step), ignore_errors=True)
+                self._manager.reload()
             raise NonFiniteStateError(f"the state of step {step} holds NaN or Inf; its checkpoint was deleted "
                                       f"before completion (the newest complete checkpoint is step "
                                       f"{self.verified_step})")
@@ -497,7 +533,8 @@ class Checkpointer:
             every.append(np.frombuffer(raw, np.uint64).reshape(len(keys), 3))
         checksums, finite = combine_partials(keys, np.stack(every))
         if not finite:
-            shutil.rmtree(self.write_directory / str(step), ignore_errors=True)
+            with self._rotation:
+                shutil.rmtree(self.write_directory / str(step), ignore_errors=True)
             logging.getLogger(__name__).error("the state of step %d holds NaN or Inf; its checkpoint was deleted "
                                               "before completion", step)
             return
@@ -521,8 +558,10 @@ class Checkpointer:
             except Exception as e:  # noqa: BLE001 - OSError, or the object store's own error types
                 raise CheckpointWriteError(f"the checkpoint of step {step} could not be copied to the persistent "
                                            f"tier {self.persistent.path(step)}: {type(e).__name__}: {e}") from None
-            _rotate(self.local, self.cfg.local_keep)
-        _rotate(self.persistent, self.cfg.keep)
+            with self._rotation:
+                _rotate(self.local, self.cfg.local_keep)
+        with self._rotation:
+            _rotate(self.persistent, self.cfg.keep)
 
     def _reap_worker(self, block: bool) -> None:
         while self._worker_jobs and (block or self._worker_jobs[0][1].done()):
@@ -532,7 +571,8 @@ class Checkpointer:
             except concurrent.futures.TimeoutError:
                 raise CheckpointWriteError(f"gave up after {self.cfg.timeout_s:.0f} s waiting for the checkpoint "
                                            f"of step {step} to be completed (checkpoint.timeout_s)") from None
-            self._manager.reload()  # rotation deleted directories under Orbax (here, not in the worker: races)
+            with self._rotation:  # a later step's job may be rotating now
+                self._manager.reload()  # rotation deleted directories under Orbax (here, not in the worker: races)
 
     def wait(self) -> None:
         """Blocks until every started checkpoint is complete (written, recorded, copied), at most
@@ -584,7 +624,8 @@ class Checkpointer:
         Raises:
           CheckpointError: no checkpoint in either tier passes verification (lists what was tried).
         """
-        tried = self.skipped = []
+        tried = self.skipped = self._interrupted  # the interrupted writes deleted when this checkpointer opened
+        self._interrupted = []
         replica_plan, why = replica.plan(abstract_state) if self.cfg.replica_restore else (None, "off")
         self.replica_restore = replica_plan is not None
         if self.cfg.replica_restore and replica_plan is None and why not in _REPLICA_NOTES_LOGGED:

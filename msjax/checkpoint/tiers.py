@@ -9,7 +9,7 @@ the first thing to go.
   with the rest, atomically); an object store receives every other object first, then the record object. An
   object-store PUT is atomic (an object appears whole or not at all), so a record object exists only after
   every object before it was written: a copy cut short leaves a prefix without a record, which is never taken
-  for a checkpoint and is deleted by the next restore.
+  for a checkpoint and is deleted when the next Checkpointer opens.
 - `delete` and `reject` (move aside) remove the record first, so a deletion cut short never leaves a
   checkpoint that looks complete but lacks files.
 - `local_copy` gives a local directory holding the step: the step's own directory for a local tier; for an

@@ -13,10 +13,11 @@ the loop never waits on Redis and no step adds a host sync. Every `period_s` it:
     the job is being restarted, or a Kubernetes controller restarts the JobSet): if so it prints the reason in one
     line and exits at once with EXIT_REQUESTED, without waiting on collectives a dead peer will never join;
   - sends the per-rank metric rows buffered since the last beat (msjax.control.metrics);
-  - on rank 0, records the newest finalized checkpoint (tier "persistent") and blocks on the command stream
+  - on rank 0, records the newest verified checkpoint (tier "persistent") and blocks on the command stream
     (XREAD BLOCK, one period at a time), queueing what arrives.
 The first step's beat goes out at once (the supervisor's recovery time ends when it sees every worker's first
-step); a non-finite loss at a logging step is reported (`Store.report`).
+step); a non-finite loss at a logging step is reported (`Store.report`), and so is the one that ends the loop
+with `train.nonfinite=stop` (at `on_end`, before the process exits).
 
 Signals, with several processes: SIGTERM or SIGINT to any worker (a scheduler's preemption of one pod or task, a
 step's scancel) becomes a stop command naming the signal, sent by this thread (never from the signal handler), so
@@ -105,7 +106,8 @@ class ControlPlaneHook(Hook):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ctx: RunContext | None = None
-        self._ckpt_dir = None
+        self._ckpt_dir = None  # the persistent tier (a local Path or a URL) and the local tier (or None)
+        self._local_ckpt_dir = None
         self._signal: int | None = None  # a signal received, to be sent as a stop command (several processes)
         self._signal_sent = False
         self._previous: dict[int, Any] = {}
@@ -117,12 +119,13 @@ class ControlPlaneHook(Hook):
 
     # -- loop side -----------------------------------------------------------------------------------------------
     def on_start(self, ctx: RunContext) -> None:
-        from msjax.checkpoint import checkpoint_dir
+        from msjax.checkpoint import checkpoint_dir, local_checkpoint_dir
 
         self._ctx = ctx
         self.step = self.start_step = ctx.start_step
         self.state = "running"
         self._ckpt_dir = checkpoint_dir(ctx.config.checkpoint, str(ctx.run_dir))
+        self._local_ckpt_dir = local_checkpoint_dir(ctx.config.checkpoint)
         self._safe(lambda: self.store.post_event("loop_start", rank=self.rank, step=ctx.start_step,
                                                  generation=self.generation))
         self._safe(self._beat)  # the supervisor learns the restore step at once
@@ -172,6 +175,12 @@ class ControlPlaneHook(Hook):
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous = {}
+        from msjax.faults import NonFiniteLossError
+
+        if isinstance(error, NonFiniteLossError):
+            # train.nonfinite=stop raised at the step itself, before any logging step could report it: report it
+            # now, before the process exits, so the supervisor reads "non-finite loss", not a bare exit status 1.
+            self._safe(lambda: self.store.report(self.rank, "nonfinite", step=error.step, loss=repr(error.loss)))
         self._publish_checkpoint()
         self._safe(lambda: self.store.post_event("loop_end", rank=self.rank, step=self.step,
                                                  error=None if error is None else repr(error)[:500]))
@@ -315,17 +324,23 @@ class ControlPlaneHook(Hook):
                 self._stop.wait(self.period_s)
 
     def _publish_checkpoint(self, raise_errors: bool = False) -> None:
-        """Records the newest finalized (renamed from Orbax's temporary name) checkpoint step as tier persistent."""
-        if self.rank != 0 or self._ckpt_dir is None or not self._ckpt_dir.is_dir():
+        """Records the newest verified checkpoint (`msjax.checkpoint.latest_verified` of the run's tiers: the step a
+        restore resumes from, never a step whose integrity record is missing) as tier "persistent"; the checkpoint
+        directory may be a local path or a gs:// / s3:// URL."""
+        if self.rank != 0 or self._ckpt_dir is None:
             return
-        steps = [int(p.name) for p in self._ckpt_dir.iterdir() if p.name.isdigit() and p.is_dir()]
-        if not steps:
-            return
-        newest = max(steps)
+        from msjax import paths
+        from msjax.checkpoint import latest_verified
+
+        def publish() -> None:
+            newest = latest_verified(self._ckpt_dir, self._local_ckpt_dir)
+            if newest is not None:
+                self.store.set_checkpoint("persistent", newest, paths.join(self._ckpt_dir, str(newest)))
+
         if raise_errors:
-            self.store.set_checkpoint("persistent", newest, str(self._ckpt_dir / str(newest)))
+            publish()
         else:
-            self._safe(lambda: self.store.set_checkpoint("persistent", newest, str(self._ckpt_dir / str(newest))))
+            self._safe(publish)
 
     def _safe(self, fn) -> None:
         """Runs a best-effort Redis call with no retries beyond redis-py's own."""

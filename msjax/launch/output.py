@@ -12,15 +12,20 @@ JAX distributed service (another task died; ...)`: the stack stays in the log fi
 
 Progress bars (tqdm writes `\\r` between updates) reach the terminal as they are written, so rank 0's bar still
 updates in place.
+
+Where the split happens: a local run's launcher pumps each worker's pipe (`Router.pump`); a SLURM worker step's
+output is one `srun --label` stream, split by the supervisor (`Router.pump_labelled`) or, in an unsupervised
+job, by `msjax-output` (`main`) in the job script.
 """
 
 from __future__ import annotations
 
 import re
+import signal
 import sys
 import threading
 from pathlib import Path
-from typing import BinaryIO, Callable, TextIO
+from typing import BinaryIO, Callable, Sequence, TextIO
 
 _MSJAX = re.compile(rb"^(error: |warning: |msjax: rank \d+ stopping: )")
 _GLOG = re.compile(rb"^[WEF]\d{4} \d\d:\d\d:\d\d")
@@ -126,33 +131,36 @@ class Router:
 
     def pump_labelled(self, stream: BinaryIO, step_log: Path, log_path: Callable[[int], Path],
                       on_line: Callable[[str], None] = lambda line: None) -> threading.Thread:
-        """Starts a thread that reads `stream`, the output of an `srun --label` step (each line `R: text`, R the
-        task's rank), until it ends: every line goes to `step_log` and to `on_line`, and each task's text to its
-        own log (`log_path(R)`) and the terminal, as `pump` does for one worker, but for the launcher's own
-        bookkeeping lines (starting with TASK_LINE_PREFIX). Returns the thread."""
-        def copy() -> None:
-            sinks: dict[int, _RankSink] = {}
-            step_log.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                with step_log.open("ab") as log:
-                    for line in iter(stream.readline, b""):
-                        log.write(line)
-                        log.flush()
-                        text = line.decode(errors="replace")
-                        on_line(text)
-                        m = _LABEL.match(line)
-                        if m and not m.group(2).startswith(TASK_LINE_PREFIX):
-                            rank = int(m.group(1))
-                            if rank not in sinks:
-                                sinks[rank] = _RankSink(self, rank, log_path(rank)).__enter__()
-                            sinks[rank].write(m.group(2))
-            finally:
-                for sink in sinks.values():
-                    sink.__exit__()
-
-        thread = threading.Thread(target=copy, name="msjax-output-step", daemon=True)
+        """Starts a thread that runs `copy_labelled` on `stream` until it ends. Returns the thread."""
+        thread = threading.Thread(target=self.copy_labelled, args=(stream, step_log, log_path, on_line),
+                                  name="msjax-output-step", daemon=True)
         thread.start()
         return thread
+
+    def copy_labelled(self, stream: BinaryIO, step_log: Path, log_path: Callable[[int], Path],
+                      on_line: Callable[[str], None] = lambda line: None) -> None:
+        """Reads `stream`, the output of an `srun --label` step (each line `R: text`, R the task's rank), until it
+        ends: every line goes to `step_log` and to `on_line`, and each task's text to its own log (`log_path(R)`)
+        and the terminal, as `pump` does for one worker, but for the launcher's own bookkeeping lines (starting
+        with TASK_LINE_PREFIX)."""
+        sinks: dict[int, _RankSink] = {}
+        step_log.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with step_log.open("ab") as log:
+                for line in iter(stream.readline, b""):
+                    log.write(line)
+                    log.flush()
+                    text = line.decode(errors="replace")
+                    on_line(text)
+                    m = _LABEL.match(line)
+                    if m and not m.group(2).startswith(TASK_LINE_PREFIX):
+                        rank = int(m.group(1))
+                        if rank not in sinks:
+                            sinks[rank] = _RankSink(self, rank, log_path(rank)).__enter__()
+                        sinks[rank].write(m.group(2))
+        finally:
+            for sink in sinks.values():
+                sink.__exit__()
 
     def show(self, rank: int, lines: list[bytes]) -> None:
         if lines:
@@ -198,3 +206,35 @@ class _RankSink:
         if self.pending:
             self.write(b"\n")
         self.log.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`msjax-output --log_dir=DIR [--step_log=FILE]`: the terminal view of an unsupervised SLURM job's worker
+    step, so that it reads as a supervised or a local run's (the module docstring). The job script pipes the
+    step's merged output (`srun --label ... 2>&1 |`) into it: each task's lines go to `DIR/rank<R>.log`, and to
+    standard output rank 0's lines and every rank's warnings and errors, `[rank R] `-prefixed; srun's own
+    unlabelled lines (its errors) are shown as they are; every line also goes to the step log (default
+    `DIR/step.log`). SIGTERM and SIGINT are ignored (a preempted job's last lines still arrive): it ends when the
+    stream does, with status 0."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="msjax-output", description=main.__doc__)
+    parser.add_argument("--log_dir", required=True, help="where the per-rank logs go (the run's logs/ folder)")
+    parser.add_argument("--step_log", default="", help="the whole labelled stream (default: LOG_DIR/step.log)")
+    args = parser.parse_args(argv)
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, signal.SIG_IGN)
+    log_dir = Path(args.log_dir)
+    router = Router(sys.stdout)
+
+    def unlabelled(text: str) -> None:
+        if not _LABEL.match(text.encode(errors="replace")):
+            router.write(text)
+
+    router.copy_labelled(sys.stdin.buffer, Path(args.step_log) if args.step_log else log_dir / "step.log",
+                         lambda rank: log_dir / f"rank{rank}.log", unlabelled)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,7 +15,9 @@ The script, built from `LaunchOptions` as data (`SlurmScript`), never patched af
   Redis on the first node of the allocation (`msjax-redis` as an srun step, its password generated at job start
   and passed in the environment);
   then either the worker step, `srun ... msjax-train <train flags>` with one task per node, each task's rank its
-  SLURM_PROCID (rank 0, JAX's coordinator, on the first node), or the supervisor (`msjax-supervise
+  SLURM_PROCID (rank 0, JAX's coordinator, on the first node), its output split per rank into
+  `<run_dir>/logs/rank<R>.log` and shown as a supervised run's (`msjax-output`, msjax.launch.output), or the
+  supervisor (`msjax-supervise
   --backend=slurm`, the job's controller on the first node beside Redis), which starts worker steps itself;
   a requeued job (SLURM_RESTART_COUNT > 0) runs with --resume, so it resumes from its own newest verified
   checkpoint instead of refusing to overwrite them; and a job whose step or supervisor stopped resumably (exit
@@ -215,7 +217,8 @@ def sbatch_script(opts: LaunchOptions, run_id: str, train_flags: Sequence[str], 
             f'resumable=0; if [[ " {resumable} " == *" $status "* ]]; then resumable=1; fi',
         ]
     else:
-        status_dir = shlex.quote(str(Path(run_dir) / "logs")) + '/"slurm-$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}"'
+        logs = shlex.quote(str(Path(run_dir) / "logs"))
+        status_dir = logs + '/"slurm-$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}"'
         body = [
             *d_env,
             'export MSJAX_NUM_PROCESSES="$SLURM_NNODES"',
@@ -224,9 +227,13 @@ def sbatch_script(opts: LaunchOptions, run_id: str, train_flags: Sequence[str], 
             "# One task per node, each under this wrapper: its rank is the task's SLURM_PROCID (srun numbers tasks in",
             "# node order), so rank 0 and JAX's coordinator run on the first node of the allocation, beside Redis.",
             f"TASK_WRAPPER={shlex.quote(TASK_WRAPPER)}",
+            "# The step's output, labelled by srun, is split per rank into the run's logs/ folder by msjax-output,",
+            "# which shows rank 0's lines and every rank's warnings and errors as `[rank R] ...` (as a supervised",
+            "# or local run does).",
             f'srun --nodes="$SLURM_NNODES" --ntasks="$SLURM_NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 '
-            f'--label{srun_extra} bash -c "$TASK_WRAPPER" msjax-worker msjax-train {flags} "${{RESUME[@]}}"',
-            "status=$?",
+            f'--label{srun_extra} bash -c "$TASK_WRAPPER" msjax-worker msjax-train {flags} "${{RESUME[@]}}" 2>&1 '
+            f'| msjax-output --log_dir={logs} --step_log="$MSJAX_TASK_STATUS/step.log"',
+            "status=${PIPESTATUS[0]}",
             "# Stopped resumably only when every task said so itself (MSJAX_TASK_STATUS: srun's status cannot tell).",
             "resumable=0",
             'if [ "$status" != 0 ]; then',

@@ -15,7 +15,7 @@ Rules (MegaScale sec. 5.1: heartbeats with process status; ByteRobust: hang dete
   exit        the process ended with any other non-zero code or a signal.
   heartbeat   no heartbeat for `heartbeat_timeout` seconds (a hang, SIGSTOP, a dead host), or none at all within
               `startup_timeout` seconds of the start (or of the loop's end, for a worker that is exiting).
-  nonfinite   the worker reported a non-finite loss.
+  nonfinite   the worker reported a non-finite loss (and may have exited because of it: train.nonfinite=stop).
   stalled     its step has not advanced for `stall_timeout` seconds while another worker's step did; or no
               worker's step has advanced for `stall_timeout` seconds although their heartbeats go on (a job-wide
               hang: a deadlocked collective or a stuck checkpoint write; every worker is failed).
@@ -125,6 +125,9 @@ def detect_failures(workers: Sequence[WorkerState], now: float, *, heartbeat_tim
                            f"{describe_exit(w.exit_code)}: jax's distributed runtime ended it (another task died)")
             elif w.exit_code in STOPPED_EXITS:
                 failure = ("stopped", describe_exit(w.exit_code))
+            elif w.exit_code != 0 and w.nonfinite is not None:  # train.nonfinite=stop: it reported, then exited
+                failure = ("nonfinite", f"non-finite loss {w.nonfinite[1]} reported at step {w.nonfinite[0]} "
+                                        f"({describe_exit(w.exit_code)})")
             elif w.exit_code != 0:
                 failure = ("exit", describe_exit(w.exit_code))
         elif w.nonfinite is not None:

@@ -8,7 +8,9 @@ restart from the newest complete checkpoint, within a restart budget (MegaScale 
            -> diagnostics on every host (msjax.supervise.diagnostics); exclude the hosts that fail
            -> a spare replaces an excluded host, else re-plan the same global batch onto the devices left
               (msjax.supervise.replan), else stop with a report
-           -> backoff, restart with --resume (Orbax restores onto the new mesh); a spent budget ends the run.
+           -> backoff, restart with --resume (Orbax restores onto the new mesh) from the newest verified
+              checkpoint (msjax.checkpoint.latest_verified: the restart event names that step); a spent budget
+              ends the run.
 Every step of that is an event in `<run_dir>/events.jsonl` and in Redis (msjax.supervise.events).
 
 Where and how workers run is a backend's only concern, behind a small interface (`WorkerBackend`: launch the
@@ -243,9 +245,12 @@ class Supervisor:
                     return self._finish("budget_exhausted", 4, str(e))
                 attempt += 1
                 resume = True
+                resume_step = self._resume_step()
                 self.events.emit("restart", attempt=attempt, delay_s=delay, restarts=self.policy.restarts,
-                                 newest_checkpoint=self.control.checkpoint("persistent"))
-                self._print(f"restart {self.policy.restarts}/{self.s.restart_budget} in {delay:g} s")
+                                 resume_step=resume_step)
+                self._print(f"restart {self.policy.restarts}/{self.s.restart_budget} in {delay:g} s, from "
+                            + (f"checkpoint {resume_step}" if resume_step is not None else "step 0 (no verified "
+                               "checkpoint)"))
                 time.sleep(delay)
         except BaseException as e:
             self.events.emit("supervisor_error", error=repr(e))
@@ -256,6 +261,21 @@ class Supervisor:
             getattr(self.backend, "close", lambda: None)()
             self.events.close()
             self.control.client.close()
+
+    def _resume_step(self) -> int | None:
+        """The step the restarted workers resume from: `msjax.checkpoint.latest_verified` of the run's checkpoint
+        tiers, the same record the restore trusts, read after every worker was stopped (so no record can still
+        arrive). None: no verified checkpoint (they start from step 0), or the directory could not be read (said in
+        one line). A local tier (`checkpoint.local_dir`) is read as this host sees it: where it is node-local
+        storage on other nodes, the persistent tier's answer is what this host can know."""
+        from msjax.checkpoint import checkpoint_dir, latest_verified, local_checkpoint_dir
+
+        c = self.cfg.checkpoint
+        try:
+            return latest_verified(checkpoint_dir(c, str(self.run_dir)), local_checkpoint_dir(c))
+        except Exception as e:  # noqa: BLE001 - an unreachable bucket must not end the supervisor; the restart says
+            self._print(f"could not read the checkpoint directory ({type(e).__name__}: {e})")
+            return None
 
     def _ask_to_leave(self, failures: Sequence[detect.Failure]) -> None:
         """Asks every worker still beating to leave at once (Store.request_exit), naming what failed, so each

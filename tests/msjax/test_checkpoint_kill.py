@@ -166,3 +166,38 @@ def test_rotation_never_deletes_the_newest_verified_checkpoint(tmp_path, keep):
         assert _recorded(d) == list(range(max(1, step - keep + 1), step + 1))
         assert in_flight.is_dir()
     ckpt.close()
+
+
+@pytest.mark.parametrize("verified_before", [False, True])
+def test_an_interrupted_write_is_discarded_when_the_checkpointer_opens(tmp_path, verified_before):
+    """A step directory left exactly as a kill -9 between Orbax's commit and the integrity record leaves it (every
+    file, no record) is deleted when the next Checkpointer opens, so the restarted run can save that step again
+    (left in place, Orbax refuses the save with StepAlreadyExistsError): with no verified checkpoint before it
+    (the run starts over from step 0 and reaches the step again) and with one (the run resumes from it). A step
+    with a record is never deleted at open, not even one whose record is unreadable (the restore moves that one
+    aside)."""
+    d = tmp_path / "ckpt"
+    cfg = CheckpointConfig(every=0, keep=3, async_save=True, timeout_s=60)
+    ckpt = Checkpointer(cfg, d)
+    for step in (1, 2, 3):
+        _save(ckpt, step)
+    ckpt.close()
+    (d / "3" / RECORD_NAME).unlink()  # step 3: committed, its record never written
+    if verified_before:
+        (d / "1" / RECORD_NAME).write_text("{not json")  # damaged, but recorded: kept at open
+    else:
+        for step in (1, 2):
+            shutil.rmtree(d / str(step))
+    assert latest_verified(d) == (2 if verified_before else None)
+    ckpt = Checkpointer(cfg, d)
+    assert _steps(d) == ([1, 2] if verified_before else []) and ckpt.latest_step() == latest_verified(d)
+    start = 0
+    if verified_before:
+        start, state, _ = ckpt.restore(_abstract())
+        assert start == 2
+        _bit_identical(jax.device_get(state), 2)
+    for step in range(start + 1, 4):
+        _save(ckpt, step)  # with the interrupted step 3 left in place: StepAlreadyExistsError at step 3
+    ckpt.close()
+    assert _recorded(d)[-1] == 3 == latest_verified(d)
+    assert _restore(d, None)[0] == 3

@@ -78,3 +78,32 @@ def test_labelled_step_output_is_split_per_task(tmp_path):
     assert (tmp_path / "t0.log").read_text() == "step 1\n"
     assert (tmp_path / "t1.log").read_text() == "quiet\nerror: boom\n"
     assert out.getvalue() == "[rank 0] step 1\n[rank 1] error: boom\n"
+
+
+def test_msjax_output_shows_an_unsupervised_slurm_step_as_a_supervised_run(tmp_path):
+    """`msjax-output` (what an unsupervised SLURM job pipes its worker step into), run as its own process on a
+    labelled stream: per-rank logs, `[rank R] ` lines for rank 0's output and other ranks' alerts, srun's own
+    unlabelled error line shown as it is, the wrapper's bookkeeping lines only in the step log, and a SIGTERM
+    (a preemption reaches every process of the job) does not cut the stream short."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "msjax.launch.output", f"--log_dir={tmp_path / 'logs'}"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdin.write(b"0: MSJAX_TASK start 0 n1 7 1\n1: MSJAX_TASK start 1 n2 7 1\n0: step 1\n1: step 1\n")
+    proc.stdin.flush()
+    first = proc.stdout.readline()  # it is reading (its signal dispositions were set before)
+    proc.send_signal(signal.SIGTERM)
+    tail = (b"1: msjax: rank 1: SIGTERM received: every process finishes the same step, saves, then exits\n"
+            b"1: warning: slow disk\nsrun: error: n2: task 1: Exited with exit code 143\n0: stopping after step 2\n")
+    out, err = proc.communicate(tail, timeout=60)
+    assert proc.returncode == 0, err
+    assert (first + out).decode() == ("[rank 0] step 1\n[rank 1] warning: slow disk\n"
+                            "srun: error: n2: task 1: Exited with exit code 143\n[rank 0] stopping after step 2\n")
+    logs = tmp_path / "logs"
+    assert (logs / "rank0.log").read_text() == "step 1\nstopping after step 2\n"
+    assert (logs / "rank1.log").read_text().splitlines() == ["step 1", "msjax: rank 1: SIGTERM received: every "
+                                                             "process finishes the same step, saves, then exits",
+                                                             "warning: slow disk"]
+    assert (logs / "step.log").read_text().count("MSJAX_TASK") == 2

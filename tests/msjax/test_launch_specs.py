@@ -206,8 +206,12 @@ def test_slurm_script(tmp_path, capsys):
     (step,) = [line for line in lines if line.startswith("srun --nodes=\"$SLURM_NNODES\"")]
     words = shlex.split(step)
     assert "--container-image=nvcr.io/x:1" in words and "--kill-on-bad-exit=1" in words and "--label" in words
-    i = words.index("msjax-worker")
-    assert words[i - 2:i] == ["-c", "$TASK_WRAPPER"] and words[i + 1:] == ["msjax-train", *FLAGS, "${RESUME[@]}"]
+    i, pipe = words.index("msjax-worker"), words.index("|")
+    assert words[i - 2:i] == ["-c", "$TASK_WRAPPER"] and words[i + 1:pipe] == ["msjax-train", *FLAGS, "${RESUME[@]}",
+                                                                                "2>&1"]
+    # the step's labelled output is split per rank and shown as `[rank R] ` lines (msjax.launch.output)
+    assert words[pipe + 1:pipe + 3] == ["msjax-output", "--log_dir=runs/gpt_tiny/logs"], words[pipe:]  # train.run_dir
+    assert "status=${PIPESTATUS[0]}" in lines
     assert 'export MSJAX_NUM_PROCESSES="$SLURM_NNODES"' in lines
     # the task wrapper fixes each task's rank to its SLURM_PROCID (rank 0, JAX's coordinator, on the first node)
     # and records its own exit status: run it as srun would, with `env` (then `exit 143`) as the command

@@ -9,7 +9,8 @@ killed (its slurmd included, so SLURM marks the node down), a site health check 
 - unsupervised, 2 nodes: the job trains across them (jax.distributed over the namespaces' network); `scancel
   --signal=TERM` of its step stops every worker after the same step (they save and exit 143), the script requeues
   the job, the requeued job resumes from its own checkpoint, and the run ends with the parameters of the same run
-  on one process with the same 4 devices.
+  on one process with the same 4 devices. Its output shows what a supervised run's does: rank 0's lines and every
+  rank's warnings and errors as `[rank R] ` lines, every rank's whole output in `<run_dir>/logs/rank<R>.log`.
 - supervised, 2 nodes + 1 spare: kill -9 of the worker on node2 (whose health check fails: a faulty node) is
   detected, node2 blamed, diagnosed and excluded (the next step's --exclude), the spare node3 takes its place;
   SIGSTOP of the worker on node3 (failing too) is detected by its missed heartbeats, node3 excluded, and with no
@@ -252,6 +253,19 @@ def test_sbatch_trains_across_two_nodes_and_a_requeued_job_resumes(cluster, tmp_
     stopped = sorted(int(s) for s in re.findall(r"stopping after step (\d+)", out))
     resumed = re.findall(r"resumed from step (\d+)", out)
     assert stopped and resumed == [str(stopped[0])], (stopped, resumed)
+    # the job's terminal reads as a supervised run's: rank 0's lines and other ranks' warnings and errors, each
+    # `[rank R] `, no srun `R: ` labels; every line of every rank in its log in the run directory
+    shown = {}
+    for m in re.finditer(r"^\[rank (\d+)\] (.*)$", out, re.M):
+        shown.setdefault(int(m.group(1)), []).append(m.group(2))
+    assert not re.search(r"^ *\d+: ", out, re.M), out[-5000:]
+    assert any(line.startswith("resumed from step") for line in shown[0]), out[-5000:]
+    alert = re.compile(r"^(error: |warning: |msjax: rank \d+ stopping: |stopping: lost the JAX|[WEF]\d{4} |"
+                       r"Traceback|\S.*Warning: |  )")
+    assert all(alert.match(line) for line in shown.get(1, [])), shown.get(1)
+    logs = tmp_path / "run" / "logs"
+    assert "resumed from step" in (logs / "rank0.log").read_text()
+    assert "msjax: rank 1: SIGTERM received" in (logs / "rank1.log").read_text()  # logged, not shown
     for x, y in zip(_final_params(reference), _final_params(tmp_path / "run")):
         np.testing.assert_allclose(y, x, atol=TOL, rtol=0)
 

@@ -11,18 +11,31 @@ the one heartbeat, once the worker reports the step).
   uninterrupted run's bit for bit. The terminal shows what an unsupervised run shows (rank 0's lines and every
   rank's warnings and errors, `[rank R] `), and a worker that left because its peer died says so in one line:
   no traceback, no C++ stack.
+- kill -9 of a random worker while a save is unfinished (between Orbax's commit and the integrity record, or while
+  Orbax writes), three times, then a worker's training thread frozen by ptrace while its heartbeat thread beats on
+  (a stall): every restart event names the step every worker resumes from; the parameters end bit-identical.
+- a failed self-check (SIGABRT and the run's site health check failing on that host) on 3 hosts x 1 device: the
+  host is excluded, no layout of the batch fits the 2 devices left, status 3.
+- a non-finite loss (train.nonfinite=stop, a diverging learning rate): detected as such, restarted from the
+  verified step, a fault loop ended by the budget.
+- a straggler throttled from outside (observe.exclude_stragglers): its host is left out at the next restart, the
+  spare takes its place.
 - a fault loop (the same worker killed at every start): the restart budget ends the run with a report.
 No process is left behind (every descendant carries a tag in its environment; none may survive the run).
-Checkpoints are written synchronously here so "at most one interval" is exact (an asynchronous save that is
+Checkpoints are written synchronously unless a test says otherwise, so "at most one interval" is exact (an asynchronous save that is
 still being written when the kill lands is not restorable, which can cost one more interval).
 """
 
 import importlib.util
 import io
 import json
+import os
 import random
 import re
+import signal
+import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -33,6 +46,7 @@ import pytest
 
 from msjax import cli
 from msjax.checkpoint import Checkpointer
+from msjax.checkpoint.integrity import RECORD_NAME
 from msjax.config import config_from_flags
 from msjax.launch.cli import run_supervised
 from msjax.launch.options import LaunchOptions
@@ -44,6 +58,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # A heartbeat timeout generous enough for a 2-core machine shared with other jobs (a worker's heartbeat thread can
 # go seconds without CPU while XLA compiles); SIGSTOP detection then takes about TIMEOUT.
 STEPS, EVERY, PERIOD, TIMEOUT = 12, 3, 1.0, 8.0
+# The stall timeout where a test needs one: above the first step's time here (the compilation cache is warm from the
+# reference run), so that only a real stall trips it.
+STALL = 20.0
 
 
 def _bench():
@@ -72,17 +89,21 @@ def _flags(corpus: Path, run_dir: Path, cache: Path, **extra) -> list[str]:
     return [f"--{k}={v}" for k, v in flags.items()]
 
 
-def _supervise(tmp: Path, corpus: Path, cache: Path, monkeypatch, *faults, **cfg) -> tuple[int, str, list[dict]]:
-    """Runs a supervised 2-host job to its end with `faults` injected; returns (exit code, the terminal's text,
-    events) and checks that nothing it started survived."""
+def _supervise(tmp: Path, corpus: Path, cache: Path, monkeypatch, *faults, hosts: int = 2, devices: int = 2,
+               **cfg) -> tuple[int, str, list[dict]]:
+    """Runs a supervised job of `hosts` hosts x `devices` devices to its end with `faults` injected
+    (bench_recovery's Faults, or watchers themselves); returns (exit code, the terminal's text, events) and checks
+    that nothing it started survived."""
     tag = uuid.uuid4().hex
     monkeypatch.setenv("SUPERVISE_TEST_TAG", tag)
     flags = _flags(corpus, tmp / "run", cache, **cfg)
     config, _ = cli.parse(flags)
     out = io.StringIO()
-    code = run_supervised(LaunchOptions(num_processes=2, devices_per_process=2, supervise=True), config,
+    code = run_supervised(LaunchOptions(num_processes=hosts, devices_per_process=devices, supervise=True), config,
                           f"e2e-{tag[:8]}", flags, out=out,
-                          watchers=[bench.FaultInjector(list(faults), tmp / "health")])
+                          watchers=[bench.FaultInjector([f for f in faults if isinstance(f, bench.Fault)],
+                                                        tmp / "health"),
+                                    *(f for f in faults if not isinstance(f, bench.Fault))])
     left = []
     for p in psutil.process_iter():
         try:
@@ -192,6 +213,263 @@ def test_kill_sigstop_and_sigterm_recover_to_the_uninterrupted_parameters(tmp_pa
     assert 1 not in _terminal_ranks(reference[1])
     for x, y in zip(_final_params(reference[0]), _final_params(tmp_path / "run")):
         np.testing.assert_array_equal(x, y)
+
+
+_ORBAX_TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
+
+
+def _save_in_flight(ckpt_dir: Path, phase: str) -> int | None:
+    """The step of an unfinished save in `ckpt_dir` in `phase`: "write" while Orbax writes its temporary
+    directory, "commit" for a committed step whose integrity record is not there yet; None when there is none."""
+    try:
+        names = [p.name for p in ckpt_dir.iterdir()]
+    except FileNotFoundError:
+        return None
+    for name in names:
+        if phase == "write" and (m := _ORBAX_TMP.match(name)):
+            return int(m.group(1))
+        if phase == "commit" and name.isdigit() and not (ckpt_dir / name / RECORD_NAME).exists():
+            return int(name)
+    return None
+
+
+class KillDuringSaves:
+    """A watcher that, in each of the first `kills` attempts, once every worker has stepped a random 1-3 steps past
+    its restore step, watches the checkpoint directory (every 2 ms, up to 5 s per poll) until the save of such a
+    step is unfinished there in the attempt's phase (commit, write, then either, as `_save_in_flight` names them),
+    then after a random 0-10 ms sends SIGKILL to a random worker (its pid from the heartbeat). `seen` keeps
+    (attempt, phase, step of the unfinished save) per kill."""
+
+    def __init__(self, ckpt_dir: Path, kills: int, rng: random.Random):
+        self.ckpt_dir, self.kills, self.rng = ckpt_dir, kills, rng
+        self.seen: list[tuple[int, str, int]] = []
+        self.after: dict[int, int] = {}
+
+    def __call__(self, progress) -> None:
+        if len(self.seen) == self.kills or any(a == progress.attempt for a, _, _ in self.seen):
+            return
+        beats = progress.beats
+        after = self.after.setdefault(progress.attempt, self.rng.randint(1, 3))
+        if len(beats) < len(progress.workers) or any(
+                b.get("step") is None or b["step"] < (b.get("start_step") or 0) + after for b in beats.values()):
+            return
+        start = max(b.get("start_step") or 0 for b in beats.values())
+        phase = ("commit", "write")[progress.attempt] if progress.attempt < 2 else self.rng.choice(("commit", "write"))
+        deadline = time.monotonic() + 5
+        while (step := _save_in_flight(self.ckpt_dir, phase)) is None or step < start + after:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.002)
+        unfinished = (phase, step)
+        time.sleep(self.rng.uniform(0, 0.01))
+        rank = self.rng.randrange(len(progress.workers))
+        os.kill(beats[rank]["pid"], signal.SIGKILL)
+        self.seen.append((progress.attempt, *unfinished))
+        progress.emit("fault_injected", fault="kill", rank=rank, host=progress.workers[rank].host,
+                      step=beats[rank]["step"], attempt=progress.attempt, save_seen=list(unfinished))
+
+
+# Freezes one thread of another process, the rest of it running on: PTRACE_SEIZE + PTRACE_INTERRUPT of that thread
+# only (ptrace(2) attaches to single threads; SIGSTOP would stop the whole process, its heartbeat thread too), held
+# until the process exits (reaped here, as its tracer must) or HOLD seconds pass (then the kernel detaches the
+# thread and it runs on). argv: the thread id (a process's main thread: its pid), HOLD.
+FREEZE_THREAD = r"""
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+PTRACE_SEIZE, PTRACE_INTERRUPT, WALL = 0x4206, 0x4207, 0x40000000
+tid, hold = int(sys.argv[1]), float(sys.argv[2])
+for request in (PTRACE_SEIZE, PTRACE_INTERRUPT):
+    if libc.ptrace(request, tid, None, None) != 0:
+        sys.exit(f"ptrace {request:#x} of thread {tid}: errno {ctypes.get_errno()}")
+print("frozen", flush=True)
+deadline = time.monotonic() + hold
+while time.monotonic() < deadline:
+    got, status = os.waitpid(tid, os.WNOHANG | WALL)
+    if got == tid and (os.WIFEXITED(status) or os.WIFSIGNALED(status)):
+        break
+    time.sleep(0.05)
+"""
+
+
+class FreezeTrainingThread:
+    """A watcher that, in attempt `attempt`, once worker `rank` has stepped `after` steps past its restore step,
+    freezes its main thread (the training loop) with FREEZE_THREAD: the loop stops as a host thread deadlocked in
+    a driver call or a stuck filesystem read would, while the worker's heartbeat thread goes on beating."""
+
+    def __init__(self, rank: int, after: int, attempt: int = 0, hold_s: float = 180.0):
+        self.rank, self.after, self.attempt, self.hold_s = rank, after, attempt, hold_s
+        self.proc: subprocess.Popen | None = None
+
+    def __call__(self, progress) -> None:
+        beat = progress.beats.get(self.rank)
+        if (self.proc is not None or progress.attempt != self.attempt or beat is None
+                or (beat.get("step") or 0) < (beat.get("start_step") or 0) + self.after):
+            return
+        self.proc = subprocess.Popen([sys.executable, "-c", FREEZE_THREAD, str(beat["pid"]), str(self.hold_s)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "frozen", self.proc.communicate(timeout=30)
+        progress.emit("fault_injected", fault="freeze", rank=self.rank, host=progress.workers[self.rank].host,
+                      step=beat["step"], attempt=progress.attempt)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.communicate(timeout=30)
+
+
+@pytest.mark.slow
+def test_kills_during_saves_and_a_frozen_training_thread_restart_from_the_step_the_restart_event_names(
+        tmp_path, small_corpus, cache, reference, monkeypatch):
+    """Attempts 0-2 each end with kill -9 of a random worker while a save is unfinished (asynchronous saves at every
+    step; the kill lands between Orbax's commit and the integrity record, or while Orbax writes): every restart
+    event names exactly the step every restarted worker resumes from (the supervisor reads `latest_verified`, the
+    record the restore trusts), and an unfinished save is never what the run resumes from. In attempt 3 one
+    worker's training thread is frozen (FREEZE_THREAD) while its heartbeat thread beats on: no heartbeat is
+    missed, but no step advances (its peers wait for it in the step's collectives), so after
+    `supervisor.stall_timeout_s` the job is failed as stalled and every worker asked to leave (the frozen one too:
+    its heartbeat thread reads the request), and restarted likewise. The run ends with the uninterrupted run's
+    parameters, bit for bit."""
+    rng = random.Random()
+    killer = KillDuringSaves(tmp_path / "run" / "checkpoints", 3, rng)
+    freezer = FreezeTrainingThread(rng.randint(0, 1), after=1, attempt=3)
+    try:
+        code, out, events = _supervise(tmp_path, small_corpus, cache, monkeypatch, killer, freezer, **{
+            "checkpoint.every": 1, "checkpoint.async_save": True, "checkpoint.keep": 2,
+            "supervisor.restart_budget": 5, "supervisor.diagnose": False, "supervisor.stall_timeout_s": STALL})
+    finally:
+        freezer.close()
+    note = f"{killer.seen}\n{out[-4000:]}"
+    assert code == 0 and len(killer.seen) == 3 and freezer.proc is not None, note
+    restarts = {e["attempt"]: e["resume_step"] for e in events if e["kind"] == "restart"}
+    assert sorted(restarts) == [1, 2, 3, 4], note
+    for attempt, resume_step in restarts.items():
+        starts = [e["start_step"] for e in events if e["kind"] == "worker_start" and e["attempt"] == attempt]
+        assert starts == [resume_step or 0] * 2, (attempt, resume_step, starts, note)  # None: no checkpoint yet
+    for attempt, phase, step in killer.seen:
+        # the save that was unfinished when the kill was sent is resumed from only if it was complete by then
+        assert (restarts[attempt + 1] or 0) <= step, (attempt, phase, step, restarts, note)
+    print("kills during saves (attempt, phase seen, its step) -> resume steps:", killer.seen, restarts)
+    detected = [e for e in events if e["kind"] == "detected"]
+    assert [{f["kind"] for f in d["failures"]} for d in detected] == [{"exit"}] * 3 + [{"stalled"}], note
+    assert freezer.rank in {f["rank"] for f in detected[3]["failures"]}, note
+    freeze = fault_figures(events)[3]
+    # the stall rule, not a heartbeat timeout: the last step may have advanced up to a heartbeat before the freeze
+    assert freeze["kind"] == "freeze" and STALL - 2 * PERIOD <= freeze["detection_s"] <= STALL + TIMEOUT, (freeze,
+                                                                                                          note)
+    for x, y in zip(_final_params(reference[0]), _final_params(tmp_path / "run")):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.slow
+def test_a_failed_self_check_excludes_its_host_and_no_layout_fits_the_devices_left(tmp_path, small_corpus, cache,
+                                                                                   monkeypatch):
+    """3 hosts x 1 device. Rank 2's worker aborts (SIGABRT, as XLA's or a driver's own checks end a process on a
+    faulty device) and its host's site health check fails (the run's `supervisor.health_check`, given here, finds
+    the host marked unhealthy by the test): detected, rank 2 blamed, the self-checks run and fail on host2 alone,
+    host2 is excluded; with no spare, re-planning the same global batch (3 sequences of 31 tokens, 3 heads) onto
+    the 2 devices left finds no layout, and the run stops with status 3, saying why."""
+    code, out, events = _supervise(tmp_path, small_corpus, cache, monkeypatch, bench.Fault("diag", 2, 2, 0),
+                                   hosts=3, devices=1, **{
+                                       "model.d_model": 48, "model.num_heads": 3, "train.seq_len": 31,
+                                       "train.global_batch": 3, "mesh.data": 3, "mesh.fsdp": 1,
+                                       "supervisor.standby": False,
+                                       "supervisor.health_check": bench.health_check_command(tmp_path / "health")})
+    note = out[-4000:]
+    assert code == 3, note
+    kinds = [e["kind"] for e in events]
+    (detected,) = [e for e in events if e["kind"] == "detected"]
+    assert [(f["rank"], f["kind"]) for f in detected["failures"]] == [(2, "exit")], note
+    assert "SIGABRT" in detected["failures"][0]["detail"], note
+    (diagnosed,) = [e for e in events if e["kind"] == "diagnosed"]
+    assert {h: d["ok"] for h, d in diagnosed["hosts"].items()} == {"host0": True, "host1": True, "host2": False}
+    assert [e["host"] for e in events if e["kind"] == "excluded"] == ["host2"], note
+    assert "restart" not in kinds and kinds.count("launch") == 1, note
+    assert events[-1]["kind"] == "run_end" and events[-1]["status"] == "no_layout", note
+    assert "no layout fits the devices left: no layout of train.global_batch=3 fits on 2 devices" in out, note
+    assert "[supervisor] excluded host2: " in out, note
+
+
+@pytest.mark.slow
+def test_a_non_finite_loss_is_detected_as_such_and_the_restart_resumes_from_the_verified_step(
+        tmp_path, small_corpus, cache, monkeypatch):
+    """train.nonfinite=stop under the supervisor, the loss made non-finite for real (a learning rate of 1e30: the
+    first updates send the parameters to ~1e30 and the logits overflow): every worker stops at the step, reports
+    it and exits; the supervisor detects "nonfinite" (not a bare exit status), names the step, restarts from the
+    step the restart event names (the newest verified checkpoint, never a non-finite state), the loss diverges
+    again and the restart budget ends the run (status 4)."""
+    code, out, events = _supervise(tmp_path, small_corpus, cache, monkeypatch, **{
+        "optimizer.lr": 1e30, "checkpoint.every": 1, "train.nonfinite": "stop", "supervisor.restart_budget": 1,
+        "supervisor.diagnose": False, "supervisor.standby": False})
+    note = out[-4000:]
+    assert code == 4, note
+    detected = [e for e in events if e["kind"] == "detected"]
+    assert len(detected) == 2, note
+    for d in detected:
+        assert {(f["rank"], f["kind"]) for f in d["failures"]} == {(0, "nonfinite"), (1, "nonfinite")}, note
+        assert all("non-finite loss nan reported at step" in f["detail"] for f in d["failures"]), note
+    (restart,) = [e for e in events if e["kind"] == "restart"]
+    starts = [e["start_step"] for e in events if e["kind"] == "worker_start" and e["attempt"] == 1]
+    assert restart["resume_step"] is not None and starts == [restart["resume_step"]] * 2, (restart, starts, note)
+    bad_step = int(re.search(r"reported at step (\d+)", detected[0]["failures"][0]["detail"]).group(1))
+    assert restart["resume_step"] < bad_step, (restart, bad_step, note)
+
+
+class StragglerThenKill:
+    """A watcher: in attempt 0, once worker `rank` has stepped, throttles it from outside (test_observe_multiprocess's
+    Slowdown: SIGSTOP 18 ms in every 20, a CPU cut to a tenth); once rank 0's log says the straggler's host was
+    recorded for exclusion, ends the throttle and, a heartbeat period later (the record reaches Redis from the
+    control thread), kills rank 0 with SIGKILL, so that the job restarts."""
+
+    def __init__(self, rank: int, log: Path):
+        self.rank, self.log = rank, log
+        self.slowdown = None
+        self.flagged_at: float | None = None
+        self.killed = False
+
+    def __call__(self, progress) -> None:
+        from tests.msjax.test_observe_multiprocess import Slowdown
+
+        if progress.attempt or self.killed:
+            return
+        beat = progress.beats.get(self.rank)
+        if self.slowdown is None and beat is not None and (beat.get("step") or 0) >= 1:
+            self.slowdown = Slowdown(beat["pid"], 0.018, 0.002)
+        if self.flagged_at is None and self.log.exists() and "recorded for exclusion" in self.log.read_text():
+            self.flagged_at = time.monotonic()
+            self.slowdown.close()
+        if self.flagged_at is not None and time.monotonic() - self.flagged_at > 2 * PERIOD and 0 in progress.beats:
+            os.kill(progress.beats[0]["pid"], signal.SIGKILL)
+            self.killed = True
+            progress.emit("fault_injected", fault="kill", rank=0, host=progress.workers[0].host,
+                          step=progress.beats[0]["step"], attempt=progress.attempt)
+
+    def close(self) -> None:
+        if self.slowdown is not None:
+            self.slowdown.close()
+
+
+@pytest.mark.slow
+def test_a_flagged_straggler_is_excluded_at_the_next_restart(tmp_path, small_corpus, cache, monkeypatch):
+    """observe.exclude_stragglers under the supervisor, 2 hosts and a spare: worker 1, throttled from outside, is
+    flagged by the straggler detector, which records host1 in the run's excluded hosts (Redis); when the job next
+    restarts (rank 0 killed), host1 is left out and the spare host2 takes its place; the run finishes."""
+    watcher = StragglerThenKill(1, tmp_path / "run" / "logs" / "attempt0.rank0.log")
+    try:
+        code, out, events = _supervise(tmp_path, small_corpus, cache, monkeypatch, watcher, **{
+            "train.steps": 24, "optimizer.decay_steps": 24, "observe.window": 4, "observe.persist": 2,
+            "observe.exclude_stragglers": True, "supervisor.spares": 1, "supervisor.diagnose": False,
+            "supervisor.standby": False})
+    finally:
+        watcher.close()
+    note = out[-4000:]
+    assert code == 0 and watcher.killed, note
+    excluded = [e for e in events if e["kind"] == "excluded"]
+    assert [(e["host"], e["reason"]) for e in excluded] == [("host1", "straggler (observe.exclude_stragglers)")], note
+    launches = [e for e in events if e["kind"] == "launch"]
+    assert [e["hosts"] for e in launches] == [["host0", "host1"], ["host0", "host2"]], note
+    assert "[supervisor] excluded host1: persistently slow (a straggler)" in out, note
 
 
 @pytest.mark.slow

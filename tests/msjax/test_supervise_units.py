@@ -74,6 +74,9 @@ def test_no_first_heartbeat_within_the_startup_timeout():
 def test_nonfinite_loss_report_is_a_failure():
     (f,) = detect_failures([_w(0), _w(1, nonfinite=(8, float("nan")))], now=100.0, **T)
     assert (f.rank, f.kind) == (1, "nonfinite") and "step 8" in f.detail
+    # train.nonfinite=stop: the worker reported it, then exited 1; the report says why, not the bare status
+    (f,) = detect_failures([_w(0), _w(1, nonfinite=(8, float("nan")), exit_code=1)], now=100.0, **T)
+    assert (f.rank, f.kind) == (1, "nonfinite") and "step 8" in f.detail and "exit code 1" in f.detail
 
 
 def test_a_step_that_stops_while_others_advance_is_stalled():
@@ -324,3 +327,44 @@ def test_the_first_step_is_beaten_at_once_later_steps_at_the_period():
         assert store.beats[-1]["step"] == 43 and store.beats[-1]["state"] == "finished"
     finally:
         hook.close()
+
+
+def test_rank_0_publishes_the_newest_verified_checkpoint_of_a_local_or_object_store_directory(tmp_path):
+    """The control plane's "newest checkpoint" is `latest_verified`'s answer, the step a restore resumes from: a
+    newer step without an integrity record (an interrupted write) is passed over, and a gs:// / s3:// checkpoint
+    directory (here a real S3 server) is named by its URL. Rank 0's hook publishes it to a real Redis."""
+    from msjax import paths
+    from msjax.checkpoint import latest_verified
+    from msjax.checkpoint.integrity import RECORD_FORMAT, RECORD_NAME
+    from msjax.control.hook import ControlPlaneHook
+    from msjax.control.rendezvous import Assignment
+    from msjax.control.server import RedisServer
+    from msjax.control.store import Store, connect
+    from msjax.control.worker import WorkerContext
+    from msjax.hooks import LoopControl, RunContext
+    from tests.msjax.object_store import S3Server
+
+    record = json.dumps({"format": RECORD_FORMAT, "checksums": {}}).encode()
+    with RedisServer() as server, S3Server() as s3:
+        bucket = s3.make_bucket("hook")
+        for where in (str(tmp_path / "ckpt"), f"{bucket}/run"):
+            for step in (2, 4):
+                if not paths.is_remote(where):
+                    (tmp_path / "ckpt" / str(step) / "state").mkdir(parents=True)
+            paths.write_bytes(paths.join(where, "2", "state", "data"), b"x")
+            paths.write_bytes(paths.join(where, "2", RECORD_NAME), record)
+            paths.write_bytes(paths.join(where, "4", "state", "data"), b"x")  # committed, no record yet
+            assert latest_verified(where) == 2
+            store = Store(connect(server.url), f"hook-{len(where)}")
+            hook = ControlPlaneHook(WorkerContext(store, Assignment(0, 1, "h:1", 0), "0-0", "host0", "host0"),
+                                    period_s=0.1, ttl_s=5.0)
+            cfg = apply_overrides(Config(), {"checkpoint.dir": where, **s3.overrides()})
+            ctx = RunContext(config=cfg, run_dir=tmp_path / "run", mesh=None, program=None, start_step=0,
+                             control=LoopControl())
+            hook.on_start(ctx)
+            try:
+                hook.on_end(ctx, None)
+            finally:
+                hook.close()
+            got = store.checkpoint("persistent")
+            assert (got["step"], got["path"]) == (2, paths.join(where, "2")), got
