@@ -42,7 +42,8 @@ def restore_params(run_dir: str | Path, cfg: Config, devices: Sequence[jax.Devic
     """
     mesh = make_mesh(cfg.mesh, devices)
     program = build_train_program(cfg, mesh)
-    ckpt = Checkpointer(cfg.checkpoint, checkpoint_dir(cfg.checkpoint, str(run_dir)))
+    # Read-only: the run may still be training, and its newest step may be between Orbax's commit and its record.
+    ckpt = Checkpointer(cfg.checkpoint, checkpoint_dir(cfg.checkpoint, str(run_dir)), read_only=True)
     try:
         if ckpt.latest_step() is None:
             raise CheckpointError(f"no complete checkpoint in {ckpt.directory}")

@@ -292,7 +292,9 @@ class Checkpointer:
     """Saves, verifies, rotates and restores checkpoints of (train state, data loader position).
 
     Opening one deletes the interrupted writes (committed steps without an integrity record) of both tiers, so a
-    restarted run can write those steps again; verified steps are never deleted there.
+    restarted run can write those steps again; verified steps are never deleted there. A reader of another run's
+    checkpoints (generation, export) opens one with `read_only=True`: a step of a live run may sit between Orbax's
+    commit and its record, so a reader passes over what does not verify and deletes or moves nothing.
 
     Args:
       cfg: checkpoint config (`every`, `keep`, `local_dir`, `local_keep`, `async_save`, `timeout_s`,
@@ -300,24 +302,28 @@ class Checkpointer:
       directory: the persistent tier (see `checkpoint_dir`): a local directory, or a gs:// / s3:// URL.
       local_directory: the local tier, or None (default: from `cfg.local_dir`; with an object-storage
         `directory` and no local tier, `staging_dir(directory)`).
+      read_only: restore only: no deletion, no moving aside, no leftovers cleaned, no writability check.
     Raises:
       ConfigError: a tier directory is not writable (or a bucket not reachable).
     """
 
-    def __init__(self, cfg: CheckpointConfig, directory: Path | str, local_directory: Path | None = None):
+    def __init__(self, cfg: CheckpointConfig, directory: Path | str, local_directory: Path | None = None,
+                 read_only: bool = False):
         local_directory = local_directory or local_checkpoint_dir(cfg)
         self._tier_list = _tiers(directory, local_directory)
         self.persistent = self._tier_list[-1]
         self.local = self._tier_list[0] if len(self._tier_list) > 1 else None
-        ensure_writable(directory)
-        if self.local is not None:
+        self.read_only = read_only
+        if not read_only:
+            ensure_writable(directory)
+        if self.local is not None and not read_only:
             ensure_writable(self.local.root, "checkpoint.local_dir" if local_directory else "staging directory")
         self.cfg = cfg
         self.directory = directory
         self.local_directory = self.local.root if self.local is not None else None
         self.write_directory: Path = self.local_directory or Path(directory)
         # What the first restore reports as passed over, "<path>: <reason>" (see `skipped`).
-        self._interrupted = self._discard_interrupted(cfg.timeout_s)
+        self._interrupted = [] if read_only else self._discard_interrupted(cfg.timeout_s)
         # Orbax decides when to save: every `every` steps, and when jax's preemption sync point is reached.
         # Its InitialSavePolicy (save the first step of a run) is left out: the first step is not worth a write.
         policies = [ocp_policies.PreemptionCheckpointingPolicy()]
@@ -328,7 +334,7 @@ class Checkpointer:
             enable_async_checkpointing=cfg.async_save, create=True, cleanup_tmp_directories=True,
             save_decision_policy=ocp_policies.AnySavePolicy(policies))
         self._manager = ocp.CheckpointManager(self.write_directory, options=options)
-        if jax.process_index() == 0:  # copies into a tier cut short by a crash
+        if jax.process_index() == 0 and not read_only:  # copies into a tier cut short by a crash
             for tier in self._tier_list:
                 tier.remove_leftovers()
         self._reader = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
@@ -757,7 +763,10 @@ class Checkpointer:
 
     def _discard(self, tier: LocalTier | ObjectTier, step: int, reason: str | None) -> None:
         """Moves a failed checkpoint to `<tier>/rejected/<step>-<time>` (kept for inspection), or deletes an
-        interrupted write (`reason` None); the record goes first either way. Process 0 acts; the others wait."""
+        interrupted write (`reason` None); the record goes first either way. Process 0 acts; the others wait.
+        A read-only checkpointer leaves it where it is (the restore still passes over it)."""
+        if self.read_only:
+            return
         if jax.process_index() == 0:
             if reason is None:
                 tier.delete(step)

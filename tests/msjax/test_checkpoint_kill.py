@@ -201,3 +201,24 @@ def test_an_interrupted_write_is_discarded_when_the_checkpointer_opens(tmp_path,
     ckpt.close()
     assert _recorded(d)[-1] == 3 == latest_verified(d)
     assert _restore(d, None)[0] == 3
+
+
+def test_a_read_only_checkpointer_restores_the_newest_verified_step_and_changes_nothing(tmp_path):
+    """A reader of a run that may still be training (generation, export) must not delete a step that sits between
+    Orbax's commit and its record, nor move a damaged one aside: it passes over both and restores the newest
+    verified step, leaving every directory as it found it."""
+    d = tmp_path / "ckpt"
+    cfg = CheckpointConfig(every=0, keep=4, async_save=True, timeout_s=60)
+    ckpt = Checkpointer(cfg, d)
+    for step in (1, 2, 3, 4):
+        _save(ckpt, step)
+    ckpt.close()
+    (d / "4" / RECORD_NAME).unlink()  # step 4: committed, its record not written yet
+    _flip_data_bit(d / "3")  # step 3: recorded, but its data no longer matches the checksums
+    before = sorted(str(p.relative_to(d)) for p in d.rglob("*"))
+    reader = Checkpointer(cfg, d, read_only=True)
+    step, state, _ = reader.restore(_abstract())
+    reader.close()
+    assert step == 2
+    _bit_identical(jax.device_get(state), 2)
+    assert sorted(str(p.relative_to(d)) for p in d.rglob("*")) == before
