@@ -40,6 +40,8 @@ from msjax.control import phases
 from msjax.sharding_rules import RULE_SETS
 from msjax.parallel import xla_flags
 from msjax.generate import Generator
+from msjax.goodput import LoopLedger
+from msjax.log import ensure_visible
 from msjax.train_step import TrainProgram, build_train_program
 
 
@@ -47,13 +49,9 @@ log = logging.getLogger(__name__)
 
 
 def _log(msg: str) -> None:
-    # One channel: logging (scripts configure it, msjax.cli.setup_logging). A program that configured no logging
-    # at all (a notebook) still sees the loop's messages, written around the progress bar.
+    # One channel: logging (msjax.log); the other processes' copies of rank 0's lines would only repeat them.
     if jax.process_index() == 0:
-        if log.hasHandlers():
-            log.info(msg)
-        else:
-            tqdm.write(msg)
+        log.info(msg)
 
 
 def evaluate(program: TrainProgram, params: Any, batches: list[dict]) -> float:
@@ -85,6 +83,7 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
       msjax.faults.NonFiniteLossError: a non-finite loss with `train.nonfinite=stop`.
     """
     t_start = time.perf_counter()
+    ensure_visible()  # a caller that configured no logging (a notebook) still sees the loop's messages
     cfg = cfg.validate()
     t = cfg.train
     # Every path key, before anything is read or written: a scheme msjax does not serve, a missing backend
@@ -154,7 +153,9 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
     lrs = learning_rates(cfg.optimizer, t.steps)  # lr of step s at s - 1, logged with the loss
     control = control or LoopControl()
     fault_hooks = [StopOnSignal(), *([NonFiniteStop()] if t.nonfinite == "stop" else [])]
-    hook = Hooks([*fault_hooks, *loop_hooks(cfg), *hooks])
+    # Last: its clock starts once every hook has started, and stops before any hook ends (msjax.goodput).
+    goodput = LoopLedger()
+    hook = Hooks([*fault_hooks, *loop_hooks(cfg), *hooks, goodput])
     ctx = RunContext(config=cfg, run_dir=run_dir, mesh=mesh, program=program, start_step=start_step,
                      control=control)
     hook.on_start(ctx)
@@ -193,11 +194,13 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
                 writer.write(step, scalars)
                 hook.on_log(ctx, step, scalars)
                 summary.update(tokens_per_s=tok_s, mfu=mfu)
+            t_eval = time.perf_counter()
             if val and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
                 val_loss = evaluate(program, state["params"], val)
                 summary["val_loss"].append((step, val_loss))
                 writer.write(step, {"val_loss": val_loss, "wall_s": time.perf_counter() - t_start})
                 _log(f"step {step}: val loss {val_loss:.4f} ({time.perf_counter() - t_start:.1f} s)")
+            ctx.timings["eval_s"] = time.perf_counter() - t_eval
             if ckpt.reached_preemption(step):  # multi-process: all processes stop at the same step
                 # jax's preemption service is set off by SIGTERM; every process stops after this same step
                 control.request_stop("preemption notice (SIGTERM; jax preemption sync point)", signal=signal.SIGTERM)
@@ -221,7 +224,9 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
         hook.on_end(ctx, error)
         bar.close()
         loader.close()
-        ckpt.close()
+        t_close = time.perf_counter()
+        ckpt.close()  # waits for an asynchronous save to commit: checkpoint time in the goodput ledger
+        ckpt_close_s = time.perf_counter() - t_close
         writer.close()
 
     summary.update(
@@ -241,6 +246,7 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
                                  rolling=True)[0]
         summary["sample"] = tok.decode(ids)
         _log("---- sample ----\n" + summary["sample"] + "\n----------------")
+    summary["goodput"] = goodput.finish(ckpt_close_s)
     summary["state"] = state
     return summary
 

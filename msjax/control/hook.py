@@ -307,13 +307,13 @@ class ControlPlaneHook(Hook):
             except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
                 if not down:
                     down = True
-                    self._log(f"msjax.control: rank {self.rank} lost Redis ({e}); training goes on, retrying "
+                    log.warning(f"msjax.control: rank {self.rank} lost Redis ({e}); training goes on, retrying "
                               f"with backoff up to {self.max_backoff_s:g} s")
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, self.max_backoff_s)
             except Exception as e:  # a bug here must not kill training: say it and keep serving
                 log.exception("control-plane thread error")
-                self._log(f"msjax.control: rank {self.rank} control thread error: {e!r}")
+                log.warning(f"msjax.control: rank {self.rank} control thread error: {e!r}")
                 self._stop.wait(self.period_s)
 
     def _publish_checkpoint(self, raise_errors: bool = False) -> None:
@@ -334,11 +334,11 @@ class ControlPlaneHook(Hook):
         try:
             fn()
         except Exception as e:
-            self._log(f"msjax.control: rank {self.rank}: Redis write skipped ({e})")
+            log.warning(f"msjax.control: rank {self.rank}: Redis write skipped ({e})")
 
     @staticmethod
     def _log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
+        log.info(msg)
 
 
 def _signal_name(sig: int) -> str:

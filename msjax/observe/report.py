@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from msjax.observe.events import read_events
+from msjax.events import read_events
 from msjax.sharding_rules.axes import MESH_AXES
 
 # Heatmaps drawn when the data exists: figure key -> (title, source). "window" figures come from windows.jsonl

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from msjax.observe import append_event
+from msjax.events import append_event
 from msjax.observe.report import load_run, mesh_grid, per_rank_figure, write_report
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -37,7 +37,8 @@ from msjax.config import config_from_flags
 from msjax.launch.cli import run_supervised
 from msjax.launch.options import LaunchOptions
 from msjax.mesh import make_mesh
-from msjax.supervise.events import fault_figures, read_events
+from msjax.events import read_events
+from msjax.supervise.figures import fault_figures
 from msjax.train_step import build_train_program
 
 ROOT = Path(__file__).resolve().parents[2]
