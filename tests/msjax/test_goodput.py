@@ -75,6 +75,46 @@ def test_straggler_time_is_what_the_synchronous_step_waited_for_the_slowest_rank
     assert straggler_seconds(rows, 10) == pytest.approx(1.0 + 3.0)
 
 
+class _FakeTime:
+    def __init__(self, t):
+        self.t = t
+
+    def time(self):
+        return self.t
+
+
+def test_the_loop_ledger_splits_each_step_interval_by_the_loops_own_timings(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import msjax.goodput as goodput
+
+    clock = _FakeTime(100.0)
+    monkeypatch.setattr(goodput, "time", clock)
+    ctx = SimpleNamespace(run_dir=tmp_path, extra={}, timings={}, start_step=10,
+                          config=SimpleNamespace(observe=SimpleNamespace(window=0)))
+    ledger = goodput.LoopLedger(process_start=90.0, rank=0)
+    ledger.on_start(ctx)  # 10 s of start-up
+    # (time since the previous mark, data_s, checkpoint_s and eval_s after the previous step) per step
+    steps = [(7.0, 0.5, 0.0, 0.0), (2.0, 0.25, 0.0, 0.0), (3.0, 0.25, 1.0, 0.5), (2.0, 0.0, 0.0, 0.0)]
+    for i, (dt, data, ckpt, ev) in enumerate(steps):
+        clock.t += dt
+        ctx.timings.update(data_s=data, checkpoint_s=ckpt, eval_s=ev)
+        ledger.on_step_end(ctx, 11 + i, {})
+    clock.t += 4.0
+    ctx.timings.update(checkpoint_s=1.5, eval_s=0.75)  # the last step's save and evaluation
+    ledger.on_end(ctx, None)
+    clock.t += 3.0
+    out = ledger.finish(checkpoint_close_s=2.0)
+    want = {"startup": 10.0, "compilation": 7.0 - 0.5, "data_wait": 0.5 + 0.25 + 0.25,
+            "checkpoint": 1.0 + 1.5 + 2.0, "evaluation": 0.5 + 0.75, "straggler": 0.0,
+            "productive": (2.0 - 0.25) + (3.0 - 0.25 - 1.0 - 0.5) + 2.0 + (4.0 - 1.5 - 0.75), "teardown": 1.0}
+    assert out["buckets"] == pytest.approx(want)
+    assert out["wall_s"] == pytest.approx(31.0) == pytest.approx(sum(out["buckets"].values()))
+    assert (out["step"], out["steps"], out["final"]) == (14, 4, True)
+    assert read_ledger(tmp_path)["buckets"]["productive"] == pytest.approx(want["productive"])
+    assert [e["final"] for e in read_events(tmp_path, "goodput")] == [False, True]
+
+
 class _Clock(Hook):
     """Records when the loop started and ended, and reads the live ledger from Redis once mid-run."""
 
