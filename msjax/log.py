@@ -9,7 +9,7 @@ stderr directly: `logging` takes a lock that the interrupted thread may hold.
 A program that configured no logging at all (a notebook calling `msjax.train.run`) would see only warnings
 (logging's last-resort handler): `ensure_visible` gives the `msjax` logger one handler that writes INFO and up
 through `tqdm.write`, so messages land above a progress bar instead of through it. It is called by the loop,
-never on import, and does nothing when any handler is configured.
+never on import, does nothing when any handler is configured, and steps aside once the root logger has one.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ class TqdmHandler(logging.Handler):
     """Writes each record with `tqdm.write` (on stderr), which clears and redraws any active progress bar."""
 
     def emit(self, record: logging.LogRecord) -> None:
+        if logging.getLogger().handlers:  # logging configured since: the root's handlers show the record
+            return
         try:
             tqdm.write(self.format(record), file=sys.stderr)
         except Exception:  # noqa: BLE001 - logging's own contract: report, never raise
