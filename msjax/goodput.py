@@ -20,9 +20,10 @@ Buckets (seconds of wall-clock time, `time.time()`; they partition the run's wal
                   dispatch queue's depth), so a step's device time can land in them: a bound, not a split, on a
                   device that runs ahead of the host.
     straggler     steps slowed down by a flagged straggler: for every straggler window (ranks/windows.jsonl, a
-                  window whose `stragglers` is not empty), window steps x the median step time x (1 - median / max)
-                  of the ranks' `own_compute_s` (the `probe_s` when no rank has own compute marks): the time the
-                  job's synchronous step waited for its slowest rank. Carved out of the step time.
+                  window whose `stragglers` is not empty), window steps x the slowest rank's excess over the
+                  median in own compute (`own_compute_s`) or in time it could not run (`host_lag_s`), the larger,
+                  at most a step (`straggler_seconds`): the time the job's synchronous step waited for its slowest
+                  rank. Carved out of the step time.
     productive    the rest of the step loop: from one step's `on_step_end` to the next one's, less the data wait,
                   checkpoint and evaluation inside it (the device running steps, logging, the hooks); after the last
                   step, up to `on_end`, less the final evaluation and checkpoint; less straggler time.
@@ -71,8 +72,14 @@ FILE_NAME = "goodput.json"
 def straggler_seconds(window_rows: Iterable[dict], window: int) -> float:
     """Seconds the job's steps waited for flagged stragglers (module docstring, `straggler`).
 
+    Per straggler window, the slowest rank's excess over the ranks' median in the per-step figures that sit on a
+    synchronous step's critical path: its own compute (`own_compute_s`) and the time it could not run (`host_lag_s`),
+    the larger of the two, at most the median step time; with neither, the probe's ratio (`probe_s`, seconds per
+    matmul) as a fraction of the median step: step x (1 - median / max). Times the window's steps.
+
     Args:
-      window_rows: rows of ranks/windows.jsonl: {"stragglers": [rank, ...], "figures": {name: [per rank]}}.
+      window_rows: rows of ranks/windows.jsonl: {"stragglers": [rank, ...], "figures": {name: [per rank]}}, the
+        figures per-step means over the window (seconds).
       window: steps per window (observe.window).
     """
     total = 0.0
@@ -80,14 +87,23 @@ def straggler_seconds(window_rows: Iterable[dict], window: int) -> float:
         if not row.get("stragglers"):
             continue
         figs = row.get("figures", {})
-        x = [v for v in figs.get("own_compute_s", []) if v > 0] or [v for v in figs.get("probe_s", []) if v > 0]
-        steps = figs.get("step_median_s") or figs.get("step_s") or []
-        if not x or not steps:
+        steps = sorted(figs.get("step_median_s") or figs.get("step_s") or [0.0])
+        step = steps[len(steps) // 2]
+        excess = [_max_over_median(figs[k]) for k in ("own_compute_s", "host_lag_s") if any(figs.get(k, []))]
+        if excess:
+            per_step = max(excess)
+        elif any(figs.get("probe_s", [])):
+            probe = sorted(figs["probe_s"])
+            per_step = step * (1.0 - probe[len(probe) // 2] / probe[-1])
+        else:
             continue
-        x_sorted, step_sorted = sorted(x), sorted(steps)
-        median, slowest = x_sorted[len(x_sorted) // 2], x_sorted[-1]
-        total += window * step_sorted[len(step_sorted) // 2] * (1.0 - median / slowest)
+        total += window * min(per_step, step)
     return total
+
+
+def _max_over_median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[-1] - ordered[len(ordered) // 2]
 
 
 class LoopLedger(Hook):

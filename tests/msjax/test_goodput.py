@@ -69,10 +69,14 @@ def test_a_supervised_runs_ledger_splits_every_second_of_its_wall_time():
 
 def test_straggler_time_is_what_the_synchronous_step_waited_for_the_slowest_rank():
     rows = [{"stragglers": [], "figures": {"own_compute_s": [0.1, 0.1, 0.3], "step_median_s": [0.3, 0.3, 0.3]}},
-            {"stragglers": [2], "figures": {"own_compute_s": [0.1, 0.1, 0.2], "step_median_s": [0.2, 0.2, 0.2]}},
+            {"stragglers": [2], "figures": {"own_compute_s": [0.1, 0.1, 0.2], "host_lag_s": [0.0, 0.01, 0.05],
+                                            "step_median_s": [0.2, 0.2, 0.2]}},
+            {"stragglers": [0], "figures": {"own_compute_s": [0.1, 0.1, 0.1], "host_lag_s": [0.3, 0.0, 0.0],
+                                            "step_median_s": [0.25, 0.25, 0.25]}},
             {"stragglers": [1], "figures": {"probe_s": [0.01, 0.04, 0.01], "step_median_s": [0.4, 0.4, 0.4]}}]
-    # flagged windows only; 10 steps each: 10 x 0.2 x (1 - 0.1 / 0.2) + 10 x 0.4 x (1 - 0.01 / 0.04)
-    assert straggler_seconds(rows, 10) == pytest.approx(1.0 + 3.0)
+    # flagged windows only, 10 steps each: own compute's excess 0.1 s over host lag's 0.04 s; a host lag of 0.3 s
+    # capped at the 0.25 s step; no per-step figures: 0.4 s x (1 - 0.01 / 0.04)
+    assert straggler_seconds(rows, 10) == pytest.approx(10 * 0.1 + 10 * 0.25 + 10 * 0.3)
 
 
 class _FakeTime:
