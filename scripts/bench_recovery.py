@@ -18,8 +18,8 @@ productive / wall), plus its extrapolation to one fault every 5 minutes:
     ETTR(T) = 1 - (mean per-fault cost) / T,  per-fault cost = the ledger's restart + recomputed time, and the
     restarted attempts' start-up and compilation, divided by the number of faults,
 which assumes the steady state between faults is pure training. A second table breaks each fault's recovery time
-into phases (msjax.supervise.figures.recovery_phases: detect, stop, diagnose, backoff, then the restarted workers' process
-start, imports, rendezvous, jax.distributed, data/program, restore, first step's compile, heartbeat lag).
+into phases (msjax.supervise.figures.recovery_phases: detect, stop, diagnose, backoff, then the restarted workers'
+process start, imports, rendezvous, jax.distributed, data/program, restore, first step's compile, heartbeat lag).
 `--json PATH` writes everything as JSON too, with the load average.
 """
 

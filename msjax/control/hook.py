@@ -308,7 +308,7 @@ class ControlPlaneHook(Hook):
                 if not down:
                     down = True
                     log.warning(f"msjax.control: rank {self.rank} lost Redis ({e}); training goes on, retrying "
-                              f"with backoff up to {self.max_backoff_s:g} s")
+                                f"with backoff up to {self.max_backoff_s:g} s")
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, self.max_backoff_s)
             except Exception as e:  # a bug here must not kill training: say it and keep serving

@@ -115,7 +115,7 @@ class ProfileHook(Hook):
         self._pending = None
         if first < next_step:
             log.info(f"observe: profile of steps {first}:{count} asked before step {next_step}: tracing from "
-                       f"step {next_step} instead")
+                     f"step {next_step} instead")
             first = next_step
         last = min(first + count - 1, ctx.config.train.steps)
         out = Path(ctx.run_dir) / "profile" / f"steps_{first}-{last}" / f"process{jax.process_index()}"

@@ -203,8 +203,8 @@ def host_probe_turn(timeout_s: float = PROBE_LOCK_TIMEOUT_S):
                 locked = True
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    log.warning(f"observe: process {jax.process_index()} waited {timeout_s:.0f} s for the host's probe "
-                               f"lock {path}; probing without it")
+                    log.warning(f"observe: process {jax.process_index()} waited {timeout_s:.0f} s for the host's "
+                                f"probe lock {path}; probing without it")
                     break
                 time.sleep(1e-3)
         try:
