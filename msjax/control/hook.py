@@ -269,7 +269,10 @@ class ControlPlaneHook(Hook):
         if reason is not None:
             # Asked to leave: a peer died, or the job is restarted by a controller. Collectives would wait for a
             # peer that never comes, so leave now, saying why in one line.
-            self._log(f"msjax: rank {self.rank} stopping: {reason}")
+            # Straight to stderr, as train.main's own "stopping" line: the process ends in os._exit next, and this
+            # line must read the same whatever logging the program configured (the launcher shows it for every rank).
+            sys.stderr.write(f"msjax: rank {self.rank} stopping: {reason}\n")
+            sys.stderr.flush()
             self._safe(lambda: self.store.clear_heartbeats([self.rank]))  # gone now, not at the TTL's end
             sys.stdout.flush()
             os._exit(EXIT_REQUESTED)
