@@ -4,7 +4,6 @@ matching the loop's own time and adding up to the wall time, goodput.json writte
 
 The supervised run with a kill -9 and restarts is tests/msjax/test_supervise_e2e.py (its goodput assertions)."""
 
-import json
 import time
 
 import pytest
@@ -163,7 +162,7 @@ def test_a_run_publishes_its_ledger_live_and_writes_one_that_adds_up(tmp_path, s
     assert live is not None and live["rank"] == 0 and not live["final"]
     assert live["until"] <= clock.end and live["buckets"]["compilation"] > 0
     ledger = read_ledger(cfg.train.run_dir)
-    assert ledger == {k: v for k, v in ledger.items()} and ledger["source"] == "loop"
+    assert ledger["source"] == "loop"
     b = ledger["buckets"]
     wall = ledger["wall_s"]
     # the buckets add up to the wall time (process start -> end of run) within 1%
@@ -178,4 +177,3 @@ def test_a_run_publishes_its_ledger_live_and_writes_one_that_adds_up(tmp_path, s
     assert summary["goodput"]["buckets"]["productive"] == pytest.approx(b["productive"])
     events = read_events(cfg.train.run_dir, "goodput")
     assert [e["step"] for e in events][:4] == [2, 4, 6, 8] and events[-1]["final"]
-    assert json.loads(json.dumps(ledger)) == ledger
