@@ -324,7 +324,7 @@ def test_supervised_job_survives_a_node_failure_on_the_spare_within_a_minute(clu
         assert [e["hosts"] for e in _events(run_dir, "launch")] == [["node1", "node2"], ["node1", "node3"]]
         first = [e for e in _events(run_dir, "first_step") if e["attempt"] == 1]
         recovery = first[0]["time"] - detected["time"]
-        print(f"node failure: detected {detected['t'] - job.t0:.1f} s into the job, recovered (first step of the "
+        print(f"node failure: detected {detected['time'] - job.t0:.1f} s into the job, recovered (first step of the "
               f"restarted job) {recovery:.1f} s after detection")
         assert recovery <= 60, recovery
         want, got = _losses(reference), _losses(run_dir)
