@@ -87,7 +87,8 @@ class RunContext:
         (`msjax.optim.learning_rates`), or None where no loop made it (a hook driven by hand).
       timings: host times of the current step, written by the loop before `on_step_end`: `issue_t` (perf_counter
         seconds when the step was called), `data_s` (waiting for the batch), `dispatch_s` (inside the step call),
-        `checkpoint_s` (blocked in the checkpoint save after the previous step). Seconds.
+        `checkpoint_s` (blocked in the checkpoint save after the previous step), `eval_s` (evaluating after the
+        previous step; 0 when it did not). Seconds.
     """
 
     config: Any

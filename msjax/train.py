@@ -40,6 +40,8 @@ from msjax.control import phases
 from msjax.sharding_rules import RULE_SETS
 from msjax.parallel import xla_flags
 from msjax.generate import Generator
+from msjax.goodput import LoopLedger
+from msjax.log import ensure_visible
 from msjax.train_step import TrainProgram, build_train_program
 
 
@@ -50,13 +52,9 @@ log = logging.getLogger(__name__)
 
 
 def _log(msg: str) -> None:
-    # One channel: logging (scripts configure it, msjax.cli.setup_logging). A program that configured no logging
-    # at all (a notebook) still sees the loop's messages, written around the progress bar.
+    # One channel: logging (msjax.log); the other processes' copies of rank 0's lines would only repeat them.
     if jax.process_index() == 0:
-        if log.hasHandlers():
-            log.info(msg)
-        else:
-            tqdm.write(msg)
+        log.info(msg)
 
 
 def evaluate(program: TrainProgram, params: Any, batches: list[dict]) -> float:
@@ -71,7 +69,9 @@ def build_hooks(cfg: Config, control_plane: "ControlPlaneHook | None" = None, si
                 extra: Sequence[Hook] = ()) -> list[Hook]:
     """The run's hooks, in the order the loop calls them (`on_end` in reverse), from its config: fault handling
     (`StopOnSignal`; `NonFiniteStop` with train.nonfinite=stop), observability (`msjax.observe.loop_hooks`: the
-    step observer and the profiler, per the `observe` section), the control plane, then `extra`.
+    step observer and the profiler, per the `observe` section), the control plane, `extra`, and last the goodput
+    ledger (`msjax.goodput.LoopLedger`: its clock starts once every other hook has started and stops before any
+    other ends).
 
     What hooks share is passed here, explicitly: the step observer publishes to `sinks` and, when the run joined a
     control plane, to its metrics sink, and records straggler exclusions through it.
@@ -87,7 +87,8 @@ def build_hooks(cfg: Config, control_plane: "ControlPlaneHook | None" = None, si
     if control_plane is not None:
         sinks.append(control_plane.metrics)
         exclude_host, plane = control_plane.metrics.exclude_host, [control_plane]
-    return [*fault_hooks, *loop_hooks(cfg, sinks=sinks, exclude_host=exclude_host), *plane, *extra]
+    return [*fault_hooks, *loop_hooks(cfg, sinks=sinks, exclude_host=exclude_host), *plane, *extra,
+            LoopLedger(sinks=sinks)]
 
 
 def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = None,
@@ -114,6 +115,7 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
       msjax.faults.NonFiniteLossError: a non-finite loss with `train.nonfinite=stop`.
     """
     t_start = time.perf_counter()
+    ensure_visible()  # a caller that configured no logging (a notebook) still sees the loop's messages
     cfg = cfg.validate()
     t = cfg.train
     # Every path key, before anything is read or written: a scheme msjax does not serve, a missing backend
@@ -182,7 +184,9 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
     writer = MetricsWriter(run_dir, start_step=start_step, loggers=t.loggers, name=cfg.name, config=to_dict(cfg))
     lrs = learning_rates(cfg.optimizer, t.steps)  # lr of step s at s - 1, logged with the loss
     control = control or LoopControl()
-    hook = Hooks(build_hooks(cfg, control_plane, sinks, extra=hooks))
+    hook_list = build_hooks(cfg, control_plane, sinks, extra=hooks)
+    goodput = hook_list[-1]
+    hook = Hooks(hook_list)
     ctx = RunContext(config=cfg, run_dir=run_dir, mesh=mesh, program=program, start_step=start_step,
                      control=control, learning_rates=lrs)
     hook.on_start(ctx)
@@ -221,11 +225,13 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
                 writer.write(step, scalars)
                 hook.on_log(ctx, step, scalars)
                 summary.update(tokens_per_s=tok_s, mfu=mfu)
+            t_eval = time.perf_counter()
             if val and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
                 val_loss = evaluate(program, state["params"], val)
                 summary["val_loss"].append((step, val_loss))
                 writer.write(step, {"val_loss": val_loss, "wall_s": time.perf_counter() - t_start})
                 _log(f"step {step}: val loss {val_loss:.4f} ({time.perf_counter() - t_start:.1f} s)")
+            ctx.timings["eval_s"] = time.perf_counter() - t_eval
             if ckpt.reached_preemption(step):  # multi-process: all processes stop at the same step
                 # jax's preemption service is set off by SIGTERM; every process stops after this same step
                 control.request_stop("preemption notice (SIGTERM; jax preemption sync point)", signal=signal.SIGTERM)
@@ -249,7 +255,9 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
         hook.on_end(ctx, error)
         bar.close()
         loader.close()
-        ckpt.close()
+        t_close = time.perf_counter()
+        ckpt.close()  # waits for an asynchronous save to commit: checkpoint time in the goodput ledger
+        ckpt_close_s = time.perf_counter() - t_close
         writer.close()
 
     summary.update(
@@ -269,6 +277,7 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
                                  rolling=True)[0]
         summary["sample"] = tok.decode(ids)
         _log("---- sample ----\n" + summary["sample"] + "\n----------------")
+    summary["goodput"] = goodput.finish(ckpt_close_s)
     summary["state"] = state
     return summary
 

@@ -13,12 +13,13 @@ checks end a process on a faulty device) plus the host marked unhealthy for the 
 given (`supervisor.health_check`), so its self-checks fail.
 Prints a table per fault (detection latency, in seconds and heartbeat periods; recovery time = fault to the
 first kept step after restart; the restart's start-up and compile time; steps recomputed) and the run's
-effective training time, plus its extrapolation to one fault every 5 minutes:
-    ETTR(T) = 1 - (mean per-fault cost) / T,  per-fault cost = recovery time + recomputed steps x step time,
-which assumes the steady state between faults is pure training (it is, apart from checkpoint saves, which the
-measured step time includes). A second table breaks each fault's recovery time into phases
-(msjax.supervise.events.recovery_phases: detect, stop, diagnose, backoff, then the restarted workers' process
-start, imports, rendezvous, jax.distributed, data/program, restore, first step's compile, heartbeat lag).
+goodput ledger (msjax.goodput: where the wall time went, and the effective training time ratio ETTR =
+productive / wall), plus its extrapolation to one fault every 5 minutes:
+    ETTR(T) = 1 - (mean per-fault cost) / T,  per-fault cost = the ledger's restart + recomputed time, and the
+    restarted attempts' start-up and compilation, divided by the number of faults,
+which assumes the steady state between faults is pure training. A second table breaks each fault's recovery time
+into phases (msjax.supervise.figures.recovery_phases: detect, stop, diagnose, backoff, then the restarted workers'
+process start, imports, rendezvous, jax.distributed, data/program, restore, first step's compile, heartbeat lag).
 `--json PATH` writes everything as JSON too, with the load average.
 """
 
@@ -207,7 +208,7 @@ def run(cfg: Config, common: cli.CommonOptions, own: RecoveryBenchOptions) -> in
     status: 0 when the supervised run finished, 1 otherwise."""
     from msjax.launch.cli import new_run_id, run_supervised
     from msjax.launch.options import LaunchOptions
-    from msjax.supervise.events import read_events
+    from msjax.events import read_events
 
     cfg, train_flags, faults, seed = supervised_run(cfg, common, own)
     run_dir = Path(cfg.train.run_dir)
@@ -221,7 +222,7 @@ def run(cfg: Config, common: cli.CommonOptions, own: RecoveryBenchOptions) -> in
     t0 = time.time()
     code = run_supervised(opts, cfg, new_run_id("bench"), train_flags,
                           watchers=[FaultInjector(faults, run_dir.parent / "health")])
-    return report(read_events(run_dir / "events.jsonl"), cfg, own, code, time.time() - t0, seed, "local")
+    return report(read_events(run_dir), cfg, own, code, time.time() - t0, seed, "local")
 
 
 def run_slurm(cfg: Config, common: cli.CommonOptions, own: RecoveryBenchOptions) -> int:
@@ -235,7 +236,7 @@ def run_slurm(cfg: Config, common: cli.CommonOptions, own: RecoveryBenchOptions)
     import sysconfig
 
     from msjax.control.store import Store, connect
-    from msjax.supervise.events import read_events
+    from msjax.events import read_events
 
     spec = importlib.util.spec_from_file_location("slurm_cluster", Path(__file__).resolve().parents[1] / "tests"
                                                   / "slurm_cluster.py")
@@ -305,7 +306,7 @@ def run_slurm(cfg: Config, common: cli.CommonOptions, own: RecoveryBenchOptions)
                     cluster.kill_node(beat["host"])
                 else:
                     os.kill(beat["pid"], SIGNALS[f.kind])
-                injected.append({"t": t, "kind": "fault_injected", "fault": f.kind, "rank": f.rank,
+                injected.append({"time": t, "kind": "fault_injected", "fault": f.kind, "rank": f.rank,
                                  "host": beat["host"], "step": beat["step"], "attempt": f.attempt})
                 print(f"[bench] injected {f.kind} into rank {f.rank} ({beat['host']}) at step {beat['step']}",
                       flush=True)
@@ -315,7 +316,7 @@ def run_slurm(cfg: Config, common: cli.CommonOptions, own: RecoveryBenchOptions)
         left = cluster.down()
         if left:
             print(f"bench_recovery: the cluster left behind {left}", file=sys.stderr)
-    events = sorted(read_events(run_dir / "events.jsonl") + injected, key=lambda e: e["t"])
+    events = sorted(read_events(run_dir) + injected, key=lambda e: e["time"])
     return report(events, cfg, own, 0 if state == "COMPLETED" else 1, wall, seed, "slurm")
 
 
@@ -323,12 +324,13 @@ def report(events: list[dict], cfg: Config, own: RecoveryBenchOptions, code: int
            backend: str) -> int:
     """Prints the tables of a finished run's `events` (its faults' `fault_injected` events among them) and writes
     the JSON; returns 0 when the run finished, else 1."""
-    from msjax.supervise.events import RECOVERY_PHASES, effective_time, fault_figures, recovery_phases
+    from msjax.goodput import describe, run_ledger
+    from msjax.supervise.figures import RECOVERY_PHASES, fault_figures, recovery_phases
 
     run_dir = Path(cfg.train.run_dir)
     figures = fault_figures(events)
     breakdown = recovery_phases(events)
-    eff = effective_time(events)
+    ledger = run_ledger(events)
     period = cfg.supervisor.heartbeat_period_s
     attempts = [e for e in events if e["kind"] == "attempt_end"]
     step_s = [a["step_s"] for a in attempts if a.get("step_s")]
@@ -336,9 +338,9 @@ def report(events: list[dict], cfg: Config, own: RecoveryBenchOptions, code: int
     starts = {}
     for e in events:  # start-up + compile of each attempt: launch -> its first step
         if e["kind"] == "launch":
-            starts[e["attempt"]] = {"launch": e["t"]}
+            starts[e["attempt"]] = {"launch": e["time"]}
         elif e["kind"] == "first_step" and e["attempt"] in starts:
-            starts[e["attempt"]]["first_step"] = e["t"]
+            starts[e["attempt"]]["first_step"] = e["time"]
     startup = {a: v["first_step"] - v["launch"] for a, v in starts.items() if "first_step" in v}
     rows = []
     for f in figures:
@@ -348,8 +350,11 @@ def report(events: list[dict], cfg: Config, own: RecoveryBenchOptions, code: int
             cost = f["recovery_s"] + f["recomputed_steps"] * step_time
         rows.append({**f, "detection_periods": None if f["detection_s"] is None else f["detection_s"] / period,
                      "restart_startup_s": startup.get(nxt), "cost_s": cost})
-    costs = [r["cost_s"] for r in rows if r["cost_s"] is not None]
-    mean_cost = sum(costs) / len(costs) if costs else None
+    # Per-fault cost from the ledger: everything a fault added to the run's wall time.
+    restarted = [a["buckets"] for a in ledger["attempts"] if a["attempt"] > 0]
+    fault_cost = (ledger["buckets"]["restart"] + ledger["buckets"]["recomputed"]
+                  + sum(b["startup"] + b["compilation"] for b in restarted))
+    mean_cost = fault_cost / len(rows) if rows else None
     extrapolated = 1 - mean_cost / 300.0 if mean_cost is not None else None
     print(f"\n{'fault':6} {'rank':>4} {'step':>5} {'detect s':>9} {'periods':>8} {'recover s':>10} "
           f"{'startup s':>10} {'recomp':>7} {'cost s':>7}")
@@ -381,14 +386,15 @@ def report(events: list[dict], cfg: Config, own: RecoveryBenchOptions, code: int
         for a, v in sorted(per_attempt.items())))
     print(f"\nstatus {code}; wall {wall:.1f} s; step time {step_time and round(step_time, 3)} s; heartbeat period "
           f"{period:g} s, timeout {cfg.supervisor.heartbeat_timeout_s:g} s")
-    if eff["ratio"] is not None:
-        print(f"effective training time of this run: {eff['ratio']:.1%} ({eff['kept_s']:.1f} s kept of "
-              f"{eff['total_s']:.1f} s, {len(rows)} faults in {eff['total_s'] / 60:.1f} min)")
+    print(describe(ledger))
+    if ledger["ettr"] is not None:
+        print(f"effective training time of this run: {ledger['ettr']:.1%} ({ledger['buckets']['productive']:.1f} s "
+              f"productive of {ledger['wall_s']:.1f} s, {len(rows)} faults in {ledger['wall_s'] / 60:.1f} min)")
     if extrapolated is not None:
         print(f"extrapolated to one fault every 5 minutes: ETTR(300 s) = 1 - (mean per-fault cost) / 300 s "
-              f"= 1 - {mean_cost:.1f} / 300 = {extrapolated:.1%}; per-fault cost = recovery time + recomputed "
-              f"steps x step time ({step_time and round(step_time, 3)} s)")
-    out = {"backend": backend, "seed": seed, "exit_code": code, "wall_s": wall, "faults": rows, "effective": eff,
+              f"= 1 - {mean_cost:.1f} / 300 = {extrapolated:.1%}; per-fault cost = (restart + recomputed + "
+              "the restarted attempts' start-up and compilation) / faults, from the goodput ledger")
+    out = {"backend": backend, "seed": seed, "exit_code": code, "wall_s": wall, "faults": rows, "goodput": ledger,
            "step_s": step_time, "startup_s": startup, "attempt_compile": per_attempt, "heartbeat_period_s": period,
            "recovery_phases": breakdown,
            "load_avg": os.getloadavg(),

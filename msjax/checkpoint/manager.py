@@ -41,7 +41,6 @@ import itertools
 import logging
 import os
 import shutil
-import sys
 import threading
 import time
 import uuid
@@ -174,7 +173,7 @@ def latest_verified(directory: Path | str, local_directory: Path | str | None = 
 
 def _warn(msg: str) -> None:
     if jax.process_index() == 0:
-        print(f"warning: {msg}", file=sys.stderr, flush=True)
+        logging.getLogger(__name__).warning(msg)
 
 
 def _os_error(e: BaseException) -> BaseException:

@@ -276,7 +276,10 @@ class ControlPlaneHook(Hook):
         if reason is not None:
             # Asked to leave: a peer died, or the job is restarted by a controller. Collectives would wait for a
             # peer that never comes, so leave now, saying why in one line.
-            self._log(f"msjax: rank {self.rank} stopping: {reason}")
+            # Straight to stderr, as train.main's own "stopping" line: the process ends in os._exit next, and this
+            # line must read the same whatever logging the program configured (the launcher shows it for every rank).
+            sys.stderr.write(f"msjax: rank {self.rank} stopping: {reason}\n")
+            sys.stderr.flush()
             self._safe(lambda: self.store.clear_heartbeats([self.rank]))  # gone now, not at the TTL's end
             sys.stdout.flush()
             os._exit(EXIT_REQUESTED)
@@ -314,13 +317,13 @@ class ControlPlaneHook(Hook):
             except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
                 if not down:
                     down = True
-                    self._log(f"msjax.control: rank {self.rank} lost Redis ({e}); training goes on, retrying "
-                              f"with backoff up to {self.max_backoff_s:g} s")
+                    log.warning(f"msjax.control: rank {self.rank} lost Redis ({e}); training goes on, retrying "
+                                f"with backoff up to {self.max_backoff_s:g} s")
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, self.max_backoff_s)
             except Exception as e:  # a bug here must not kill training: say it and keep serving
                 log.exception("control-plane thread error")
-                self._log(f"msjax.control: rank {self.rank} control thread error: {e!r}")
+                log.warning(f"msjax.control: rank {self.rank} control thread error: {e!r}")
                 self._stop.wait(self.period_s)
 
     def _publish_checkpoint(self, raise_errors: bool = False) -> None:
@@ -347,11 +350,11 @@ class ControlPlaneHook(Hook):
         try:
             fn()
         except Exception as e:
-            self._log(f"msjax.control: rank {self.rank}: Redis write skipped ({e})")
+            log.warning(f"msjax.control: rank {self.rank}: Redis write skipped ({e})")
 
     @staticmethod
     def _log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
+        log.info(msg)
 
 
 def _signal_name(sig: int) -> str:

@@ -16,6 +16,10 @@ Off the step's critical path, bounded, and indifferent to Redis outages:
     memory stays bounded and training never waits; the JSONL files keep every row.
   - `close` (called by the observer after its last row) makes a final best-effort flush.
 
+Also carries each rank's goodput ledger so far (msjax.goodput, `publish_goodput`): the newest one is kept and
+written by `flush` to `msjax:{run_id}:goodput:{rank}` (a JSON string, overwritten each time: a live view; the
+run's events.jsonl and goodput.json are the record), read with `live_goodput`.
+
 Also carries the straggler exclusions of `observe.exclude_stragglers` (`exclude_host`): recorded in the run's
 `excluded` set (`Store.exclude_host`) by the same background thread, so the supervisor's next restart leaves
 those hosts out (msjax.supervise.supervisor).
@@ -24,10 +28,13 @@ those hosts out (msjax.supervise.supervisor).
 from __future__ import annotations
 
 import itertools
-import sys
+import json
+import logging
 import threading
 from collections import deque
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # Rows buffered while Redis is away before the oldest are dropped (~300 bytes each: ~3 MB).
 DEFAULT_CAPACITY = 10_000
@@ -55,6 +62,7 @@ class RedisMetricsSink:
         self._rows: deque[tuple[int, dict]] = deque(maxlen=capacity)  # (sequence number, row)
         self._seq = itertools.count()
         self._exclusions: deque[tuple[str, str]] = deque(maxlen=1000)
+        self._goodput: tuple[int, dict] | None = None  # (rank, the newest ledger), until flushed
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()  # one flusher at a time (control thread, or close at the end)
 
@@ -65,6 +73,11 @@ class RedisMetricsSink:
             if len(self._rows) == self.capacity:
                 self.dropped += 1
             self._rows.append((next(self._seq), {"rank": int(rank), "step": int(step), **values}))
+
+    def publish_goodput(self, rank: int, ledger: dict[str, Any]) -> None:
+        """Keeps `ledger` (msjax.goodput.LoopLedger.to_dict) as this rank's newest; O(1), no I/O."""
+        with self._lock:
+            self._goodput = (int(rank), ledger)
 
     def exclude_host(self, host: str, reason: str) -> None:
         """Queues `host` for the run's excluded set (written by the next `flush`)."""
@@ -87,6 +100,15 @@ class RedisMetricsSink:
                 self.store.exclude_host(host, reason)
                 with self._lock:
                     self._exclusions.popleft()
+            with self._lock:
+                goodput, self._goodput = self._goodput, None
+            if goodput is not None:
+                try:
+                    self.store.client.set(self.store.key(f"goodput:{goodput[0]}"), json.dumps(goodput[1]))
+                except Exception:
+                    with self._lock:  # kept for the next flush unless a newer one came meanwhile
+                        self._goodput = self._goodput or goodput
+                    raise
             total = 0
             while True:
                 with self._lock:
@@ -107,11 +129,18 @@ class RedisMetricsSink:
         try:
             self.flush()
         except Exception as e:
-            print(f"msjax.control: {self.pending} metric rows not sent to Redis at the end ({e})", file=sys.stderr,
-                  flush=True)
+            log.warning(f"msjax.control: {self.pending} metric rows not sent to Redis at the end ({e})")
         if self.dropped:
-            print(f"msjax.control: {self.dropped} metric rows were dropped while Redis was away (buffer of "
-                  f"{self.capacity}); the per-rank JSONL files have them", file=sys.stderr, flush=True)
+            log.warning(f"msjax.control: {self.dropped} metric rows were dropped while Redis was away (buffer of "
+                        f"{self.capacity}); the per-rank JSONL files have them")
 
     def stats(self) -> dict[str, Any]:
         return {"sent": self.sent, "pending": self.pending, "dropped": self.dropped}
+
+
+def live_goodput(store, ranks=range(1)) -> dict[int, dict]:
+    """The newest goodput ledger each of `ranks` published (rank -> msjax.goodput.LoopLedger.to_dict); ranks that
+    published none are left out. Raises redis-py's errors."""
+    ranks = list(ranks)
+    values = store.client.mget([store.key(f"goodput:{r}") for r in ranks]) if ranks else []
+    return {r: json.loads(v) for r, v in zip(ranks, values) if v is not None}

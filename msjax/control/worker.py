@@ -25,13 +25,15 @@ The train command (msjax.train.main) calls `join_from_env()` when MSJAX_REDIS_UR
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
-import sys
 from dataclasses import dataclass
 
 from msjax.control.errors import ControlError
 from msjax.control.rendezvous import Assignment
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -105,9 +107,9 @@ def join_from_env() -> WorkerContext:
         assignment = rendezvous(store.client, run_id, worker_id, world, f"{host}:{port}", member, timeout_s,
                                 requested_rank=requested)
     phases.mark("rendezvous")
-    print(f"msjax.control: rank {assignment.rank} of {assignment.world_size} (worker {worker_id}, pid {os.getpid()}, "
-          f"run {run_id}, generation {assignment.generation}, coordinator {assignment.coordinator}"
-          f"{', re-admitted' if assignment.rejoined else ''})", file=sys.stderr, flush=True)
+    log.info(f"msjax.control: rank {assignment.rank} of {assignment.world_size} (worker {worker_id}, pid "
+             f"{os.getpid()}, run {run_id}, generation {assignment.generation}, coordinator {assignment.coordinator}"
+             f"{', re-admitted' if assignment.rejoined else ''})")
     store.post_event("joined", rank=assignment.rank, worker_id=worker_id, generation=assignment.generation)
     if world > 1:
         import jax

@@ -4,7 +4,7 @@ Owns: per-step per-process timing without a host sync per step (`timing`: step, 
 host-stall time, tokens/s, MFU, loss, grad norm, lr, to JSONL, TensorBoard and a pluggable live sink), Python GC
 control (collection off during training, every rank collects at the same steps), straggler detection with mesh
 coordinates (`stragglers`: pure scoring functions; `timing` gathers the figures at window ends), run events
-(`events`: `<run_dir>/events.jsonl`), profiling on demand (`profile`: jax.profiler traces of chosen steps, on
+(written through `msjax.events`: `<run_dir>/events.jsonl`), profiling on demand (`profile`: jax.profiler traces of chosen steps, on
 request, at start or on SIGUSR1), reports (`report`: heatmaps over the mesh, loss/MFU curves, per-rank
 timelines as PNGs + index.html) and Weights & Biases as a sink of the loop's metrics (`wandb_logger`, used by
 `msjax.metrics` when `train.loggers` names it).
@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from msjax.hooks import Hook
-from msjax.observe.events import append_event, read_events
 from msjax.observe.profile import ProfileHook, traced_steps
 from msjax.observe.stragglers import (RankPlace, StragglerDetector, WindowVerdict, mesh_places,
                                       persistent_stragglers, slowdown_scores)
@@ -40,6 +39,6 @@ def loop_hooks(config: Any, sinks: Sequence[MetricsSink] = (),
             ProfileHook(o.profile_steps, signal_steps=o.profile_signal_steps)]
 
 
-__all__ = ["MetricsSink", "ProfileHook", "RankPlace", "StepObserver", "append_event", "loop_hooks", "mesh_places",
-           "persistent_stragglers", "read_events", "slowdown_scores", "StragglerDetector", "traced_steps",
+__all__ = ["MetricsSink", "ProfileHook", "RankPlace", "StepObserver", "loop_hooks", "mesh_places",
+           "persistent_stragglers", "slowdown_scores", "StragglerDetector", "traced_steps",
            "WindowVerdict"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import glob
 import gzip
 import json
+import logging
 import re
 import signal
 import threading
@@ -22,10 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
-from tqdm import tqdm
 
 from msjax.hooks import Hook, RunContext
-from msjax.observe.events import append_event
+from msjax.events import append_event
+
+log = logging.getLogger(__name__)
 
 MARKER = "msjax_step"
 
@@ -112,8 +114,8 @@ class ProfileHook(Hook):
         first, count = self._pending
         self._pending = None
         if first < next_step:
-            tqdm.write(f"observe: profile of steps {first}:{count} asked before step {next_step}: tracing from "
-                       f"step {next_step} instead")
+            log.info(f"observe: profile of steps {first}:{count} asked before step {next_step}: tracing from "
+                     f"step {next_step} instead")
             first = next_step
         last = min(first + count - 1, ctx.config.train.steps)
         out = Path(ctx.run_dir) / "profile" / f"steps_{first}-{last}" / f"process{jax.process_index()}"
@@ -128,7 +130,7 @@ class ProfileHook(Hook):
         info = {"first_step": first, "last_step": min(last, step), "path": str(out)}
         self.traces.append(info)
         if jax.process_index() == 0:
-            tqdm.write(f"observe: profile of steps {first}-{info['last_step']} written to {out}")
+            log.info(f"observe: profile of steps {first}-{info['last_step']} written to {out}")
             append_event(ctx.run_dir, "profile", **info)
 
     def on_end(self, ctx: RunContext, error: BaseException | None) -> None:

@@ -1,13 +1,16 @@
 """A run's report: PNGs and an index.html beside them, from the files a run leaves in its directory.
 
-Reads `config.json`, `metrics.jsonl`, `ranks/rank<i>.jsonl` + `.meta.json`, `ranks/windows.jsonl` and
-`events.jsonl` (all optional but the per-rank rows or metrics.jsonl); writes into `<run_dir>/report/`:
+Reads `config.json`, `metrics.jsonl`, `ranks/rank<i>.jsonl` + `.meta.json`, `ranks/windows.jsonl`,
+`events.jsonl` and `goodput.json` (all optional but the per-rank rows or metrics.jsonl); writes into
+`<run_dir>/report/`:
 
   heatmap_<figure>.png  a per-rank figure over mesh coordinates: one panel per pipeline stage, data x tensor inside
                         it (fsdp and sequence coordinates averaged), colour bar in milliseconds, stragglers outlined.
   curves.png            training loss and MFU against steps and against wall time (validation loss too).
   timeline.png          per-rank step time over steps, and per-rank window figures with straggler flags.
-  index.html            the pictures, a summary and the straggler table.
+  goodput.png           where the wall time went (msjax.goodput's buckets): one stacked bar for the run, one per
+                        attempt of a supervised run.
+  index.html            the pictures, a summary, the goodput table and the straggler table.
 
 Matplotlib (the Agg backend: no display needed) draws everything: a well-kept plotting library, no reason to own
 one.
@@ -24,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from msjax.observe.events import read_events
+from msjax.events import read_events
+from msjax.goodput import BUCKETS, read_ledger
 from msjax.sharding_rules.axes import MESH_AXES
 
 # Heatmaps drawn when the data exists: figure key -> (title, source). "window" figures come from windows.jsonl
@@ -53,7 +57,8 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
 
     Returns:
       dict with config (dict or {}), metrics (rows of metrics.jsonl), ranks (process -> list of per-step rows),
-      meta (process -> meta dict), windows (rows of windows.jsonl), events (rows of events.jsonl).
+      meta (process -> meta dict), windows (rows of windows.jsonl), events (rows of events.jsonl), goodput (the
+      ledger of goodput.json, or None).
     Raises:
       ReportError: `run_dir` is not a directory, or holds neither metrics.jsonl nor per-rank rows.
     """
@@ -70,7 +75,8 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
         raise ReportError(f"{run_dir} holds neither metrics.jsonl nor ranks/rank*.jsonl: not a run directory?")
     config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
     return {"config": config, "metrics": metrics, "ranks": ranks, "meta": meta,
-            "windows": _jsonl(run_dir / "ranks" / "windows.jsonl"), "events": read_events(run_dir)}
+            "windows": _jsonl(run_dir / "ranks" / "windows.jsonl"), "events": read_events(run_dir),
+            "goodput": read_ledger(run_dir)}
 
 
 def per_rank_figure(run: dict[str, Any], figure: str) -> dict[int, float] | None:
@@ -246,6 +252,46 @@ def plot_timeline(run: dict[str, Any], path: Path) -> bool:
     return True
 
 
+# One colour per bucket, the same in every bar: productive green, the rest by kind of loss.
+GOODPUT_COLOURS = {"productive": "tab:green", "startup": "tab:blue", "compilation": "tab:cyan",
+                   "data_wait": "tab:olive", "checkpoint": "tab:purple", "evaluation": "tab:pink",
+                   "straggler": "tab:orange", "recomputed": "tab:red", "restart": "tab:brown", "teardown": "tab:gray"}
+
+
+def plot_goodput(run: dict[str, Any], path: Path) -> bool:
+    """Stacked horizontal bars of the goodput ledger's buckets (seconds): the whole run, then each attempt of a
+    supervised run. False when the run wrote no goodput.json."""
+    import matplotlib.pyplot as plt
+
+    ledger = run.get("goodput")
+    if not ledger:
+        return False
+    bars = [("run", ledger["buckets"])] + [(f"attempt {a['attempt']}", a["buckets"])
+                                          for a in ledger.get("attempts", [])]
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.5 * len(bars)), constrained_layout=True)
+    labelled = set()
+    for y, (_, buckets) in enumerate(bars):
+        left = 0.0
+        for k in BUCKETS:
+            v = buckets.get(k, 0.0)
+            if v > 0:
+                ax.barh(y, v, left=left, color=GOODPUT_COLOURS[k], label=None if k in labelled else k,
+                        edgecolor="white", lw=0.5)
+                labelled.add(k)
+                left += v
+    ax.set_yticks(range(len(bars)), [name for name, _ in bars])
+    ax.invert_yaxis()
+    ax.set_xlabel("wall time (s)")
+    ettr = ledger.get("ettr")
+    ax.set_title(f"where the wall time went: {ledger['wall_s']:.1f} s, effective training time ratio "
+                 f"{(ettr or 0):.1%}")
+    ax.legend(fontsize=8, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(bars) < 3 else -0.15))
+    ax.grid(alpha=0.3, axis="x")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return True
+
+
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     """Writes the PNGs and index.html; returns the path of index.html.
 
@@ -266,6 +312,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
         images.append(("curves.png", "loss and MFU"))
     if plot_timeline(run, out / "timeline.png"):
         images.append(("timeline.png", "per-rank timeline"))
+    if plot_goodput(run, out / "goodput.png"):
+        images.append(("goodput.png", "goodput: where the wall time went"))
     (out / "index.html").write_text(_html(run_dir, run, images))
     return out / "index.html"
 
@@ -286,13 +334,22 @@ def _html(run_dir: Path, run: dict[str, Any], images: list[tuple[str, str]]) -> 
         f"<tr><td>{e['step']}</td><td>{e['process']}</td><td>{html.escape(e.get('host', ''))}</td>"
         f"<td>{html.escape(', '.join(f'{a} {v}' for a, v in e.get('coords', {}).items()))}</td>"
         f"<td>{html.escape(json.dumps(e.get('scores', {})))}</td></tr>" for e in strag)
+    ledger = run.get("goodput")
+    goodput = ""
+    if ledger:
+        wall = ledger["wall_s"] or 1.0
+        goodput = ("<h2>Goodput</h2><table><tr><th>bucket</th><th>seconds</th><th>share of wall time</th></tr>"
+                   + "".join(f"<tr><td>{k}</td><td>{v:.2f}</td><td>{v / wall:.1%}</td></tr>"
+                             for k, v in ledger["buckets"].items())
+                   + f"<tr><th>wall</th><td>{ledger['wall_s']:.2f}</td><td>ETTR {(ledger['ettr'] or 0):.1%}</td>"
+                   "</tr></table>")
     return (
         "<!doctype html><html><head><meta charset='utf-8'><title>msjax run report</title><style>"
         "body{font-family:sans-serif;margin:2em}td,th{border:1px solid #ccc;padding:4px 8px}"
         "table{border-collapse:collapse}img{max-width:100%;border:1px solid #eee}</style></head><body>"
         f"<h1>msjax run report: {html.escape(cfg.get('name', run_dir.name))}</h1><table>"
         + "".join(f"<tr><th>{k}</th><td>{html.escape(v)}</td></tr>" for k, v in summary) + "</table>"
-        + "<h2>Stragglers</h2>"
+        + goodput + "<h2>Stragglers</h2>"
         + (f"<table><tr><th>step</th><th>process</th><th>host</th><th>mesh coordinates</th>"
            f"<th>slowdown vs others' median</th></tr>{table}</table>" if strag else "<p>none flagged</p>")
         + "".join(f"<h2>{html.escape(t)}</h2><img src='{f}' alt='{html.escape(t)}'>" for f, t in images)

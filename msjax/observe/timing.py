@@ -59,6 +59,7 @@ from __future__ import annotations
 import fcntl
 import gc
 import json
+import logging
 import math
 import os
 import queue
@@ -74,15 +75,16 @@ from typing import Any, Callable, Protocol, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm import tqdm
 
 from msjax.flops import flops_per_token
 from msjax.hardware import mesh_peak_flops
 from msjax.hooks import Hook, RunContext
-from msjax.observe.events import append_event
+from msjax.events import append_event
 from msjax.observe.stragglers import RankPlace, StragglerDetector, mesh_places
 from msjax.optim import learning_rates
 from msjax.parallel.arrival import ARRIVALS
+
+log = logging.getLogger(__name__)
 
 # How long the observer waits for a step's results at a window boundary before it gives up (seconds).
 WAIT_TIMEOUT_S = 900.0
@@ -175,7 +177,7 @@ class MetricsSink(Protocol):
 
 def _log(msg: str) -> None:
     if jax.process_index() == 0:
-        tqdm.write(msg)
+        log.info(msg)
 
 
 @contextmanager
@@ -188,7 +190,7 @@ def host_probe_turn(timeout_s: float = PROBE_LOCK_TIMEOUT_S):
     try:
         f = open(path, "a")
     except OSError as e:
-        tqdm.write(f"observe: cannot open the host's probe lock {path} ({e.strerror}); probing without it")
+        log.warning(f"observe: cannot open the host's probe lock {path} ({e.strerror}); probing without it")
         yield
         return
     with f:
@@ -200,8 +202,8 @@ def host_probe_turn(timeout_s: float = PROBE_LOCK_TIMEOUT_S):
                 locked = True
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    tqdm.write(f"observe: process {jax.process_index()} waited {timeout_s:.0f} s for the host's probe "
-                               f"lock {path}; probing without it")
+                    log.warning(f"observe: process {jax.process_index()} waited {timeout_s:.0f} s for the host's "
+                                f"probe lock {path}; probing without it")
                     break
                 time.sleep(1e-3)
         try:

@@ -12,6 +12,6 @@ Owns, module by module:
               device, a cross-process all-reduce with a timeout), run as a process per host so a hang is killable.
   exclusion   which hosts a restart leaves out (failed self-checks; stragglers, softly).
   replan      the best layout of the same global batch on the devices that are left (msjax.planner).
-  events      the run's event log and the figures read off it: detection latency, recovery time, effective
-              training time.
+  figures     recovery figures read off the run's event log (msjax.events): detection latency, recovery time,
+              recomputed steps, where each restart's time went. The whole run's goodput is msjax.goodput's.
 """

@@ -11,7 +11,8 @@ restart from the newest complete checkpoint, within a restart budget (MegaScale 
            -> backoff, restart with --resume (Orbax restores onto the new mesh) from the newest verified
               checkpoint (msjax.checkpoint.latest_verified: the restart event names that step); a spent budget
               ends the run.
-Every step of that is an event in `<run_dir>/events.jsonl` and in Redis (msjax.supervise.events).
+Every step of that is an event in `<run_dir>/events.jsonl` and in Redis (msjax.events); at the end,
+`<run_dir>/goodput.json` holds where the run's wall time went over all attempts (msjax.goodput).
 
 Where and how workers run is a backend's only concern, behind a small interface (`WorkerBackend`: launch the
 workers on given hosts, stop them, run the self-checks on given hosts); every policy above is this module's and
@@ -36,11 +37,13 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from msjax.config import Config, apply_overrides
+from msjax.events import EventLog, read_events
+from msjax.goodput import run_ledger, write_ledger
 from msjax.planner import PlanError
 from msjax.supervise import detect
 from msjax.supervise.diagnostics import Checks, HostDiagnosis
 from msjax.supervise.exclusion import straggler_exclusions
-from msjax.supervise.events import EventLog, effective_time, fault_figures, read_events
+from msjax.supervise.figures import fault_figures
 from msjax.supervise.policy import RestartBudgetExhausted, RestartPolicy
 from msjax.supervise.replan import planner_hardware, replan
 
@@ -124,7 +127,8 @@ class _Seen:
 @dataclass
 class SupervisorResult:
     """status: finished / budget_exhausted / no_layout / no_hosts; report: the closing text; exit_code: 0 when
-    finished; figures: per-fault figures and the effective training time (msjax.supervise.events)."""
+    finished; figures: per-fault figures (msjax.supervise.figures) and the goodput ledger
+    (msjax.goodput, also written to `<run_dir>/goodput.json`)."""
 
     status: str
     exit_code: int
@@ -162,7 +166,7 @@ class Supervisor:
         from msjax.control.store import Store, connect
 
         self.control = Store(connect(store_url, password=os.environ.get("MSJAX_REDIS_PASSWORD") or None), self.run_id)
-        self.events = EventLog(self.run_dir / "events.jsonl", sink=self._post_event)
+        self.events = EventLog(self.run_dir, sink=self._post_event)
         self.hosts = list(hosts) if hosts is not None else [f"host{i}" for i in range(num_hosts + self.s.spares)]
         if len(self.hosts) < num_hosts:
             raise ValueError(f"{len(self.hosts)} host(s) {self.hosts} for a job of {num_hosts}")
@@ -451,17 +455,20 @@ class Supervisor:
     def _finish(self, status: str, code: int, report: str) -> SupervisorResult:
         self.events.emit("run_end", status=status, report=report)
         events = read_events(self.events.path)
-        figures = {"faults": fault_figures(events), "effective": effective_time(events)}
-        eff = figures["effective"]
+        figures = {"faults": fault_figures(events), "goodput": run_ledger(events)}
+        ledger = figures["goodput"]
+        write_ledger(self.run_dir, ledger)
         lines = [report]
         for f in figures["faults"]:
             lines.append(f"  fault {f['kind']} rank {f['rank']} at step {f['step']}: detected in "
                          f"{_fmt_s(f['detection_s'])}, first kept step after {_fmt_s(f['recovery_s'])}, "
                          f"{f['recomputed_steps']} step(s) recomputed")
-        if eff["ratio"] is not None:
-            lines.append(f"effective training time: {eff['ratio']:.1%} ({eff['kept_s']:.1f} s of kept steps / "
-                         f"{eff['total_s']:.1f} s wall; {eff['kept_steps']} steps kept, {eff['lost_steps']} "
-                         "recomputed)")
+        if ledger["ettr"] is not None:
+            b = ledger["buckets"]
+            lines.append(f"effective training time: {ledger['ettr']:.1%} ({b['productive']:.1f} s of productive "
+                         f"steps / {ledger['wall_s']:.1f} s wall; {b['restart']:.1f} s restarting, "
+                         f"{b['recomputed']:.1f} s recomputed, {b['startup'] + b['compilation']:.1f} s start-up "
+                         f"and compilation; {self.run_dir / 'goodput.json'})")
         text = "\n".join(lines)
         self._print(text)
         return SupervisorResult(status, code, text, self.events.path, figures)

@@ -174,8 +174,10 @@ def test_damaged_newest_checkpoint_falls_back_and_ends_bit_identical(cache, tmp_
     capfd.readouterr()
     resumed = run(make_tiny_config(tmp_path, small_corpus, **{"checkpoint.resume": True}))
     err = capfd.readouterr().err
-    warnings = [line for line in err.splitlines() if line.startswith("warning: checkpoint")]
-    assert len(warnings) == 1 and "/checkpoints/8 failed verification" in warnings[0], err
+    # the one warning, through the package's logger (a script shows it as "warning: checkpoint ...")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+                and r.name.startswith("msjax.checkpoint") and r.getMessage().startswith("checkpoint")]
+    assert len(warnings) == 1 and "/checkpoints/8 failed verification" in warnings[0], (warnings, err)
     assert "Traceback" not in err
     assert resumed["start_step"] == 4
     # data=2: restored by one replica and broadcast (msjax.checkpoint.replica), then trained on bit-identically
@@ -326,7 +328,7 @@ def test_checksum_finds_one_nonfinite_value_in_any_shard(dtype, bad):
 # ---- tiers ---------------------------------------------------------------------------------------------------
 
 def test_local_tier_restores_first_and_persistent_tier_backs_it_up(tmp_path, small_corpus, make_tiny_config,
-                                                                  capfd):
+                                                                  caplog):
     local = tmp_path / "local"
     cfg = make_tiny_config(tmp_path, small_corpus, **{"checkpoint.local_dir": str(local), "checkpoint.keep": 2,
                                                       "checkpoint.local_keep": 1})
@@ -337,7 +339,7 @@ def test_local_tier_restores_first_and_persistent_tier_backs_it_up(tmp_path, sma
     # The local copy of 8 is damaged: the persistent copy of the same step is restored, nothing retrained.
     _corrupt(local / "8", "bitflip", straight["state"])
     resumed = run(apply_overrides(cfg, {"checkpoint.resume": True}))
-    assert resumed["start_step"] == 8 and "local/8 failed verification" in capfd.readouterr().err
+    assert resumed["start_step"] == 8 and "local/8 failed verification" in caplog.text
     for x, y in zip(_leaves(straight["state"]), _leaves(resumed["state"])):
         np.testing.assert_array_equal(x, y)
 

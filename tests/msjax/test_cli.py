@@ -274,7 +274,8 @@ def test_train_unwritable_run_dir_and_cache_dir_are_one_error_line(tmp_path):
 def test_log_every_zero_trains_and_library_messages_reach_the_log(tmp_path):
     """--train.log_every=0 (used to divide by zero) logs only the last step; "tokenized N files" from msjax.data
     is seen on stderr; --quiet hides it; `--profile_steps K:N` traces steps K..K+N-1 from the start."""
-    from msjax.observe import read_events, traced_steps
+    from msjax.events import read_events
+    from msjax.observe import traced_steps
 
     corpus = tmp_path / "c.txt"
     corpus.write_text((REPO / "msjax" / "config.py").read_text())

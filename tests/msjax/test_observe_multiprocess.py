@@ -35,6 +35,7 @@ import pytest
 
 from msjax.control.server import RedisServer
 from msjax.control.store import Store, connect
+from msjax.events import read_events
 
 ROOT = Path(__file__).resolve().parents[2]
 NPROC, STEPS, WINDOW = 4, 24, 4
@@ -167,8 +168,8 @@ def test_the_same_run_unslowed_flags_nobody_and_streams_every_rank_to_redis(tmp_
     assert all(w["stragglers"] == [] for w in windows), [(w["step"], w["scores"]) for w in windows]
     assert all(len(w["figures"]["own_compute_s"]) == NPROC and min(w["figures"]["own_compute_s"]) > 0
                for w in windows)  # every rank's steps were timed from inside
-    events = (run_dir / "events.jsonl").read_text() if (run_dir / "events.jsonl").exists() else ""
-    assert '"straggler"' not in events
+    assert not read_events(run_dir, "straggler")
+    assert json.loads((run_dir / "goodput.json").read_text())["buckets"]["straggler"] == 0
     page, heatmap = _report(run_dir, monkeypatch)
     assert heatmap["boxed"] == [] and "none flagged" in page
     # Live metrics: every rank's rows reached the run's Redis stream, equal to its JSONL rows.
@@ -199,6 +200,10 @@ def test_a_throttled_and_a_stalling_worker_are_flagged_with_their_coordinates(tm
         line = f"[rank 0] observe: straggler at step {e['step']}: process {p} on {host} " \
                f"(pipeline 0, data {p}, fsdp 0, sequence 0, tensor 0-1)"
         assert line in out, out[-4000:]
+    # the goodput ledger counts the steps' wait for them, and its buckets still add up to the wall time
+    ledger = json.loads((run_dir / "goodput.json").read_text())
+    assert ledger["buckets"]["straggler"] > 0, ledger
+    assert abs(sum(ledger["buckets"].values()) - ledger["wall_s"]) <= 0.01 * ledger["wall_s"], ledger
     page, heatmap = _report(run_dir, monkeypatch)
     for p, e in flagged.items():
         assert f"<td>{e['step']}</td><td>{p}</td>" in page

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from msjax.observe import append_event
+from msjax.events import append_event
 from msjax.observe.report import load_run, mesh_grid, per_rank_figure, write_report
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,3 +106,34 @@ def test_heatmap_has_a_panel_per_stage_with_data_by_tensor_and_a_colour_bar_in_m
         assert boxed == ([(-0.5, 0.5), (0.5, 0.5)] if s == 1 else []), boxed
     bars = [ax for ax in fig.axes if ax not in panels]
     assert len(bars) == 1 and bars[0].get_ylabel() == "probe (ms)"
+
+
+def test_goodput_is_drawn_as_one_stacked_bar_per_attempt_and_tabled(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    from msjax.goodput import BUCKETS, write_ledger
+    from msjax.observe.report import plot_goodput
+
+    _synthetic_run(tmp_path)
+    rng = np.random.default_rng()
+    attempts = [{"attempt": a, "buckets": {k: float(rng.uniform(0.5, 5)) for k in BUCKETS}} for a in range(2)]
+    total = {k: sum(a["buckets"][k] for a in attempts) for k in BUCKETS}
+    wall = sum(total.values())
+    write_ledger(tmp_path, {"source": "supervisor", "wall_s": wall, "buckets": total,
+                            "ettr": total["productive"] / wall, "unaccounted_s": 0.0, "attempts": attempts})
+    saved = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    assert plot_goodput(load_run(tmp_path), tmp_path / "g.png")
+    (fig,) = saved
+    (ax,) = fig.axes
+    rects = ax.patches
+    assert len(rects) == 3 * len(BUCKETS)  # the run, then each attempt, every bucket a segment
+    for y, buckets in enumerate([total] + [a["buckets"] for a in attempts]):
+        row = [r for r in rects if abs(r.get_y() + r.get_height() / 2 - y) < 1e-9]
+        np.testing.assert_allclose([r.get_width() for r in row], [buckets[k] for k in BUCKETS], rtol=1e-12)
+        np.testing.assert_allclose(row[-1].get_x() + row[-1].get_width(), sum(buckets.values()), rtol=1e-12)
+    assert sorted(t.get_text() for t in ax.get_legend().get_texts()) == sorted(BUCKETS)
+    monkeypatch.undo()
+    page = (write_report(tmp_path)).read_text()
+    assert "goodput.png" in page and f"<td>productive</td><td>{total['productive']:.2f}</td>" in page
+    assert (tmp_path / "report" / "goodput.png").stat().st_size > 10_000

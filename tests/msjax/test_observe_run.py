@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from msjax.hooks import Hook
-from msjax.observe import read_events, traced_steps
+from msjax.events import read_events
+from msjax.observe import traced_steps
 from msjax.train import run
 
 STEPS, WINDOW, GC_EVERY = 8, 4, 3

@@ -39,7 +39,7 @@ import numpy as np
 import pytest
 
 from msjax.control.store import Store, connect
-from msjax.supervise.events import read_events
+from msjax.events import read_events
 from tests.slurm_cluster import SlurmCluster, missing_tools
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -337,8 +337,8 @@ def test_supervised_job_survives_a_node_failure_on_the_spare_within_a_minute(clu
         assert excluded["host"] == "node2", events
         assert [e["hosts"] for e in _events(run_dir, "launch")] == [["node1", "node2"], ["node1", "node3"]]
         first = [e for e in _events(run_dir, "first_step") if e["attempt"] == 1]
-        recovery = first[0]["t"] - detected["t"]
-        print(f"node failure: detected {detected['t'] - job.t0:.1f} s into the job, recovered (first step of the "
+        recovery = first[0]["time"] - detected["time"]
+        print(f"node failure: detected {detected['time'] - job.t0:.1f} s into the job, recovered (first step of the "
               f"restarted job) {recovery:.1f} s after detection")
         assert recovery <= 60, recovery
         want, got = _losses(reference), _losses(run_dir)

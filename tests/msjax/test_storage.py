@@ -8,6 +8,7 @@ Every resume is compared bit for bit with the uninterrupted run (`straight`), wh
 
 import dataclasses
 import json
+import logging
 import shutil
 import sysconfig
 from pathlib import Path
@@ -192,7 +193,7 @@ def test_train_save_to_bucket_resume_bit_identical_from_it(cache, s3, tmp_path_f
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["flipped_byte", "cut_upload"])
 def test_damaged_newest_bucket_checkpoint_falls_back(cache, s3, tmp_path_factory, tmp_path, small_corpus,
-                                                     make_tiny_config, capfd, damage):
+                                                     make_tiny_config, capfd, caplog, damage):
     """flipped_byte: one bit of a saved parameter inside an object of step 8 (found by the read, whose zstd frame
     check fails, or by the checksums: the step is moved to rejected/). cut_upload: step 8's objects without its record, what a copy killed before its last PUT
     leaves (never a candidate: deleted). Either way the resume takes step 4 and ends bit-identical."""
@@ -209,7 +210,9 @@ def test_damaged_newest_bucket_checkpoint_falls_back(cache, s3, tmp_path_factory
     resumed = run(make_tiny_config(tmp_path, small_corpus, **_on(s3, **{
         "checkpoint.dir": prefix, "checkpoint.local_dir": str(tmp_path / "local"), "checkpoint.resume": True})))
     err = capfd.readouterr().err
-    warnings = [line for line in err.splitlines() if line.startswith("warning: checkpoint")]
+    # the one warning, through the package's logger (a script shows it as "warning: checkpoint ...")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+                and r.name.startswith("msjax.checkpoint") and r.getMessage().startswith("checkpoint")]
     expected = (("failed verification (checksum mismatch", "failed verification (unreadable: ")
                 if damage == "flipped_byte" else ("has no integrity record (its write was interrupted)",))
     assert len(warnings) == 1 and f"{prefix}/8 " in warnings[0], err

@@ -51,7 +51,8 @@ from msjax.config import config_from_flags
 from msjax.launch.cli import run_supervised
 from msjax.launch.options import LaunchOptions
 from msjax.mesh import make_mesh
-from msjax.supervise.events import fault_figures, read_events
+from msjax.events import read_events
+from msjax.supervise.figures import fault_figures
 from msjax.train_step import build_train_program
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -197,6 +198,18 @@ def test_kill_sigstop_and_sigterm_recover_to_the_uninterrupted_parameters(tmp_pa
     assert kinds.index("diagnosis_skipped") < kinds.index("diagnosed") < len(kinds) - kinds[::-1].index(
         "diagnosis_skipped"), note
     assert "effective training time" in out
+    # the goodput ledger over the four attempts: every second of the run's wall time in a bucket (within 1%),
+    # restarts and the recomputed steps named, and the ETTR the supervisor printed is the ledger's
+    ledger = json.loads((tmp_path / "run" / "goodput.json").read_text())
+    b, wall = ledger["buckets"], ledger["wall_s"]
+    assert ledger["source"] == "supervisor" and len(ledger["attempts"]) == 4, note
+    assert abs(sum(b.values()) - wall) <= 0.01 * wall, (b, wall)
+    assert b["restart"] > 0 and b["productive"] > 0 and b["compilation"] > 0 and b["startup"] > 0, b
+    # the ledger counts the steps rank 0 completed past the next restore (a heartbeat's step is only dispatched)
+    for a, f in zip(ledger["attempts"], figures):
+        assert 0 <= a["recomputed_steps"] <= f["recomputed_steps"], (ledger["attempts"], figures)
+    assert (b["recomputed"] > 0) == any(a["recomputed_steps"] for a in ledger["attempts"]), b
+    assert f"effective training time: {ledger['ettr']:.1%}" in out
     # the terminal: as an unsupervised run's (rank 0's lines; another rank's only warnings and errors) ...
     ranks = _terminal_ranks(out)
     assert any(line.startswith('{"val_loss"') for line in ranks[0]), note
