@@ -154,7 +154,7 @@ def test_a_run_publishes_its_ledger_live_and_writes_one_that_adds_up(tmp_path, s
         plane = ControlPlaneHook(worker, period_s=0.1, ttl_s=5)
         clock = _Clock(store, at_step=6)
         try:
-            summary = run(cfg, hooks=[plane, clock])
+            summary = run(cfg, hooks=[clock], control_plane=plane)
         finally:
             plane.close()
             client.close()

@@ -61,10 +61,12 @@ def test_loop_control_is_thread_safe_and_consumes_requests():
 
 
 def test_the_hook_list_is_built_from_the_config_and_shares_through_constructor_arguments():
-    """build_hooks: fault handling, then observability, then the control plane, then the caller's; the step
-    observer gets the control plane's metrics sink and straggler exclusion as constructor arguments."""
+    """build_hooks: fault handling, then observability, then the control plane, then the caller's, then the
+    goodput ledger; the step observer gets the control plane's metrics sink and straggler exclusion as
+    constructor arguments, and the ledger the sinks that take a goodput ledger."""
     from msjax.config import Config, apply_overrides
     from msjax.faults import NonFiniteStop, StopOnSignal
+    from msjax.goodput import LoopLedger
     from msjax.observe import ProfileHook, StepObserver
     from msjax.train import build_hooks
 
@@ -79,12 +81,21 @@ def test_the_hook_list_is_built_from_the_config_and_shares_through_constructor_a
         def exclude_host(self, host, reason=""):
             pass
 
-    mine, own_sink, plane = Recorder(), Sink(), Plane()
+        def publish_goodput(self, rank, ledger):
+            pass
+
+    class StepSink:  # a sink of step rows only
+        def publish(self, rank, step, values):
+            pass
+
+    mine, own_sink, plane = Recorder(), StepSink(), Plane()
     hooks = build_hooks(apply_overrides(Config(), {"train.nonfinite": "stop"}), plane, sinks=[own_sink],
                         extra=[mine])
-    assert [type(h) for h in hooks] == [StopOnSignal, NonFiniteStop, StepObserver, ProfileHook, Plane, Recorder]
+    assert [type(h) for h in hooks] == [StopOnSignal, NonFiniteStop, StepObserver, ProfileHook, Plane, Recorder,
+                                        LoopLedger]
     observer = hooks[2]
     assert observer.sinks == [own_sink, plane.metrics] and observer.exclude_host == plane.metrics.exclude_host
+    assert hooks[-1].sinks == [plane.metrics]
     alone = build_hooks(apply_overrides(Config(), {"train.nonfinite": "skip"}))
-    assert [type(h) for h in alone] == [StopOnSignal, StepObserver, ProfileHook]
-    assert alone[1].sinks == [] and alone[1].exclude_host is None
+    assert [type(h) for h in alone] == [StopOnSignal, StepObserver, ProfileHook, LoopLedger]
+    assert alone[1].sinks == [] and alone[1].exclude_host is None and alone[-1].sinks == []
