@@ -930,19 +930,5 @@ def config_from_flags(pairs: Sequence[tuple[str, str]], default_preset: str = "g
     return apply_overrides(load_preset(preset), overrides).validate()
 
 
-def parse_args(argv: Sequence[str], default_preset: str = "gpt_tiny") -> tuple[Config, list[str]]:
-    """Builds a validated Config from `--config=NAME` and dotted `--key=value` flags (`msjax.cli.parse`, which
-    every script uses; see there).
-
-    `--resume` is shorthand for `--checkpoint.resume=true`. Flags in the form `--key value` are accepted too.
-    Returns the config and an empty list (kept for callers that expected positional arguments). Raises
-    ConfigError on a bad flag.
-    """
-    from msjax.cli import parse  # local import: msjax.cli builds on this module
-
-    cfg, _ = parse(argv, default_preset=default_preset)
-    return cfg, []
-
-
 def to_dict(cfg: Config) -> dict[str, Any]:
     return dataclasses.asdict(cfg)

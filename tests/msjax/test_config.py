@@ -5,7 +5,8 @@ import json
 import jax
 import pytest
 
-from msjax.config import Config, ConfigError, apply_overrides, flat_keys, load_preset, parse_args, preset_names
+from msjax.cli import parse
+from msjax.config import Config, ConfigError, apply_overrides, flat_keys, load_preset, preset_names
 from msjax.mesh import make_mesh, resolve_axis_sizes
 
 EXPECTED_PRESETS = {"gpt_tiny", "shakespeare_char", "gpt_125m", "gpt_1_3b", "gpt_13b", "gpt175b", "gpt530b",
@@ -55,14 +56,12 @@ def test_presets_override_only_what_differs():
 
 
 def test_dotted_overrides_parse_types():
-    cfg, rest = parse_args(["--config=gpt_tiny", "--train.steps=7", "--optimizer.lr=3e-4", "--model.block=parallel",
-                            "--model.attention.window", "16", "--train.progress=false", "--resume",
-                            "--data.paths=a.txt,b.txt"])
-    assert rest == []
+    cfg, _ = parse(["--config=gpt_tiny", "--train.steps=7", "--optimizer.lr=3e-4", "--model.block=parallel",
+                    "--model.attention.window", "16", "--train.progress=false", "--resume", "--data.paths=a.txt,b.txt"])
     assert cfg.train.steps == 7 and cfg.optimizer.lr == 3e-4 and cfg.model.block == "parallel"
     assert cfg.model.attention.window == 16 and cfg.train.progress is False and cfg.checkpoint.resume is True
     assert cfg.data.paths == ("a.txt", "b.txt")
-    cfg, _ = parse_args(["--model.attention.window=none"])
+    cfg, _ = parse(["--model.attention.window=none"])
     assert cfg.model.attention.window is None
 
 
@@ -86,7 +85,7 @@ def test_dotted_overrides_parse_types():
 ])
 def test_bad_flags_name_the_key_and_the_allowed_values(argv, needle):
     with pytest.raises(ConfigError) as e:
-        parse_args(["--config=gpt_tiny", *argv])
+        parse(["--config=gpt_tiny", *argv])
     assert needle in str(e.value)
 
 
@@ -127,12 +126,12 @@ def test_config_files_of_every_kind_give_the_same_config(tmp_path):
     run.mkdir()
     (run / "config.json").write_text(json.dumps(to_dict(dataclasses.replace(want, name="gpt_tiny")), indent=2))
     for spec in (tmp_path / "mine.py", tmp_path / "mine.yaml", run / "config.json", run):
-        cfg, _ = parse_args([f"--config={spec}"])
+        cfg, _ = parse([f"--config={spec}"])
         assert dataclasses.replace(cfg, name="x") == dataclasses.replace(want, name="x").validate(), spec
-    assert parse_args([f"--config={tmp_path / 'mine.py'}"])[0].name == "mine"
-    assert parse_args([f"--config={run}"])[0].name == "gpt_tiny"  # the run's own name
+    assert parse([f"--config={tmp_path / 'mine.py'}"])[0].name == "mine"
+    assert parse([f"--config={run}"])[0].name == "gpt_tiny"  # the run's own name
     # flags still override the file
-    cfg, _ = parse_args([f"--config={run / 'config.json'}", "--model.num_layers=5", "--train.steps=9"])
+    cfg, _ = parse([f"--config={run / 'config.json'}", "--model.num_layers=5", "--train.steps=9"])
     assert (cfg.model.num_layers, cfg.train.steps, cfg.model.attention.window) == (5, 9, 16)
 
 
@@ -161,16 +160,16 @@ def test_bad_config_files_name_the_file_and_the_problem(tmp_path, content, suffi
     path = tmp_path / f"bad{suffix}"
     path.write_text(content)
     with pytest.raises(ConfigError) as e:
-        parse_args([f"--config={path}"])
+        parse([f"--config={path}"])
     assert needle in str(e.value) and str(path) in str(e.value), str(e.value)
 
 
 def test_missing_config_file_and_wrong_type_are_named(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
-        parse_args([f"--config={tmp_path / 'nope.yaml'}"])
+        parse([f"--config={tmp_path / 'nope.yaml'}"])
     (tmp_path / "c.toml").write_text("")
     with pytest.raises(ConfigError, match=r"allowed file types are \.py, \.yaml, \.yml, \.json"):
-        parse_args([f"--config={tmp_path / 'c.toml'}"])
+        parse([f"--config={tmp_path / 'c.toml'}"])
 
 
 def test_shakespeare_char_runs_from_any_directory(tmp_path):
