@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,19 +181,24 @@ CPU_PEAK_FILE = "cpu_peak.json"
 _cpu_peak: dict[str, float] = {}  # this process's figure, by machine key
 
 
+def cpu_model() -> str:
+    """The CPU's model name as `lscpu` prints it (the first "model name" of /proc/cpuinfo), else the platform's
+    processor string, else "unknown CPU". Every figure msjax and its benchmarks measure on a CPU names it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def _cpu_key() -> str:
     """Names what a CPU matmul rate depends on: the CPU model, the cores this process may use, and jaxlib (which
     picks the matmul library: Eigen, YNNPACK)."""
     import jaxlib
 
-    model = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    model = cpu_model()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return f"{model} | {cores} cores | jaxlib {jaxlib.__version__}"
 

@@ -15,7 +15,6 @@ import logging
 import math
 import signal
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 import jax

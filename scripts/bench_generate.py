@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import platform
 import statistics
 import sys
 import time
@@ -26,6 +25,7 @@ import numpy as np
 
 from msjax import cli
 from msjax.config import ConfigError, apply_overrides
+from msjax.hardware import cpu_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,17 +49,6 @@ class BenchOptions:
     repeats: int = 3
     smoke: bool = False
     json: str = ""
-
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), or the platform's processor string."""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main(argv: list[str]) -> int:

@@ -51,6 +51,7 @@ from msjax import cli
 from msjax.config import ConfigError
 from msjax.control.rendezvous import join_protocol
 from msjax.control.server import RedisServer
+from msjax.hardware import cpu_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # store_clients.py beside this script, however loaded
 from store_clients import RespConnection, TCPStoreConnection, run_protocol_async  # noqa: E402
@@ -137,14 +138,7 @@ def cpu_seconds(pid: int) -> float:
 
 def machine() -> dict[str, Any]:
     """What the figures were measured on: CPU model, cores, load, versions, date."""
-    model = platform.processor() or "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    model = cpu_model()
     try:
         import torch
         torch_version = torch.__version__

@@ -17,7 +17,6 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
 import shlex
 import shutil
 import subprocess
@@ -59,17 +58,6 @@ def _get(obj: Any, dotted: str) -> Any:
     return obj
 
 
-def cpu_model() -> str:
-    """The CPU's model name as `lscpu` prints it (from /proc/cpuinfo), else platform.processor()."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 # Instruction-set extensions that change what a CPU's matmuls run at (machines with the same model name differ).
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 
@@ -101,6 +89,7 @@ def gpu_models() -> list[str]:
 def machine() -> dict[str, Any]:
     """What ran a benchmark: CPU model, its matmul-relevant flags and logical cores, GPU models, the 1-minute load
     average."""
+    from msjax.hardware import cpu_model  # imported here: rendering docs/results.md needs no jax
     return {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(), "gpus": gpu_models(),
             "load_1min": round(os.getloadavg()[0], 2)}
 

@@ -7,7 +7,6 @@ values each client writes are read by the other. The benchmark's rows are checke
 never for a speed (a benchmark reports, it does not pass or fail on a timing)."""
 
 import asyncio
-import importlib.util
 import json
 import os
 import re
@@ -23,24 +22,13 @@ import pytest
 
 from msjax.control.rendezvous import join_protocol
 from msjax.control.server import RedisServer
+from tests.scripts.loader import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = ROOT / "scripts"
 
 
-def _load(name: str):
-    """scripts/<name>.py imported as a module (scripts/ is not a package; bench_init imports store_clients)."""
-    if str(SCRIPTS) not in sys.path:
-        sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their class's module up while it is being defined
-    spec.loader.exec_module(module)
-    return module
-
-
-store_clients = _load("store_clients")
-bench_init = _load("bench_init")
+store_clients = load_script("store_clients")
+bench_init = load_script("bench_init")
 
 
 @pytest.fixture(scope="module")

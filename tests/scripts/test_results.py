@@ -9,6 +9,8 @@ import sys
 import numpy as np
 import pytest
 
+from msjax.hardware import cpu_model
+
 from tests.scripts.loader import load_script
 
 results = load_script("results")
@@ -43,7 +45,7 @@ def test_a_record_is_the_json_a_command_printed_last(tmp_path):
     row = json.loads(path.read_text())
     assert path == tmp_path / "step-bench_1.json" and row["result"] == value
     assert row["command"] == shlex.join([sys.executable, "-c", code])
-    assert row["machine"]["cpu"] == results.cpu_model() and row["machine"]["cores"] >= 1
+    assert row["machine"]["cpu"] == cpu_model() and row["machine"]["cores"] >= 1
     assert row["date"].endswith("UTC") and row["jax"]
     (loaded,) = results.load(tmp_path)
     assert loaded == row
