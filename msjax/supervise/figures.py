@@ -11,7 +11,17 @@ effective training time ratio are the goodput ledger's (msjax.goodput).
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Iterator
+
+
+def _faults(events: Iterable[dict]) -> Iterator[tuple[dict, list[dict], dict | None]]:
+    """Per injected fault: (its `fault_injected` event, the events after it, the next attempt's `launch` or None
+    when the run ended before a restart)."""
+    events = list(events)
+    for i, e in enumerate(events):
+        if e["kind"] == "fault_injected":
+            rest = events[i + 1:]
+            yield e, rest, next((x for x in rest if x["kind"] == "launch" and x["attempt"] > e["attempt"]), None)
 
 
 def fault_figures(events: Iterable[dict]) -> list[dict]:
@@ -21,14 +31,9 @@ def fault_figures(events: Iterable[dict]) -> list[dict]:
     `first_step`; recomputed_steps is the step seen at the fault minus the next attempt's restore step. A figure
     is None when the run ended before it happened (e.g. no restart after the last fault).
     """
-    events = list(events)
     out = []
-    for i, e in enumerate(events):
-        if e["kind"] != "fault_injected":
-            continue
-        rest = events[i + 1:]
+    for e, rest, nxt in _faults(events):
         detected = next((x for x in rest if x["kind"] == "detected"), None)
-        nxt = next((x for x in rest if x["kind"] == "launch" and x["attempt"] > e["attempt"]), None)
         first = None
         worker_start = None
         if nxt is not None:
@@ -74,13 +79,8 @@ def recovery_phases(events: Iterable[dict]) -> list[dict]:
     The phases sum to the fault's recovery_s, or to more when the supervisor saw a fast worker's first step (a
     host-side dispatch) before the slowest worker had compiled its own: the job's first step runs only then.
     """
-    events = list(events)
     out = []
-    for i, e in enumerate(events):
-        if e["kind"] != "fault_injected":
-            continue
-        rest = events[i + 1:]
-        nxt = next((x for x in rest if x["kind"] == "launch" and x["attempt"] > e["attempt"]), None)
+    for e, rest, nxt in _faults(events):
         ends: dict[str, float] = {}
         upto = rest if nxt is None else rest[:rest.index(nxt) + 1]
         for kind in ("detected", "stopped", "diagnosed", "launch"):
