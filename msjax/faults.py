@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 import jax
@@ -43,6 +44,18 @@ class NonFiniteLossError(RuntimeError):
         self.step, self.loss = step, loss
 
 
+# One stop notice can arrive twice within milliseconds: SLURM's `scancel --signal` signals every process of a job
+# step, and the task wrapper that runs the worker forwards the same signal to it (msjax.launch.slurm). A second
+# signal means "exit now" only when it comes later than this, as a person pressing Ctrl-C again does.
+DUPLICATE_WINDOW_S = 0.5
+
+
+def is_duplicate_delivery(first_at: float | None) -> bool:
+    """Whether a signal arriving now repeats the one first received at `first_at` (time.monotonic(), None: no
+    signal yet) rather than being a second request."""
+    return first_at is not None and time.monotonic() - first_at < DUPLICATE_WINDOW_S
+
+
 class StopOnSignal(Hook):
     """Installs SIGTERM/SIGINT handlers for the run (main thread only; restored at the end).
 
@@ -55,6 +68,7 @@ class StopOnSignal(Hook):
         self._previous: dict[int, Any] = {}
         self._control: LoopControl | None = None
         self._received = 0
+        self._first_at: float | None = None  # time.monotonic() of the first signal
 
     def on_start(self, ctx: RunContext) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -69,7 +83,10 @@ class StopOnSignal(Hook):
 
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
+        if is_duplicate_delivery(self._first_at):
+            return
         self._received += 1
+        self._first_at = self._first_at or time.monotonic()
         if self._received > 1:
             sys.stderr.write(f"msjax: second signal ({name}): exiting now without waiting for the checkpoint\n")
             sys.stderr.flush()

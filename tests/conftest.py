@@ -25,3 +25,21 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
                            " --xla_cpu_collective_call_terminate_timeout_seconds=300"
                            " --xla_cpu_collective_timeout_seconds=300"
                            " --xla_backend_optimization_level=0").strip()
+
+
+import logging  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _logging_restored():
+    """Restores the root logger's handlers and level after each test. A script's main() run in-process
+    (msjax.cli.setup_logging: `logging.basicConfig(stream=sys.stderr, force=True)`) binds a handler to the test's
+    captured stderr, which pytest closes when the test ends; left in place, a later test's log records would go to
+    that closed stream ("I/O operation on closed file")."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)

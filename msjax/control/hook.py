@@ -109,6 +109,7 @@ class ControlPlaneHook(Hook):
         self._ckpt_dir = None  # the persistent tier (a local Path or a URL) and the local tier (or None)
         self._local_ckpt_dir = None
         self._signal: int | None = None  # a signal received, to be sent as a stop command (several processes)
+        self._signal_at: float | None = None  # time.monotonic() of that signal
         self._signal_sent = False
         self._previous: dict[int, Any] = {}
         from msjax.control.metrics import RedisMetricsSink
@@ -160,7 +161,11 @@ class ControlPlaneHook(Hook):
         self._apply(ctx, decided, step)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        from msjax.faults import is_duplicate_delivery
+
         name = signal.Signals(signum).name
+        if is_duplicate_delivery(self._signal_at):
+            return
         if self._signal is not None:
             sys.stderr.write(f"msjax: rank {self.rank}: second signal ({name}): exiting now without waiting for the "
                              "checkpoint\n")
@@ -169,6 +174,7 @@ class ControlPlaneHook(Hook):
         sys.stderr.write(f"msjax: rank {self.rank}: {name} received: every process finishes the same step, saves, "
                          "then exits (send it again to exit at once)\n")
         sys.stderr.flush()
+        self._signal_at = time.monotonic()
         self._signal = signum  # sent as a stop command by the control thread within a period
 
     def on_end(self, ctx: RunContext, error: BaseException | None) -> None:

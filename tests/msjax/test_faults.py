@@ -18,6 +18,7 @@ import pytest
 
 from msjax.checkpoint import Checkpointer
 from msjax.config import CheckpointConfig
+from msjax.faults import DUPLICATE_WINDOW_S
 
 DRIVER = Path(__file__).resolve().parent / "fault_driver.py"
 STEPS = 40  # long enough that a signal sent at step 3 arrives before the run ends
@@ -135,6 +136,8 @@ def test_second_signal_exits_at_once_and_leaves_nothing_taken_for_complete(tmp_p
     deadline = time.time() + 120
     while "SIGTERM received" not in proc.stderr.readline() and time.time() < deadline:
         pass
+    # Later than a duplicate delivery of the same notice, which is ignored (msjax.faults.DUPLICATE_WINDOW_S).
+    time.sleep(DUPLICATE_WINDOW_S + 0.1)
     proc.send_signal(signal.SIGTERM)
     t0 = time.time()
     rc, _, stderr, out = _finish(proc, timeout=60)
