@@ -110,12 +110,12 @@ def test_two_processes_train_checkpoint_and_resume_like_one(tmp_path, corpus):
 def _final_params(tmp: Path, corpus: Path) -> list[np.ndarray]:
     """The parameters of the run's last checkpoint, restored onto one device of this process."""
     from msjax.checkpoint import Checkpointer
-    from msjax.config import parse_args
+    from msjax.cli import parse
     from msjax.data.tokenizer import load_tokenizer
     from msjax.mesh import make_mesh
     from msjax.train_step import build_train_program
 
-    cfg, _ = parse_args(_flags(tmp, corpus, 8) + ["--mesh.pipeline=1", "--mesh.data=1", "--mesh.tensor=1"])
+    cfg, _ = parse(_flags(tmp, corpus, 8) + ["--mesh.pipeline=1", "--mesh.data=1", "--mesh.tensor=1"])
     vocab = load_tokenizer(str(tmp / "run" / "tokenizer.json")).vocab_size
     program = build_train_program(cfg, make_mesh(cfg.mesh, jax.devices()[:1]), vocab_size=vocab)
     ckpt = Checkpointer(cfg.checkpoint, tmp / "run" / "checkpoints")
