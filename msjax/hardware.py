@@ -158,8 +158,8 @@ def measured_cpu_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
     """A quick measured float32 matmul rate of this host, FLOP/s: the CPU stand-in for a datasheet peak.
 
     Times `repeats` (n x n) @ (n x n) products after one warm-up and returns the best rate (2 n^3 FLOP each).
-    On the 2-core development machine this gives 1.7e11-2.8e11 when idle (shared/FIELD_NOTES.md; 2026-11-24), less
-    under load: `cpu_peak_flops` keeps the best a machine has shown.
+    The figure falls under load (other processes take the cores): `cpu_peak_flops` keeps the best a machine has
+    shown.
     """
     import jax
     import numpy as np
