@@ -1,13 +1,15 @@
 """A training run in its own process, for the fault tests (signals, kill -9, a directory made read-only).
 
-python tests/msjax/fault_driver.py TMP CORPUS OVERRIDES_JSON OUT_JSON [--lock-after-checkpoint=N]
+python tests/msjax/fault_driver.py TMP CORPUS OVERRIDES_JSON OUT_JSON [--lock-after-checkpoint=N] [--slow-stop=S]
 
 Runs `msjax.train.run` on the tiny config of conftest.py with the given overrides, printing "step S" after every
 step (flushed, so the parent can time its signal), and writes {"digest": sha256 of every state leaf's bytes,
 "summary": ...} to OUT_JSON when the run returns. `--lock-after-checkpoint=N`: once checkpoint N is complete,
 makes the checkpoint directory immutable (`chattr +i`; root ignores chmod), so the next write fails, and from
 then on each step takes 0.5 s longer (a real model's step), so how many steps the failure takes to surface is
-measurable. When `run` raises CheckpointError the driver prints "error: ..." (stderr) and "threads left: [names]"
+measurable. `--slow-stop=S`: once a stop was requested (a signal), the step in flight ends S seconds later, as
+a real model's step would, so a second signal surely lands while the run is still stopping (the tiny model
+stops, saves and restores its signal handlers within a fraction of a second). When `run` raises CheckpointError the driver prints "error: ..." (stderr) and "threads left: [names]"
 (stdout: the non-daemon threads started during the run that are still alive) and returns 1 through a normal
 interpreter exit, which waits for every non-daemon thread.
 """
@@ -43,8 +45,9 @@ def digest(state) -> str:
 
 
 class Progress(Hook):
-    def __init__(self, lock_after: int | None):
+    def __init__(self, lock_after: int | None, slow_stop: float):
         self.lock_after = lock_after
+        self.slow_stop = slow_stop
         self.locked = False
 
     def on_checkpoint(self, ctx, step):
@@ -52,6 +55,9 @@ class Progress(Hook):
 
     def on_step_end(self, ctx, step, metrics):
         print(f"step {step}", flush=True)
+        if self.slow_stop and ctx.control.stop_reason is not None:
+            time.sleep(self.slow_stop)
+            self.slow_stop = 0.0
         if self.locked:
             time.sleep(0.5)  # steps of a real model's length, so "within a step or two" is measurable
         if self.lock_after is not None and step > self.lock_after:
@@ -68,10 +74,11 @@ class Progress(Hook):
 def main() -> int:
     tmp, corpus, overrides, out = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3]), Path(sys.argv[4])
     lock = [int(a.split("=")[1]) for a in sys.argv[5:] if a.startswith("--lock-after-checkpoint=")]
+    slow_stop = [float(a.split("=")[1]) for a in sys.argv[5:] if a.startswith("--slow-stop=")]
     cfg = tiny_run_config(tmp, corpus, **overrides)
     before = set(threading.enumerate())
     try:
-        summary = run(cfg, hooks=[Progress(lock[0] if lock else None)])
+        summary = run(cfg, hooks=[Progress(lock[0] if lock else None, slow_stop[0] if slow_stop else 0.0)])
     except CheckpointError as e:  # as scripts/train.py reports it; then a normal interpreter exit
         print(f"error: {e}", file=sys.stderr)
         left = [t.name for t in threading.enumerate() if t not in before and t.is_alive() and not t.daemon]

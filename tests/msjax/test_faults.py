@@ -129,7 +129,9 @@ def test_signal_finishes_the_step_saves_exits_0_and_resumes_bit_identically(tmp_
 
 def test_second_signal_exits_at_once_and_leaves_nothing_taken_for_complete(tmp_path, small_corpus, jax_cache,
                                                                           reference_digest):
-    proc = _start(tmp_path, small_corpus, jax_cache, {"checkpoint.every": 1})
+    # The stop's last step lasts 10 s (--slow-stop): without it the tiny run may stop, save and restore the default
+    # SIGTERM handler before the second signal comes, and die of it (-15) rather than exit 143 by our handler.
+    proc = _start(tmp_path, small_corpus, jax_cache, {"checkpoint.every": 1}, "--slow-stop=10")
     _wait_for_line(proc, "checkpoint 3 started")
     proc.send_signal(signal.SIGTERM)
     # Signals sent back to back coalesce into one Python handler call: wait until the first was handled.
