@@ -1,7 +1,8 @@
 """Sharding-plan dry run: memory, communication, step time and MFU of a preset on a cluster, without it.
 
     python scripts/plan.py --config=gpt175b --devices=12288 --hardware=a100-80g --global_batch=6144 \
-        --mesh.tensor=8 --mesh.pipeline=8 --virtual_stages=6 [--search] [--compile] [--json out.json]
+        --mesh.tensor=8 --mesh.pipeline=8 --pipeline.virtual_stages=6 \
+        --tune_virtual_stages=false [--search] [--compile] [--json out.json]
     python scripts/plan.py --published        # the planner beside MegaScale / Megatron-LM's published rows
 
 Flags: `python scripts/plan.py --help` and docs/planner.md.

@@ -222,13 +222,17 @@ def replica_batch(cfg: Config, sizes: dict[str, int]) -> int:
     return g // r
 
 
-def default_microbatch_size(cfg: Config, sizes: dict[str, int]) -> int:
-    """The microbatch the training config implies: global_batch / (train.microbatches x replicas)."""
+def config_microbatch_size(cfg: Config, sizes: dict[str, int]) -> int:
+    """The microbatch the training config runs on this mesh: global_batch / (replicas x train.microbatches x M),
+    M = `pipeline.microbatches` (0: mesh.pipeline, as the train step reads it) with pipeline stages, else 1.
+    Raises PlanError when that does not divide."""
     per_replica = replica_batch(cfg, sizes)
-    if per_replica % cfg.train.microbatches:
-        raise PlanError(f"train.microbatches={cfg.train.microbatches} does not divide the {per_replica} sequences "
-                        "each replica gets per step")
-    return per_replica // cfg.train.microbatches
+    m = (cfg.pipeline.microbatches or sizes["pipeline"]) if sizes["pipeline"] > 1 else 1
+    if per_replica % (cfg.train.microbatches * m):
+        what = f"train.microbatches={cfg.train.microbatches}" + (
+            f" x pipeline.microbatches={m}" if sizes["pipeline"] > 1 else "")
+        raise PlanError(f"{what} does not divide the {per_replica} sequences each replica gets per step")
+    return per_replica // (cfg.train.microbatches * m)
 
 
 def attention_is_flash(cfg: Config, hw: Hardware) -> bool:
@@ -258,11 +262,11 @@ def make_layout(cfg: Config, opts: PlanOptions, hw: Hardware, sizes: dict[str, i
     m = per_replica // microbatch_size
     p, L = sizes["pipeline"], cfg.model.num_layers
     if (L // p) % virtual_stages:
-        raise PlanError(f"--virtual_stages={virtual_stages} does not divide the {L // p} layers per pipeline stage")
+        raise PlanError(f"pipeline.virtual_stages={virtual_stages} does not divide the {L // p} layers per pipeline stage")
     if virtual_stages > 1 and p == 1:
-        raise PlanError(f"--virtual_stages={virtual_stages} needs pipeline parallelism (mesh.pipeline > 1)")
+        raise PlanError(f"pipeline.virtual_stages={virtual_stages} needs pipeline parallelism (mesh.pipeline > 1)")
     if virtual_stages > 1 and m % p:
-        raise PlanError(f"interleaved 1F1B (--virtual_stages={virtual_stages}) needs the {m} microbatches per step "
+        raise PlanError(f"interleaved 1F1B (pipeline.virtual_stages={virtual_stages}) needs the {m} microbatches per step "
                         f"to be a multiple of mesh.pipeline={p}")
     t = sizes["tensor"]
     sp = opts.sequence_parallel and t > 1

@@ -1,9 +1,10 @@
 """Planner knobs the training config does not have, the error type, and the documented model constants.
 
-`PlanOptions` holds the layout choices that only the planner models (virtual pipeline stages, microbatch size,
-ZeRO stage over `data`, Megatron sequence parallelism for the megatron baseline, which overlaps to assume,
-efficiency overrides) and the `baseline` switch. The mesh sizes, model, batch and remat policy come from the
-normal `Config`.
+`PlanOptions` holds what only the planner has: the device count and hardware, whether it chooses the pipeline's
+interleaving and microbatch size or takes the config's, the ZeRO stage over `data`, Megatron sequence parallelism
+for the megatron baseline, which overlaps to assume, efficiency overrides, and the `baseline` switch. Every value a
+run also reads (mesh sizes, model, batch, remat policy, `pipeline.virtual_stages`, `pipeline.microbatches`,
+`train.microbatches`) comes from the normal `Config`, its one source.
 """
 
 from __future__ import annotations
@@ -33,9 +34,13 @@ class PlanOptions:
       devices: accelerators in the job.
       hardware: catalogue key (`msjax.hardware.CATALOGUE`) or a name from `hardware_file`.
       hardware_file: optional JSON with extra devices (`msjax.hardware.load_catalogue`).
-      virtual_stages: interleaved-1F1B model chunks per pipeline stage (Narayanan et al. 2021 sec. 2.2.2);
-        0 picks the best legal value, 1 is plain 1F1B.
-      microbatch_size: sequences per microbatch per data-parallel replica; 0 picks the best legal value.
+      tune_virtual_stages: choose the interleaving (`pipeline.virtual_stages`: model chunks per pipeline stage,
+        Narayanan et al. 2021 sec. 2.2.2) for the best predicted MFU; false takes the config's value.
+      tune_microbatches: choose the microbatch size (sequences per microbatch per data-parallel replica; a run
+        sets it with `pipeline.microbatches`, or `train.microbatches` without pipeline stages) for the best
+        predicted MFU; false takes the config's: global_batch / (replicas x train.microbatches x M), M =
+        pipeline.microbatches (0: mesh.pipeline) with pipeline stages, else 1. Without pipeline stages and with
+        train.microbatches > 1 the config's is taken either way. A plan prints the flags that run its choices.
       zero_stage: what is sharded over the `data` axis (Rajbhandari et al. 2020): 0 nothing (what the msjax
         train step does), 1 optimizer state, 2 optimizer state and gradients. Sharding parameters too (ZeRO-3)
         is the `fsdp` mesh axis; the `zero2` rule set (`mesh.rules`) makes that axis ZeRO-2 instead, priced from
@@ -64,8 +69,8 @@ class PlanOptions:
     devices: int = 8
     hardware: str = "a100-80g"
     hardware_file: str = ""
-    virtual_stages: int = 0
-    microbatch_size: int = 0
+    tune_virtual_stages: bool = True
+    tune_microbatches: bool = True
     zero_stage: int = -1
     sequence_parallel: bool = True
     baseline: Literal["msjax", "megatron"] = "msjax"
@@ -83,10 +88,6 @@ class PlanOptions:
         """Range checks; returns self. Raises PlanError naming the option."""
         if self.devices < 1:
             raise PlanError(f"--devices={self.devices}: allowed is an integer >= 1")
-        if self.virtual_stages < 0:
-            raise PlanError(f"--virtual_stages={self.virtual_stages}: allowed is 0 (auto) or an integer >= 1")
-        if self.microbatch_size < 0:
-            raise PlanError(f"--microbatch_size={self.microbatch_size}: allowed is 0 (auto) or an integer >= 1")
         if self.zero_stage not in (-1, 0, 1, 2):
             raise PlanError(f"--zero_stage={self.zero_stage}: allowed is -1 (auto), 0, 1 or 2; ZeRO-3 is the "
                             "fsdp mesh axis (--mesh.fsdp=N)")

@@ -10,7 +10,7 @@ from msjax.planner import comm as comm_mod
 from msjax.planner import memory as mem
 from msjax.planner import timing
 from msjax.planner.layout import (
-    Layout, check_model_split, default_microbatch_size, legal_virtual_stages, make_layout, mesh_sizes, replica_batch,
+    Layout, check_model_split, config_microbatch_size, legal_virtual_stages, make_layout, mesh_sizes, replica_batch,
     resolve_vocab,
 )
 from msjax.planner.options import PlanError, PlanOptions
@@ -105,20 +105,19 @@ def evaluate(cfg: Config, opts: PlanOptions, hw: Hardware, layout: Layout,
 def candidate_choices(cfg: Config, opts: PlanOptions, sizes: dict[str, int]) -> tuple[list, list, list]:
     """(microbatch sizes, virtual-stage counts, zero stages) to try for the free knobs."""
     per_replica = replica_batch(cfg, sizes)
-    if opts.microbatch_size:
-        mbs = [opts.microbatch_size]
-    elif sizes["pipeline"] == 1 and cfg.train.microbatches > 1:
-        mbs = [default_microbatch_size(cfg, sizes)]
+    if not opts.tune_microbatches or (sizes["pipeline"] == 1 and cfg.train.microbatches > 1):
+        mbs = [config_microbatch_size(cfg, sizes)]
     else:
         mbs = [b for b in range(1, per_replica + 1) if per_replica % b == 0]
     zeros = [opts.zero_stage] if opts.zero_stage >= 0 else [0, 1, 2]
-    return mbs, [opts.virtual_stages] if opts.virtual_stages else [], zeros
+    return mbs, [] if opts.tune_virtual_stages else [cfg.pipeline.virtual_stages], zeros
 
 
 def make_plan(cfg: Config, opts: PlanOptions) -> Plan:
     """The plan for `cfg` (mesh sizes from cfg.mesh, data=-1 filled in) on `opts.devices` x `opts.hardware`.
 
-    Free knobs (virtual_stages, microbatch_size, zero_stage at their "auto" values) are chosen to maximise
+    Free knobs (the interleaving and microbatch size with tune_virtual_stages / tune_microbatches, zero_stage
+    at -1) are chosen to maximise
     predicted MFU among the choices that fit in memory (smallest ZeRO stage on ties); if none fits, the
     smallest-memory choice is returned with `fits` False.
 
@@ -153,9 +152,9 @@ def make_plan(cfg: Config, opts: PlanOptions) -> Plan:
     if best is None:
         raise PlanError(errors[0] if errors else "no legal layout")
     auto = {}
-    if not opts.microbatch_size:
+    if len(mbs) > 1:
         auto["microbatch_size"] = f"{best.layout.microbatch_size} (best of {len(mbs)} legal sizes)"
-    if not opts.virtual_stages and sizes["pipeline"] > 1:
+    if opts.tune_virtual_stages and sizes["pipeline"] > 1:
         auto["virtual_stages"] = f"{best.layout.virtual_stages} (best legal)"
     if opts.zero_stage < 0:
         auto["zero_stage"] = f"{best.layout.zero_stage} (fastest that fits)" if best.fits else \

@@ -106,24 +106,29 @@ ROWS = _rows()
 
 
 def row_config(base: Config, row: Row) -> Config:
-    """The config of a published row: the GPT shape, batch and mesh of the paper, bf16, learned positions."""
+    """The config of a published row: the GPT shape, batch and mesh of the paper, bf16, learned positions,
+    microbatches of one sequence, and the paper's interleaving (1 where the row leaves it to the planner)."""
+    per_replica = row.batch // (row.gpus // (row.tp * row.pp))
+    pipelined = row.pp > 1
     return apply_overrides(base, {
+        "pipeline.virtual_stages": row.virtual or 1, "pipeline.microbatches": per_replica if pipelined else 0,
         "model.num_layers": row.layers, "model.d_model": row.hidden, "model.num_heads": row.heads,
         "model.vocab_size": row.vocab, "model.max_seq_len": 2048, "model.dtype": "bfloat16",
         "model.block": "parallel", "model.remat": row.remat, "model.attention.impl": "auto" if row.flash else "xla",
         "model.attention.window": "none", "mesh.tensor": row.tp, "mesh.pipeline": row.pp, "mesh.data": -1,
         "mesh.fsdp": 1, "mesh.sequence": 1, "optimizer.name": "lamb" if row.source.startswith("MegaScale") else
-        "adamw", "train.seq_len": 2048, "train.global_batch": row.batch, "train.microbatches": 1,
+        "adamw", "train.seq_len": 2048, "train.global_batch": row.batch,
+        "train.microbatches": 1 if pipelined else per_replica,
     })
 
 
 def row_options(row: Row, **overrides) -> PlanOptions:
-    """Planner options for a row: the paper's configuration (microbatch 1, the paper's interleaving or 0 for
-    the best legal one, ZeRO-2 over data as MegaScale fig. 1 and Megatron's distributed optimizer, the row's
-    system) and otherwise the defaults every plan gets: MegaScale's rows are priced as msjax's own pipelined
-    step (`baseline="msjax"`), Megatron-LM's with the megatron baseline."""
-    opts = PlanOptions(devices=row.gpus, hardware="a100-80g", virtual_stages=row.virtual, microbatch_size=1,
-                       zero_stage=2, sequence_parallel=row.sp, baseline=row.system)
+    """Planner options for a row: the paper's configuration (the microbatch and interleaving of `row_config`,
+    the best legal interleaving where the paper gives none, ZeRO-2 over data as MegaScale fig. 1 and Megatron's
+    distributed optimizer, the row's system) and otherwise the defaults every plan gets: MegaScale's rows are
+    priced as msjax's own pipelined step (`baseline="msjax"`), Megatron-LM's with the megatron baseline."""
+    opts = PlanOptions(devices=row.gpus, hardware="a100-80g", tune_virtual_stages=row.virtual == 0,
+                       tune_microbatches=False, zero_stage=2, sequence_parallel=row.sp, baseline=row.system)
     return dataclasses.replace(opts, **overrides)
 
 

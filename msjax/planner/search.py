@@ -3,8 +3,9 @@
 The space: every mesh (pipeline, data, fsdp, sequence, tensor) whose sizes multiply to N, every microbatch size
 dividing the per-replica batch, every legal interleaving (virtual stages), every remat policy; the ZeRO stage
 over `data` is then the fastest one that fits (see `_zero_order`). The
-config's own mesh sizes and remat policy are ignored (they are what is searched); explicit --virtual_stages,
---microbatch_size and --zero_stage restrict the search.
+config's own mesh sizes and remat policy are ignored (they are what is searched); --tune_virtual_stages=false and
+--tune_microbatches=false restrict the search to the config's `pipeline.virtual_stages` and microbatch
+(`msjax.planner.layout.config_microbatch_size`), and an explicit --zero_stage to that stage.
 
 Every candidate that is not ranked carries its reason: a mesh that does not divide the model or the batch (the
 same PlanError message a single plan gives), or memory (bytes needed vs capacity). Pruning is exact: a mesh is
@@ -26,7 +27,7 @@ from msjax.config import Config
 from msjax.planner import memory as mem
 from msjax.planner import timing
 from msjax.planner.layout import (
-    AXES, check_model_split, fast_replace, legal_virtual_stages, make_layout, replica_batch,
+    AXES, check_model_split, config_microbatch_size, fast_replace, legal_virtual_stages, make_layout, replica_batch,
     resolve_vocab,
 )
 from msjax.planner.options import REMATS, PlanError, PlanOptions
@@ -209,7 +210,14 @@ def _search_meshes(cfg: Config, opts: PlanOptions, meshes: list[tuple[int, ...]]
         fpt = flops_token.get(probe.window)
         if fpt is None:
             fpt = flops_token[probe.window] = timing.model_flops_per_token(cfg, probe)
-        mbs = [opts.microbatch_size] if opts.microbatch_size else _divisors(per_replica)
+        if opts.tune_microbatches:
+            mbs = _divisors(per_replica)
+        else:
+            try:
+                mbs = [config_microbatch_size(cfg, sizes)]
+            except PlanError as err:
+                result.rejected.append(Candidate(sizes_t, 0, 0, 0, "", 0.0, 0.0, 0.0, str(err)))
+                continue
         zeros = _zero_order(opts, sizes["data"])
         for b in mbs:
             if per_replica % b:
@@ -219,8 +227,8 @@ def _search_meshes(cfg: Config, opts: PlanOptions, meshes: list[tuple[int, ...]]
                 continue
             m = per_replica // b
             vs = legal_virtual_stages(cfg.model.num_layers, sizes["pipeline"], m)
-            if opts.virtual_stages:
-                vs = [v for v in vs if v == opts.virtual_stages]
+            if not opts.tune_virtual_stages:
+                vs = [v for v in vs if v == cfg.pipeline.virtual_stages]
             any_fit = False
             for v in vs:
                 base = fast_replace(probe, virtual_stages=v, microbatch_size=b, microbatches=m)
@@ -245,7 +253,7 @@ def _search_meshes(cfg: Config, opts: PlanOptions, meshes: list[tuple[int, ...]]
                     mfu = fpt * tokens / (st.step * opts.devices * hw.peak_flops)
                     result.ranked.append(Candidate(sizes_t, v, b, chosen.zero_stage, remat, mfu, st.step,
                                                    rep.total, ""))
-            if not any_fit and not opts.microbatch_size:
+            if not any_fit and opts.tune_microbatches:
                 # Activations grow with the microbatch: no larger one can fit either.
                 larger = [x for x in mbs if x > b]
                 if larger:

@@ -105,9 +105,12 @@ def replan(cfg: Config, old_devices: int, new_devices: int, hardware: str = CPU_
     """
     if new_devices < 1:
         raise PlanError(f"no devices left to re-plan onto (the run had {old_devices})")
-    opts = PlanOptions(devices=new_devices, hardware=hardware, zero_stage=0, virtual_stages=1)
+    # No pipeline axis after a re-plan: plain 1F1B's single chunk, the microbatch chosen (at most the run's).
+    run_virtual_stages = cfg.pipeline.virtual_stages
+    cfg = apply_overrides(cfg, {"pipeline.virtual_stages": 1})
+    opts = PlanOptions(devices=new_devices, hardware=hardware, zero_stage=0, tune_virtual_stages=False)
     try:
-        old_mfu = make_plan(cfg, dataclasses.replace(opts, devices=old_devices, microbatch_size=0)).mfu
+        old_mfu = make_plan(cfg, dataclasses.replace(opts, devices=old_devices)).mfu
     except PlanError:
         old_mfu = float("nan")
     old = _layout(cfg, old_devices, old_mfu)
@@ -127,6 +130,8 @@ def replan(cfg: Config, old_devices: int, new_devices: int, hardware: str = CPU_
     microbatches = cfg.train.global_batch // (best.microbatch_size * replicas)
     overrides = {f"mesh.{k}": v for k, v in sizes.items()}
     overrides["train.microbatches"] = microbatches
+    if run_virtual_stages != 1:
+        overrides["pipeline.virtual_stages"] = 1
     new_cfg = apply_overrides(cfg, overrides).validate()
     return Replan(old=old, new=_layout(new_cfg, new_devices, best.mfu), overrides=overrides, hardware=hardware,
                   note=note, candidates=len(fits))

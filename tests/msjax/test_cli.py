@@ -80,7 +80,7 @@ def _load_script(name: str):
 
 
 # every script in scripts/, with one of its own flags that --help must list
-HELP_FLAGS = {"train.py": "--train.steps", "bench.py": "--reference_cmd", "plan.py": "--virtual_stages",
+HELP_FLAGS = {"train.py": "--train.steps", "bench.py": "--reference_cmd", "plan.py": "--tune_virtual_stages",
               "bench_attention.py": "--seq_lens", "bench_observe.py": "--pairs", "report.py": "--out",
               "bench_checkpoint.py": "--local_dir", "bench_init.py": "--barriers",
               "bench_parallel.py": "--layouts", "bench_recovery.py": "--faults_per_kind",
@@ -244,7 +244,7 @@ def test_parse_with_script_options():
 def test_plan_unknown_flag_lists_planner_flags_and_bad_paths_are_one_error_line(tmp_path):
     proc = _script("plan.py", "--devicez=8")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert proc.stderr.startswith("error: unknown config key 'devicez'") and "--virtual_stages" in proc.stderr
+    assert proc.stderr.startswith("error: unknown config key 'devicez'") and "--tune_virtual_stages" in proc.stderr
     proc = _script("plan.py", "--devices=8", f"--hardware_file={tmp_path / 'missing.json'}")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "missing.json' does not exist" in proc.stderr

@@ -14,7 +14,7 @@ from msjax.planner import PlanError, PlanOptions, make_plan, plan_text, search
 from msjax.planner import memory as mem
 from msjax.planner import timing
 from msjax.planner.cli import parse_plan_args, run
-from msjax.planner.layout import group_link, legal_virtual_stages, make_layout, mesh_sizes
+from msjax.planner.layout import group_link, legal_virtual_stages, make_layout, mesh_sizes, replica_batch
 from msjax.planner.options import COLLECTIVE_LATENCY, FLASH_BACKWARD_FACTOR
 from msjax.planner.plan import evaluate, get_hardware
 from msjax.planner.published import ROWS, predict
@@ -86,6 +86,15 @@ def _cfg175(**over):
     base = {"model.remat": "none", "train.global_batch": 6144}
     base.update(over)
     return apply_overrides(load_preset("gpt175b"), base)
+
+
+def _one_sequence_microbatches(cfg, devices):
+    """`cfg` with microbatches of one sequence per replica on `devices`, set by the keys a run reads."""
+    sizes = mesh_sizes(cfg, devices)
+    per_replica = replica_batch(cfg, sizes)
+    if sizes["pipeline"] > 1:
+        return apply_overrides(cfg, {"pipeline.microbatches": per_replica, "train.microbatches": 1})
+    return apply_overrides(cfg, {"train.microbatches": per_replica})
 
 
 def _layout(cfg, devices=12288, v=6, b=1, z=2, remat=None, **opt):
@@ -293,8 +302,9 @@ def test_sequence_axis_halves_per_token_compute_at_the_same_devices():
 def test_sequence_parallel_switch_is_megatron_only():
     with pytest.raises(PlanError, match=r"--sequence_parallel=false: the msjax train step always .*megatron"):
         make_plan(_cfg13(), PlanOptions(devices=64, sequence_parallel=False))
-    plan = make_plan(_cfg13(), PlanOptions(devices=64, sequence_parallel=False, baseline="megatron",
-                                           microbatch_size=1, zero_stage=1))
+    plan = make_plan(_one_sequence_microbatches(_cfg13(), 64),
+                     PlanOptions(devices=64, sequence_parallel=False, baseline="megatron", tune_microbatches=False,
+                                 zero_stage=1))
     assert not plan.layout.sequence_parallel
     # without SP the residual stream is split over `sequence` only: the full-remat input is 2 tok h / 2
     assert plan.memory.per_layer_activation == 2 * T13 * H13 / 2
@@ -327,8 +337,9 @@ def test_device_count_and_batch_errors():
         make_plan(cfg, PlanOptions(devices=100))
     with pytest.raises(PlanError, match=r"train.global_batch=6144 .* does not split over data x fsdp = 5 x 1"):
         make_plan(apply_overrides(cfg, {"train.global_batch": 6144}), PlanOptions(devices=320))
-    with pytest.raises(PlanError, match=r"--virtual_stages=5 does not divide the 12 layers"):
-        make_plan(cfg, PlanOptions(devices=512, virtual_stages=5))
+    with pytest.raises(PlanError, match=r"pipeline.virtual_stages=5 does not divide the 12 layers"):
+        make_plan(apply_overrides(cfg, {"pipeline.virtual_stages": 5}),
+                  PlanOptions(devices=512, tune_virtual_stages=False))
     with pytest.raises(PlanError, match=r"--zero_stage=3: .*fsdp"):
         make_plan(cfg, PlanOptions(devices=512, zero_stage=3))
 
@@ -428,10 +439,11 @@ def test_published_rows_within_fifteen_percent():
 
 
 def test_sliding_window_cuts_attention_time():
-    cfg = _cfg175()
-    full = make_plan(cfg, PlanOptions(devices=12288, virtual_stages=6, microbatch_size=1, zero_stage=2))
-    swa = make_plan(apply_overrides(cfg, {"model.attention.window": 512}),
-                    PlanOptions(devices=12288, virtual_stages=6, microbatch_size=1, zero_stage=2))
+    cfg = apply_overrides(_one_sequence_microbatches(_cfg175(), 12288), {"pipeline.virtual_stages": 6})
+    fixed = PlanOptions(devices=12288, tune_virtual_stages=False, tune_microbatches=False, zero_stage=2)
+    full = make_plan(cfg, fixed)
+    swa = make_plan(apply_overrides(cfg, {"model.attention.window": 512}), fixed)
+    assert (full.layout.virtual_stages, full.layout.microbatch_size) == (6, 1)
     assert swa.time.step < full.time.step
     assert swa.model_flops_per_token < full.model_flops_per_token
 
@@ -528,7 +540,8 @@ def test_a_plan_that_does_not_fit_exits_3_and_gives_no_throughput(capsys):
     assert "nothing fits" in out.out and "no layout fits" in out.err
     assert main(["--config=gpt_tiny", "--devices=8", "--mesh.fsdp=8"]) == 0
     # every memory row of msjax's pipelined step says what it holds
-    plan = make_plan(load_preset("gpt175b"), PlanOptions(devices=12288, virtual_stages=6))
+    plan = make_plan(apply_overrides(load_preset("gpt175b"), {"pipeline.virtual_stages": 6}),
+                     PlanOptions(devices=12288, tune_virtual_stages=False))
     text = plan_text(plan)
     assert "gradients: float32 accumulators + the optimizer's input (2 x 4 B/param" in text
     assert "stash: 57 slots x 2 layers x 48.0 MiB (dots_no_batch, bfloat16) + carries" in text
@@ -640,11 +653,13 @@ def test_zero2_rule_set_is_priced_as_zero2_not_fsdp():
     planner prices it as the same ZeRO-2 over a data axis of F (the planner's own zero_stage=2), collective for
     collective, with the same step time."""
     base = {"mesh.tensor": 8, "train.global_batch": 64, "model.remat": "full"}
-    rules = make_plan(apply_overrides(load_preset("llama3_8b"), {**base, "mesh.rules": "zero2", "mesh.fsdp": 8,
-                                                                  "mesh.data": 1}),
-                      PlanOptions(devices=64, hardware="h100", zero_stage=0, microbatch_size=1))
-    data = make_plan(apply_overrides(load_preset("llama3_8b"), {**base, "mesh.rules": "tp", "mesh.data": 8}),
-                     PlanOptions(devices=64, hardware="h100", zero_stage=2, microbatch_size=1))
+    rules_cfg = apply_overrides(load_preset("llama3_8b"), {**base, "mesh.rules": "zero2", "mesh.fsdp": 8,
+                                                            "mesh.data": 1})
+    data_cfg = apply_overrides(load_preset("llama3_8b"), {**base, "mesh.rules": "tp", "mesh.data": 8})
+    rules = make_plan(_one_sequence_microbatches(rules_cfg, 64),
+                      PlanOptions(devices=64, hardware="h100", zero_stage=0, tune_microbatches=False))
+    data = make_plan(_one_sequence_microbatches(data_cfg, 64),
+                     PlanOptions(devices=64, hardware="h100", zero_stage=2, tune_microbatches=False))
     assert not [c for c in rules.collectives if c.group == "FSDP"]
 
     def dp(plan):
@@ -667,8 +682,11 @@ def test_run_overrides_express_the_plan_in_the_config():
     assert note == "" and plan.layout.zero_stage >= 1
     assert overrides["mesh.rules"] == "zero2" and overrides["mesh.fsdp"] == 192 and overrides["mesh.data"] == 1
     run_cfg = apply_overrides(cfg, overrides).validate()
-    again = make_plan(run_cfg, PlanOptions(devices=12288, hardware="a100-80g", zero_stage=0, microbatch_size=1,
-                                           virtual_stages=run_cfg.pipeline.virtual_stages))
+    # The config alone (no planner choice) plans the same step: the interleaving and microbatch are its keys.
+    again = make_plan(run_cfg, PlanOptions(devices=12288, hardware="a100-80g", zero_stage=0,
+                                           tune_virtual_stages=False, tune_microbatches=False))
+    assert again.layout.virtual_stages == plan.layout.virtual_stages
+    assert again.layout.microbatch_size == plan.layout.microbatch_size
     assert run_cfg.pipeline.microbatches == again.layout.microbatches == plan.layout.microbatches
     assert again.time.step == pytest.approx(plan.time.step, rel=1e-12) and again.mfu >= 0.55
     assert "run with   --mesh.pipeline=8 --mesh.data=1 --mesh.fsdp=192" in plan_text(plan)
