@@ -44,6 +44,37 @@ from bench_reference import plain_train_step  # noqa: E402
 log = logging.getLogger("msjax.bench")
 
 
+def time_train_step(cfg: Config, mesh, vocab_size: int, steps: int, warmup: int, repeats: int):
+    """Builds msjax's train program for `cfg` on `mesh`, compiles its step for random tokens (state created
+    sharded) and times `repeats` windows of `steps` steps after `warmup`, each window ended by a device sync.
+
+    Returns:
+      (program, compile seconds, wall seconds per step of each window, this process's CPU seconds (user +
+      system, every thread) per step of each window).
+    """
+    program = build_train_program(cfg, mesh, vocab_size=vocab_size)
+    t = program.config.train
+    tokens = np.random.default_rng(0).integers(0, program.config.model.vocab_size, (t.global_batch, t.seq_len + 1))
+    batch = {"inputs": jax.device_put(tokens[:, :-1].astype(np.int32), program.batch_sharding),
+             "targets": jax.device_put(tokens[:, 1:].astype(np.int32), program.batch_sharding)}
+    t0 = time.perf_counter()
+    state = program.init_fn(jax.random.key(0))
+    compiled = program.step_fn.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    for _ in range(warmup):
+        state, metrics = compiled(state, batch)
+    jax.block_until_ready(metrics)
+    walls, cpus = [], []
+    for _ in range(repeats):
+        w0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(steps):
+            state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        walls.append((time.perf_counter() - w0) / steps)
+        cpus.append((time.process_time() - c0) / steps)
+    return program, compile_s, walls, cpus
+
+
 def benchmark(cfg: Config, steps: int = 20, warmup: int = 3, repeats: int = 3, vocab_size: int | None = None
               ) -> dict[str, Any]:
     """Times `steps` train steps `repeats` times after `warmup` steps.
@@ -56,26 +87,9 @@ def benchmark(cfg: Config, steps: int = 20, warmup: int = 3, repeats: int = 3, v
       devices and mesh.
     """
     mesh = make_mesh(cfg.mesh)
-    program = build_train_program(cfg, mesh, vocab_size=vocab_size or cfg.model.vocab_size or 50304)
+    program, compile_s, times, _ = time_train_step(cfg, mesh, vocab_size or cfg.model.vocab_size or 50304, steps,
+                                                   warmup, repeats)
     cfg, t = program.config, program.config.train
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, cfg.model.vocab_size, (t.global_batch, t.seq_len + 1)).astype(np.int32)
-    batch = {"inputs": jax.device_put(tokens[:, :-1], program.batch_sharding),
-             "targets": jax.device_put(tokens[:, 1:], program.batch_sharding)}
-    t0 = time.perf_counter()
-    state = program.init_fn(jax.random.key(0))
-    compiled = program.step_fn.lower(state, batch).compile()
-    compile_s = time.perf_counter() - t0
-    for _ in range(warmup):
-        state, metrics = compiled(state, batch)
-    jax.block_until_ready(metrics)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            state, metrics = compiled(state, batch)
-        jax.block_until_ready(metrics)
-        times.append((time.perf_counter() - t0) / steps)
     step_s = statistics.median(times)
     peak, label = mesh_peak_flops(mesh.devices.flat)
     tokens_per_step = t.global_batch * t.seq_len

@@ -143,39 +143,20 @@ def measure(cfg: Config, steps: int, repeats: int, warmup: int = 2) -> dict:
       `msjax.hardware.mesh_peak_flops`), compile_s, devices, mesh and the shape of the run.
     """
     import statistics
-    import time
 
     import jax
-    import numpy as np
+    from bench import time_train_step  # scripts/bench.py, beside this script: imports jax, so not at the top
 
     from msjax.flops import flops_per_token
     from msjax.hardware import mesh_peak_flops
     from msjax.mesh import make_mesh
-    from msjax.train_step import build_train_program
 
     sizes = cfg.mesh.axis_sizes()
     n = len(jax.devices()) if -1 in sizes.values() else math.prod(sizes.values())
     mesh = make_mesh(cfg.mesh, jax.devices()[:n])
-    program = build_train_program(cfg, mesh, vocab_size=cfg.model.vocab_size or 50304)
+    program, compile_s, walls, cpus = time_train_step(cfg, mesh, cfg.model.vocab_size or 50304, steps, warmup,
+                                                      repeats)
     cfg, t = program.config, program.config.train
-    tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (t.global_batch, t.seq_len + 1))
-    batch = {"inputs": jax.device_put(tokens[:, :-1].astype(np.int32), program.batch_sharding),
-             "targets": jax.device_put(tokens[:, 1:].astype(np.int32), program.batch_sharding)}
-    t0 = time.perf_counter()
-    state = program.init_fn(jax.random.key(0))
-    compiled = program.step_fn.lower(state, batch).compile()
-    compile_s = time.perf_counter() - t0
-    for _ in range(warmup):
-        state, metrics = compiled(state, batch)
-    jax.block_until_ready(metrics)
-    walls, cpus = [], []
-    for _ in range(repeats):
-        w0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(steps):
-            state, metrics = compiled(state, batch)
-        jax.block_until_ready(metrics)
-        walls.append((time.perf_counter() - w0) / steps)
-        cpus.append((time.process_time() - c0) / steps)
     step_s, cpu_s = statistics.median(walls), statistics.median(cpus)
     peak, label = mesh_peak_flops(mesh.devices.flat)
     tokens_per_step = t.global_batch * t.seq_len

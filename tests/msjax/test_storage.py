@@ -359,6 +359,33 @@ def test_tokenizer_file_from_bucket_equals_the_local_file(s3, tmp_path):
 
 # ---- several processes: each reads only its own rows ----------------------------------------------------------
 
+def _two_processes(script: str, args: list[str], timeout: float) -> list:
+    """Runs `script` (python -c) as processes 0 and 1 of one jax job (a free loopback port as the coordinator's),
+    each given `args`; returns the JSON object each printed last. A process still running at the end is killed."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    repo = Path(__file__).resolve().parents[2]
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(i), str(port), *args], cwd=repo,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        outs = []
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+        return outs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 _SHARED_BUILD = r"""
 import hashlib, json, os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
@@ -403,9 +430,6 @@ def test_two_processes_each_read_only_their_own_rows_and_build_the_one_process_c
     read by both, each its own lines), and each ends with the token files one process builds alone, byte for
     byte: with a char vocabulary made from both halves' characters, and with a BPE fitted by process 0."""
     import hashlib
-    import socket
-    import subprocess
-    import sys
 
     local = _mixed_corpus(tmp_path / "corpus")
     url = f"{s3.scheme}://corpus/shared"
@@ -417,25 +441,8 @@ def test_two_processes_each_read_only_their_own_rows_and_build_the_one_process_c
         alone[tokenizer] = (hashlib.sha256(ds.train.tobytes()).hexdigest(),
                             hashlib.sha256(ds.val.tobytes()).hexdigest())
         assert ds.meta["processes"] == 1
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     storage = json.dumps(dataclasses.asdict(s3.storage))
-    repo = Path(__file__).resolve().parents[2]
-    procs = [subprocess.Popen([sys.executable, "-c", _SHARED_BUILD, str(i), str(port), url, str(tmp_path / "c"),
-                               storage], cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    try:
-        outs = []
-        for p in procs:
-            out, err = p.communicate(timeout=300)
-            assert p.returncode == 0, err[-3000:]
-            outs.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = _two_processes(_SHARED_BUILD, [url, str(tmp_path / "c"), storage], timeout=300)
     sizes = {o.path: o.size for o in paths.walk_files(url) if not paths.basename(o.path).startswith(".")}
     total = sum(sizes.values())
     for tokenizer in ("char", "bpe"):
@@ -500,28 +507,8 @@ def test_two_processes_save_to_a_bucket_and_restore_from_it(s3, tmp_path):
     """2 processes (2 devices each) save steps 2 and 4 through a shared local tier to the bucket; step 4's record
     object is then removed (an upload cut short). On a new machine (an empty local tier) both name step 2 with
     latest_verified, process 0 downloads it while the other waits, and both restore it exactly."""
-    import socket
-    import subprocess
-    import sys
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     url = f"{s3.scheme}://ckpt/two-processes"
     args = [url, str(tmp_path / "local"), str(tmp_path / "fresh"), json.dumps(dataclasses.asdict(s3.storage))]
-    repo = Path(__file__).resolve().parents[2]
-    procs = [subprocess.Popen([sys.executable, "-c", _TWO_PROCESS_BUCKET, str(i), str(port), *args], cwd=repo,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    try:
-        outs = []
-        for p in procs:
-            out, err = p.communicate(timeout=180)
-            assert p.returncode == 0, err[-3000:]
-            outs.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = _two_processes(_TWO_PROCESS_BUCKET, args, timeout=180)
     assert outs == [{"step": 2, "answer": 2, "pos": 2, "error": 0.0}] * 2, outs
     assert [n for n in paths.listdir(url) if n.isdigit()] == ["2"]  # the cut upload was deleted
