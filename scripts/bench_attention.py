@@ -177,12 +177,12 @@ def _main(argv: list[str]) -> int:
                 else:
                     print(f"{name:<14}{seq_len:>7}{w:>7}{batch:>5}{row['fwd_s'] * 1e3:>10.3f}"
                           f"{row['fwd_tflops']:>10.3f}{row['fwd_bwd_s'] * 1e3:>10.3f}{row['fwd_bwd_tflops']:>10.3f}")
+    meta = {"device_kind": device.device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
+            "smoke": args.smoke, "warmup": args.warmup, "iters": args.iters,
+            "flops": "fwd = 4*B*H*K*sum_i min(i, W); fwd+bwd = 3.5*fwd"}
+    print(json.dumps({"meta": meta, "rows": rows}))  # the one JSON line every benchmark ends with (scripts/README.md)
     if args.json:
-        meta = {"device_kind": device.device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
-                "smoke": args.smoke, "warmup": args.warmup, "iters": args.iters,
-                "flops": "fwd = 4*B*H*K*sum_i min(i, W); fwd+bwd = 3.5*fwd"}
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-        print(f"wrote {args.json}")
     return 0
 
 

@@ -484,9 +484,8 @@ def run(args: CheckpointBenchOptions) -> int:
 
             paths.remove_tree(remote)
 
-    print(f"checkpoint benchmark: {nbytes / 2**30:.2f} GiB state over {len(jax.devices())} CPU devices, "
-          f"load average {os.getloadavg()[0]:.1f}")
-    print(f"{'quantity':<40} {'value':>10}")
+    lines = [f"checkpoint benchmark: {nbytes / 2**30:.2f} GiB state over {len(jax.devices())} CPU devices, "
+             f"load average {os.getloadavg()[0]:.1f}", f"{'quantity':<40} {'value':>10}"]
     for key in ("blocked_first_s", "blocked_s", *(k for k in results if k.startswith("blocked_") and
                                                    k.endswith("_s") and k not in ("blocked_first_s", "blocked_s")),
                 "background_s", "sync_save_s", "blocked_fraction_of_sync",
@@ -496,10 +495,9 @@ def run(args: CheckpointBenchOptions) -> int:
                     ("restore", "_unverified_cpu_s"), ("fetch_in_restore", "_s"), ("verify_in_restore", "_s"),
                     ("verify_cost", ""), ("verify_cost_cpu", ""), ("verify_fraction_of_restore", ""))),
                 "verify_s"):
-        print(f"{key:<40} {results[key]:>10.3f}")
+        lines.append(f"{key:<40} {results[key]:>10.3f}")
     results["load_average_1min"] = os.getloadavg()[0]
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    cli.print_result("\n".join(lines), results, args.json)
     return 0
 
 

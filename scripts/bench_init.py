@@ -458,10 +458,11 @@ def run(opts: InitBenchOptions) -> int:
             rows += new
     info["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
     print(f"# load average {info['load_avg_1m_end']} at end; seconds of barrier rows are per barrier")
+    result = {"machine": info, "command": " ".join(["scripts/bench_init.py", *sys.argv[1:]]), "rows": rows}
+    print(json.dumps(result))  # the one JSON line every benchmark ends with (scripts/README.md)
     if opts.json:
         with open(opts.json, "w") as f:
-            json.dump({"machine": info, "command": " ".join(["scripts/bench_init.py", *sys.argv[1:]]),
-                       "rows": rows}, f, indent=1)
+            json.dump(result, f, indent=1)
     return 0
 
 

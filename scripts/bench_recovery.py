@@ -401,6 +401,7 @@ def report(events: list[dict], cfg: Config, own: RecoveryBenchOptions, code: int
            "heartbeat_timeout_s": cfg.supervisor.heartbeat_timeout_s,
            "mean_fault_cost_s": mean_cost, "ettr_one_fault_per_5min": extrapolated,
            "compile_cache": own.compile_cache or None, "run_dir": str(run_dir)}
+    print(json.dumps(out, default=str))  # the one JSON line every benchmark ends with (scripts/README.md)
     if own.json:
         Path(own.json).write_text(json.dumps(out, indent=2, default=str))
     return 0 if code == 0 else 1

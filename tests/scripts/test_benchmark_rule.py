@@ -28,3 +28,17 @@ def test_no_package_module_imports_or_runs_a_script():
             if isinstance(node, ast.Constant) and node.value == "scripts":
                 found.append(f"{path.relative_to(REPO)}:{node.lineno} names the scripts folder")
     assert found == []
+
+
+def test_every_benchmark_prints_its_json_line():
+    """scripts/results.py records a benchmark from the JSON line it prints last: every bench_*.py script prints one
+    (`msjax.cli.print_result`, or `print(json.dumps(...))` where the table was printed row by row)."""
+    missing = []
+    for path in sorted(REPO.joinpath("scripts").glob("bench_*.py")):
+        calls = [node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)]
+        prints_json = any(ast.unparse(c.func) == "cli.print_result" or (
+            ast.unparse(c.func) == "print" and c.args and ast.unparse(c.args[0]).startswith("json.dumps("))
+            for c in calls)
+        if not prints_json and path.stem != "bench_reference":  # bench_reference: the plain-JAX model, no benchmark
+            missing.append(path.name)
+    assert missing == [], f"benchmarks that print no JSON line for scripts/results.py: {missing}"
