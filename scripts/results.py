@@ -13,6 +13,7 @@ test suite does. Nothing in docs/results.md is edited by hand.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import json
@@ -38,8 +39,20 @@ HEADLINES: dict[str, list[tuple[str, str, str]]] = {
                  ("reference wall", "summary.reference_wall_s", "{:.1f} s"),
                  ("msjax / reference wall", "summary.wall_ratio", "{:.3f}"),
                  ("val loss", "summary.msjax_val_loss", "{:.4f}")],
+    "bench_convert.py": [("HF -> msjax", "import_seconds", "{:.1f} s"), ("msjax -> HF", "export_seconds", "{:.1f} s"),
+                         ("baseline (safetensors read)", "baseline_seconds", "{:.2f} s"),
+                         ("import peak RSS", "import_peak_rss_bytes", "{:.3g} B")],
     "bench_observe.py": [("overhead", "overhead", "{:+.2%}"), ("95% CI high", "overhead_ci95.1", "{:+.2%}"),
                          ("CPU overhead", "cpu_overhead", "{:+.2%}"), ("plain step", "plain_step_s", "{:.4f} s")],
+}
+
+
+# Benchmarks whose result is a list of rows (`result["rows"]`): each row's label (a format string over the row's
+# fields), the figure shown and its format.
+ROW_FIGURES: dict[str, tuple[str, str, str]] = {
+    "bench_init.py": ("{store} {what} at {ranks} ranks", "seconds", "{:.4f} s"),
+    "bench_attention.py": ("{impl} T={seq_len} W={window} fwd+bwd", "fwd_bwd_s", "{:.4f} s"),
+    "bench_generate.py": ("batch {batch} {mode}", "tokens_per_s", "{:,.0f} tokens/s"),
 }
 
 
@@ -180,10 +193,15 @@ def script_of(command: str) -> str:
 
 
 def figures(row: dict[str, Any]) -> str:
-    """The row's headline figures: its script's HEADLINES present in the result, else its top-level numbers."""
-    result = row["result"]
-    shown = [f"{label} {fmt.format(v)}" for label, key, fmt in HEADLINES.get(script_of(row["command"]), [])
+    """The row's headline figures: its script's HEADLINES present in the result and its ROW_FIGURES, else its
+    top-level numbers."""
+    result, script = row["result"], script_of(row["command"])
+    shown = [f"{label} {fmt.format(v)}" for label, key, fmt in HEADLINES.get(script, [])
              if isinstance(v := _get(result, key), (int, float)) and not isinstance(v, bool)]
+    if script in ROW_FIGURES and isinstance(result.get("rows"), list):
+        label, key, fmt = ROW_FIGURES[script]
+        shown += [f"{label.format_map(collections.defaultdict(str, r))} {fmt.format(r[key])}"
+                  for r in result["rows"] if isinstance(r, dict) and isinstance(r.get(key), (int, float))]
     if not shown:
         shown = [f"{k} {v:.4g}" for k, v in result.items()
                  if isinstance(v, (int, float)) and not isinstance(v, bool)][:8]
