@@ -42,17 +42,21 @@ HEADLINES: dict[str, list[tuple[str, str, str]]] = {
     "bench_convert.py": [("HF -> msjax", "import_seconds", "{:.1f} s"), ("msjax -> HF", "export_seconds", "{:.1f} s"),
                          ("baseline (safetensors read)", "baseline_seconds", "{:.2f} s"),
                          ("import peak RSS", "import_peak_rss_bytes", "{:.3g} B")],
+    "bench_recovery.py": [("ETTR at one fault per 5 min", "ettr_one_fault_per_5min", "{:.1%}"),
+                          ("mean cost of a fault", "mean_fault_cost_s", "{:.1f} s"), ("step", "step_s", "{:.3f} s")],
     "bench_observe.py": [("overhead", "overhead", "{:+.2%}"), ("95% CI high", "overhead_ci95.1", "{:+.2%}"),
                          ("CPU overhead", "cpu_overhead", "{:+.2%}"), ("plain step", "plain_step_s", "{:.4f} s")],
 }
 
 
-# Benchmarks whose result is a list of rows (`result["rows"]`): each row's label (a format string over the row's
+# Benchmarks whose result holds a list of rows: the list's key, each row's label (a format string over the row's
 # fields), the figure shown and its format.
-ROW_FIGURES: dict[str, tuple[str, str, str]] = {
-    "bench_init.py": ("{store} {what} at {ranks} ranks", "seconds", "{:.4f} s"),
-    "bench_attention.py": ("{impl} T={seq_len} W={window} fwd+bwd", "fwd_bwd_s", "{:.4f} s"),
-    "bench_generate.py": ("batch {batch} {mode}", "tokens_per_s", "{:,.0f} tokens/s"),
+ROW_FIGURES: dict[str, tuple[str, str, str, str]] = {
+    "bench_init.py": ("rows", "{store} {what} at {ranks} ranks", "seconds", "{:.4f} s"),
+    "bench_attention.py": ("rows", "{impl} T={seq_len} W={window} fwd+bwd", "fwd_bwd_s", "{:.4f} s"),
+    "bench_generate.py": ("rows", "batch {batch} {mode}", "tokens_per_s", "{:,.0f} tokens/s"),
+    "bench_recovery.py": ("faults", "{kind} fault: detected in {detection_s:.2f} s, recovered in", "recovery_s",
+                          "{:.1f} s"),
 }
 
 
@@ -198,10 +202,10 @@ def figures(row: dict[str, Any]) -> str:
     result, script = row["result"], script_of(row["command"])
     shown = [f"{label} {fmt.format(v)}" for label, key, fmt in HEADLINES.get(script, [])
              if isinstance(v := _get(result, key), (int, float)) and not isinstance(v, bool)]
-    if script in ROW_FIGURES and isinstance(result.get("rows"), list):
-        label, key, fmt = ROW_FIGURES[script]
+    if script in ROW_FIGURES and isinstance(result.get(ROW_FIGURES[script][0]), list):
+        rows, label, key, fmt = ROW_FIGURES[script]
         shown += [f"{label.format_map(collections.defaultdict(str, r))} {fmt.format(r[key])}"
-                  for r in result["rows"] if isinstance(r, dict) and isinstance(r.get(key), (int, float))]
+                  for r in result[rows] if isinstance(r, dict) and isinstance(r.get(key), (int, float))]
     if not shown:
         shown = [f"{k} {v:.4g}" for k, v in result.items()
                  if isinstance(v, (int, float)) and not isinstance(v, bool)][:8]
