@@ -70,7 +70,7 @@ class ParallelBenchOptions:
       repeats: timed repeats of `steps` steps per row (the median is reported).
       baseline_src: another checkout of msjax (a directory holding its `msjax` package): every row also runs with
         it first on PYTHONPATH, alternating with this tree; "" runs this tree only.
-      json: also write the rows as JSON to this path.
+      json: also write {"rows": [...]} as JSON to this path.
       row: internal: run one row in this process (the config flags give its layout) and print it as JSON.
     """
 
@@ -208,7 +208,7 @@ def _run(argv: list[str], opts: ParallelBenchOptions) -> int:
                 print(f"{name:12s} {mode:18s} {tree:8s} step {row['step_s'] * 1e3:9.2f} ms  cpu "
                       f"{row['cpu_s'] * 1e3:9.2f} ms  {row['tokens_per_s']:12,.0f} tok/s", file=sys.stderr,
                       flush=True)
-    cli.print_result(format_table(rows), rows, opts.json)
+    cli.print_result(format_table(rows), {"rows": rows}, opts.json)
     return 0
 
 
