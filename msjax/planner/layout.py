@@ -262,12 +262,13 @@ def make_layout(cfg: Config, opts: PlanOptions, hw: Hardware, sizes: dict[str, i
     m = per_replica // microbatch_size
     p, L = sizes["pipeline"], cfg.model.num_layers
     if (L // p) % virtual_stages:
-        raise PlanError(f"pipeline.virtual_stages={virtual_stages} does not divide the {L // p} layers per pipeline stage")
+        raise PlanError(f"pipeline.virtual_stages={virtual_stages} does not divide the {L // p} layers per "
+                        "pipeline stage")
     if virtual_stages > 1 and p == 1:
         raise PlanError(f"pipeline.virtual_stages={virtual_stages} needs pipeline parallelism (mesh.pipeline > 1)")
     if virtual_stages > 1 and m % p:
-        raise PlanError(f"interleaved 1F1B (pipeline.virtual_stages={virtual_stages}) needs the {m} microbatches per step "
-                        f"to be a multiple of mesh.pipeline={p}")
+        raise PlanError(f"interleaved 1F1B (pipeline.virtual_stages={virtual_stages}) needs the {m} microbatches "
+                        f"per step to be a multiple of mesh.pipeline={p}")
     t = sizes["tensor"]
     sp = opts.sequence_parallel and t > 1
     if sp and (cfg.train.seq_len // sizes["sequence"]) % t:

@@ -9,9 +9,10 @@ makes the checkpoint directory immutable (`chattr +i`; root ignores chmod), so t
 then on each step takes 0.5 s longer (a real model's step), so how many steps the failure takes to surface is
 measurable. `--slow-stop=S`: once a stop was requested (a signal), the step in flight ends S seconds later, as
 a real model's step would, so a second signal surely lands while the run is still stopping (the tiny model
-stops, saves and restores its signal handlers within a fraction of a second). When `run` raises CheckpointError the driver prints "error: ..." (stderr) and "threads left: [names]"
-(stdout: the non-daemon threads started during the run that are still alive) and returns 1 through a normal
-interpreter exit, which waits for every non-daemon thread.
+stops, saves and restores its signal handlers within a fraction of a second). When `run` raises CheckpointError
+the driver prints "error: ..." (stderr) and "threads left: [names]" (stdout: the non-daemon threads started during
+the run that are still alive) and returns 1 through a normal interpreter exit, which waits for every non-daemon
+thread.
 """
 
 import hashlib

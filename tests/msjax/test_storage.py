@@ -444,7 +444,6 @@ def test_two_processes_each_read_only_their_own_rows_and_build_the_one_process_c
     storage = json.dumps(dataclasses.asdict(s3.storage))
     outs = _two_processes(_SHARED_BUILD, [url, str(tmp_path / "c"), storage], timeout=300)
     sizes = {o.path: o.size for o in paths.walk_files(url) if not paths.basename(o.path).startswith(".")}
-    total = sum(sizes.values())
     for tokenizer in ("char", "bpe"):
         for pid in range(2):
             got = outs[pid][tokenizer]
