@@ -44,9 +44,10 @@ from bench_reference import plain_train_step  # noqa: E402
 log = logging.getLogger("msjax.bench")
 
 
-def time_train_step(cfg: Config, mesh, vocab_size: int, steps: int, warmup: int, repeats: int):
+def time_train_step(cfg: Config, mesh, vocab_size: int, steps: int, warmup: int, repeats: int, trace_dir: str = ""):
     """Builds msjax's train program for `cfg` on `mesh`, compiles its step for random tokens (state created
     sharded) and times `repeats` windows of `steps` steps after `warmup`, each window ended by a device sync.
+    With `trace_dir`, `steps` more steps then run under `jax.profiler.trace(trace_dir)` (untimed).
 
     Returns:
       (program, compile seconds, wall seconds per step of each window, this process's CPU seconds (user +
@@ -72,15 +73,21 @@ def time_train_step(cfg: Config, mesh, vocab_size: int, steps: int, warmup: int,
         jax.block_until_ready(metrics)
         walls.append((time.perf_counter() - w0) / steps)
         cpus.append((time.process_time() - c0) / steps)
+    if trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(steps):
+                state, metrics = compiled(state, batch)
+            jax.block_until_ready(metrics)
     return program, compile_s, walls, cpus
 
 
-def benchmark(cfg: Config, steps: int = 20, warmup: int = 3, repeats: int = 3, vocab_size: int | None = None
-              ) -> dict[str, Any]:
+def benchmark(cfg: Config, steps: int = 20, warmup: int = 3, repeats: int = 3, vocab_size: int | None = None,
+              trace_dir: str = "") -> dict[str, Any]:
     """Times `steps` train steps `repeats` times after `warmup` steps.
 
     Args:
       cfg: a validated config (model.vocab_size 0 takes `vocab_size`, default 50304).
+      trace_dir: also write a `jax.profiler` trace of `steps` more steps here ("" for none).
     Returns:
       dict with compile_s, step_s (median seconds per step), tokens_per_s, mfu (model FLOPs over
       `hardware.mesh_peak_flops`: datasheet peak x devices, or on CPU the best measured host rate), peak label,
@@ -88,7 +95,7 @@ def benchmark(cfg: Config, steps: int = 20, warmup: int = 3, repeats: int = 3, v
     """
     mesh = make_mesh(cfg.mesh)
     program, compile_s, times, _ = time_train_step(cfg, mesh, vocab_size or cfg.model.vocab_size or 50304, steps,
-                                                   warmup, repeats)
+                                                   warmup, repeats, trace_dir)
     cfg, t = program.config, program.config.train
     step_s = statistics.median(times)
     peak, label = mesh_peak_flops(mesh.devices.flat)
@@ -321,6 +328,8 @@ class BenchOptions:
       reference_cwd: recipe mode: the reference command's working directory.
       plain_jax: step mode: time msjax's step against nanoGPT's block in plain JAX at the same shapes
         (scripts/bench_reference.py), in alternating windows of --steps steps.
+      trace: step mode: after timing, run --steps more steps under `jax.profiler.trace` into this directory
+        (TensorBoard's profile plugin or Perfetto reads it); the timed figures do not include them.
     """
 
     steps: int = 20
@@ -330,6 +339,7 @@ class BenchOptions:
     reference_cmd: str = ""
     reference_cwd: str = ""
     plain_jax: bool = False
+    trace: str = ""
 
 
 def main(argv: list[str]) -> int:
@@ -350,7 +360,7 @@ def main(argv: list[str]) -> int:
             result = plain_jax_comparison(cfg, steps=opts.steps)
             table = format_plain_table(result)
         else:
-            result = benchmark(cfg, steps=opts.steps)
+            result = benchmark(cfg, steps=opts.steps, trace_dir=opts.trace)
             table = format_table([result])
         cli.print_result(table, result, opts.json)
         return 1 if any("error" in r for r in result.get("rows", ())) else 0  # a timed run failed
