@@ -7,8 +7,8 @@ step (flushed, so the parent can time its signal), and writes {"digest": sha256 
 "summary": ...} to OUT_JSON when the run returns. `--lock-after-checkpoint=N`: once checkpoint N is complete,
 makes the checkpoint directory immutable (`chattr +i`; root ignores chmod), so the next write fails, and from
 then on each step takes 0.5 s longer (a real model's step), so how many steps the failure takes to surface is
-measurable. `--slow-stop=S`: once a stop was requested (a signal), the step in flight ends S seconds later, as
-a real model's step would, so a second signal surely lands while the run is still stopping (the tiny model
+measurable. `--slow-stop=S`: once a stop was requested (a signal), the next step end or checkpoint takes S seconds
+longer, as a real model's would, so a second signal surely lands while the run is still stopping (the tiny model
 stops, saves and restores its signal handlers within a fraction of a second). When `run` raises CheckpointError
 the driver prints "error: ..." (stderr) and "threads left: [names]" (stdout: the non-daemon threads started during
 the run that are still alive) and returns 1 through a normal interpreter exit, which waits for every non-daemon
@@ -51,14 +51,20 @@ class Progress(Hook):
         self.slow_stop = slow_stop
         self.locked = False
 
-    def on_checkpoint(self, ctx, step):
-        print(f"checkpoint {step} started", flush=True)  # stage 1 done, stage 2 (the write) in flight
-
-    def on_step_end(self, ctx, step, metrics):
-        print(f"step {step}", flush=True)
+    def _stop_slowly(self, ctx):
+        # A stop requested before this point reaches on_step_end or on_checkpoint before the loop ends (the stop's
+        # step always saves), so one of the two calls it in time.
         if self.slow_stop and ctx.control.stop_reason is not None:
             time.sleep(self.slow_stop)
             self.slow_stop = 0.0
+
+    def on_checkpoint(self, ctx, step):
+        print(f"checkpoint {step} started", flush=True)  # stage 1 done, stage 2 (the write) in flight
+        self._stop_slowly(ctx)
+
+    def on_step_end(self, ctx, step, metrics):
+        print(f"step {step}", flush=True)
+        self._stop_slowly(ctx)
         if self.locked:
             time.sleep(0.5)  # steps of a real model's length, so "within a step or two" is measurable
         if self.lock_after is not None and step > self.lock_after:

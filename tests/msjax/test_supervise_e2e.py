@@ -308,22 +308,42 @@ while time.monotonic() < deadline:
 class FreezeTrainingThread:
     """A watcher that, in attempt `attempt`, once worker `rank` has stepped `after` steps past its restore step,
     freezes its main thread (the training loop) with FREEZE_THREAD: the loop stops as a host thread deadlocked in
-    a driver call or a stuck filesystem read would, while the worker's heartbeat thread goes on beating."""
+    a driver call or a stuck filesystem read would, while the worker's heartbeat thread goes on beating.
+
+    A freeze that lands while the main thread holds Python's GIL stops the heartbeat thread too: a different fault
+    (the whole interpreter hung, rightly taken for a heartbeat loss). Such a freeze shows as no new heartbeat within
+    CONFIRM_S (two heartbeat periods, well inside the heartbeat timeout); it is then released and made again at a
+    later moment, at most RETRIES times (each moves the stall detection later by up to CONFIRM_S, inside the test's
+    TIMEOUT of slack)."""
+
+    CONFIRM_S, RETRIES = 2.5 * PERIOD, 2
 
     def __init__(self, rank: int, after: int, attempt: int = 0, hold_s: float = 180.0):
         self.rank, self.after, self.attempt, self.hold_s = rank, after, attempt, hold_s
         self.proc: subprocess.Popen | None = None
+        self.confirmed, self.retries = False, 0
+        self._seq, self._at = 0, 0.0  # the heartbeat sequence number and time.monotonic() at the freeze
 
     def __call__(self, progress) -> None:
         beat = progress.beats.get(self.rank)
-        if (self.proc is not None or progress.attempt != self.attempt or beat is None
-                or (beat.get("step") or 0) < (beat.get("start_step") or 0) + self.after):
+        if self.confirmed or progress.attempt != self.attempt or beat is None:
+            return
+        if self.proc is not None:
+            if beat["seq"] >= self._seq + 2:  # the heartbeat thread ran twice since: the GIL is free
+                self.confirmed = True
+            elif time.monotonic() - self._at > self.CONFIRM_S and self.retries < self.RETRIES:
+                self.close()  # the tracer's exit detaches the thread, which runs on
+                self.proc, self.retries = None, self.retries + 1
+            return
+        if (beat.get("step") or 0) < (beat.get("start_step") or 0) + self.after:
             return
         self.proc = subprocess.Popen([sys.executable, "-c", FREEZE_THREAD, str(beat["pid"]), str(self.hold_s)],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert self.proc.stdout.readline().strip() == "frozen", self.proc.communicate(timeout=30)
-        progress.emit("fault_injected", fault="freeze", rank=self.rank, host=progress.workers[self.rank].host,
-                      step=beat["step"], attempt=progress.attempt)
+        self._seq, self._at = beat["seq"], time.monotonic()
+        if self.retries == 0:  # one fault: a retry is the same freeze, made again
+            progress.emit("fault_injected", fault="freeze", rank=self.rank, host=progress.workers[self.rank].host,
+                          step=beat["step"], attempt=progress.attempt)
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
