@@ -445,8 +445,13 @@ def test_a_non_finite_loss_is_detected_as_such_and_the_restart_resumes_from_the_
         assert failed and failed <= {(0, "nonfinite"), (1, "nonfinite")}, note
         assert all("non-finite loss nan reported at step" in f["detail"] for f in d["failures"]), note
     (restart,) = [e for e in events if e["kind"] == "restart"]
+    # The restarted job restores one step for all ranks (one replica reads it and broadcasts it), which rank 0's
+    # log names. The supervisor's worker_start events come from heartbeats: under load the restarted attempt can
+    # diverge and exit before a heartbeat of it is polled, so they may be missing, but never different.
+    resumed = re.findall(r"resumed from step (\d+)", (tmp_path / "run" / "logs" / "attempt1.rank0.log").read_text())
     starts = [e["start_step"] for e in events if e["kind"] == "worker_start" and e["attempt"] == 1]
-    assert restart["resume_step"] is not None and starts == [restart["resume_step"]] * 2, (restart, starts, note)
+    assert restart["resume_step"] is not None and resumed == [str(restart["resume_step"])], (restart, resumed, note)
+    assert set(starts) <= {restart["resume_step"]}, (restart, starts, note)
     bad_step = int(re.search(r"reported at step (\d+)", detected[0]["failures"][0]["detail"]).group(1))
     assert restart["resume_step"] < bad_step, (restart, bad_step, note)
 
