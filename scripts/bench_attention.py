@@ -180,9 +180,10 @@ def _main(argv: list[str]) -> int:
     meta = {"device_kind": device.device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
             "smoke": args.smoke, "warmup": args.warmup, "iters": args.iters,
             "flops": "fwd = 4*B*H*K*sum_i min(i, W); fwd+bwd = 3.5*fwd"}
-    print(json.dumps({"meta": meta, "rows": rows}))  # the one JSON line every benchmark ends with (scripts/README.md)
+    result = {"meta": meta, "rows": rows}
+    print(json.dumps(result))  # the one JSON line every benchmark ends with (scripts/README.md)
     if args.json:
-        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
 
 
