@@ -129,9 +129,11 @@ class ControlPlaneHook(Hook):
         self._local_ckpt_dir = local_checkpoint_dir(ctx.config.checkpoint)
         self._safe(lambda: self.store.post_event("loop_start", rank=self.rank, step=ctx.start_step,
                                                  generation=self.generation))
-        self._safe(self._beat)  # the supervisor learns the restore step at once
+        # The handlers before the beat: a signal sent once the loop is seen to have started is always a stop
+        # command, never the default action.
         if self.world > 1 and threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        self._safe(self._beat)  # the supervisor learns the restore step at once
         if self._thread is None:
             self._stop.clear()
             self._thread = threading.Thread(target=self._serve, name=f"msjax-control-rank{self.rank}", daemon=True)
@@ -150,7 +152,7 @@ class ControlPlaneHook(Hook):
     def on_log(self, ctx: RunContext, step: int, scalars: dict[str, float]) -> None:
         loss = scalars.get("loss")
         if loss is not None and not math.isfinite(loss):
-            self._safe(lambda: self.store.report(self.rank, "nonfinite", step=step, loss=repr(loss)))
+            self._safe(lambda: self.store.report(self.rank, "nonfinite", self.generation, step=step, loss=repr(loss)))
         if self.world == 1:
             return  # the thread applied commands directly
         from jax.experimental import multihost_utils
@@ -186,7 +188,8 @@ class ControlPlaneHook(Hook):
         if isinstance(error, NonFiniteLossError):
             # train.nonfinite=stop raised at the step itself, before any logging step could report it: report it
             # now, before the process exits, so the supervisor reads "non-finite loss", not a bare exit status 1.
-            self._safe(lambda: self.store.report(self.rank, "nonfinite", step=error.step, loss=repr(error.loss)))
+            self._safe(lambda: self.store.report(self.rank, "nonfinite", self.generation, step=error.step,
+                                                        loss=repr(error.loss)))
         self._publish_checkpoint()
         self._safe(lambda: self.store.post_event("loop_end", rank=self.rank, step=self.step,
                                                  error=None if error is None else repr(error)[:500]))

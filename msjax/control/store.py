@@ -14,7 +14,8 @@ Keys, all under `msjax:{run_id}:` (a run id keeps concurrent runs on one Redis a
   hb:{rank}           string  the worker's one heartbeat, with a TTL (an absent key is a dead or hung rank): {"seq",
                               "time", "pid", "host", "boot", "generation", "step", "start_step", "state", "phases"}
                               (msjax.control.hook); what the launcher, the supervisor and the liveness probe read
-  reports             list    worker reports {"rank", "kind", "time", ...} (a non-finite loss), read in order
+  reports             list    worker reports {"rank", "kind", "generation", "time", ...} (a non-finite loss), read
+                              in order
   exit                hash    boot token -> reason: worker processes asked to leave at once (they print the reason
                               in one line and exit with EXIT_REQUESTED); expires an hour after the last request
   cmd                 stream  commands {"json": {"kind": "stop"|"checkpoint"|"profile", "generation", ...}}
@@ -273,10 +274,12 @@ class Store:
         if keys:
             self.client.delete(*keys)
 
-    def report(self, rank: int, kind: str, **fields: Any) -> None:
-        """Appends a worker report {rank, kind, time, **fields} (e.g. kind "nonfinite", step, loss)."""
-        self.client.rpush(self.key("reports"), json.dumps({"rank": rank, "kind": kind, "time": time.time(),
-                                                           **fields}))
+    def report(self, rank: int, kind: str, generation: int, **fields: Any) -> None:
+        """Appends a worker report {rank, kind, generation, time, **fields} (e.g. kind "nonfinite", step, loss).
+        `generation` is the reporting process's rendezvous generation: a report that reaches Redis after its job
+        was stopped is not taken for one of the restarted job's."""
+        self.client.rpush(self.key("reports"), json.dumps({"rank": rank, "kind": kind, "generation": generation,
+                                                           "time": time.time(), **fields}))
 
     def reports(self, start: int = 0) -> list[dict]:
         """Reports from index `start` on (keep the count read so far and pass it next time)."""

@@ -173,6 +173,7 @@ class Supervisor:
         self.excluded: dict[str, str] = {}
         self.policy = RestartPolicy(self.s.restart_budget, self.s.backoff_s, self.s.backoff_max_s)
         self._reports_read = 0
+        self._generation = 0  # the rendezvous generation of the attempt being watched
         self._workers: list[Worker] = []
         self._beats: dict[int, dict] = {}
 
@@ -200,8 +201,8 @@ class Supervisor:
             while True:
                 hosts = [h for h in self.hosts if h not in self.excluded][:n]
                 self.control.clear_heartbeats(range(len(self.hosts)))
-                if attempt:
-                    self.control.bump_restarts()  # a new rendezvous generation for the restarted workers
+                # a new rendezvous generation for the restarted workers
+                self._generation = self.control.bump_restarts() if attempt else self.control.restart_count()
                 self._workers = self.backend.launch(attempt, hosts, overrides, resume, self.store_url, self.run_id)
                 self.events.emit("launch", attempt=attempt, hosts=hosts, pids=[w.proc.pid for w in self._workers],
                                  overrides=overrides, resume=resume,
@@ -293,6 +294,22 @@ class Supervisor:
         except Exception as e:  # noqa: BLE001 - the backend's stop ends them all the same
             self._print(f"could not ask the workers to leave ({e!r}); stopping them")
 
+    def _read_reports(self, attempt: int, seen: dict[int, _Seen]) -> None:
+        """Reads the workers' reports posted since the last call into `seen`. Only this attempt's generation
+        counts: a worker of the stopped job may report (its non-finite loss, at its loop's end) after the
+        supervisor stopped reading for that job, and that report must not fail the restarted one."""
+        reports = self.control.reports(self._reports_read)
+        self._reports_read += len(reports)
+        for r in reports:
+            if r.get("kind") != "nonfinite" or r.get("rank") not in seen or r.get("generation") != self._generation:
+                continue
+            self.events.emit("nonfinite_reported", attempt=attempt, rank=r["rank"], step=r.get("step"),
+                             loss=r.get("loss"))
+            # With train.nonfinite=skip the loop skips the update itself and goes on: an observation, not a
+            # failure. Otherwise the run cannot go on from here: restart from the newest checkpoint.
+            if getattr(self.cfg.train, "nonfinite", "stop") != "skip":
+                seen[r["rank"]].nonfinite = (r.get("step"), r.get("loss"))
+
     def _watch(self, attempt: int, workers: list[Worker]) -> tuple[list[detect.Failure], dict[int, _Seen]]:
         """Polls until every worker exited 0 (returns no failures) or a failure is blamed (detect.blame): a worker
         that left because a peer died is not blamed while the peer's own failure can still show (up to one
@@ -341,16 +358,7 @@ class Supervisor:
                         self.events.emit("first_step", attempt=attempt, rank=rank, step=self._first_step)
                         # the next restart's workers import while this attempt trains (the local backend's standby)
                         getattr(self.backend, "warm", lambda n: None)(len(workers))
-            reports = self.control.reports(self._reports_read)
-            self._reports_read += len(reports)
-            for r in reports:
-                if r.get("kind") == "nonfinite" and r.get("rank") in seen:
-                    self.events.emit("nonfinite_reported", attempt=attempt, rank=r["rank"], step=r.get("step"),
-                                     loss=r.get("loss"))
-                    # With train.nonfinite=skip the loop skips the update itself and goes on: an observation,
-                    # not a failure. Otherwise the run cannot go on from here: restart from the newest checkpoint.
-                    if getattr(self.cfg.train, "nonfinite", "stop") != "skip":
-                        seen[r["rank"]].nonfinite = (r.get("step"), r.get("loss"))
+            self._read_reports(attempt, seen)
             for watch in self.watchers:
                 watch(Progress(attempt, workers, beats, self.events.emit))
             states = []

@@ -21,6 +21,7 @@ from msjax.control.rendezvous import Assignment, rendezvous
 from msjax.control.server import RedisServer
 from msjax.control.store import Store, connect
 from msjax.control.worker import WorkerContext
+from msjax.events import read_events
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -165,6 +166,31 @@ def test_fixed_ranks_put_the_coordinator_on_rank_0_whatever_the_arrival_order(se
         rendezvous(client, "rdzv-fixed-bad", "w", 2, "w:1", timeout_s=1)
 
 
+def test_the_supervisor_takes_only_its_own_attempts_reports(server, client, tmp_path):
+    """A worker of a stopped job can report its non-finite loss (at its loop's end) after the supervisor stopped
+    reading for that job; the restarted job's watch must not take it for its own failure. The supervisor reads the
+    reports of the generation it launched: here a generation-0 report posted late, then the restarted job's own."""
+    from msjax.config import Config, apply_overrides
+    from msjax.events import EventLog
+    from msjax.supervise.supervisor import Supervisor, _Seen
+
+    store = Store(client, "reports-by-generation")
+    sup = Supervisor.__new__(Supervisor)  # the parts `_read_reports` uses, on a real Redis
+    sup.cfg = apply_overrides(Config(), {"train.nonfinite": "stop"})  # a report is a failure, not a note
+    sup.control, sup.events, sup._reports_read = store, EventLog(tmp_path), 0
+    sup._generation = store.bump_restarts()  # the first restart: generation 1
+    store.report(1, "nonfinite", 0, step=7, loss="nan")  # attempt 0's rank 1, late
+    seen = {0: _Seen(), 1: _Seen()}
+    sup._read_reports(1, seen)
+    assert seen[1].nonfinite is None and seen[0].nonfinite is None
+    store.report(0, "nonfinite", 1, step=9, loss="inf")
+    sup._read_reports(1, seen)
+    sup.events.close()
+    assert seen[0].nonfinite == (9, "inf") and seen[1].nonfinite is None
+    assert [(e["rank"], e["step"]) for e in read_events(tmp_path / "events.jsonl")
+            if e["kind"] == "nonfinite_reported"] == [(0, 9)]
+
+
 def test_store_run_state(server, client):
     store = Store(client, "state")
     assert store.restart_count() == 0
@@ -178,8 +204,8 @@ def test_store_run_state(server, client):
     assert store.heartbeat(3, 5, {"step": 19, "boot": "other"}, member={"host": "h3"}) == (False, None)
     store.clear_heartbeats([3])
     assert store.heartbeats() == {}
-    store.report(1, "nonfinite", step=4, loss="nan")
-    assert [(r["rank"], r["kind"], r["step"]) for r in store.reports()] == [(1, "nonfinite", 4)]
+    store.report(1, "nonfinite", 0, step=4, loss="nan")
+    assert [(r["rank"], r["kind"], r["generation"], r["step"]) for r in store.reports()] == [(1, "nonfinite", 0, 4)]
     assert store.reports(1) == []
     store.set_checkpoint("persistent", 20, "/ckpt/20")
     store.set_checkpoint("persistent", 10, "/ckpt/10")  # older: ignored
