@@ -22,8 +22,9 @@ the one heartbeat, once the worker reports the step).
   spare takes its place.
 - a fault loop (the same worker killed at every start): the restart budget ends the run with a report.
 No process is left behind (every descendant carries a tag in its environment; none may survive the run).
-Checkpoints are written synchronously unless a test says otherwise, so "at most one interval" is exact (an asynchronous save that is
-still being written when the kill lands is not restorable, which can cost one more interval).
+Checkpoints are written synchronously unless a test says otherwise, so "at most one interval" is exact (an
+asynchronous save that is still being written when the kill lands is not restorable, which can cost one more
+interval).
 """
 
 import importlib.util
@@ -164,10 +165,13 @@ def test_kill_sigstop_and_sigterm_recover_to_the_uninterrupted_parameters(tmp_pa
     rng = random.Random()
     # The injector acts at the heartbeat that shows the step (one per PERIOD): up to a couple of steps late. The
     # SIGSTOP must land before the loop's last step, or it stops a worker that is exiting, which the supervisor
-    # rightly gives its startup timeout, not the heartbeat timeout.
+    # rightly gives its startup timeout, not the heartbeat timeout. The SIGTERM goes at the beat that announces the
+    # loop (its handler is in place by then): the stop it asks for takes a heartbeat period or two to reach every
+    # process, and the third attempt may have only one checkpoint interval left to run, so a later notice can
+    # arrive after the last step, when the job has finished instead of stopping.
     kill, stop, term = (bench.Fault("kill", rng.randint(0, 1), rng.randint(EVERY + 1, 2 * EVERY), 0),
                         bench.Fault("stop", rng.randint(0, 1), rng.randint(1, 2), 1),
-                        bench.Fault("term", rng.randint(0, 1), 1, 2))
+                        bench.Fault("term", rng.randint(0, 1), 0, 2))
     code, out, events = _supervise(tmp_path, small_corpus, cache, monkeypatch, kill, stop, term)
     note = f"{kill}, {stop}, {term}\n{out[-4000:]}"
     assert code == 0, note
@@ -446,12 +450,13 @@ def test_a_non_finite_loss_is_detected_as_such_and_the_restart_resumes_from_the_
         assert all("non-finite loss nan reported at step" in f["detail"] for f in d["failures"]), note
     (restart,) = [e for e in events if e["kind"] == "restart"]
     # The restarted job restores one step for all ranks (one replica reads it and broadcasts it), which rank 0's
-    # log names. The supervisor's worker_start events come from heartbeats: under load the restarted attempt can
-    # diverge and exit before a heartbeat of it is polled, so they may be missing, but never different.
+    # log names and every worker's heartbeat carries. (Both would be missing if a report of the first job, posted
+    # after the supervisor stopped it, were taken for the restarted job's failure: it would stop that job before
+    # its restore.)
     resumed = re.findall(r"resumed from step (\d+)", (tmp_path / "run" / "logs" / "attempt1.rank0.log").read_text())
     starts = [e["start_step"] for e in events if e["kind"] == "worker_start" and e["attempt"] == 1]
     assert restart["resume_step"] is not None and resumed == [str(restart["resume_step"])], (restart, resumed, note)
-    assert set(starts) <= {restart["resume_step"]}, (restart, starts, note)
+    assert starts == [restart["resume_step"]] * 2, (restart, starts, note)
     bad_step = int(re.search(r"reported at step (\d+)", detected[0]["failures"][0]["detail"]).group(1))
     assert restart["resume_step"] < bad_step, (restart, bad_step, note)
 
