@@ -45,12 +45,13 @@ print(json.dumps({"growth_mib": (peak - base) / 1024, "tokens": int(len(ds.train
 
 
 # The one-line corpus of the memory test, and the most each tokenizer may grow while tokenizing it. The growth is
-# fixed by the reader's 1 MiB pieces and the 1M-character encode calls, not by the file: for char and byte a few
-# pieces and their ids; for BPE also the `tokenizers` Encoding objects of one encode call (offsets and token
-# strings for each of ~0.6M tokens), about 110 MiB. Twice the corpus exceeds each bound, so a tokenizer that holds
-# two bytes per corpus byte (the uint16 ids of a char or byte encoding, or the file plus its decoded text) fails.
-MEMORY_CORPUS_MIB = 96
-GROWTH_BOUND_MIB = {"char": 64, "byte": 64, "bpe": 160}
+# fixed by the reader's 1 MiB pieces and the 256K-character encode calls, not by the file: for char and byte a few
+# pieces and their ids (22 MiB measured with char); for BPE also the `tokenizers` Encoding objects of one encode
+# call (offsets and token strings for each of ~0.15M tokens; 46 MiB measured in all). Twice the corpus exceeds the
+# bound, so a tokenizer that holds two bytes per corpus byte (the uint16 ids of a char or byte encoding, or the
+# file plus its decoded text) fails.
+MEMORY_CORPUS_MIB = 40
+GROWTH_BOUND_MIB = {"char": 64, "byte": 64, "bpe": 64}
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +63,9 @@ def one_line_corpus(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("tokenizer", ["char", "byte", "bpe"])
 def test_one_line_corpus_tokenizes_in_bounded_memory(tmp_path, one_line_corpus, tokenizer):
     """Memory does not grow with the corpus: the old reader held the whole line as str plus its UTF-32 and int
-    copies (~25x the file: 1.2 GB for 48 MiB with char; BPE held 2 GB for 24 MiB). A 96 MiB single line must
-    tokenize within GROWTH_BOUND_MIB of peak resident growth (64 MiB for char and byte, 2/3 of the corpus;
-    160 MiB for BPE), so memory linear in the corpus (its ids collected before writing, 2 bytes per character
+    copies (~25x the file: 1.2 GB for 48 MiB with char; BPE held 2 GB for 24 MiB). A 40 MiB single line must
+    tokenize within GROWTH_BOUND_MIB of peak resident growth (64 MiB for every tokenizer, 0.8x the 80 MiB of two
+    bytes per character), so memory linear in the corpus (its ids collected before writing, 2 bytes per character
     with char) fails it."""
     bound = GROWTH_BOUND_MIB[tokenizer]
     assert 2 * MEMORY_CORPUS_MIB > bound  # what lets the test fail for memory linear in the corpus
