@@ -13,8 +13,11 @@ the loop never waits on Redis and no step adds a host sync. Every `period_s` it:
     the job is being restarted, or a Kubernetes controller restarts the JobSet): if so it prints the reason in one
     line and exits at once with EXIT_REQUESTED, without waiting on collectives a dead peer will never join;
   - sends the per-rank metric rows buffered since the last beat (msjax.control.metrics);
-  - on rank 0, records the newest verified checkpoint (tier "persistent") and blocks on the command stream
-    (XREAD BLOCK, one period at a time), queueing what arrives.
+  - on rank 0, records the newest verified checkpoint (tier "persistent") while one is awaited: the restored step
+    at the loop's start, a save the loop started (`on_checkpoint`) until `latest_verified` shows it, and again
+    after Redis restarts. Listing the checkpoint directory (an object store's bucket, perhaps) only then, not
+    every period, keeps slow storage from delaying the heartbeat that follows it; then it blocks on the command
+    stream (XREAD BLOCK, one period at a time), queueing what arrives.
 The first step's beat goes out at once (the supervisor's recovery time ends when it sees every worker's first
 step); a non-finite loss at a logging step is reported (`Store.report`), and so is the one that ends the loop
 with `train.nonfinite=stop` (at `on_end`, before the process exits).
@@ -108,6 +111,9 @@ class ControlPlaneHook(Hook):
         self._ctx: RunContext | None = None
         self._ckpt_dir = None  # the persistent tier (a local Path or a URL) and the local tier (or None)
         self._local_ckpt_dir = None
+        # rank 0: the checkpoint step waiting to be published (0: the newest, whatever it is), None when none is
+        # (under `_lock`: the loop raises it, the control thread clears it)
+        self._awaited: int | None = None
         self._signal: int | None = None  # a signal received, to be sent as a stop command (several processes)
         self._signal_at: float | None = None  # time.monotonic() of that signal
         self._signal_sent = False
@@ -125,6 +131,7 @@ class ControlPlaneHook(Hook):
         self._ctx = ctx
         self.step = self.start_step = ctx.start_step
         self.state = "running"
+        self._await_checkpoint(0)  # the restored step, if any
         self._ckpt_dir = checkpoint_dir(ctx.config.checkpoint, str(ctx.run_dir))
         self._local_ckpt_dir = local_checkpoint_dir(ctx.config.checkpoint)
         self._safe(lambda: self.store.post_event("loop_start", rank=self.rank, step=ctx.start_step,
@@ -148,6 +155,9 @@ class ControlPlaneHook(Hook):
             # first step, and waiting for the timer added half a period on average to every restart. One Redis
             # write per process and run.
             self._safe(self._beat)
+
+    def on_checkpoint(self, ctx: RunContext, step: int) -> None:
+        self._await_checkpoint(step)
 
     def on_log(self, ctx: RunContext, step: int, scalars: dict[str, float]) -> None:
         loss = scalars.get("loss")
@@ -303,7 +313,8 @@ class ControlPlaneHook(Hook):
             try:
                 # One period between beats (on_start sent the first): rank 0 spends it waiting for commands.
                 if self.rank == 0:
-                    self._publish_checkpoint(raise_errors=True)
+                    if self._awaited is not None:
+                        self._publish_checkpoint(raise_errors=True)
                     for entry_id, command in self.store.read_commands(last_id, block_s=self.period_s):
                         last_id = entry_id
                         if command.get("generation") == self.generation:
@@ -316,6 +327,7 @@ class ControlPlaneHook(Hook):
                 if self._beat():
                     # Our members record was gone: Redis restarted (it keeps nothing on disk).
                     self.reconnects += 1
+                    self._await_checkpoint(0)  # the record went with the rest
                     self._log(f"msjax.control: rank {self.rank} re-registered with a restarted Redis")
                     self.store.post_event("reregistered", rank=self.rank, step=self.step)
                 self.metrics.flush()
@@ -335,19 +347,31 @@ class ControlPlaneHook(Hook):
                 log.warning(f"msjax.control: rank {self.rank} control thread error: {e!r}")
                 self._stop.wait(self.period_s)
 
+    def _await_checkpoint(self, step: int) -> None:
+        """Rank 0: asks the control thread to publish checkpoint `step` once it is verified (0: the newest)."""
+        if self.rank == 0:
+            with self._lock:
+                self._awaited = max(self._awaited or 0, step)
+
     def _publish_checkpoint(self, raise_errors: bool = False) -> None:
         """Records the newest verified checkpoint (`msjax.checkpoint.latest_verified` of the run's tiers: the step a
-        restore resumes from, never a step whose integrity record is missing) as tier "persistent"; the checkpoint
-        directory may be a local path or a gs:// / s3:// URL."""
+        restore resumes from, never a step whose integrity record is missing) as tier "persistent", and stops
+        awaiting one once it is the awaited step or newer; the checkpoint directory may be a local path or a gs:// /
+        s3:// URL."""
         if self.rank != 0 or self._ckpt_dir is None:
             return
         from msjax import paths
         from msjax.checkpoint import latest_verified
 
         def publish() -> None:
+            with self._lock:
+                awaited = self._awaited
             newest = latest_verified(self._ckpt_dir, self._local_ckpt_dir)
             if newest is not None:
                 self.store.set_checkpoint("persistent", newest, paths.join(self._ckpt_dir, str(newest)))
+            with self._lock:
+                if self._awaited == awaited and (newest or 0) >= (awaited or 0):
+                    self._awaited = None  # an unverified save stays awaited: listed again next period
 
         if raise_errors:
             publish()

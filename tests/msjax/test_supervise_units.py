@@ -3,6 +3,7 @@ event log (detection latency, recovery time, effective training time), on made-u
 
 import json
 import signal
+import time
 
 import pytest
 
@@ -364,3 +365,62 @@ def test_rank_0_publishes_the_newest_verified_checkpoint_of_a_local_or_object_st
                 hook.close()
             got = store.checkpoint("persistent")
             assert (got["step"], got["path"]) == (2, paths.join(where, "2")), got
+
+
+def test_rank_0_lists_the_checkpoint_directory_only_while_a_save_awaits_its_verification(tmp_path, monkeypatch):
+    """Listing the checkpoint directory (a bucket, perhaps) sits on the heartbeat thread's path, so rank 0 lists it
+    only while a checkpoint is awaited: the restored step at the loop's start, then a save the loop started
+    (`on_checkpoint`), listed every period until its integrity record shows, then no more. A real Redis; the
+    listing counted where the hook calls it."""
+    import msjax.checkpoint
+    from msjax.checkpoint.integrity import RECORD_FORMAT, RECORD_NAME
+    from msjax.control.hook import ControlPlaneHook
+    from msjax.control.rendezvous import Assignment
+    from msjax.control.server import RedisServer
+    from msjax.control.store import Store, connect
+    from msjax.control.worker import WorkerContext
+    from msjax.hooks import LoopControl, RunContext
+
+    listed = []
+    real = msjax.checkpoint.latest_verified
+    monkeypatch.setattr(msjax.checkpoint, "latest_verified", lambda *a, **k: listed.append(1) or real(*a, **k))
+    record = json.dumps({"format": RECORD_FORMAT, "checksums": {}})
+    ckpt = tmp_path / "ckpt"
+
+    def save(step: int, verified: bool) -> None:
+        (ckpt / str(step) / "state").mkdir(parents=True)
+        (ckpt / str(step) / "state" / "data").write_bytes(b"x")
+        if verified:
+            (ckpt / str(step) / RECORD_NAME).write_text(record)
+
+    def wait_for(what, predicate, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+            time.sleep(0.02)
+
+    period = 0.05
+    save(2, verified=True)
+    with RedisServer() as server:
+        store = Store(connect(server.url), "hook-listing")
+        hook = ControlPlaneHook(WorkerContext(store, Assignment(0, 1, "h:1", 0), "0-0", "host0", "host0"),
+                                period_s=period, ttl_s=5.0)
+        ctx = RunContext(config=apply_overrides(Config(), {"checkpoint.dir": str(ckpt)}), run_dir=tmp_path / "run",
+                         mesh=None, program=None, start_step=2, control=LoopControl())
+        hook.on_start(ctx)
+        try:
+            wait_for("the restored step's record", lambda: (store.checkpoint("persistent") or {}).get("step") == 2)
+            settled = len(listed)
+            time.sleep(10 * period)
+            assert len(listed) == settled <= 2  # nothing awaited: no listing, whatever the heartbeats do
+            save(4, verified=False)  # a save started; its integrity record comes later (an asynchronous save)
+            hook.on_checkpoint(ctx, 4)
+            wait_for("3 listings while step 4 is unverified", lambda: len(listed) >= settled + 3)
+            assert store.checkpoint("persistent")["step"] == 2  # never a step without its record
+            (ckpt / "4" / RECORD_NAME).write_text(record)
+            wait_for("step 4's record", lambda: store.checkpoint("persistent")["step"] == 4)
+            settled = len(listed)
+            time.sleep(10 * period)
+            assert len(listed) == settled
+        finally:
+            hook.close()
