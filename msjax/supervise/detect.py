@@ -18,7 +18,11 @@ Rules (MegaScale sec. 5.1: heartbeats with process status; ByteRobust: hang dete
   nonfinite   the worker reported a non-finite loss (and may have exited because of it: train.nonfinite=stop).
   stalled     its step has not advanced for `stall_timeout` seconds while another worker's step did; or no
               worker's step has advanced for `stall_timeout` seconds although their heartbeats go on (a job-wide
-              hang: a deadlocked collective or a stuck checkpoint write; every worker is failed).
+              hang: a deadlocked collective or a stuck checkpoint write). In a job-wide hang the workers whose
+              step is behind the others' are failed: every worker runs the same program, so the others got past
+              the step's collectives with them and now wait for a step these never dispatched (a training thread
+              stuck on its host). When every step is the same, nothing tells who holds the others up: every
+              worker is failed.
 """
 
 from __future__ import annotations
@@ -150,9 +154,13 @@ def detect_failures(workers: Sequence[WorkerState], now: float, *, heartbeat_tim
     running = [w for w in workers if w.exit_code is None and not w.loop_done]
     if (not out and stall_timeout > 0 and running and newest_progress is not None
             and all(w.step_changed_at is not None for w in running) and now - newest_progress > stall_timeout):
+        steps = [w.step for w in running if w.step is not None]
+        behind = min(steps) if steps and min(steps) < max(steps) else None
         out = [Failure(w.rank, w.host, "stalled", f"no worker's step advanced for {now - newest_progress:.1f} s "
-                                                  f"(stall timeout {stall_timeout:g} s; at step {w.step}): a "
-                                                  "job-wide hang") for w in sorted(running, key=lambda w: w.rank)]
+                                                  f"(stall timeout {stall_timeout:g} s; at step {w.step}"
+                                                  + (f", the others at {max(steps)}): it holds the job up"
+                                                     if behind is not None else "): a job-wide hang"))
+               for w in sorted(running, key=lambda w: w.rank) if behind is None or w.step == behind]
     return out
 
 

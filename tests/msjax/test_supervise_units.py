@@ -90,6 +90,11 @@ def test_a_step_that_stops_while_others_advance_is_stalled():
     # ... for longer, with heartbeats still coming: a job-wide hang (a deadlocked collective), every worker failed
     hung = detect_failures([_w(0, step_changed_at=90.0), _w(1, step_changed_at=90.0)], now=100.0, **T)
     assert [(f.rank, f.kind) for f in hung] == [(0, "stalled"), (1, "stalled")] and "job-wide" in hung[0].detail
+    # ... unless some workers' step is behind the others': the others wait for a step those never dispatched
+    hung = detect_failures([_w(0, step_changed_at=90.0), _w(1, step=9, step_changed_at=89.0),
+                            _w(2, step_changed_at=90.5), _w(3, step=9, step_changed_at=89.5)], now=100.0, **T)
+    assert [(f.rank, f.kind) for f in hung] == [(1, "stalled"), (3, "stalled")], hung
+    assert "at step 9, the others at 10): it holds the job up" in hung[0].detail
     # the rule is off with stall_timeout 0
     assert detect_failures([_w(0), _w(1, step_changed_at=90.0)], now=100.0,
                            **{**T, "stall_timeout": 0.0}) == []
