@@ -171,8 +171,11 @@ def _unfinished(phase: str, directory: str, local_dir: str, min_step: int) -> tu
 
     if phase == "upload":
         for name in sorted((n for n in paths.listdir(directory) if n.isdigit()), key=int, reverse=True):
+            if int(name) < min_step:
+                continue
             where = paths.join(directory, name)
-            if int(name) >= min_step and not paths.exists(paths.join(where, RECORD_NAME)) and paths.listdir(where):
+            inside = paths.listdir(where)  # one request: the kill follows the look as closely as it can
+            if inside and RECORD_NAME not in inside:
                 return int(name), where
         return None
     root = Path(local_dir or directory)

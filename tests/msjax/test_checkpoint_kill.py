@@ -70,12 +70,16 @@ def _bit_identical(state: dict, step: int) -> None:
 def test_kill_9_inside_a_save_never_restores_it_and_latest_verified_names_the_resume_step(tmp_path):
     bench = _bench()
     landed: Counter = Counter()
+    # Each phase until its share of the landed trials: a phase whose window is short under load (the bucket's
+    # upload, seen through polled listings) gets more tries instead of being crowded out by the others.
+    share = -(-LANDED_TRIALS // len(bench.KILL_PHASES))
     with S3Server() as s3:
         bucket = s3.make_bucket("kill")
-        for i in range(2 * LANDED_TRIALS):
-            if sum(landed.values()) == LANDED_TRIALS:
+        for i in range(4 * LANDED_TRIALS):
+            wanting = [p for p in bench.KILL_PHASES if landed[p] < share]
+            if not wanting:
                 break
-            phase = bench.KILL_PHASES[i % 3]
+            phase = wanting[i % len(wanting)]
             remote = phase == "upload"
             directory = f"{bucket}/{i}" if remote else str(tmp_path / str(i))
             local = tmp_path / f"{i}-local"
@@ -101,7 +105,8 @@ def test_kill_9_inside_a_save_never_restores_it_and_latest_verified_names_the_re
                 step, state = _restore(directory, local)
                 assert step == trial.step
                 _bit_identical(state, step)
-    assert sum(landed.values()) == LANDED_TRIALS and set(landed) == set(bench.KILL_PHASES), landed
+    assert all(landed[p] == share for p in bench.KILL_PHASES) and share * len(bench.KILL_PHASES) >= LANDED_TRIALS, \
+        landed
 
 
 def _save(ckpt: Checkpointer, step: int) -> None:
