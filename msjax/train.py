@@ -15,7 +15,7 @@ import logging
 import math
 import signal
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 
 import jax
 from tqdm import tqdm
@@ -287,6 +287,26 @@ def summary_json(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 
+def _multiprocess(hook) -> bool:
+    return hook is not None and jax.process_count() > 1
+
+
+def _leave_for_peer(peer: str, error: BaseException) -> NoReturn:
+    """Ends a worker that failed because a peer did: one line naming the peer's failure and this process's error,
+    then exit EXIT_REQUESTED at once (jax.distributed's exit handler would wait at a shutdown barrier for the dead
+    peer)."""
+    import os
+    import sys
+
+    from msjax.control.store import EXIT_REQUESTED
+
+    first = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+    print(f"msjax: rank {jax.process_index()} stopping: {peer} ({type(error).__name__}: {first})", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_REQUESTED)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The train command: `msjax-train --config=gpt_tiny [--train.steps=200 --mesh.tensor=2 ... --resume]` (also
     `python -m msjax.train` and scripts/train.py). Flags -> config -> `run`; every field of msjax/config.py is a
@@ -297,8 +317,9 @@ def main(argv: Sequence[str] | None = None) -> int:
       0    finished: the loop reached train.steps.
       1    the run failed (a checkpoint write, a non-finite loss with train.nonfinite=stop, any other error).
       2    bad flags, config or data, or a control plane that cannot be joined: nothing was trained.
-      75   stopped early and resumable, not by a signal: a stop command, or asked to leave because a peer failed
-           or the job is being restarted (msjax.control.store.EXIT_REQUESTED; the reason is one line on stderr).
+      75   stopped early and resumable, not by a signal: a stop command, asked to leave because a peer failed or
+           the job is being restarted, or failed because a peer died (a collective, a save's included, that the
+           dead peer never joined) (msjax.control.store.EXIT_REQUESTED; the reason is one line on stderr).
       128 + N  stopped by signal N (130 SIGINT, 143 SIGTERM; received, or relayed by a launcher as a stop
            command) after saving a complete checkpoint: resumable with --resume, never taken for finished.
     """
@@ -341,6 +362,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         except (CheckpointError, NonFiniteLossError) as e:  # the run stopped; the newest verified checkpoint is kept
+            # A save's collectives fail when a peer dies mid-save: that is the peer's failure, not this one's.
+            peer = hook.peer_failure() if isinstance(e, CheckpointError) and _multiprocess(hook) else None
+            if peer:
+                _leave_for_peer(peer, e)
             print(f"error: {e}", file=sys.stderr)
             return 1
         except BaseException as e:
@@ -352,13 +377,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             # leave, or the peer's heartbeat is gone); its own failure prints the traceback.
             peer = hook.peer_failure() if hook is not None else None
             if peer:
-                print(f"msjax: rank {jax.process_index()} stopping: {peer} ({type(e).__name__}: "
-                      f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''})", file=sys.stderr)
-            else:
-                traceback.print_exc()
+                _leave_for_peer(peer, e)
+            traceback.print_exc()
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(EXIT_REQUESTED if peer else 1)
+            os._exit(1)
         summary.pop("sample", None)
         if jax.process_index() == 0:
             print(json.dumps(summary))
