@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 _FILES = {
@@ -20,6 +22,7 @@ _FILES = {
 }
 
 
+@pytest.mark.slow
 def test_a_worker_crash_or_hang_fails_one_test_and_the_session_ends(tmp_path):
     for name, text in _FILES.items():
         (tmp_path / name).write_text(text)

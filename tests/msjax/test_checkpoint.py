@@ -88,6 +88,7 @@ def _finite(tree) -> bool:
     return all(np.isfinite(x).all() for x in _leaves(tree) if np.issubdtype(x.dtype, np.floating))
 
 
+@pytest.mark.slow
 def test_nonfinite_steps_are_skipped_and_never_checkpointed(tmp_path, small_corpus, make_tiny_config):
     # lr 1e30 with no warmup: the first update is finite (Adam's step is ~lr) but the next forward pass overflows,
     # so every later loss is NaN. Before the fix those NaNs were applied and checkpointed.

@@ -172,6 +172,7 @@ def test_missing_config_file_and_wrong_type_are_named(tmp_path):
         parse([f"--config={tmp_path / 'c.toml'}"])
 
 
+@pytest.mark.slow
 def test_shakespeare_char_runs_from_any_directory(tmp_path):
     """The preset's corpus ships inside the package: a run from an empty directory finds it (nothing beside the
     checkout is needed) and trains on its 1,115,394 bytes."""

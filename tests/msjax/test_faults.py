@@ -85,6 +85,7 @@ def _resume(tmp: Path, corpus: Path, jax_cache: Path, overrides: dict | None = N
 
 # ---- 1: a checkpoint write that fails ------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_failed_write_stops_promptly_with_one_error_and_keeps_the_previous_checkpoint(tmp_path, small_corpus,
                                                                                        jax_cache):
     ckpt_dir = tmp_path / "run" / "checkpoints"
@@ -110,6 +111,7 @@ def test_failed_write_stops_promptly_with_one_error_and_keeps_the_previous_check
 # ---- 4: signals ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.slow
 def test_signal_finishes_the_step_saves_exits_0_and_resumes_bit_identically(tmp_path, small_corpus, jax_cache,
                                                                            reference_digest, sig):
     proc = _start(tmp_path, small_corpus, jax_cache, {"checkpoint.every": 100})
@@ -127,6 +129,7 @@ def test_signal_finishes_the_step_saves_exits_0_and_resumes_bit_identically(tmp_
     assert len(logged) == len(set(logged))  # no row of a step written twice by the stopped and the resumed run
 
 
+@pytest.mark.slow
 def test_second_signal_exits_at_once_and_leaves_nothing_taken_for_complete(tmp_path, small_corpus, jax_cache,
                                                                           reference_digest):
     # The stop's last step lasts 10 s (--slow-stop): without it the tiny run may stop, save and restore the default
@@ -149,6 +152,7 @@ def test_second_signal_exits_at_once_and_leaves_nothing_taken_for_complete(tmp_p
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.slow
 def test_the_train_command_exits_128_plus_the_signal_after_saving(tmp_path, small_corpus, jax_cache, sig):
     """`python -m msjax.train` stopped by a signal: it finishes the step, saves, says so and exits 128 + the signal
     (143, 130), never 0 (0 means finished: a shell's `train && next_step`, or a Kubernetes pod taken for

@@ -175,6 +175,7 @@ def _script(*flags: str, devices: int = 1) -> subprocess.CompletedProcess:
                           text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_generate_script_writes_json_and_any_mesh_agrees(trained_run, tmp_path):
     prompts = ["def f(x, y):", "import os"]
     in_process = generate_text(load_run(trained_run), prompts, 16, temperature=0)  # the run's own mesh (8 devices)

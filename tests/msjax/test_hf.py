@@ -170,6 +170,7 @@ def test_greedy_generation_equals_transformers_generate(hf_dirs, imported):
             assert got == ids[0, len(prompt):].tolist(), kind
 
 
+@pytest.mark.slow
 def test_imported_run_resumes_on_another_mesh_and_generates(hf_dirs, tmp_path, small_corpus):
     """scripts/convert.py --from_hf with the training settings (a batch of 8 x 32 tokens from a small corpus), then
     scripts/train.py --config=RUN --resume continues from step 0 (the imported checkpoint) on tensor 2 x data 4
@@ -338,6 +339,7 @@ def test_gpt2_checkpoint_in_the_hub_layout_imports(hf_dirs, tmp_path):
     np.testing.assert_allclose(_msjax_logits(run, tokens), _hf_logits(model, tokens), atol=TOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_command_line_errors(hf_dirs, imported, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"

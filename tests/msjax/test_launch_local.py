@@ -199,6 +199,7 @@ def test_two_processes_match_one_and_leave_nothing_running(tmp):
     _assert_same_losses(_losses(tmp / "two"), _reference(tmp, steps), steps)
 
 
+@pytest.mark.slow
 def test_launcher_errors_are_clear_and_start_nothing(tmp):
     with RedisServer() as srv:
         cases = [

@@ -90,6 +90,7 @@ def offline(monkeypatch, tmp_path):
         monkeypatch.setenv(var, str(tmp_path / f"wandb-{sub}"))  # nothing written to the home directory
 
 
+@pytest.mark.slow
 def test_wandb_offline_gets_what_metrics_jsonl_gets_and_resumes_the_same_run(tmp_path, small_corpus, offline):
     loggers = {"train.loggers": ("jsonl", "tensorboard", "wandb"), "train.sample_tokens": 0}
     cfg = tiny_run_config(tmp_path, small_corpus, **loggers, **{"train.steps": 4})

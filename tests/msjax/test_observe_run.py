@@ -124,6 +124,7 @@ class InFlightAtStepEnd(Hook):
         self.in_flight[step] = sum(not x.is_ready() for x in self.losses.values())
 
 
+@pytest.mark.slow
 def test_the_observer_adds_no_host_sync_between_window_ends(tmp_path, small_corpus):
     """With all per-step metrics on, the loop does not wait for a step before dispatching the next: between window
     ends the host runs ahead of the devices, so the steps still being computed pile up when the hooks see a step
@@ -149,6 +150,7 @@ def test_the_observer_adds_no_host_sync_between_window_ends(tmp_path, small_corp
     assert sum(hook.in_flight[s] > 0 for s in free) >= 0.75 * len(free), sorted(hook.in_flight.items())
 
 
+@pytest.mark.slow
 def test_each_device_times_its_own_forward_and_backward_inside_the_step(layout_tokens):
     """msjax.parallel.arrival (observe.own_compute) on 8 devices (data 2 x fsdp 2 x tensor 2): every step records a
     start on each device and an arrival per device and accumulated microbatch, inside the step's wall time. From

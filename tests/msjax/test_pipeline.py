@@ -299,6 +299,7 @@ def _train_cli(tmp: Path, devices: int, *flags: str) -> tuple[dict, list[dict], 
     return summary, rows, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_cli_pipelined_shakespeare_logs_the_losses_of_one_device(tmp_path):
     one, one_rows, _ = _train_cli(tmp_path / "one", 1, "--mesh.data=1")
     pp, pp_rows, log = _train_cli(tmp_path / "pp", 8, "--mesh.pipeline=2", "--mesh.data=2", "--mesh.tensor=2")
@@ -354,6 +355,7 @@ def test_layout_over_memory_names_parts_limit_and_overrides_that_fit():
     assert check_layout(fixed, [Small()] * 8).total <= 1.5 * 2**30
 
 
+@pytest.mark.slow
 def test_resume_mid_pipelined_run_is_bit_identical(tmp_path, small_corpus, make_tiny_config):
     from msjax.train import run
 

@@ -40,6 +40,7 @@ def test_replan_layout_and_reports(make_tiny_config, small_corpus, tmp_path):
     assert planner_hardware("", "NVIDIA H100 80GB HBM3") == ("h100", "")
 
 
+@pytest.mark.slow
 def test_replanned_restart_continues_the_loss_curve(make_tiny_config, small_corpus, tmp_path):
     over = {"mesh.data": 4, "mesh.fsdp": 2, "mesh.tensor": 1, "train.steps": 6, "checkpoint.every": 3,
             "train.log_every": 1, "train.eval_every": 0, "train.sample_tokens": 0, "optimizer.decay_steps": 6}

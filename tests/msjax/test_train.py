@@ -43,6 +43,7 @@ def _params(summary):
     return jax.tree.leaves(jax.device_get(summary["state"]))
 
 
+@pytest.mark.slow
 def test_resume_is_bit_identical_and_skips_unfinished_checkpoints(tmp_path, corpus):
     straight = run(tiny(tmp_path / "a", corpus))
     run(tiny(tmp_path / "b", corpus, **{"train.steps": 4}))
@@ -57,6 +58,7 @@ def test_resume_is_bit_identical_and_skips_unfinished_checkpoints(tmp_path, corp
     assert straight["sample"] == resumed["sample"]
 
 
+@pytest.mark.slow
 def test_checkpoint_restores_onto_another_mesh(tmp_path, corpus):
     cfg = tiny(tmp_path, corpus, **{"train.steps": 4})
     summary = run(cfg)

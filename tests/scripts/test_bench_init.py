@@ -208,6 +208,7 @@ def test_resp_client_runs_the_rendezvous_protocol(redis_server):
         asyncio.run(wrong_password())
 
 
+@pytest.mark.slow
 def test_bench_init_runs_both_stores_and_the_barriers(tmp_path):
     """One small run of the whole benchmark: Redis and TCPStore joins of the same N workers, the TCPStore barriers
     of both patterns, every outcome checked by the script (no row has a note), the barrier rows' group count the

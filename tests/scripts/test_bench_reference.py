@@ -13,6 +13,7 @@ plain_jax_comparison = load_script("bench").plain_jax_comparison
 plain_train_step = load_script("bench_reference").plain_train_step
 
 
+@pytest.mark.slow
 def test_plain_step_is_msjax_sized_starts_at_log_v_and_learns():
     cfg = apply_overrides(load_preset("shakespeare_char"), {"model.vocab_size": 65})
     row = plain_jax_comparison(cfg, steps=2, repeats=2)
