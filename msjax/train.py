@@ -291,6 +291,20 @@ def _multiprocess(hook) -> bool:
     return hook is not None and jax.process_count() > 1
 
 
+def _peer_failure(hook) -> str | None:
+    """`hook.peer_failure()` (None without a hook), with SIGTERM held off while it waits: a supervisor asks the
+    survivors of a failed job to leave (the request this waits for, read within 0.1 s) and sends SIGTERM right
+    after it; the loop has put the default handler back, so dying of that signal would lose the one line that says
+    why this process stopped."""
+    if hook is None:
+        return None
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        return hook.peer_failure()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _leave_for_peer(peer: str, error: BaseException) -> NoReturn:
     """Ends a worker that failed because a peer did: one line naming the peer's failure and this process's error,
     then exit EXIT_REQUESTED at once (jax.distributed's exit handler would wait at a shutdown barrier for the dead
@@ -363,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         except (CheckpointError, NonFiniteLossError) as e:  # the run stopped; the newest verified checkpoint is kept
             # A save's collectives fail when a peer dies mid-save: that is the peer's failure, not this one's.
-            peer = hook.peer_failure() if isinstance(e, CheckpointError) and _multiprocess(hook) else None
+            peer = _peer_failure(hook) if isinstance(e, CheckpointError) and _multiprocess(hook) else None
             if peer:
                 _leave_for_peer(peer, e)
             print(f"error: {e}", file=sys.stderr)
@@ -375,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # wait in a collective for this one: end now, so the launcher or supervisor sees it. A process that
             # failed because a peer died says so in one line (the control plane knows: the launcher asked it to
             # leave, or the peer's heartbeat is gone); its own failure prints the traceback.
-            peer = hook.peer_failure() if hook is not None else None
+            peer = _peer_failure(hook)
             if peer:
                 _leave_for_peer(peer, e)
             traceback.print_exc()
