@@ -44,17 +44,3 @@ def _logging_restored():
     root.handlers[:] = handlers
     root.setLevel(level)
 
-
-def pytest_collection_modifyitems(config, items):
-    """Runs the longest test files first. With `--dist loadfile` each file runs whole on one worker, files handed
-    out in collection order, so a long file collected late (the SLURM cluster's, the supervisor's end-to-end runs)
-    keeps one worker busy while the other has nothing left: longest-processing-time-first ordering ends the two
-    together. A file's weight is its number of tests marked `slow` (longer than a few seconds); files of equal
-    weight keep their order, and tests their order within a file."""
-    weight: dict[str, int] = {}
-    first: dict[str, int] = {}
-    for i, item in enumerate(items):
-        path = item.nodeid.split("::", 1)[0]
-        first.setdefault(path, i)
-        weight[path] = weight.get(path, 0) + (item.get_closest_marker("slow") is not None)
-    items.sort(key=lambda item: (-weight[item.nodeid.split("::", 1)[0]], first[item.nodeid.split("::", 1)[0]]))
