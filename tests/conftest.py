@@ -43,4 +43,3 @@ def _logging_restored():
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
-
