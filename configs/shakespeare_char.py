@@ -14,6 +14,8 @@ OVERRIDES = {
     "model.scan_layers": False,  # shallow: a Python loop over layers beats scan ~2x in the backward on CPU
     "model.d_model": 128,
     "model.max_seq_len": 64,
+    # bf16 matmul operands where the backend multiplies bf16 faster (GPU, TPU, AMX CPUs), float32 elsewhere
+    "model.matmul_dtype": "auto",
     "model.vocab_multiple": 8,  # 65 characters -> 72 rows: splits over up to 8 tensor-parallel devices (the
     # padding rows' logits are masked to -1e9, so the loss is the same function of the 65 real ones)
     "data.paths": (str(CORPUS),),

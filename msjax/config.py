@@ -146,6 +146,10 @@ class ModelConfig:
       scan_layers: one jax.lax.scan over stacked layers (fast compile) instead of a Python loop.
       param_dtype: dtype the parameters are stored in.
       dtype: dtype of the activations and matmuls.
+      matmul_dtype: the weight matmuls' operands: "activations" (in `dtype`), "bfloat16" (rounded to bf16,
+        accumulated in float32, forward and backward: mixed precision under float32 activations), or "auto"
+        (bfloat16 where the backend's bf16 matmuls are faster: GPU, TPU, a CPU with AMX-BF16; `dtype`
+        elsewhere). See `msjax.ops.matmul`.
       attention: attention settings (model.attention.*).
     """
 
@@ -171,6 +175,7 @@ class ModelConfig:
     scan_layers: bool = True
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     dtype: Literal["float32", "bfloat16"] = "float32"
+    matmul_dtype: Literal["activations", "bfloat16", "auto"] = "activations"
     attention: AttentionConfig = field(default_factory=AttentionConfig)
 
     @property

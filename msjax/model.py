@@ -35,6 +35,7 @@ from flax import nnx
 
 from msjax.config import ModelConfig
 from msjax.ops.attention import attention, attention_at_positions
+from msjax.ops import matmul
 from msjax.ops.layer_norm import layer_norm
 from msjax.ops.rms_norm import rms_norm
 from msjax.ops.rope import rope
@@ -91,6 +92,14 @@ class Norm(nnx.Module):
         return layer_norm(x_btd, self.scale[...], bias, self.eps).astype(x_btd.dtype)  # msjax/ops/layer_norm.py
 
 
+def dense(spec: str, x: jax.Array, w: jax.Array, dt, matmul_dt) -> jax.Array:
+    """A weight matmul `einsum(spec, x, w)` out in the activations' dtype `dt`: plain in `dt` when
+    `matmul_dt == dt`, else with operands rounded to `matmul_dt` and float32 accumulation (`msjax.ops.matmul`)."""
+    if matmul_dt == dt:
+        return jnp.einsum(spec, x, w.astype(dt))
+    return matmul.einsum(spec, x, w, matmul_dt).astype(dt)
+
+
 def default_positions(t: int) -> jax.Array:
     """Positions 0 .. T-1 as (1, T) int32 (broadcast over the batch): every training sequence starts at 0."""
     return jnp.arange(t, dtype=jnp.int32)[None]
@@ -118,6 +127,7 @@ class Attention(nnx.Module):
         self.window = cfg.attention.window
         self.impl = cfg.attention.impl
         self.dtype = jnp.dtype(cfg.dtype)
+        self.matmul_dtype = matmul.resolve(cfg.matmul_dtype, cfg.dtype)
 
     def finish_qkv(self, q_bthk: jax.Array, k_btgk: jax.Array, v_btgk: jax.Array, positions_bt: jax.Array
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -135,16 +145,16 @@ class Attention(nnx.Module):
 
     def project(self, x_btd: jax.Array, positions_bt: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries (B, T, H, K), keys and values (B, T, G, K) of `x_btd` at `positions_bt`."""
-        dt = self.dtype
-        q_bthk = jnp.einsum("btd,dhk->bthk", x_btd, self.wq[...].astype(dt))
-        k_btgk = jnp.einsum("btd,dgk->btgk", x_btd, self.wk[...].astype(dt))
-        v_btgk = jnp.einsum("btd,dgk->btgk", x_btd, self.wv[...].astype(dt))
+        dt, mt = self.dtype, self.matmul_dtype
+        q_bthk = dense("btd,dhk->bthk", x_btd, self.wq[...], dt, mt)
+        k_btgk = dense("btd,dgk->btgk", x_btd, self.wk[...], dt, mt)
+        v_btgk = dense("btd,dgk->btgk", x_btd, self.wv[...], dt, mt)
         return self.finish_qkv(q_bthk, k_btgk, v_btgk, positions_bt)
 
     def output(self, o_bthk: jax.Array) -> jax.Array:
         """The output projection (B, T, H, K) -> (B, T, D)."""
         o_bthk = constrain(o_bthk, (ax.ACT_BATCH, ax.ACT_SEQ_INNER, ax.ACT_HEADS, ax.ACT_HEAD_DIM))
-        y_btd = jnp.einsum("bthk,hkd->btd", o_bthk, self.wo[...].astype(self.dtype))
+        y_btd = dense("bthk,hkd->btd", o_bthk, self.wo[...], self.dtype, self.matmul_dtype)
         if self.use_bias:
             y_btd = y_btd + self.bo[...].astype(self.dtype)
         return y_btd
@@ -187,6 +197,7 @@ class MLP(nnx.Module):
             self.b_out = _param(rngs, (d,), (ax.NORM,), 0.0, dt)
         self.use_bias = cfg.use_bias
         self.dtype = jnp.dtype(cfg.dtype)
+        self.matmul_dtype = matmul.resolve(cfg.matmul_dtype, cfg.dtype)
 
     def column_weights(self) -> list[jax.Array]:
         """The input-side (D, F) matrices, in the order `activate` takes their products: [gate, up] or [in]."""
@@ -207,10 +218,10 @@ class MLP(nnx.Module):
         return jax.nn.gelu(in_btf)  # tanh approximation: GPT-2's gelu_new
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
-        dt = self.dtype
-        h_btf = self.activate(*(jnp.einsum("btd,df->btf", x_btd, w.astype(dt)) for w in self.column_weights()))
+        dt, mt = self.dtype, self.matmul_dtype
+        h_btf = self.activate(*(dense("btd,df->btf", x_btd, w, dt, mt) for w in self.column_weights()))
         h_btf = constrain(h_btf, (ax.ACT_BATCH, ax.ACT_SEQ_INNER, ax.ACT_MLP))
-        y_btd = jnp.einsum("btf,fd->btd", h_btf, self.w_out[...].astype(dt))
+        y_btd = dense("btf,fd->btd", h_btf, self.w_out[...], dt, mt)
         if self.use_bias:
             y_btd = y_btd + self.b_out[...].astype(dt)
         return y_btd
@@ -385,11 +396,12 @@ class GPT(nnx.Module):
         """Final norm and vocabulary projection: logits (B, T, V) float32 for the last layer's output (B, T, D),
         padding entries -1e9 (the model's output end; a pipeline's last stage runs it after its layers)."""
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
+        mt = matmul.resolve(cfg.matmul_dtype, dt)
         x_btd = self.ln_f(x_btd)
         if self.lm_head is not None:
-            logits_btv = jnp.einsum("btd,dv->btv", x_btd, self.lm_head[...].astype(dt))
+            logits_btv = dense("btd,dv->btv", x_btd, self.lm_head[...], dt, mt)
         else:
-            logits_btv = jnp.einsum("btd,vd->btv", x_btd, self.wte[...].astype(dt))
+            logits_btv = dense("btd,vd->btv", x_btd, self.wte[...], dt, mt)
         logits_btv = constrain(logits_btv.astype(jnp.float32), (ax.ACT_BATCH, ax.ACT_SEQ_INNER, ax.ACT_VOCAB))
         if cfg.padded_vocab() > cfg.vocab_size:
             real = jnp.arange(logits_btv.shape[-1]) < cfg.vocab_size

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from msjax.config import Config
+from msjax.ops import matmul
 
 
 def _init(key: jax.Array, L: int, D: int, F: int, T: int, V: int, std: float) -> dict[str, Any]:
@@ -71,22 +72,26 @@ def plain_train_step(cfg: Config, vocab_size: int) -> tuple[Callable, Any, dict[
     B, T, D, H, L, F, V = t.global_batch, t.seq_len, m.d_model, m.num_heads, m.num_layers, m.ff_size, vocab_size
     K = D // H
     causal_tt = jnp.tril(jnp.ones((T, T), bool))
+    mt = matmul.resolve(m.matmul_dtype, m.dtype)  # msjax's weight-matmul operands, here the plain way (cast, dot)
+
+    def mm(x, w):
+        return jnp.matmul(x.astype(mt), w.astype(mt), preferred_element_type=jnp.float32).astype(x.dtype)
 
     def block(x_btd, p):
-        qkv_btd = _layer_norm(x_btd, p["ln1"], m.norm_eps) @ p["w_qkv"] + p["b_qkv"]  # (B, T, 3D)
+        qkv_btd = mm(_layer_norm(x_btd, p["ln1"], m.norm_eps), p["w_qkv"]) + p["b_qkv"]  # (B, T, 3D)
         q_bhtk, k_bhtk, v_bhtk = (a.reshape(B, T, H, K).transpose(0, 2, 1, 3) for a in jnp.split(qkv_btd, 3, -1))
         s_bhts = (q_bhtk @ k_bhtk.swapaxes(-1, -2)) * K**-0.5
         w_bhts = jax.nn.softmax(jnp.where(causal_tt, s_bhts, -jnp.inf), axis=-1)
         o_btd = (w_bhts @ v_bhtk).transpose(0, 2, 1, 3).reshape(B, T, D)
-        x_btd = x_btd + o_btd @ p["w_o"] + p["b_o"]
-        h_btf = jax.nn.gelu(_layer_norm(x_btd, p["ln2"], m.norm_eps) @ p["w_in"] + p["b_in"])
-        return x_btd + h_btf @ p["w_out"] + p["b_out"]
+        x_btd = x_btd + mm(o_btd, p["w_o"]) + p["b_o"]
+        h_btf = jax.nn.gelu(mm(_layer_norm(x_btd, p["ln2"], m.norm_eps), p["w_in"]) + p["b_in"])
+        return x_btd + mm(h_btf, p["w_out"]) + p["b_out"]
 
     def loss_fn(params, batch):
         x_btd = params["wte"][batch["inputs"]] + params["wpe"][None]
         for p in params["layers"]:
             x_btd = block(x_btd, p)
-        logits_btv = _layer_norm(x_btd, params["ln_f"], m.norm_eps) @ params["wte"].T
+        logits_btv = mm(_layer_norm(x_btd, params["ln_f"], m.norm_eps), params["wte"].T)
         return optax.softmax_cross_entropy_with_integer_labels(logits_btv, batch["targets"]).mean()
 
     o = cfg.optimizer  # constant lr, no clipping, no finite check: a floor, not a twin of msjax's optimizer

@@ -160,13 +160,19 @@ def block(blk, x_btd: jax.Array) -> jax.Array:
     Returns:
       (B, T, D), the layer's output, laid out like x.
     Raises:
-      ValueError: called outside `msjax.sharding.use_rules`, or with a rule set that does not split the
-        residual stream over (sequence, tensor) (the Megatron-SP layout this code decomposes).
+      ValueError: called outside `msjax.sharding.use_rules`, with a rule set that does not split the
+        residual stream over (sequence, tensor) (the Megatron-SP layout this code decomposes), or with weight
+        matmuls in another dtype than the activations (`model.matmul_dtype`).
     """
     active = active_rules()
     if active is None:
         raise ValueError("collective_matmul.block needs the active mesh and rules (msjax.sharding.use_rules)")
     mesh, rules = active
+    if blk.attn.matmul_dtype != blk.attn.dtype:
+        # The rings below multiply in the activations' dtype; mixed operands would need their own backward here.
+        raise ValueError(f"mesh.tp_overlap=collective_matmul multiplies in model.dtype ({blk.attn.dtype}); "
+                         f"model.matmul_dtype resolved to {blk.attn.matmul_dtype} here: set "
+                         f"model.matmul_dtype=activations")
     x_spec = _manual_spec((ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED), rules)
     if x_spec[1:] != ((ax.SEQUENCE, ax.TENSOR), None):
         raise ValueError(f"mesh.tp_overlap=collective_matmul needs a rule set that splits act_seq over "

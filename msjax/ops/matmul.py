@@ -1,0 +1,123 @@
+"""Weight matmuls with bfloat16 operands under float32 activations (`model.matmul_dtype`).
+
+Mixed precision as GPU autocast and TPU's default matmul precision do it: the activations, norms, softmax,
+residual stream and parameters stay float32; each weight matmul rounds its two operands to bfloat16 and
+accumulates the products in float32 (a bf16 x bf16 product is exact in float32, so only the operand rounding
+differs from a float32 matmul). The backward does the same: the output gradient is rounded to bfloat16 and both
+input gradients are float32 products of bfloat16 operands. Autodiff of a cast-then-einsum would not: it contracts
+the float32 output gradient with a bfloat16 operand, which XLA computes as a float32 matmul, and rounds the weight
+gradient to bfloat16. Hence the custom VJP.
+
+Why it exists: on a CPU with AMX-BF16 (Intel Sapphire Rapids and later) XLA:CPU runs bf16 dots with float32
+accumulation 3-4x faster than float32 ones (jax 0.10.2, 2 cores, (768, 128) x (128, 512): 159 against 507 us;
+2048^3: 953 against 240 GFLOP/s; docs/cpu_speed.md), while bfloat16 activations made the shakespeare_char step
+slower (65.6 against 52.0 ms: elementwise work in bf16 is converted back and forth on CPU).
+
+Residuals are the float32 operands themselves, cast again in the backward: the weight a matmul saves is the
+parameter leaf (no bf16 copy of the parameters in a pipeline's stash of residuals), the activation is one that
+its producer keeps anyway.
+
+`resolve` turns the setting into a dtype: "activations" (the matmuls run in `model.dtype`, today's float32 or
+bf16 path), "bfloat16", or "auto": bfloat16 where the backend's bf16 matmuls are faster than its float32 ones (GPU,
+TPU, a CPU with AMX-BF16), the activations' dtype elsewhere (an AVX-512 CPU without AMX computes bf16 dots no
+faster, so its numerics stay float32).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+MATMUL_DTYPES = ("activations", "bfloat16", "auto")
+
+
+def cpu_has_amx_bf16() -> bool:
+    """Whether this Linux host's CPU reports the `amx_bf16` flag in /proc/cpuinfo (False where it cannot tell)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return "amx_bf16" in line.split(":", 1)[1].split()
+    except OSError:
+        pass
+    return False
+
+
+def resolve(setting: str, activations, platform: str | None = None) -> jnp.dtype:
+    """The dtype weight matmuls round their operands to under `model.matmul_dtype=setting`.
+
+    Args:
+      setting: "activations", "bfloat16" or "auto" (module docstring).
+      activations: the activations' dtype (`model.dtype`); never widened: "bfloat16" or "auto" under bfloat16
+        activations is bfloat16.
+      platform: the backend deciding "auto" ("cpu", "gpu", "tpu"); None: `jax.default_backend()`.
+    Returns:
+      a jnp.dtype; equal to `activations` means plain matmuls in that dtype.
+    Raises:
+      ValueError: an unknown setting.
+    """
+    activations = jnp.dtype(activations)
+    if setting == "activations":
+        return activations
+    if setting == "bfloat16":
+        return jnp.dtype(jnp.bfloat16)
+    if setting == "auto":
+        platform = platform or jax.default_backend()
+        fast = platform in ("gpu", "cuda", "rocm", "tpu") or (platform == "cpu" and cpu_has_amx_bf16())
+        return jnp.dtype(jnp.bfloat16) if fast else activations
+    raise ValueError(f"model.matmul_dtype={setting!r}: allowed are {', '.join(MATMUL_DTYPES)}")
+
+
+def einsum(spec: str, x: jax.Array, w: jax.Array, operand_dtype) -> jax.Array:
+    """`jnp.einsum(spec, x, w)` with both operands rounded to `operand_dtype`, products accumulated in float32.
+
+    Args:
+      spec: a two-operand einsum "A,B->C" in which every index appears in exactly two of A, B, C (a weight
+        matmul: "btd,df->btf", "bthk,hkd->btd", ...), so each input's gradient is again such an einsum.
+      x, w: float arrays of any float dtype (typically float32 activations and a float32 weight).
+      operand_dtype: the dtype the operands are rounded to (bfloat16).
+    Returns:
+      the product, float32, shaped by C. Gradients come back in the dtypes of x and w.
+    Raises:
+      ValueError: a spec outside the form above.
+    """
+    _check_spec(spec)
+    return _einsum(spec, jnp.dtype(operand_dtype), x, w)
+
+
+@functools.cache
+def _check_spec(spec: str) -> None:
+    a, b, c = _parts(spec)
+    for index in set(a + b + c):
+        if (index in a) + (index in b) + (index in c) != 2:
+            raise ValueError(f"matmul.einsum({spec!r}): every index must appear in exactly two of the operands "
+                             f"and the output (index {index!r} does not)")
+
+
+def _parts(spec: str) -> tuple[str, str, str]:
+    ins, out = spec.replace(" ", "").split("->")
+    a, b = ins.split(",")
+    return a, b, out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _einsum(spec, dt, x, w):
+    return jnp.einsum(spec, x.astype(dt), w.astype(dt), preferred_element_type=jnp.float32)
+
+
+def _einsum_fwd(spec, dt, x, w):
+    return _einsum(spec, dt, x, w), (x, w)
+
+
+def _einsum_bwd(spec, dt, residuals, g):
+    x, w = residuals
+    a, b, c = _parts(spec)
+    g = g.astype(dt)
+    dx = jnp.einsum(f"{c},{b}->{a}", g, w.astype(dt), preferred_element_type=jnp.float32)
+    dw = jnp.einsum(f"{a},{c}->{b}", x.astype(dt), g, preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_einsum.defvjp(_einsum_fwd, _einsum_bwd)
