@@ -162,6 +162,7 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
             _log(f"--resume: no checkpoint in {ckpt.directory}; starting from step 0")
         start_step, state = 0, program.init_fn(jax.random.key(t.seed))
     phases.mark("restored")  # (the supervisor's recovery breakdown: msjax.control.phases)
+    ckpt.prepare(state)  # the checksum programs compile beside the first step's
     loader = BatchLoader(data.train, seq_len=t.seq_len, global_batch=t.global_batch, seed=cfg.data.seed,
                          sharding=program.batch_sharding, prefetch=cfg.data.prefetch)
     if loader_state is not None:

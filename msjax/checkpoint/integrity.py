@@ -175,6 +175,36 @@ def checksum_state(state: Any, check_finite: bool = True) -> Callable[[], tuple[
     return fetch
 
 
+def checksum_programs(state: Any, check_finite: bool = True) -> Callable[[], int]:
+    """What `checksum_state(state, check_finite)` will compile, as a function that compiles it.
+
+    One program per distinct (shard shape, dtype, device, global strides): a first save otherwise waits for these
+    compiles (12 programs, 1.9 s of a 2000-step shakespeare_char run on a 2-core Xeon, where the save itself takes
+    0.2 s). The shards are read now (`state` may be donated to the next step after this returns); the returned
+    function can run on another thread, and jax's compilation cache then serves `checksum_state`'s calls.
+
+    Returns:
+      compile(): compiles each program once; returns how many.
+    """
+    specs = set()
+    for _, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if not isinstance(x, jax.Array):
+            continue
+        strides = _strides(x.shape)
+        for sh in x.addressable_shards:
+            if sh.replica_id == 0:
+                specs.add((sh.data.shape, x.dtype, sh.device, strides))
+
+    def compile_all() -> int:
+        for shape, dtype, device, strides in specs:
+            shard = jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+            starts = jax.ShapeDtypeStruct((len(shape),), jnp.int32)  # one first index per dimension
+            _shard_sums.lower(shard, starts, strides, check_finite).compile()
+        return len(specs)
+
+    return compile_all
+
+
 def combine_partials(keys: list[str], every: np.ndarray) -> tuple[dict[str, str], bool]:
     """Adds the processes' partial sums (processes, arrays, 3) into ({key path: checksum}, all finite)."""
     every = np.asarray(every, np.uint64)

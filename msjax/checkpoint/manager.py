@@ -57,7 +57,7 @@ from msjax import paths
 from msjax.compat import orbax_future as ocp_future
 from msjax.compat import orbax_synchronization as ocp_sync
 from msjax.checkpoint import replica
-from msjax.checkpoint.integrity import checksum_state, combine_partials, mismatches, write_record
+from msjax.checkpoint.integrity import checksum_programs, checksum_state, combine_partials, mismatches, write_record
 from msjax.checkpoint.tiers import LocalTier, ObjectTier, make_tier
 from msjax.config import CheckpointConfig, ConfigError
 from msjax.runtime import cache_home
@@ -407,6 +407,13 @@ class Checkpointer:
         return None
 
     # ---- saving -----------------------------------------------------------------------------------------------
+
+    def prepare(self, state: Any) -> None:
+        """Compiles the checksum programs a save of `state` will run, on the checkpoint thread, so the first save
+        does not wait for them (`integrity.checksum_programs`); a no-op without periodic saves. Call once the state
+        exists, before the first step: the compiles then overlap the step's own."""
+        if self.cfg.every > 0 and not self.read_only:
+            self._worker.submit(checksum_programs(state))
 
     def reached_preemption(self, step: int) -> bool:
         """Whether jax's preemption sync point is reached at `step` (multi-process runs with the preemption

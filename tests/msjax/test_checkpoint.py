@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from msjax.checkpoint import Checkpointer, checkpoint_dir
-from msjax.checkpoint.integrity import checksum_state
+from msjax.checkpoint.integrity import checksum_programs, checksum_state
 from msjax.config import ConfigError, apply_overrides
 from msjax.faults import NonFiniteLossError
 from msjax.train import run
@@ -251,6 +251,35 @@ def test_checksum_detects_a_flipped_bit_in_any_array_and_ignores_layout():
             y = x.copy().reshape(-1).view(np.uint32)
             y[pos] ^= np.uint32(1 << bit)
             assert checksum_state({"w": y.view(np.float32).reshape(x.shape)})()[0] != base
+
+
+def test_checksum_programs_compiled_ahead_leave_the_save_nothing_to_compile():
+    """`checksum_programs` (what CheckpointManager.prepare runs on its thread before the first step) compiles every
+    program `checksum_state` then runs: sharded, replicated, scalar and bf16 leaves, on 8 devices."""
+    mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    put = lambda x, *spec: jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))  # noqa: E731
+    rng = np.random.default_rng(7)
+    state = {"w": put(rng.standard_normal((24, 40)).astype(np.float32), "a", "b"),
+             "b": put(rng.standard_normal((40,)).astype(jnp.bfloat16)),  # replicated: counted once
+             "step": put(np.int32(3)), "m": put(rng.standard_normal((6, 4, 5)).astype(np.float32), None, "b")}
+    compiles = []
+
+    def listen(name, secs, **kw):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(secs)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        programs = checksum_programs(state)()
+        assert programs == 4 * 2 + 1 + 1 + 2  # w: 8 shards of one shape on 8 devices; b, step: 1; m: 2 devices
+        compiles.clear()
+        checksum_state(state)()
+        assert compiles == []
+        fresh = {"w2": put(rng.standard_normal((24, 56)).astype(np.float32), "a", "b")}  # never prepared
+        checksum_state(fresh)()
+        assert len(compiles) == 8  # what the save would have waited for without it
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 # Arrays of several shapes, dtypes and shardings (mesh "d": 8 devices; "a" x "b": 4 x 2), each with the checksum
