@@ -193,11 +193,12 @@ def checksum_programs(state: Any, check_finite: bool = True) -> Callable[[], int
         strides = _strides(x.shape)
         for sh in x.addressable_shards:
             if sh.replica_id == 0:
-                specs.add((sh.data.shape, x.dtype, sh.device, strides))
+                # the shard's own sharding (its memory kind included): jax's caches key on it
+                specs.add((sh.data.shape, x.dtype, sh.data.sharding, strides))
 
     def compile_all() -> int:
-        for shape, dtype, device, strides in specs:
-            shard = jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+        for shape, dtype, sharding, strides in specs:
+            shard = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
             starts = jax.ShapeDtypeStruct((len(shape),), jnp.int32)  # one first index per dimension
             _shard_sums.lower(shard, starts, strides, check_finite).compile()
         return len(specs)

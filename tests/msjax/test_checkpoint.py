@@ -253,15 +253,18 @@ def test_checksum_detects_a_flipped_bit_in_any_array_and_ignores_layout():
             assert checksum_state({"w": y.view(np.float32).reshape(x.shape)})()[0] != base
 
 
-def test_checksum_programs_compiled_ahead_leave_the_save_nothing_to_compile():
+@pytest.mark.parametrize("mesh_overrides", [{"mesh.data": 1}, {"mesh.fsdp": 4, "mesh.tensor": 2, "mesh.data": 1}])
+def test_checksum_programs_compiled_ahead_leave_the_save_nothing_to_compile(mesh_overrides):
     """`checksum_programs` (what CheckpointManager.prepare runs on its thread before the first step) compiles every
-    program `checksum_state` then runs: sharded, replicated, scalar and bf16 leaves, on 8 devices."""
-    mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    put = lambda x, *spec: jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))  # noqa: E731
-    rng = np.random.default_rng(7)
-    state = {"w": put(rng.standard_normal((24, 40)).astype(np.float32), "a", "b"),
-             "b": put(rng.standard_normal((40,)).astype(jnp.bfloat16)),  # replicated: counted once
-             "step": put(np.int32(3)), "m": put(rng.standard_normal((6, 4, 5)).astype(np.float32), None, "b")}
+    program `checksum_state` then runs, for a train program's own state (as the loop creates it), on one device
+    and split over 8."""
+    from msjax.config import load_preset
+    from msjax.mesh import make_mesh
+    from msjax.train_step import build_train_program
+
+    cfg = apply_overrides(load_preset("gpt_tiny"), {"model.num_layers": 2, "model.d_model": 32, **mesh_overrides})
+    devices = jax.devices()[:math.prod(cfg.mesh.axis_sizes().values())]
+    state = build_train_program(cfg, make_mesh(cfg.mesh, devices), vocab_size=256).init_fn(jax.random.key(0))
     compiles = []
 
     def listen(name, secs, **kw):
@@ -270,14 +273,13 @@ def test_checksum_programs_compiled_ahead_leave_the_save_nothing_to_compile():
 
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
-        programs = checksum_programs(state)()
-        assert programs == 4 * 2 + 1 + 1 + 2  # w: 8 shards of one shape on 8 devices; b, step: 1; m: 2 devices
+        assert checksum_programs(state)() > 0
         compiles.clear()
         checksum_state(state)()
         assert compiles == []
-        fresh = {"w2": put(rng.standard_normal((24, 56)).astype(np.float32), "a", "b")}  # never prepared
+        fresh = jax.tree.map(lambda x: x[..., :1] if x.ndim else x, state)  # other shapes: never prepared
         checksum_state(fresh)()
-        assert len(compiles) == 8  # what the save would have waited for without it
+        assert compiles  # what the save would have waited for without it
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
 
