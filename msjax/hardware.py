@@ -154,19 +154,21 @@ def for_device_kind(device_kind: str) -> Hardware | None:
     return None
 
 
-def measured_cpu_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
-    """A quick measured float32 matmul rate of this host, FLOP/s: the CPU stand-in for a datasheet peak.
+def measured_cpu_matmul_flops(n: int = 1024, repeats: int = 5, dtype: str = "float32") -> float:
+    """A quick measured matmul rate of this host, FLOP/s: the CPU stand-in for a datasheet peak.
 
     Times `repeats` (n x n) @ (n x n) products after one warm-up and returns the best rate (2 n^3 FLOP each).
-    The figure falls under load (other processes take the cores): `cpu_peak_flops` keeps the best a machine has
-    shown.
+    `dtype` is the operands' dtype ("float32" or "bfloat16"; products accumulate in float32, as
+    `model.matmul_dtype` computes them). The figure falls under load (other processes take the cores):
+    `cpu_peak_flops` keeps the best a machine has shown.
     """
     import jax
+    import jax.numpy as jnp
     import numpy as np
 
     # From numpy: jax.random.normal would compile a program of its own (~0.2 s of every CPU run's start).
-    a = jax.device_put(np.random.default_rng(0).standard_normal((n, n), np.float32))
-    matmul = jax.jit(lambda x: x @ x)
+    a = jax.device_put(np.random.default_rng(0).standard_normal((n, n), np.float32)).astype(dtype)
+    matmul = jax.jit(lambda x: jnp.matmul(x, x, preferred_element_type=jnp.float32))
     matmul(a).block_until_ready()
     best = float("inf")
     for _ in range(repeats):
@@ -193,18 +195,21 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def _cpu_key() -> str:
-    """Names what a CPU matmul rate depends on: the CPU model, the cores this process may use, and jaxlib (which
-    picks the matmul library: Eigen, YNNPACK)."""
+def _cpu_key(dtype: str = "float32") -> str:
+    """Names what a CPU matmul rate depends on: the CPU model, the cores this process may use, jaxlib (which
+    picks the matmul library: Eigen, YNNPACK) and the operands' dtype (float32 keys carry none, as before bf16
+    rates were kept)."""
     import jaxlib
 
     model = cpu_model()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{model} | {cores} cores | jaxlib {jaxlib.__version__}"
+    key = f"{model} | {cores} cores | jaxlib {jaxlib.__version__}"
+    return key if dtype == "float32" else f"{key} | {dtype}"
 
 
-def cpu_peak_flops() -> float:
-    """The CPU stand-in for a datasheet peak, FLOP/s: the best float32 matmul rate this machine has shown.
+def cpu_peak_flops(dtype: str = "float32") -> float:
+    """The CPU stand-in for a datasheet peak, FLOP/s: the best matmul rate this machine has shown with `dtype`
+    operands ("float32", or "bfloat16" accumulating in float32: 3-4x float32's on a CPU with AMX-BF16).
 
     One measurement per process (`measured_cpu_matmul_flops`), combined with the best earlier one kept in
     `<msjax cache>/cpu_peak.json` under `_cpu_key()`; the file is updated when this one is better. Why not the
@@ -214,12 +219,12 @@ def cpu_peak_flops() -> float:
     best rate seen is a stable denominator that only rises toward the hardware's. A cache directory that cannot be
     read or written leaves this process's measurement.
     """
-    key = _cpu_key()
+    key = _cpu_key(dtype)
     if key in _cpu_peak:
         return _cpu_peak[key]
     from msjax.runtime import cache_home
 
-    measured = measured_cpu_matmul_flops()
+    measured = measured_cpu_matmul_flops(dtype=dtype)
     path = cache_home() / CPU_PEAK_FILE
     try:
         known = json.loads(path.read_text())
@@ -245,26 +250,28 @@ def cpu_peak_flops() -> float:
     return best
 
 
-def device_peak_flops(device) -> tuple[float, str]:
+def device_peak_flops(device, matmul_dtype: str = "float32") -> tuple[float, str]:
     """(peak FLOP/s per device, label) for a jax device: the catalogue's bf16 peak, or on CPU the best measured
-    matmul rate of this machine (`cpu_peak_flops`) labelled as such."""
+    rate of this machine's matmuls with `matmul_dtype` operands (`cpu_peak_flops`: "float32" or "bfloat16", the
+    dtype the step's matmuls take, `msjax.ops.matmul.resolve`), labelled as such."""
     hw = for_device_kind(device.device_kind)
     if hw is not None:
         return hw.peak_flops, f"{hw.name} bf16 peak"
     if device.platform == "cpu":
-        return cpu_peak_flops(), "best measured CPU f32 matmul rate"
+        short = {"float32": "f32", "bfloat16": "bf16"}.get(matmul_dtype, matmul_dtype)
+        return cpu_peak_flops(matmul_dtype), f"best measured CPU {short} matmul rate"
     return float("nan"), f"unknown device {device.device_kind!r}"
 
 
-def mesh_peak_flops(devices) -> tuple[float, str]:
-    """(peak FLOP/s of all `devices` together, label): the MFU denominator.
+def mesh_peak_flops(devices, matmul_dtype: str = "float32") -> tuple[float, str]:
+    """(peak FLOP/s of all `devices` together, label): the MFU denominator; `matmul_dtype` as `device_peak_flops`.
 
     Accelerators: per-device peak times the device count. CPU: the best measured host rate (`cpu_peak_flops`)
     times the number of processes, whatever the device count, because fake CPU devices
     (`--xla_force_host_platform_device_count`) share their host's cores.
     """
     devices = list(devices)
-    peak, label = device_peak_flops(devices[0])
+    peak, label = device_peak_flops(devices[0], matmul_dtype)
     if devices[0].platform == "cpu":
         hosts = len({d.process_index for d in devices})
         return peak * hosts, f"{label} x {hosts} host(s)"

@@ -171,7 +171,7 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
                        seed=cfg.data.seed + 1, sharding=program.batch_sharding)
 
     n_dev = mesh.devices.size
-    peak, peak_label = mesh_peak_flops(mesh.devices.flat)
+    peak, peak_label = mesh_peak_flops(mesh.devices.flat, program.matmul_dtype)
     step_flops = flops_per_token(cfg.model, t.seq_len) * t.global_batch * t.seq_len
     tokens_per_step = t.global_batch * t.seq_len
     _log(f"msjax: {cfg.name} | {program.param_count / 1e6:.2f}M params | mesh "

@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from msjax.config import Config, ConfigError
 from msjax.model import abstract_model, apply, init_params
+from msjax.ops import matmul
 from msjax.optim import make_optimizer, skipped_steps
 from msjax.parallel.arrival import step_start, use_arrival_marks
 from msjax.parallel.options import use_overlap
@@ -56,6 +57,8 @@ class TrainProgram:
       param_count: number of parameters (elements).
       param_bytes, opt_state_bytes: global sizes of parameters and optimizer state, bytes.
       pipeline: the `msjax.parallel.pipeline.PipelinedGrads` the step runs with mesh.pipeline > 1, else None.
+      matmul_dtype: the dtype name the weight matmuls' operands take on this backend ("float32", "bfloat16":
+        `model.matmul_dtype` resolved, `msjax.ops.matmul.resolve`): what a CPU's MFU is measured against.
     """
 
     config: Config
@@ -74,6 +77,7 @@ class TrainProgram:
     param_bytes: int
     opt_state_bytes: int
     pipeline: PipelinedGrads | None = None
+    matmul_dtype: str = "float32"
 
 
 def _nbytes(tree: Any) -> int:
@@ -226,4 +230,5 @@ def build_train_program(cfg: Config, mesh: Mesh, vocab_size: int | None = None) 
         batch_sharding=batch_sharding, init_fn=init_fn, step_fn=step_fn, eval_fn=eval_fn, grad_fn=grads_fn,
         param_count=sum(x.size for x in jax.tree.leaves(abs_params)), param_bytes=_nbytes(abs_params),
         opt_state_bytes=_nbytes(abs_opt), pipeline=pipelined,
+        matmul_dtype=matmul.resolve(cfg.model.matmul_dtype, cfg.model.dtype).name,
     )

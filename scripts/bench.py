@@ -98,7 +98,7 @@ def benchmark(cfg: Config, steps: int = 20, warmup: int = 3, repeats: int = 3, v
                                                    warmup, repeats, trace_dir)
     cfg, t = program.config, program.config.train
     step_s = statistics.median(times)
-    peak, label = mesh_peak_flops(mesh.devices.flat)
+    peak, label = mesh_peak_flops(mesh.devices.flat, program.matmul_dtype)
     tokens_per_step = t.global_batch * t.seq_len
     flops = flops_per_token(cfg.model, t.seq_len) * tokens_per_step
     return {

@@ -158,7 +158,7 @@ def measure(cfg: Config, steps: int, repeats: int, warmup: int = 2) -> dict:
                                                       repeats)
     cfg, t = program.config, program.config.train
     step_s, cpu_s = statistics.median(walls), statistics.median(cpus)
-    peak, label = mesh_peak_flops(mesh.devices.flat)
+    peak, label = mesh_peak_flops(mesh.devices.flat, program.matmul_dtype)
     tokens_per_step = t.global_batch * t.seq_len
     flops = flops_per_token(cfg.model, t.seq_len) * tokens_per_step
     return {"config": cfg.name, "devices": mesh.devices.size, "device_kind": jax.devices()[0].device_kind,

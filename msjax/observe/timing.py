@@ -387,7 +387,7 @@ class StepObserver(Hook):
         self.run_dir = Path(ctx.run_dir)
         self.tokens_per_step = t.global_batch * t.seq_len
         self.step_flops = flops_per_token(cfg.model, t.seq_len) * self.tokens_per_step
-        self.peak, _ = mesh_peak_flops(ctx.mesh.devices.flat)
+        self.peak, _ = mesh_peak_flops(ctx.mesh.devices.flat, ctx.program.matmul_dtype)
         # lr of step s is entry s - 1: the loop's own table, or the same function's when the hook runs outside it
         lrs = ctx.learning_rates
         self._lr = np.asarray(lrs if lrs is not None else learning_rates(cfg.optimizer, t.steps))

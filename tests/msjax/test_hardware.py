@@ -20,14 +20,14 @@ def fresh(tmp_path, monkeypatch):
 def _new_process(monkeypatch, measured: float) -> None:
     """As a new process on the same machine whose measurement gives `measured` FLOP/s."""
     monkeypatch.setattr(hardware, "_cpu_peak", {})
-    monkeypatch.setattr(hardware, "measured_cpu_matmul_flops", lambda: measured)
+    monkeypatch.setattr(hardware, "measured_cpu_matmul_flops", lambda dtype="float32": measured)
 
 
 def test_the_first_measurement_is_kept_and_measured_once_per_process(fresh, monkeypatch):
     peak = cpu_peak_flops()  # a real measurement
     assert 1e8 < peak < 1e15
     assert json.loads(fresh.read_text()) == {hardware._cpu_key(): peak}
-    monkeypatch.setattr(hardware, "measured_cpu_matmul_flops", lambda: pytest.fail("measured twice"))
+    monkeypatch.setattr(hardware, "measured_cpu_matmul_flops", lambda dtype="float32": pytest.fail("measured twice"))
     assert cpu_peak_flops() == peak  # the loop's MFU and the observer's use the same figure
 
 
@@ -63,3 +63,15 @@ def test_an_unwritable_cache_directory_leaves_the_measurement(tmp_path, monkeypa
     monkeypatch.setenv("MSJAX_CACHE_HOME", str(blocker / "cache"))  # mkdir fails: a file is in the way
     _new_process(monkeypatch, 1.7e11)
     assert cpu_peak_flops() == 1.7e11
+
+
+def test_bf16_matmul_peak_is_measured_and_kept_apart_from_float32(fresh):
+    """The MFU of a step whose matmuls take bf16 operands (model.matmul_dtype) is against the bf16 rate."""
+    import jax
+
+    f32, bf16 = cpu_peak_flops(), cpu_peak_flops("bfloat16")  # real measurements
+    assert 1e8 < bf16 < 1e15
+    assert json.loads(fresh.read_text()) == {hardware._cpu_key(): f32, hardware._cpu_key("bfloat16"): bf16}
+    assert hardware._cpu_key("bfloat16") == hardware._cpu_key() + " | bfloat16"
+    peak, label = hardware.mesh_peak_flops(jax.devices("cpu")[:1], "bfloat16")
+    assert peak == bf16 and label == "best measured CPU bf16 matmul rate x 1 host(s)"
