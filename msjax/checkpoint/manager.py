@@ -410,9 +410,10 @@ class Checkpointer:
 
     def prepare(self, state: Any) -> None:
         """Compiles the checksum programs a save of `state` will run, on the checkpoint thread, so the first save
-        does not wait for them (`integrity.checksum_programs`); a no-op without periodic saves. Call once the state
-        exists, before the first step: the compiles then overlap the step's own."""
-        if self.cfg.every > 0 and not self.read_only:
+        does not wait for them (`integrity.checksum_programs`; the run's last step is saved with or without
+        periodic saves). Call once the state exists, before the first step: the compiles then overlap the step's
+        own."""
+        if not self.read_only:
             self._worker.submit(checksum_programs(state))
 
     def reached_preemption(self, step: int) -> bool:
