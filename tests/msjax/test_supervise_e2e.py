@@ -59,7 +59,9 @@ from msjax.train_step import build_train_program
 ROOT = Path(__file__).resolve().parents[2]
 # A heartbeat timeout generous enough for a 2-core machine shared with other jobs (a worker's heartbeat thread can
 # go seconds without CPU while XLA compiles); SIGSTOP detection then takes about TIMEOUT.
-STEPS, EVERY, PERIOD, TIMEOUT = 12, 3, 1.0, 8.0
+# STEPS leaves a restarted job room: a fault injected in the third attempt (resumed as late as step 9-12) must be
+# acted on before the last step (with 12 steps a SIGTERM's stop reached the workers after the last of 3 left).
+STEPS, EVERY, PERIOD, TIMEOUT = 18, 3, 1.0, 8.0
 # The stall timeout where a test needs one: above the first step's time here (the compilation cache is warm from the
 # reference run), so that only a real stall trips it.
 STALL = 20.0
@@ -167,8 +169,7 @@ def test_kill_sigstop_and_sigterm_recover_to_the_uninterrupted_parameters(tmp_pa
     # SIGSTOP must land before the loop's last step, or it stops a worker that is exiting, which the supervisor
     # rightly gives its startup timeout, not the heartbeat timeout. The SIGTERM goes at the beat that announces the
     # loop (its handler is in place by then): the stop it asks for takes a heartbeat period or two to reach every
-    # process, and the third attempt may have only one checkpoint interval left to run, so a later notice can
-    # arrive after the last step, when the job has finished instead of stopping.
+    # process, so a later notice could arrive after the last step, when the job has finished instead of stopping.
     kill, stop, term = (bench.Fault("kill", rng.randint(0, 1), rng.randint(EVERY + 1, 2 * EVERY), 0),
                         bench.Fault("stop", rng.randint(0, 1), rng.randint(1, 2), 1),
                         bench.Fault("term", rng.randint(0, 1), 0, 2))
