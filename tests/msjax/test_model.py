@@ -221,17 +221,24 @@ def test_bfloat16_compute_tracks_float32():
 
 
 def test_bfloat16_matmuls_under_float32_activations_track_float32():
-    """model.matmul_dtype=bfloat16: the loss within bf16's operand rounding of float32's, every gradient float32
-    and close to float32's, and not the float32 computation itself."""
+    """model.matmul_dtype=bfloat16: the loss and the gradient within bf16's operand rounding of float32's (unit
+    roundoff 2^-9, a few matmuls deep: measured 0.5% for the whole gradient), every gradient float32, and not
+    the float32 computation itself."""
     cfg = tiny()
     params = _random_params(cfg)
     tokens = np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 13)).astype(np.int32)
     l32, g32 = _loss_and_grads(cfg, params, tokens)
     lmx, gmx = _loss_and_grads(dataclasses.replace(cfg, matmul_dtype="bfloat16"), params, tokens)
     assert 0 < abs(float(lmx) - float(l32)) < 0.01 * float(l32)
+    assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(gmx))
+    flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)])  # noqa: E731
+    assert np.linalg.norm(flat(gmx) - flat(g32)) < 0.02 * np.linalg.norm(flat(g32))
+    # Leaf by leaf, except those whose exact gradient is zero (the key bias: softmax ignores a constant added to
+    # every key's score), where both sides are rounding noise (1e-10 here, 1e-7 on an H100) of no scale.
+    scale = float(np.abs(flat(g32)).max())
     for a, b in zip(jax.tree.leaves(gmx), jax.tree.leaves(g32)):
-        assert a.dtype == jnp.float32
-        np.testing.assert_allclose(a, b, atol=0.05 * float(np.abs(b).max()) + 1e-8)
+        if np.abs(b).max() > 1e-4 * scale:
+            np.testing.assert_allclose(a, b, atol=0.05 * float(np.abs(b).max()))
 
 
 def test_sequence_longer_than_positions_is_an_error():
