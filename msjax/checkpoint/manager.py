@@ -341,6 +341,7 @@ class Checkpointer:
         # operation id of the save (to end its threads if it fails).
         self._pending: tuple[int, Callable[[], tuple[dict, bool]], dict, str] | None = None
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="msjax-checkpoint")
+        self._compile_thread: threading.Thread | None = None  # `prepare`'s
         self._instance = next(_instances)
         self._worker_jobs: list[tuple[int, concurrent.futures.Future]] = []
         # Held by the worker while it rotates (deletes step directories) and by the loop while Orbax re-lists the
@@ -409,12 +410,15 @@ class Checkpointer:
     # ---- saving -----------------------------------------------------------------------------------------------
 
     def prepare(self, state: Any) -> None:
-        """Compiles the checksum programs a save of `state` will run, on the checkpoint thread, so the first save
+        """Compiles the checksum programs a save of `state` will run, on a thread of their own, so the first save
         does not wait for them (`integrity.checksum_programs`; the run's last step is saved with or without
         periodic saves). Call once the state exists, before the first step: the compiles then overlap the step's
-        own."""
-        if not self.read_only:
-            self._worker.submit(checksum_programs(state))
+        own. Not on the checkpoint thread: a save's integrity record must never queue behind them (a checkpoint
+        not yet recorded when a worker dies is not restored). `close` joins the thread."""
+        if not self.read_only and self._compile_thread is None:
+            self._compile_thread = threading.Thread(target=checksum_programs(state), name="msjax-checksum-compile",
+                                                    daemon=True)
+            self._compile_thread.start()
 
     def reached_preemption(self, step: int) -> bool:
         """Whether jax's preemption sync point is reached at `step` (multi-process runs with the preemption
@@ -607,6 +611,8 @@ class Checkpointer:
             self.wait()
         finally:
             self._worker.shutdown(wait=False, cancel_futures=True)
+            if self._compile_thread is not None:  # compiles of a few seconds: never left running past the run
+                self._compile_thread.join(timeout=self.cfg.timeout_s)
             try:
                 _wait(f"Orbax to close the checkpoint manager of {self.write_directory}", self._close_manager,
                       self.cfg.timeout_s)
