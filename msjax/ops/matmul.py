@@ -35,8 +35,10 @@ import jax.numpy as jnp
 MATMUL_DTYPES = ("activations", "bfloat16", "auto")
 
 
+@functools.cache
 def cpu_has_amx_bf16() -> bool:
-    """Whether this Linux host's CPU reports the `amx_bf16` flag in /proc/cpuinfo (False where it cannot tell)."""
+    """Whether this Linux host's CPU reports the `amx_bf16` flag in /proc/cpuinfo (False where it cannot tell).
+    Read once per process: every module of the model resolves `auto` when it is built."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
