@@ -124,11 +124,16 @@ def row_config(base: Config, row: Row) -> Config:
 
 def row_options(row: Row, **overrides) -> PlanOptions:
     """Planner options for a row: the paper's configuration (the microbatch and interleaving of `row_config`,
-    the best legal interleaving where the paper gives none, ZeRO-2 over data as MegaScale fig. 1 and Megatron's
-    distributed optimizer, the row's system) and otherwise the defaults every plan gets: MegaScale's rows are
-    priced as msjax's own pipelined step (`baseline="msjax"`), Megatron-LM's with the megatron baseline."""
+    the best legal interleaving where the paper gives none, the row's system) and otherwise the defaults every plan
+    gets: MegaScale's rows are priced as msjax's own pipelined step (`baseline="msjax"`) with ZeRO-2 over data
+    (MegaScale fig. 1), Megatron-LM's with the megatron baseline and ZeRO-0: none of the papers turns on
+    Megatron-LM's distributed optimizer (`--use-distributed-optimizer`, opt-in, store_true, in every
+    Megatron-LM of 2021-2023; Narayanan et al. 2021 predate it), so its gradients are all-reduced, in float32
+    under bf16 (megatron/arguments.py sets accumulate_allreduce_grads_in_fp32), after the last microbatch."""
+    zero_stage = 0 if row.system == "megatron" else 2
     opts = PlanOptions(devices=row.gpus, hardware="a100-80g", tune_virtual_stages=row.virtual == 0,
-                       tune_microbatches=False, zero_stage=2, sequence_parallel=row.sp, baseline=row.system)
+                       tune_microbatches=False, zero_stage=zero_stage, sequence_parallel=row.sp,
+                       baseline=row.system)
     return dataclasses.replace(opts, **overrides)
 
 
