@@ -11,7 +11,9 @@ import importlib.resources
 CORPUS = importlib.resources.files("msjax") / "data" / "corpora" / "tinyshakespeare.txt"
 
 OVERRIDES = {
-    "model.scan_layers": False,  # shallow: a Python loop over layers beats scan ~2x in the backward on CPU
+    # Stacked layers, loop unrolled: a rolled scan's backward is ~2x a Python loop's on CPU, and per-layer
+    # parameters give the optimizer 3x the leaves (each a few small ops); unrolled, the step takes ~5% less.
+    "model.scan_unroll": 4,
     "model.d_model": 128,
     "model.max_seq_len": 64,
     # bf16 matmul operands where the backend multiplies bf16 faster (GPU, TPU, AMX CPUs), float32 elsewhere

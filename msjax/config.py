@@ -143,7 +143,12 @@ class ModelConfig:
       norm_eps: the norms' epsilon.
       init_std: standard deviation of the normal weight initialisation.
       remat: activation recomputation policy of each block (jax.checkpoint).
-      scan_layers: one jax.lax.scan over stacked layers (fast compile) instead of a Python loop.
+      scan_layers: stacked layers (one parameter array per kind of parameter, leading `layers` axis) run by one
+        jax.lax.scan (fast compile), instead of per-layer parameters and a Python loop.
+      scan_unroll: layers per iteration of that scan (jax.lax.scan's `unroll`); num_layers or more unrolls it
+        completely: straight-line code with the parameters still stacked. On XLA:CPU a rolled scan's backward is
+        ~2x a Python loop's, while per-layer parameters multiply the optimizer's and the norms' small ops by L;
+        a shallow model on CPU gets both wins from a full unroll (docs/cpu_speed.md).
       param_dtype: dtype the parameters are stored in.
       dtype: dtype of the activations and matmuls.
       matmul_dtype: the weight matmuls' operands: "activations" (in `dtype`), "bfloat16" (rounded to bf16,
@@ -173,6 +178,7 @@ class ModelConfig:
     init_std: float = 0.02
     remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
     scan_layers: bool = True
+    scan_unroll: int = 1
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     dtype: Literal["float32", "bfloat16"] = "float32"
     matmul_dtype: Literal["activations", "bfloat16", "auto"] = "activations"
@@ -514,7 +520,7 @@ class ObserveConfig:
         device and step, msjax.parallel.arrival), a straggler figure; off by default: on XLA:CPU the callbacks'
         presence slowed the step by about 12% (docs/stragglers.md), and their cost on GPUs is not measured.
       probe: also time a collective-free compute probe at window ends, a second signal: reported and scored,
-        never flagging a rank by itself.
+        never flagging a rank by itself (multi-process runs only: one process has no peer to compare with).
       probe_budget: the most the probe may take, as a fraction of the window's wall time (window x the median
         step time); its chain of matmuls is sized to that at every window end
         (msjax.observe.timing.ComputeProbe).
@@ -591,6 +597,9 @@ class Config:
             raise ConfigError(f"model.rope_base={m.rope_base}: allowed is a finite number > 1 (e.g. 10000)")
         if not (math.isfinite(m.norm_eps) and m.norm_eps > 0):
             raise ConfigError(f"model.norm_eps={m.norm_eps}: allowed is a finite number > 0")
+        if m.scan_unroll < 1 or (m.scan_unroll > 1 and not m.scan_layers):
+            raise ConfigError(f"model.scan_unroll={m.scan_unroll}: allowed is an integer >= 1 (layers per scan "
+                              f"iteration), above 1 only with model.scan_layers=true (no scan to unroll otherwise)")
         if a.window is not None and a.window < 1:
             raise ConfigError(f"model.attention.window={a.window}: allowed is an integer >= 1, or None for full "
                               "causal attention")

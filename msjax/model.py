@@ -359,7 +359,7 @@ class GPT(nnx.Module):
         def remat(f):
             if cfg.remat == "none":
                 return f
-            return jax.checkpoint(f, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+            return jax.checkpoint(f, policy=REMAT_POLICIES[cfg.remat], prevent_cse=cse_barrier(cfg))
 
         if cfg.scan_layers:
             graphdef, stacked = nnx.split(self.blocks)
@@ -367,7 +367,7 @@ class GPT(nnx.Module):
             if overlap.active().fsdp_prefetch:  # layer i+1's all-gather carried ahead of layer i
                 x_btd = fsdp_prefetch.scan_layers(layer, x_btd, stacked)
             else:
-                x_btd, _ = jax.lax.scan(layer, x_btd, stacked)
+                x_btd, _ = jax.lax.scan(layer, x_btd, stacked, unroll=cfg.scan_unroll)
         else:
             for block in self.layers:
                 graphdef, state = nnx.split(block)
@@ -436,7 +436,7 @@ class GPT(nnx.Module):
                 x, lc = nnx.merge(graphdef, state).decode(x, positions_bt, LayerCache(k, v), write)
                 return x, (lc.k, lc.v)
 
-            x_btd, (k, v) = jax.lax.scan(layer, x_btd, (stacked, cache.k, cache.v))
+            x_btd, (k, v) = jax.lax.scan(layer, x_btd, (stacked, cache.k, cache.v), unroll=self.cfg.scan_unroll)
         else:
             ks, vs = [], []
             for i, block in enumerate(self.layers):
@@ -445,6 +445,13 @@ class GPT(nnx.Module):
                 vs.append(lc.v)
             k, v = jnp.stack(ks), jnp.stack(vs)
         return self.head(x_btd), KVCache(k, v, new_pos)
+
+
+def cse_barrier(cfg: ModelConfig) -> bool:
+    """`jax.checkpoint`'s prevent_cse for a layer: a rolled scan already keeps XLA from merging a rematerialised
+    forward with the original (they sit in different loop iterations); a Python loop or an unrolled scan puts both
+    in straight-line code, where only the barrier does."""
+    return not cfg.scan_layers or cfg.scan_unroll > 1
 
 
 def cache_slots(cfg: ModelConfig, max_len: int) -> int:

@@ -50,7 +50,7 @@ checkpointed train state keeps the model's own layout (stacked `blocks` or per-l
 restore onto any layout. With stacked layers the rule set is extended with `layers -> pipeline`, so each stage
 stores only its own L / P layers and, for V = 1, regrouping is local; for V > 1 the interleaved assignment moves
 (V - 1) / V of each stage's layers between stages once per step (an all-to-all) and the gradients back.
-Per-layer parameters (`scan_layers=False`, the CPU presets) are replicated over `pipeline` and stacked inside
+Per-layer parameters (`scan_layers=False`: gpt_tiny, llama_tiny) are replicated over `pipeline` and stacked inside
 the step.
 
 The optimizer update happens outside the `shard_map` on the whole gradient pytree, so clipping and LAMB's
@@ -69,7 +69,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from msjax.config import Config, ModelConfig
-from msjax.model import REMAT_POLICIES, Block, abstract_model
+from msjax.model import REMAT_POLICIES, Block, abstract_model, cse_barrier
 from msjax.parallel import options as overlap
 from msjax.parallel.schedule import Schedule
 from msjax.sharding import constrain, use_rules
@@ -267,10 +267,9 @@ class PipelinedGrads:
             policy = _save_activations({tuple(s) for s in one})
         else:
             policy = REMAT_POLICIES[m.remat]
-        layer = jax.checkpoint(lambda state, x: nnx.merge(gd, state)(x), policy=policy,
-                               prevent_cse=not m.scan_layers)
+        layer = jax.checkpoint(lambda state, x: nnx.merge(gd, state)(x), policy=policy, prevent_cse=cse_barrier(m))
         if m.scan_layers:
-            x_btd, _ = jax.lax.scan(lambda x, s: (layer(s, x), None), x_btd, layers)
+            x_btd, _ = jax.lax.scan(lambda x, s: (layer(s, x), None), x_btd, layers, unroll=m.scan_unroll)
             return x_btd
         for state in layers:
             x_btd = layer(state, x_btd)

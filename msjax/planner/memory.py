@@ -279,6 +279,14 @@ def layer_activation_bytes(cfg: Config, layout: Layout, policy: str | None = Non
     return saved
 
 
+def rolled(model_cfg, layers: int) -> bool:
+    """Whether `layers` layers run as a loop of more than one iteration, which decides what the compiled step keeps
+    for the backward (`msjax_layer_activation_bytes`): stacked layers under a scan of ceil(layers / scan_unroll)
+    iterations. XLA removes a loop of one iteration (a pipeline chunk of one layer, a scan unrolled whole), which
+    then counts as unrolled; per-layer parameters always run unrolled."""
+    return model_cfg.scan_layers and -(-layers // model_cfg.scan_unroll) > 1
+
+
 def msjax_layer_activation_bytes(cfg: Config, layout: Layout, scanned: bool | None = None) -> float:
     """Bytes one layer of msjax's model keeps for its backward without remat, per microbatch and device, as the
     compiled train step holds them (the `none` policy of the msjax baseline; other policies: `layer_activation_bytes`).
@@ -291,7 +299,8 @@ def msjax_layer_activation_bytes(cfg: Config, layout: Layout, scanned: bool | No
     keeps more: the LayerNorm's centred input next to its output, the GeLU's tanh. In units of (b x tokens x
     width) elements of the compute dtype, with the residual stream split over (tensor, sequence) (Megatron-SP and
     context parallelism) and the TP regions over tensor:
-      unrolled layers (`scan_layers=False`; XLA fuses the elementwise chains across the layer):
+      unrolled layers (`scan_layers=False`, or a scan unrolled whole; XLA fuses the elementwise chains across the
+      layer):
         residual stream (b, T / (t c), D): 6 serial, 3 parallel (layer input, LayerNorm centred input and
           output, the attention-residual sum)
         TP-region inputs gathered over tensor (b, T / c, D): 2 serial, 1 parallel (what QKV and linear 1 read)
@@ -302,17 +311,17 @@ def msjax_layer_activation_bytes(cfg: Config, layout: Layout, scanned: bool | No
         attention (b, a / t, T / c, T): 2 (the probabilities twice, though `msjax.ops.softmax`'s backward reads
           them once: XLA's fusions compute them once per consumer shape, (b, a, T, T) and the grouped (b, g, r,
           T, T), and keeps both; fused attention keeps a float32 log-sum-exp per query and head instead)
-      scanned layers (`scan_layers=True`; the scan stores what jax's partial evaluation saves, unfused):
+      scanned layers (a rolled scan, `rolled`; the loop stores what jax's partial evaluation saves, unfused):
         residual stream 4 per LayerNorm (8 serial, 4 parallel), no gathered copies, Q K V O as above, MLP 6,
         attention 1 (the probabilities alone: what `msjax.ops.softmax` saves; autodiff of jax.nn.softmax
         saved 2).
-    `scanned` (default `model.scan_layers`): whether the layers run inside a scan of more than one layer; XLA
-    removes a loop of one iteration (a pipeline chunk of one layer), so that counts as unrolled.
+    `scanned` (default `rolled(model, num_layers)`): whether the layers run inside a loop of more than one
+    iteration; XLA removes a loop of one iteration (a pipeline chunk of one layer), so that counts as unrolled.
     Returns:
       bytes (float).
     """
     m = cfg.model
-    scanned = m.scan_layers if scanned is None else scanned
+    scanned = rolled(m, m.num_layers) if scanned is None else scanned
     e = DTYPE_BYTES[m.dtype]
     b, T, t, c = layout.microbatch_size, cfg.train.seq_len, layout.tensor, layout.sequence
     d, f = m.d_model, m.ff_size
@@ -533,7 +542,7 @@ def activation_table(cfg: Config, layout: Layout) -> dict[str, float]:
 
     policies = ("none", "dots_no_batch", "dots", "full")
     if layout.baseline == "msjax" and layout.pipeline > 1:
-        scanned = cfg.model.scan_layers and cfg.model.num_layers // (layout.pipeline * layout.virtual_stages) > 1
+        scanned = rolled(cfg.model, cfg.model.num_layers // (layout.pipeline * layout.virtual_stages))
         return {p: stash_layer_bytes(cfg, dataclasses.replace(layout, remat=p), scanned) for p in policies}
     return {p: layer_activation_bytes(cfg, layout, p) for p in policies}
 
@@ -568,7 +577,7 @@ def fsdp_gathered_bytes(cfg: Config, layout: Layout, stage: StageParams, layers:
     one computing and the next, prefetched). Zero without fsdp (and under `zero2`, whose parameters are whole)."""
     if layout.fsdp == 1 or cfg.mesh.rules == "zero2":
         return 0.0
-    n = layers if (not cfg.model.scan_layers and layout.remat == "none") else 2
+    n = layers if (not rolled(cfg.model, layers) and layout.remat == "none") else 2
     return n * DTYPE_BYTES[cfg.model.param_dtype] * stage.layer_total / layout.tensor
 
 
@@ -626,7 +635,7 @@ def stash_layer_bytes(cfg: Config, layout: Layout, scanned: bool | None = None) 
       bytes (float).
     """
     m = cfg.model
-    scanned = m.scan_layers if scanned is None else scanned
+    scanned = rolled(m, m.num_layers) if scanned is None else scanned
     e = DTYPE_BYTES[m.dtype]
     b, T, t, c = layout.microbatch_size, cfg.train.seq_len, layout.tensor, layout.sequence
     tok, d, f = b * T, m.d_model, m.ff_size
@@ -657,7 +666,7 @@ def stash_entry_invariant_bytes(cfg: Config, layout: Layout, scanned: bool | Non
     attention, the causal mask and its float32 companion, hoisted out of the layer loop but per microbatch
     (b x a/t x T/c x T x 5 bytes), and with RoPE its tables (`rope_table_bytes`, hoisted likewise); 0 otherwise."""
     m = cfg.model
-    scanned = m.scan_layers if scanned is None else scanned
+    scanned = rolled(m, m.num_layers) if scanned is None else scanned
     if layout.remat != "none" or not scanned:
         return 0.0
     b, T, t, c = layout.microbatch_size, cfg.train.seq_len, layout.tensor, layout.sequence
@@ -694,7 +703,7 @@ def _msjax_pipeline_report(cfg: Config, layout: Layout, stage: StageParams, devi
     chunk_layers = layers // v
     pe, _, oe = state_bytes_per_element(cfg, layout)
     d = layout.data
-    scanned = cfg.model.scan_layers and chunk_layers > 1  # the chunk is a scan of Lc layers (one: no loop)
+    scanned = rolled(cfg.model, chunk_layers)  # the chunk is a scan of Lc layers (one: no loop)
     slots = Schedule(p, v, m if v == 1 or m % p == 0 else p).slots
     per_layer = stash_layer_bytes(cfg, layout, scanned)
     entry = chunk_layers * per_layer + stash_entry_invariant_bytes(cfg, layout, scanned)

@@ -82,6 +82,8 @@ def test_dotted_overrides_parse_types():
     (["--train"], "flag --train needs a value"),
     (["--train=3"], "'train' is a section"),
     (["--model.num_kv_heads=4"], "model.num_heads=6 must be a multiple of model.num_kv_heads=4"),
+    (["--model.scan_unroll=0"], "model.scan_unroll=0: allowed is an integer >= 1"),
+    (["--model.scan_unroll=2"], "above 1 only with model.scan_layers=true"),  # gpt_tiny loops over layers
 ])
 def test_bad_flags_name_the_key_and_the_allowed_values(argv, needle):
     with pytest.raises(ConfigError) as e:

@@ -195,7 +195,8 @@ def _loss_and_grads(cfg, params, tokens):
 
 
 @pytest.mark.parametrize("change", [dict(remat="full"), dict(remat="dots"), dict(remat="dots_no_batch"),
-                                    dict(scan_layers=False), dict(scan_layers=False, remat="dots")])
+                                    dict(scan_layers=False), dict(scan_layers=False, remat="dots"),
+                                    dict(scan_unroll=2), dict(scan_unroll=2, remat="dots")])
 def test_remat_and_unscanned_layers_change_nothing(change):
     cfg = tiny()
     params = _random_params(cfg)
@@ -208,6 +209,27 @@ def test_remat_and_unscanned_layers_change_nothing(change):
     np.testing.assert_allclose(l0, l1, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("unroll, loops", [(1, 1), (2, 0), (5, 0)])
+def test_an_unrolled_scan_is_straight_line_code_over_stacked_parameters(unroll, loops):
+    """scan_unroll >= num_layers leaves no loop in the compiled forward and backward, and the parameters (and
+    their gradients) stay stacked: one array per kind of parameter. A rolled scan compiles to a while loop each
+    way (the backward's loop is fused into the forward's by no pass, so one rolled scan shows at least one)."""
+    cfg = tiny(scan_unroll=unroll)
+    params = _random_params(cfg)
+    tokens = np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 13)).astype(np.int32)
+    graphdef, _, _ = abstract_model(cfg)
+
+    def loss(p):
+        logits = apply(graphdef, p, tokens[:, :-1])
+        return -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1).mean()
+
+    hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+    whiles = hlo.count(" while(")
+    assert (whiles == 0) if loops == 0 else (whiles >= loops), whiles
+    grads = jax.jit(jax.grad(loss))(params)
+    assert all(g.shape[0] == cfg.num_layers for g in jax.tree.leaves(grads["blocks"]))
 
 
 def test_bfloat16_compute_tracks_float32():
@@ -267,8 +289,9 @@ def test_llama_parameters_and_zero_vocabulary_padding():
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(attention=AttentionConfig(window=4)), LLAMA,
-                                dict(LLAMA, scan_layers=False, block="parallel", attention=AttentionConfig(window=3))],
-                         ids=["gpt", "gpt-window4", "llama", "llama-unscanned-parallel-window3"])
+                                dict(LLAMA, scan_layers=False, block="parallel", attention=AttentionConfig(window=3)),
+                                dict(scan_unroll=2)],
+                         ids=["gpt", "gpt-window4", "llama", "llama-unscanned-parallel-window3", "gpt-unrolled"])
 def test_decode_with_kv_cache_matches_full_forward(kw):
     """A batch of prompts of different lengths, prefilled together (right-padded), then decoded one token at a
     time: every real position's logits equal the full forward pass over the row's whole sequence. With a window
