@@ -21,24 +21,29 @@ def _step_of(row: str) -> float:
         return float("inf")
 
 
+# Modules tensorboardX imports at import time if they are installed, none of which msjax's writer uses: torch only
+# to accept torch tensors in its add_* calls (msjax passes floats), boto3 and google-cloud-storage only for event
+# files at s3:// and gs:// URLs (msjax's TensorBoard directory is always the local run directory's `tb`).
+_TENSORBOARDX_OPTIONAL = ("torch", "boto3", "google.cloud.storage")
+
+
 def _summary_writer_class():
-    """tensorboardX's SummaryWriter, imported without torch.
+    """tensorboardX's SummaryWriter, imported without the optional modules it would load but msjax never uses.
 
-    tensorboardX imports torch at import time wherever it is installed, only to accept torch tensors in its add_*
-    calls, which msjax never passes: that import was 1.7 of the 2.2 s the writer took at every run's start here
-    (torch 2.13 installed beside msjax, 2-core Xeon). While tensorboardX loads, `import torch` raises ImportError
-    (a None entry in sys.modules), which tensorboardX handles; a torch the process already imported is used as is.
+    Those imports were most of the writer's start-up on a 2-core Xeon: torch 1.7 of 2.2 s (torch 2.13 installed
+    beside msjax), boto3 and google-cloud-storage ~0.2 s more. While tensorboardX loads, importing any of them
+    raises ImportError (a None entry in sys.modules), which tensorboardX handles; a module the process already
+    imported is used as is, and each stays importable afterwards.
     """
-    if "torch" in sys.modules:
-        from tensorboardX import SummaryWriter
-
-        return SummaryWriter
-    sys.modules["torch"] = None  # type: ignore[assignment]
+    blocked = [name for name in _TENSORBOARDX_OPTIONAL if name not in sys.modules]
+    for name in blocked:
+        sys.modules[name] = None  # type: ignore[assignment]
     try:
         from tensorboardX import SummaryWriter
     finally:
-        if sys.modules.get("torch", 0) is None:
-            del sys.modules["torch"]
+        for name in blocked:
+            if sys.modules.get(name, 0) is None:
+                del sys.modules[name]
     return SummaryWriter
 
 

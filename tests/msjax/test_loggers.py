@@ -2,6 +2,7 @@
 learning rate included) and the run's config, and a resumed run continues the same W&B run; the learning rate
 reaches TensorBoard; a bad logger name, or wandb asked for but missing, is one ConfigError."""
 
+import importlib.util
 import json
 import struct
 import sys
@@ -129,18 +130,29 @@ def test_learning_rate_reaches_tensorboard(tmp_path, small_corpus):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # jsonl left out of train.loggers
 
 
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
 def test_tensorboard_writer_loads_without_importing_torch_and_leaves_torch_importable(tmp_path):
-    """tensorboardX imports torch whenever it is installed (1.7 s of every run's start here); the writer is loaded
-    without it, writes readable events, and torch imports normally afterwards. In a fresh interpreter, since this
-    one may hold torch already (transformers' tests)."""
+    """tensorboardX imports torch, boto3 and google-cloud-storage whenever they are installed (torch alone 1.7 s
+    of every run's start here); the writer is loaded without them, writes readable events, and each imports
+    normally afterwards. In a fresh interpreter, since this one may hold them already (transformers' tests)."""
     pytest.importorskip("torch")  # the dev extra installs it; without torch there is nothing to keep out
+    optional = [m for m in ("boto3", "google.cloud.storage") if _installed(m)]
     code = (
-        "import sys\n"
+        "import importlib, sys\n"
         "from pathlib import Path\n"
         "from msjax.metrics import MetricsWriter\n"
         f"w = MetricsWriter(Path({str(tmp_path)!r}), loggers=('tensorboard',))\n"
         "w.write(3, {'loss': 1.5}); w.close()\n"
-        "assert 'torch' not in sys.modules, 'tensorboardX pulled in torch'\n"
+        f"for m in ['torch', *{optional!r}]:\n"
+        "    assert m not in sys.modules, f'tensorboardX pulled in {m}'\n"
+        f"for m in {optional!r}:\n"
+        "    importlib.import_module(m)\n"
         "import torch\n"
         "assert torch.ones(2).sum().item() == 2.0\n"
     )
