@@ -420,7 +420,8 @@ class StepObserver(Hook):
         self._tb_every = max(1, t.log_every)  # TensorBoard at the loop's log cadence (per-step rows are in JSONL)
         local = [d for d in ctx.mesh.devices.flat if d.process_index == self.rank]
         self._probe = None
-        if self.cfg.window and self.cfg.probe:
+        # One process has no peer to compare its probe with: no calibration (~0.5 s at start) and no probes.
+        if self.cfg.window and self.cfg.probe and self.nproc > 1:
             self._probe = ComputeProbe(local)
             self._probe.cost = self._agreed_cost(self._probe)
             self._probe.chain = self._probe.repeats = 1  # no step time yet, no budget: the smallest probe at first
