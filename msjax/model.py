@@ -365,7 +365,7 @@ class GPT(nnx.Module):
             graphdef, stacked = nnx.split(self.blocks)
             layer = remat(lambda x, state: (nnx.merge(graphdef, state)(x), None))
             if overlap.active().fsdp_prefetch:  # layer i+1's all-gather carried ahead of layer i
-                x_btd = fsdp_prefetch.scan_layers(layer, x_btd, stacked)
+                x_btd = fsdp_prefetch.scan_layers(layer, x_btd, stacked, cfg.scan_unroll)
             else:
                 x_btd, _ = jax.lax.scan(layer, x_btd, stacked, unroll=cfg.scan_unroll)
         else:

@@ -46,27 +46,29 @@ def _fsdp_dim(spec: P) -> int:
     return -1
 
 
-def _prefetched_scan(run: Callable, x_btd: jax.Array, stacked: Any, gather: Callable) -> jax.Array:
+def _prefetched_scan(run: Callable, x_btd: jax.Array, stacked: Any, gather: Callable, unroll: int) -> jax.Array:
     """The layer loop with the gather one iteration ahead: iteration i gathers layer i+1 (before its matmuls, on
-    which they do not depend) and runs layer i on the weights gathered in iteration i - 1."""
+    which they do not depend) and runs layer i on the weights gathered in iteration i - 1; `unroll` iterations
+    per loop trip (jax.lax.scan's)."""
     def body(carry, next_params):
         x, current = carry
         upcoming = gather(next_params)  # issued before this layer's matmuls: the prefetch
         return (run(x, current), upcoming), None
 
     first = gather(jax.tree.map(lambda p: p[0], stacked))
-    (x_btd, last), _ = jax.lax.scan(body, (x_btd, first), jax.tree.map(lambda p: p[1:], stacked))
+    (x_btd, last), _ = jax.lax.scan(body, (x_btd, first), jax.tree.map(lambda p: p[1:], stacked), unroll=unroll)
     return run(x_btd, last)
 
 
-def scan_layers(layer: Callable[[jax.Array, Any], tuple[jax.Array, Any]], x_btd: jax.Array, stacked: Any
-                ) -> jax.Array:
-    """`jax.lax.scan(layer, x, stacked)[0]` with each layer's FSDP all-gather one iteration ahead.
+def scan_layers(layer: Callable[[jax.Array, Any], tuple[jax.Array, Any]], x_btd: jax.Array, stacked: Any,
+                unroll: int = 1) -> jax.Array:
+    """`jax.lax.scan(layer, x, stacked, unroll=unroll)[0]` with each layer's FSDP all-gather one iteration ahead.
 
     Args:
       layer: `(x, one layer's params) -> (x, None)`, the scanned layer (remat applied by the caller).
       x_btd: the residual stream (B, T, D), batch split over (data, fsdp) as every rule set splits it.
       stacked: the layers' parameters (an nnx.State with a leading `layers` axis, L >= 1).
+      unroll: layers per loop trip (`model.scan_unroll`).
     Returns:
       (B, T, D) after all L layers. Outside `msjax.sharding.use_rules`, or with `fsdp` of size 1, a plain scan.
     Raises:
@@ -74,7 +76,7 @@ def scan_layers(layer: Callable[[jax.Array, Any], tuple[jax.Array, Any]], x_btd:
     """
     active = active_rules()
     if active is None or active[0].shape[ax.FSDP] == 1:  # nothing split over fsdp: nothing to gather ahead
-        return jax.lax.scan(layer, x_btd, stacked)[0]
+        return jax.lax.scan(layer, x_btd, stacked, unroll=unroll)[0]
     mesh, rules = active
     specs = jax.tree.map(lambda s: logical_to_mesh_spec(tuple(s), rules), nnx.get_partition_spec(stacked),
                          is_leaf=lambda s: isinstance(s, P))
@@ -88,7 +90,7 @@ def scan_layers(layer: Callable[[jax.Array, Any], tuple[jax.Array, Any]], x_btd:
         gathered = jax.tree.map(lambda s: NamedSharding(region, region_spec(drop_axes(P(*s[1:]), {ax.FSDP}), region)),
                                 specs, is_leaf=lambda s: isinstance(s, P))
         return _prefetched_scan(run, x_btd, stacked,
-                                lambda params: jax.tree.map(jax.lax.with_sharding_constraint, params, gathered))
+                                lambda params: jax.tree.map(jax.lax.with_sharding_constraint, params, gathered), unroll)
 
     # Our own gather, manual over `fsdp`. Dimension 0 of a stacked parameter is `layers`, so the dimension split
     # over fsdp is d - 1 in one layer's slice (-1: not split, nothing to gather).
@@ -100,7 +102,8 @@ def scan_layers(layer: Callable[[jax.Array, Any], tuple[jax.Array, Any]], x_btd:
         return [p if d < 0 else jax.lax.all_gather(p, ax.FSDP, axis=d - 1, tiled=True) for p, d in zip(params, dims)]
 
     def per_fsdp_shard(x, *local):  # this device's batch rows and parameter shards
-        return _prefetched_scan(lambda x, params: run(x, jax.tree.unflatten(treedef, params)), x, list(local), gather)
+        return _prefetched_scan(lambda x, params: run(x, jax.tree.unflatten(treedef, params)), x, list(local), gather,
+                                unroll)
 
     return nested_shard_map(per_fsdp_shard, mesh, in_specs=(P(ax.FSDP), *in_specs), out_specs=P(ax.FSDP),
                             axis_names={ax.FSDP}, check_vma=True)(x_btd, *leaves)

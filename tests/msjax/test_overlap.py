@@ -83,14 +83,17 @@ def test_zero2_matches_single_device(reference, tokens, block, mesh, overlap, mi
         np.testing.assert_allclose(y, x, atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("mesh,tp_overlap", [(dict(fsdp=4, tensor=2), "none"),
-                                             (dict(fsdp=2, sequence=2, tensor=2), "collective_matmul")],
-                         ids=["fsdp4xtp2", "fsdp2xsp2xtp2-collective_matmul"])
-def test_fsdp_prefetch_matches_single_device(reference, tokens, mesh, tp_overlap):
+@pytest.mark.parametrize("mesh,tp_overlap,unroll", [(dict(fsdp=4, tensor=2), "none", 1),
+                                                    (dict(fsdp=4, tensor=2), "none", 4),
+                                                    (dict(fsdp=2, sequence=2, tensor=2), "collective_matmul", 1)],
+                         ids=["fsdp4xtp2", "fsdp4xtp2-unrolled", "fsdp2xsp2xtp2-collective_matmul"])
+def test_fsdp_prefetch_matches_single_device(reference, tokens, mesh, tp_overlap, unroll):
     """fsdp x tp: the layer loop runs manual over `fsdp` with our own all-gather, and the layer's sharding
     constraints inside it drop `fsdp` (msjax.sharding.region_spec). With context parallelism and collective
-    matmul (shard_maps of their own in the layer) the gather ahead is GSPMD's (fsdp_prefetch's docstring)."""
-    cfg = cfg_for("parallel", mesh, **{"mesh.fsdp_prefetch": True, "mesh.tp_overlap": tp_overlap})
+    matmul (shard_maps of their own in the layer) the gather ahead is GSPMD's (fsdp_prefetch's docstring). The
+    prefetched loop takes `model.scan_unroll` as the plain scan does."""
+    cfg = cfg_for("parallel", mesh, **{"mesh.fsdp_prefetch": True, "mesh.tp_overlap": tp_overlap,
+                                       "model.scan_unroll": unroll})
     assert_same(reference["parallel"], run_layout(cfg, tokens, 8))
 
 
