@@ -134,16 +134,21 @@ def xla_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array, *, wi
                   q_offset: jax.Array | int = 0) -> jax.Array:
     """Masked-softmax attention in plain JAX: matmuls in the input dtype accumulating in float32, softmax in
     float32. Shapes as `attention` (S may exceed T: query t sits at key position `q_offset + t`); materialises
-    (B, G, H/G, T, S) logits."""
+    (B, G, H/G, T, S) logits with grouped heads, (B, H, T, S) without."""
     b, t, h, k = q_bthk.shape
     s, g = k_bshk.shape[1], k_bshk.shape[2]
-    q_btgrk = q_bthk.reshape(b, t, g, h // g, k)  # query heads grouped by the key/value head they share
-    logits = jnp.einsum("btgrk,bsgk->bgrts", q_btgrk, k_bshk, preferred_element_type=jnp.float32)
+    # Query heads grouped by the key/value head they share; without grouping (g == h) the plain 4-D products,
+    # whose probabilities XLA keeps in one shape (the grouped form with a unit group axis made it copy them).
+    if g != h:
+        q, spec_qk, spec_pv = q_bthk.reshape(b, t, g, h // g, k), "btgrk,bsgk->bgrts", "bgrts,bsgk->btgrk"
+    else:
+        q, spec_qk, spec_pv = q_bthk, "bthk,bshk->bhts", "bhts,bshk->bthk"
+    logits = jnp.einsum(spec_qk, q, k_bshk, preferred_element_type=jnp.float32)
     logits = logits * (1.0 / k**0.5)
     i, j = q_offset + jnp.arange(t)[:, None], jnp.arange(s)[None, :]
     visible = (j <= i) if window is None else (j <= i) & (j > i - window)  # (T, S); the diagonal always is
     weights = softmax(jnp.where(visible, logits, -jnp.inf)).astype(v_bshk.dtype)
-    out = jnp.einsum("bgrts,bsgk->btgrk", weights, v_bshk, preferred_element_type=jnp.float32)
+    out = jnp.einsum(spec_pv, weights, v_bshk, preferred_element_type=jnp.float32)
     return out.reshape(b, t, h, k).astype(q_bthk.dtype)
 
 
