@@ -33,7 +33,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from msjax.config import Config
+from msjax.config import Config, ModelConfig
 from msjax.sharding_rules import RULE_SETS, logical_to_mesh_spec
 from msjax.sharding_rules import axes as ax
 from msjax.sharding_rules.rules import OPTIMIZER_STATE_RULES
@@ -279,7 +279,7 @@ def layer_activation_bytes(cfg: Config, layout: Layout, policy: str | None = Non
     return saved
 
 
-def rolled(model_cfg, layers: int) -> bool:
+def rolled(model_cfg: ModelConfig, layers: int) -> bool:
     """Whether `layers` layers run as a loop of more than one iteration, which decides what the compiled step keeps
     for the backward (`msjax_layer_activation_bytes`): stacked layers under a scan of ceil(layers / scan_unroll)
     iterations. XLA removes a loop of one iteration (a pipeline chunk of one layer, a scan unrolled whole), which
