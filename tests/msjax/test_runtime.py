@@ -337,7 +337,8 @@ def test_importing_a_module_changes_no_process_state_beyond_what_runtime_names(t
     assert sorted(changed) == ["env", "jax_config", "loggers", "warnings"], changed
     assert sorted(changed["env"]) == ["MSJAX_PJRT_NPROC", "PJRT_NPROC", "XLA_FLAGS"]  # 4 CPU devices asked for
     assert changed["env"]["XLA_FLAGS"][1].endswith("--xla_cpu_enable_concurrency_optimized_scheduler=false")
-    assert changed["jax_config"] == {"jax_compilation_cache_dir": ["None", repr(str(tmp_path / "cache" / "jax"))]}
+    assert changed["jax_config"] == {"jax_compilation_cache_dir": ["None", repr(str(tmp_path / "cache" / "jax"))],
+                                     "jax_persistent_cache_min_compile_time_secs": ["1.0", "0.1"]}
     assert changed["loggers"]["absl"][1][1] == ["OrbaxTracebacks"]
     before, after = changed["warnings"]
     assert after[1:] == before and "never awaited" in after[0]
@@ -348,3 +349,13 @@ def test_with_one_device_and_the_opt_outs_import_msjax_leaves_env_and_jax_config
                            "JAX_PLATFORMS": "cpu"})
     assert "env" not in state["msjax"] and "jax_config" not in state["msjax"], state["msjax"]
     assert state["modules"] == {}, state["modules"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env_extra", [{"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "2.5"},
+                                       {"JAX_COMPILATION_CACHE_DIR": "CACHE"}], ids=["user-floor", "user-dir"])
+def test_a_cache_floor_or_directory_the_user_chose_keeps_jax_floor(tmp_path, env_extra):
+    """msjax lowers jax's 1 s floor for writing to the persistent cache only in the directory it chose itself."""
+    env_extra = {k: v.replace("CACHE", str(tmp_path / "user")) for k, v in env_extra.items()}
+    state = _import_state({"JAX_PLATFORMS": "cpu", "MSJAX_CACHE_HOME": str(tmp_path / "cache"), **env_extra})
+    assert "jax_persistent_cache_min_compile_time_secs" not in state["msjax"].get("jax_config", {}), state["msjax"]
