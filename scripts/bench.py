@@ -4,7 +4,8 @@ Step mode (default): `python scripts/bench.py --config=gpt_tiny [--steps=20] [--
 times the jitted train step on synthetic random tokens (tokens/s, step time, MFU): the state is created sharded
 and the step is timed after compilation, with a device sync around each timed window (the data pipeline is
 benchmarked separately and runs off the critical path). With `--plain_jax`, msjax's step is timed against
-nanoGPT's block written in plain JAX at the same shapes (scripts/bench_reference.py), in alternating windows.
+nanoGPT's block written in plain JAX at the same shapes (scripts/bench_reference.py), in alternating windows;
+with `--vs="--model.x=... --mesh.y=..."`, against itself under those overrides, the same way.
 
 Recipe mode: `python scripts/bench.py --recipe --config=shakespeare_char [--repeats=3]
 [--reference_cmd="python train.py ..." --reference_cwd=DIR] [--json=out.json]` runs the whole
@@ -110,6 +111,78 @@ def benchmark(cfg: Config, steps: int = 20, warmup: int = 3, repeats: int = 3, v
     }
 
 
+def alternating_windows(arms: dict[str, list], steps: int, repeats: int) -> dict[str, list[float]]:
+    """Times several jitted steps in one process, in turn: round 0 compiles and warms each up (3 steps, untimed),
+    then `repeats` rounds of one window of `steps` steps per arm, each window ended by a device sync, the order
+    reversed every round (AB, BA, ...), so that a drift of the machine's speed hits every arm alike. Separate
+    processes see that drift between them: on the 2-core development machines the same step took 22 ms and 34 ms
+    half an hour apart (docs/cpu_speed.md).
+
+    Args:
+      arms: name -> [step function (state, batch) -> (state, outputs), state, batch]; the states are carried.
+      steps, repeats: steps per window (>= 1), timed windows per arm.
+    Returns:
+      name -> seconds per step of each timed window, in round order.
+    """
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    names = list(arms)
+    for r in range(repeats + 1):
+        for name in (names if r % 2 else names[::-1]):
+            fn, state, b = arms[name]
+            t0 = time.perf_counter()
+            for _ in range(steps if r else 3):
+                state, out = fn(state, b)
+            jax.block_until_ready(out)
+            arms[name][1] = state
+            if r:
+                times[name].append((time.perf_counter() - t0) / steps)
+    return times
+
+
+def config_comparison(base: Config, other: Config, overrides: str, steps: int = 20,
+                      repeats: int = 12) -> dict[str, Any]:
+    """msjax's train step under `base` against the step under `other` (the same config with `overrides`), both
+    built and compiled in this process (each on its own mesh) and timed by `alternating_windows` on random
+    tokens: a before/after ratio of two configs without the process-to-process drift of two separate runs.
+
+    Args:
+      base, other: validated configs; model.vocab_size 0 takes 50304.
+      overrides: how `other` differs, as given on the command line (a label for the table and JSON).
+    Returns:
+      dict with base_step_s and vs_step_s (medians, seconds per step), ratio (vs / base, median of the rounds'
+      ratios), faster_rounds (rounds in which the vs window was the shorter), each window's times, both
+      parameter counts, and the configs' names and the overrides.
+    """
+    arms, params = {}, {}
+    for name, cfg in (("base", base), ("vs", other)):
+        program = build_train_program(cfg, make_mesh(cfg.mesh), vocab_size=cfg.model.vocab_size or 50304)
+        t = program.config.train
+        tokens = np.random.default_rng(0).integers(0, program.config.model.vocab_size,
+                                                   (t.global_batch, t.seq_len + 1)).astype(np.int32)
+        batch = {"inputs": jax.device_put(tokens[:, :-1], program.batch_sharding),
+                 "targets": jax.device_put(tokens[:, 1:], program.batch_sharding)}
+        arms[name] = [program.step_fn, program.init_fn(jax.random.key(0)), batch]
+        params[name] = program.param_count
+    times = alternating_windows(arms, steps, repeats)
+    ratios = [v / b for v, b in zip(times["vs"], times["base"])]
+    return {"config": base.name, "overrides": overrides, "steps": steps, "repeats": repeats,
+            "base_step_s": statistics.median(times["base"]), "vs_step_s": statistics.median(times["vs"]),
+            "ratio": statistics.median(ratios), "faster_rounds": sum(r < 1 for r in ratios),
+            "base_s": times["base"], "vs_s": times["vs"], "base_params": params["base"], "vs_params": params["vs"]}
+
+
+def format_comparison_table(row: dict[str, Any]) -> str:
+    """One line per config: median step time and its windows; then the ratio and how many rounds the change won."""
+    label = max(len("base"), len(row["overrides"]))
+    lines = [f"{'step':<{label}}    params  ms/step  (windows)"]
+    for name, text in (("base", "base"), ("vs", row["overrides"])):
+        windows = " ".join(f"{s * 1e3:.1f}" for s in row[f"{name}_s"])
+        lines.append(f"{text:<{label}} {row[f'{name}_params']:>9,} {row[f'{name}_step_s'] * 1e3:>8.2f}  ({windows})")
+    lines.append(f"with / without the overrides (median of the rounds' ratios): {row['ratio']:.3f}; shorter in "
+                 f"{row['faster_rounds']} of {row['repeats']} rounds")
+    return "\n".join(lines)
+
+
 def plain_jax_comparison(cfg: Config, steps: int = 50, repeats: int = 6) -> dict[str, Any]:
     """msjax's train step against `bench_reference.plain_train_step` (nanoGPT's block in plain JAX) at the
     same shapes on one device, timed in alternating windows of `steps` steps (`repeats` each, ABAB...), so a
@@ -133,17 +206,7 @@ def plain_jax_comparison(cfg: Config, steps: int = 50, repeats: int = 6) -> dict
     plain_step, plain_state, plain_batch = plain_train_step(cfg, cfg.model.padded_vocab())
     arms = {"msjax": [program.step_fn, program.init_fn(jax.random.key(0)), batch],
             "plain": [plain_step, plain_state, plain_batch]}
-    times: dict[str, list[float]] = {"msjax": [], "plain": []}
-    for r in range(repeats + 1):  # round 0 compiles and warms both up; it is not timed
-        for name in ("msjax", "plain") if r % 2 else ("plain", "msjax"):
-            fn, state, b = arms[name]
-            t0 = time.perf_counter()
-            for _ in range(steps if r else 3):
-                state, out = fn(state, b)
-            jax.block_until_ready(out)
-            arms[name][1] = state
-            if r:
-                times[name].append((time.perf_counter() - t0) / steps)
+    times = alternating_windows(arms, steps, repeats)
     plain_params = sum(x.size for x in jax.tree.leaves(arms["plain"][1][0]))
     return {"config": cfg.name, "steps": steps, "repeats": repeats,
             "msjax_step_s": statistics.median(times["msjax"]), "plain_step_s": statistics.median(times["plain"]),
@@ -323,13 +386,16 @@ class BenchOptions:
       steps: step mode: train steps per timed window (median of 3 windows after 3 warm-up steps).
       json: also write the result as JSON to this path.
       recipe: time the whole scripts/train.py job as a child process instead of the step.
-      repeats: recipe mode: runs of each command, interleaved.
+      repeats: recipe mode: runs of each command, interleaved; --vs: timed rounds (12 when 1).
       reference_cmd: recipe mode: a reference recipe's command line (e.g. nanoGPT's train.py), timed beside msjax.
       reference_cwd: recipe mode: the reference command's working directory.
       plain_jax: step mode: time msjax's step against nanoGPT's block in plain JAX at the same shapes
         (scripts/bench_reference.py), in alternating windows of --steps steps.
       trace: step mode: after timing, run --steps more steps under `jax.profiler.trace` into this directory
         (TensorBoard's profile plugin or Perfetto reads it); the timed figures do not include them.
+      vs: step mode: config overrides, e.g. "--model.matmul_dtype=float32 --model.remat=full" (give it with
+        "="): the step is built with and without them in this one process and the two are timed in alternating
+        windows of --steps steps (--repeats rounds; 12 when --repeats is 1), for a before/after ratio.
     """
 
     steps: int = 20
@@ -340,6 +406,7 @@ class BenchOptions:
     reference_cwd: str = ""
     plain_jax: bool = False
     trace: str = ""
+    vs: str = ""
 
 
 def main(argv: list[str]) -> int:
@@ -348,14 +415,19 @@ def main(argv: list[str]) -> int:
         cli.setup_logging(common)
         if opts.json:
             cli.check_writable(opts.json, "--json")
+        config_args = [a for a in argv if a.split("=", 1)[0].lstrip("-") not in
+                       {f.name for f in dataclasses.fields(BenchOptions)}]
         if opts.recipe:
-            config_args = [a for a in argv if a.split("=", 1)[0].lstrip("-") not in
-                           {f.name for f in dataclasses.fields(BenchOptions)}]
             rows = recipe_benchmark(config_args, repeats=opts.repeats,
                                           reference_cmd=shlex.split(opts.reference_cmd),
                                           reference_cwd=opts.reference_cwd or None)
             result = {"config": cfg.name, "rows": rows, "summary": recipe_ratios(rows)}
             table = format_recipe_table(rows)
+        elif opts.vs:
+            other, _ = cli.parse(config_args + shlex.split(opts.vs), prog="bench.py --vs")
+            result = config_comparison(cfg, other, opts.vs, steps=opts.steps,
+                                       repeats=opts.repeats if opts.repeats > 1 else 12)
+            table = format_comparison_table(result)
         elif opts.plain_jax:
             result = plain_jax_comparison(cfg, steps=opts.steps)
             table = format_plain_table(result)

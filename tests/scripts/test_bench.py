@@ -20,3 +20,46 @@ def test_step_figures_follow_from_the_timed_step_and_a_trace_is_written(tmp_path
                                                         rel=1e-12)
     assert row["mfu"] == pytest.approx(row["model_flops_per_step"] / row["step_s"] / row["peak_flops"], rel=1e-12)
     assert list((tmp_path / "trace").rglob("*.xplane.pb")), "no profiler trace written"
+
+
+def test_vs_times_the_step_with_and_without_the_overrides_in_alternating_windows(tmp_path):
+    import json
+    import statistics
+
+    bench = load_script("bench")
+    json_path = tmp_path / "vs.json"
+    # Through the command line, as a user gives it: the overrides must reach the second program (a narrower
+    # model has fewer parameters) and bench.py's own flags must stay out of both configs.
+    assert bench.main(["--config=shakespeare_char", "--model.vocab_size=65", "--mesh.data=-1",  # 8 devices
+                       "--train.global_batch=16", "--steps=2", "--repeats=3",
+                       "--vs=--model.d_model=64 --model.num_heads=2", f"--json={json_path}"]) == 0
+    row = json.loads(json_path.read_text())
+    assert row["overrides"] == "--model.d_model=64 --model.num_heads=2"
+    # GPT-2 shapes at width 64: tied 72 x 64 embedding, 64 x 64 positions, per layer 4 * 64^2 + 2 * 64 * 256
+    # weights with their biases and two layernorms, a final layernorm
+    narrow = 72 * 64 + 64 * 64 + 4 * (4 * (64 * 64 + 64) + (64 * 256 + 256) + (256 * 64 + 64) + 4 * 64) + 2 * 64
+    assert row["base_params"] == 810_752 and row["vs_params"] == narrow == 208_768, row
+    assert len(row["base_s"]) == len(row["vs_s"]) == row["repeats"] == 3 and min(row["base_s"] + row["vs_s"]) > 0
+    ratios = [v / b for v, b in zip(row["vs_s"], row["base_s"])]
+    assert row["ratio"] == pytest.approx(statistics.median(ratios), rel=1e-12)
+    assert row["faster_rounds"] == sum(r < 1 for r in ratios)
+    assert row["base_step_s"] == pytest.approx(statistics.median(row["base_s"]), rel=1e-12)
+
+
+def test_alternating_windows_reverses_the_order_every_round_and_carries_each_state():
+    bench = load_script("bench")
+    order = []
+
+    def arm(name):
+        def step(state, batch):
+            order.append(name)
+            return state + 1, state
+        return step
+
+    arms = {"a": [arm("a"), 0, None], "b": [arm("b"), 100, None]}
+    times = bench.alternating_windows(arms, steps=2, repeats=3)
+    assert len(times["a"]) == len(times["b"]) == 3
+    # round 0 (warm-up, 3 steps each) runs b then a; then a b, b a, a b
+    rounds = ["b"] * 3 + ["a"] * 3 + ["a"] * 2 + ["b"] * 2 + ["b"] * 2 + ["a"] * 2 + ["a"] * 2 + ["b"] * 2
+    assert order == rounds
+    assert arms["a"][1] == 3 + 6 and arms["b"][1] == 100 + 3 + 6  # each arm's state carried across its windows
