@@ -393,7 +393,7 @@ class BenchOptions:
         (scripts/bench_reference.py), in alternating windows of --steps steps.
       trace: step mode: after timing, run --steps more steps under `jax.profiler.trace` into this directory
         (TensorBoard's profile plugin or Perfetto reads it); the timed figures do not include them.
-      vs: step mode: config overrides, e.g. "--model.matmul_dtype=float32 --model.remat=full" (give it with
+      vs: step mode: config overrides, e.g. "--model.matmul_dtype=activations --model.remat=full" (give it with
         "="): the step is built with and without them in this one process and the two are timed in alternating
         windows of --steps steps (--repeats rounds; 12 when --repeats is 1), for a before/after ratio.
     """

@@ -1,4 +1,8 @@
-"""bench.py's step mode: its figures follow from the step it timed, and --trace writes a profiler trace."""
+"""bench.py's step mode: its figures follow from the step it timed, --trace writes a profiler trace, and --vs
+times the step with and without overrides in alternating windows."""
+
+import json
+import statistics
 
 import pytest
 
@@ -23,9 +27,6 @@ def test_step_figures_follow_from_the_timed_step_and_a_trace_is_written(tmp_path
 
 
 def test_vs_times_the_step_with_and_without_the_overrides_in_alternating_windows(tmp_path):
-    import json
-    import statistics
-
     bench = load_script("bench")
     json_path = tmp_path / "vs.json"
     # Through the command line, as a user gives it: the overrides must reach the second program (a narrower
