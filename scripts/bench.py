@@ -45,6 +45,17 @@ from bench_reference import plain_train_step  # noqa: E402
 log = logging.getLogger("msjax.bench")
 
 
+def random_batch(program) -> dict[str, jax.Array]:
+    """A batch of uniformly random token ids for `program`'s step: {"inputs", "targets"}, each (global_batch,
+    seq_len) int32 with `program.batch_sharding`, the targets shifted by one (seed 0, so every arm and every run
+    of a benchmark sees the same tokens)."""
+    t = program.config.train
+    tokens = np.random.default_rng(0).integers(0, program.config.model.vocab_size,
+                                               (t.global_batch, t.seq_len + 1)).astype(np.int32)
+    return {"inputs": jax.device_put(tokens[:, :-1], program.batch_sharding),
+            "targets": jax.device_put(tokens[:, 1:], program.batch_sharding)}
+
+
 def time_train_step(cfg: Config, mesh, vocab_size: int, steps: int, warmup: int, repeats: int, trace_dir: str = ""):
     """Builds msjax's train program for `cfg` on `mesh`, compiles its step for random tokens (state created
     sharded) and times `repeats` windows of `steps` steps after `warmup`, each window ended by a device sync.
@@ -55,10 +66,7 @@ def time_train_step(cfg: Config, mesh, vocab_size: int, steps: int, warmup: int,
       system, every thread) per step of each window).
     """
     program = build_train_program(cfg, mesh, vocab_size=vocab_size)
-    t = program.config.train
-    tokens = np.random.default_rng(0).integers(0, program.config.model.vocab_size, (t.global_batch, t.seq_len + 1))
-    batch = {"inputs": jax.device_put(tokens[:, :-1].astype(np.int32), program.batch_sharding),
-             "targets": jax.device_put(tokens[:, 1:].astype(np.int32), program.batch_sharding)}
+    batch = random_batch(program)
     t0 = time.perf_counter()
     state = program.init_fn(jax.random.key(0))
     compiled = program.step_fn.lower(state, batch).compile()
@@ -152,16 +160,13 @@ def config_comparison(base: Config, other: Config, overrides: str, steps: int = 
       dict with base_step_s and vs_step_s (medians, seconds per step), ratio (vs / base, median of the rounds'
       ratios), faster_rounds (rounds in which the vs window was the shorter), each window's times, both
       parameter counts, and the configs' names and the overrides.
+    Raises:
+      msjax.config.ConfigError: a config that does not fit the devices present (from `build_train_program`).
     """
     arms, params = {}, {}
     for name, cfg in (("base", base), ("vs", other)):
         program = build_train_program(cfg, make_mesh(cfg.mesh), vocab_size=cfg.model.vocab_size or 50304)
-        t = program.config.train
-        tokens = np.random.default_rng(0).integers(0, program.config.model.vocab_size,
-                                                   (t.global_batch, t.seq_len + 1)).astype(np.int32)
-        batch = {"inputs": jax.device_put(tokens[:, :-1], program.batch_sharding),
-                 "targets": jax.device_put(tokens[:, 1:], program.batch_sharding)}
-        arms[name] = [program.step_fn, program.init_fn(jax.random.key(0)), batch]
+        arms[name] = [program.step_fn, program.init_fn(jax.random.key(0)), random_batch(program)]
         params[name] = program.param_count
     times = alternating_windows(arms, steps, repeats)
     ratios = [v / b for v, b in zip(times["vs"], times["base"])]
@@ -199,10 +204,7 @@ def plain_jax_comparison(cfg: Config, steps: int = 50, repeats: int = 6) -> dict
     mesh = make_mesh(cfg.mesh, jax.devices()[:1])  # the reference has no sharding: compare on one device
     program = build_train_program(cfg, mesh, vocab_size=cfg.model.vocab_size or 50304)
     cfg, t = program.config, program.config.train
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, cfg.model.vocab_size, (t.global_batch, t.seq_len + 1)).astype(np.int32)
-    batch = {"inputs": jax.device_put(tokens[:, :-1], program.batch_sharding),
-             "targets": jax.device_put(tokens[:, 1:], program.batch_sharding)}
+    batch = random_batch(program)
     plain_step, plain_state, plain_batch = plain_train_step(cfg, cfg.model.padded_vocab())
     arms = {"msjax": [program.step_fn, program.init_fn(jax.random.key(0)), batch],
             "plain": [plain_step, plain_state, plain_batch]}
