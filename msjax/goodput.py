@@ -164,7 +164,8 @@ class LoopLedger(Hook):
             self.buckets["evaluation"] += ev
             self.buckets["productive"] += interval - data - ckpt - ev
         self.buckets["data_wait"] += data
-        self.last, self.step, self.steps = now, step, self.steps + 1
+        # a call may run several steps (train.steps_per_execution): count them by number
+        self.last, self.step, self.steps = now, step, self.steps + step - self.step
 
     def on_log(self, ctx: RunContext, step: int, scalars: dict[str, float]) -> None:
         self._publish(final=False)

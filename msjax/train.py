@@ -193,8 +193,24 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
     ctx = RunContext(config=cfg, run_dir=run_dir, mesh=mesh, program=program, start_step=start_step,
                      control=control, learning_rates=lrs)
     hook.on_start(ctx)
+    # With train.steps_per_execution K > 1 one call runs K steps (program.steps_fn), unless a step the loop acts on
+    # (a log, evaluation, save, observer window or GC step; the last step) falls inside them: single steps up to it.
+    k = t.steps_per_execution
+    intervals = [i for i in (t.log_every, t.eval_every, cfg.checkpoint.every, cfg.observe.window,
+                             cfg.observe.gc_every) if i]
+
+    def steps_of_call(done: int) -> int:
+        end = done + k
+        if k == 1 or end > t.steps or any((done // i + 1) * i < end for i in intervals):
+            return 1
+        return k
+
     batch_spec = jax.ShapeDtypeStruct((t.global_batch, t.seq_len), "int32", sharding=program.batch_sharding)
-    distributed.align_first_step(program.step_fn, state, {"inputs": batch_spec, "targets": batch_spec})
+    batch_spec = {"inputs": batch_spec, "targets": batch_spec}
+    if steps_of_call(start_step) > 1:
+        distributed.align_first_step(program.steps_fn, state, (batch_spec,) * k)
+    else:
+        distributed.align_first_step(program.step_fn, state, batch_spec)
     summary: dict[str, Any] = {"val_loss": [], "start_step": start_step}
     bar = tqdm(total=t.steps, initial=start_step, disable=not t.progress or jax.process_index() != 0,
                dynamic_ncols=True, desc=cfg.name)
@@ -203,13 +219,18 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
     loss = float("nan")
     error: BaseException | None = None
     try:
-        for step in range(start_step + 1, t.steps + 1):
+        while step < t.steps:
+            n = steps_of_call(step)
             t_fetch = time.perf_counter()
-            batch = next(loader)
+            batches = tuple(next(loader) for _ in range(n))
             ctx.timings["issue_t"] = t_issue = time.perf_counter()
-            state, metrics = program.step_fn(state, batch)
-            ctx.timings.update(data_s=t_issue - t_fetch, dispatch_s=time.perf_counter() - t_issue)
-            bar.update(1)
+            if n == 1:
+                state, metrics = program.step_fn(state, batches[0])
+            else:
+                state, metrics = program.steps_fn(state, batches)
+            step += n  # the step the call ends at: what the hooks, logging, evaluation and saves below see
+            ctx.timings.update(data_s=t_issue - t_fetch, dispatch_s=time.perf_counter() - t_issue, steps=n)
+            bar.update(n)
             ckpt.poll(step)  # a failed checkpoint write stops the run here, within a step of the failure
             hook.on_step_end(ctx, step, metrics)
             if last_log_time is None:  # the first step includes compilation: time from its end

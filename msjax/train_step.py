@@ -52,6 +52,9 @@ class TrainProgram:
       batch_sharding: NamedSharding of a (B, T) batch array.
       init_fn: jitted `key -> state`, creating the state already sharded.
       step_fn: jitted `(state, batch) -> (state, metrics)`; `state` is donated.
+      steps_fn: with `train.steps_per_execution` K > 1, jitted `(state, batches) -> (state, metrics)` running K
+        steps in one call (a `jax.lax.scan` of the step over the tuple of K batches, stacked inside the program);
+        `metrics` are the last step's; `state` is donated. None when K = 1.
       eval_fn: jitted `(params, batch) -> mean loss` (float32 scalar).
       grad_fn: jitted `(params, batch) -> (loss, grads)` for one whole batch, grads sharded like params.
       param_count: number of parameters (elements).
@@ -78,6 +81,7 @@ class TrainProgram:
     opt_state_bytes: int
     pipeline: PipelinedGrads | None = None
     matmul_dtype: str = "float32"
+    steps_fn: Callable | None = None
 
 
 def _nbytes(tree: Any) -> int:
@@ -220,6 +224,15 @@ def build_train_program(cfg: Config, mesh: Mesh, vocab_size: int | None = None) 
                                   abstract_state, state_shardings)
     step_fn = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
                       out_shardings=(state_shardings, replicated), donate_argnums=0)
+    steps_fn = None
+    if t.steps_per_execution > 1:
+        def train_steps(state: dict, batches: tuple[dict, ...]) -> tuple[dict, dict]:
+            stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *batches)  # (K, B, T) each
+            state, metrics = jax.lax.scan(train_step, state, stacked)
+            return state, jax.tree.map(lambda m: m[-1], metrics)
+
+        steps_fn = jax.jit(train_steps, in_shardings=(state_shardings, (batch_sharding,) * t.steps_per_execution),
+                           out_shardings=(state_shardings, replicated), donate_argnums=0)
     eval_fn = jax.jit(eval_step, in_shardings=(param_shardings, batch_sharding), out_shardings=replicated)
     grads_fn = jax.jit(batch_grads, in_shardings=(param_shardings, batch_sharding),
                        out_shardings=(replicated, param_shardings))
@@ -230,5 +243,5 @@ def build_train_program(cfg: Config, mesh: Mesh, vocab_size: int | None = None) 
         batch_sharding=batch_sharding, init_fn=init_fn, step_fn=step_fn, eval_fn=eval_fn, grad_fn=grads_fn,
         param_count=sum(x.size for x in jax.tree.leaves(abs_params)), param_bytes=_nbytes(abs_params),
         opt_state_bytes=_nbytes(abs_opt), pipeline=pipelined,
-        matmul_dtype=matmul.resolve(cfg.model.matmul_dtype, cfg.model.dtype).name,
+        matmul_dtype=matmul.resolve(cfg.model.matmul_dtype, cfg.model.dtype).name, steps_fn=steps_fn,
     )

@@ -26,6 +26,8 @@ MAY_DIFFER = (
     "storage.",
     # where the metrics go
     "train.loggers",
+    # how many steps one call of the compiled program runs: the same steps on the same batches
+    "train.steps_per_execution",
 )
 
 

@@ -49,6 +49,10 @@ window end the chain is sized so the probe takes at most `observe.probe_budget` 
 time. It shows a device that is slow throughout; a rank that stalls now and then can pass a short probe untouched,
 which is why the steps' own figures decide.
 
+With `train.steps_per_execution` K > 1 the loop calls the compiled program once per K steps and sees only every
+K-th step: a row then stands for the K steps its call ran, its step number the last of them, its times the call's
+divided by K (per-step averages), its loss and gradient norm the last step's.
+
 Resolution: done_t is when the watcher thread woke, so it lags by the thread's wake-up (tens of microseconds to a
 few milliseconds under load); step figures are meant for windows of steps and heatmaps, not single microseconds.
 The first step observed (compilation) is written but left out of window figures.
@@ -510,7 +514,7 @@ class StepObserver(Hook):
         host = {"data_s": tm.get("data_s", 0.0), "dispatch_s": tm.get("dispatch_s", 0.0),
                 "checkpoint_s": tm.get("checkpoint_s", 0.0), "gc_s": gc_s}
         issue_t = tm.get("issue_t", now)
-        self._queue.put((step, metrics, issue_t, host))
+        self._queue.put((step, metrics, issue_t, host, tm.get("steps", 1)))
         if self.cfg.window and step % self.cfg.window == 0:
             self._window_end(ctx, step, now)
         else:
@@ -526,7 +530,7 @@ class StepObserver(Hook):
                 item = self._queue.get()
                 if item is None:
                     return
-                step, metrics, issue_t, host = item
+                step, metrics, issue_t, host, n = item  # n: steps the call ran (train.steps_per_execution)
                 # The step's outputs become ready together: the first conversion waits for the step, and its end
                 # is the step's done time. float(np.asarray(x)) per scalar costs several times less CPU than
                 # block_until_ready + jax.device_get of the whole dict.
@@ -542,6 +546,9 @@ class StepObserver(Hook):
                     stall = max(0.0, issue_t - prev_done)
                     start = max(issue_t, prev_done)
                 compute = done - start
+                if n > 1:  # the row gives per-step figures: a call of n steps, averaged over them
+                    step_s, stall, compute = step_s / n, stall / n, compute / n
+                    host = {key: value / n for key, value in host.items()}
                 marks = ARRIVALS.take(step)  # every local device's marks: the step is done, so they are in
                 arrived = {}
                 if marks.get("start") and marks.get("arrive"):

@@ -84,6 +84,9 @@ def test_dotted_overrides_parse_types():
     (["--model.num_kv_heads=4"], "model.num_heads=6 must be a multiple of model.num_kv_heads=4"),
     (["--model.scan_unroll=0"], "model.scan_unroll=0: allowed is an integer >= 1"),
     (["--model.scan_unroll=2"], "above 1 only with model.scan_layers=true"),  # gpt_tiny loops over layers
+    (["--train.steps_per_execution=0"], "train.steps_per_execution=0: allowed is an integer >= 1"),
+    (["--train.steps_per_execution=2", "--train.nonfinite=stop"], "train.nonfinite=stop stops at the exact step"),
+    (["--train.steps_per_execution=2", "--observe.own_compute=true"], "needs train.steps_per_execution=1"),
 ])
 def test_bad_flags_name_the_key_and_the_allowed_values(argv, needle):
     with pytest.raises(ConfigError) as e:

@@ -59,6 +59,40 @@ def test_resume_is_bit_identical_and_skips_unfinished_checkpoints(tmp_path, corp
 
 
 @pytest.mark.slow
+def test_steps_per_execution_trains_like_single_steps_and_resumes_bit_identically(tmp_path, corpus):
+    """K = 2 steps per call (a scan over the step) against one step per call, on data 2 x fsdp 2 x tensor 2: the
+    same batches in the same order, so the same parameters within float32 rounding (the scan's body is compiled
+    as a loop body, the single step as a program of its own, and XLA may fuse them differently); the loop's
+    logging, evaluation, checkpoints and goodput count every step. Resumed with K = 2 from K = 2's checkpoint,
+    bit for bit; resumed from a K = 1 checkpoint off the K grid (step 3), single steps up to step 4, then calls."""
+    single = run(tiny(tmp_path / "single", corpus))
+    two = run(tiny(tmp_path / "two", corpus, **{"train.steps_per_execution": 2}))
+    for x, y in zip(_params(single), _params(two)):
+        np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6)
+    assert two["checkpoints"] == single["checkpoints"] == [4, 8]
+    assert [s for s, _ in two["val_loss"]] == [4, 8]
+    np.testing.assert_allclose([v for _, v in two["val_loss"]], [v for _, v in single["val_loss"]], rtol=1e-5)
+    rows = [json.loads(line) for line in (tmp_path / "two" / "run" / "metrics.jsonl").read_text().splitlines()]
+    # logged every 2 steps, except the first call's end (step 2), which includes compiling, as step 1 with K = 1
+    assert [r["step"] for r in rows if "loss" in r] == [4, 6, 8]
+    assert two["goodput"]["steps"] == 8  # steps counted by number, not by calls
+    timed = [json.loads(line) for line in (tmp_path / "two" / "run" / "ranks" / "rank0.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in timed] == [2, 4, 6, 8]
+
+    run(tiny(tmp_path / "resumed", corpus, **{"train.steps_per_execution": 2, "train.steps": 4}))
+    resumed = run(tiny(tmp_path / "resumed", corpus, **{"train.steps_per_execution": 2, "checkpoint.resume": True}))
+    assert resumed["start_step"] == 4
+    for x, y in zip(_params(two), _params(resumed)):
+        np.testing.assert_array_equal(y, x)
+
+    run(tiny(tmp_path / "off_grid", corpus, **{"train.steps": 3}))
+    off_grid = run(tiny(tmp_path / "off_grid", corpus, **{"train.steps_per_execution": 2, "checkpoint.resume": True}))
+    assert off_grid["start_step"] == 3 and off_grid["checkpoints"] == [3, 4, 8]
+    for x, y in zip(_params(single), _params(off_grid)):
+        np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_checkpoint_restores_onto_another_mesh(tmp_path, corpus):
     cfg = tiny(tmp_path, corpus, **{"train.steps": 4})
     summary = run(cfg)
