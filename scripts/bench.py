@@ -56,20 +56,33 @@ def random_batch(program) -> dict[str, jax.Array]:
             "targets": jax.device_put(tokens[:, 1:], program.batch_sharding)}
 
 
+def step_call(program) -> tuple[Any, Any, int]:
+    """How the training loop calls `program`'s step: (jitted function, its batch argument for `random_batch`,
+    steps per call). With `train.steps_per_execution` K > 1 that is `steps_fn` on a tuple of K batches (the same
+    random batch K times), else `step_fn` on one batch."""
+    batch = random_batch(program)
+    k = program.config.train.steps_per_execution
+    if program.steps_fn is not None:
+        return program.steps_fn, (batch,) * k, k
+    return program.step_fn, batch, 1
+
+
 def time_train_step(cfg: Config, mesh, vocab_size: int, steps: int, warmup: int, repeats: int, trace_dir: str = ""):
-    """Builds msjax's train program for `cfg` on `mesh`, compiles its step for random tokens (state created
-    sharded) and times `repeats` windows of `steps` steps after `warmup`, each window ended by a device sync.
-    With `trace_dir`, `steps` more steps then run under `jax.profiler.trace(trace_dir)` (untimed).
+    """Builds msjax's train program for `cfg` on `mesh`, compiles its step as the loop calls it (`step_call`) for
+    random tokens (state created sharded) and times `repeats` windows of `steps` steps after `warmup` calls, each
+    window ended by a device sync; with K steps per call a window is ceil(steps / K) calls. With `trace_dir`, one
+    more window then runs under `jax.profiler.trace(trace_dir)` (untimed).
 
     Returns:
       (program, compile seconds, wall seconds per step of each window, this process's CPU seconds (user +
       system, every thread) per step of each window).
     """
     program = build_train_program(cfg, mesh, vocab_size=vocab_size)
-    batch = random_batch(program)
+    fn, batch, k = step_call(program)
+    calls = -(-steps // k)
     t0 = time.perf_counter()
     state = program.init_fn(jax.random.key(0))
-    compiled = program.step_fn.lower(state, batch).compile()
+    compiled = fn.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
     for _ in range(warmup):
         state, metrics = compiled(state, batch)
@@ -77,14 +90,14 @@ def time_train_step(cfg: Config, mesh, vocab_size: int, steps: int, warmup: int,
     walls, cpus = [], []
     for _ in range(repeats):
         w0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(steps):
+        for _ in range(calls):
             state, metrics = compiled(state, batch)
         jax.block_until_ready(metrics)
-        walls.append((time.perf_counter() - w0) / steps)
-        cpus.append((time.process_time() - c0) / steps)
+        walls.append((time.perf_counter() - w0) / (calls * k))
+        cpus.append((time.process_time() - c0) / (calls * k))
     if trace_dir:
         with jax.profiler.trace(trace_dir):
-            for _ in range(steps):
+            for _ in range(calls):
                 state, metrics = compiled(state, batch)
             jax.block_until_ready(metrics)
     return program, compile_s, walls, cpus
@@ -127,7 +140,8 @@ def alternating_windows(arms: dict[str, list], steps: int, repeats: int) -> dict
     half an hour apart (docs/cpu_speed.md).
 
     Args:
-      arms: name -> [step function (state, batch) -> (state, outputs), state, batch]; the states are carried.
+      arms: name -> [step function (state, batch) -> (state, outputs), state, batch, steps per call]; the states
+        are carried. A function of K steps per call (`step_call`) runs ceil(steps / K) calls a window.
       steps, repeats: steps per window (>= 1), timed windows per arm.
     Returns:
       name -> seconds per step of each timed window, in round order.
@@ -136,14 +150,15 @@ def alternating_windows(arms: dict[str, list], steps: int, repeats: int) -> dict
     names = list(arms)
     for r in range(repeats + 1):
         for name in (names if r % 2 else names[::-1]):
-            fn, state, b = arms[name]
+            fn, state, b, k = arms[name]
+            calls = -(-steps // k)
             t0 = time.perf_counter()
-            for _ in range(steps if r else 3):
+            for _ in range(calls if r else 3):
                 state, out = fn(state, b)
             jax.block_until_ready(out)
             arms[name][1] = state
             if r:
-                times[name].append((time.perf_counter() - t0) / steps)
+                times[name].append((time.perf_counter() - t0) / (calls * k))
     return times
 
 
@@ -166,7 +181,8 @@ def config_comparison(base: Config, other: Config, overrides: str, steps: int = 
     arms, params = {}, {}
     for name, cfg in (("base", base), ("vs", other)):
         program = build_train_program(cfg, make_mesh(cfg.mesh), vocab_size=cfg.model.vocab_size or 50304)
-        arms[name] = [program.step_fn, program.init_fn(jax.random.key(0)), random_batch(program)]
+        fn, batch, k = step_call(program)
+        arms[name] = [fn, program.init_fn(jax.random.key(0)), batch, k]
         params[name] = program.param_count
     times = alternating_windows(arms, steps, repeats)
     ratios = [v / b for v, b in zip(times["vs"], times["base"])]
@@ -206,8 +222,9 @@ def plain_jax_comparison(cfg: Config, steps: int = 50, repeats: int = 6) -> dict
     cfg, t = program.config, program.config.train
     batch = random_batch(program)
     plain_step, plain_state, plain_batch = plain_train_step(cfg, cfg.model.padded_vocab())
-    arms = {"msjax": [program.step_fn, program.init_fn(jax.random.key(0)), batch],
-            "plain": [plain_step, plain_state, plain_batch]}
+    # one step per call on both sides (the reference is a single jitted step), whatever train.steps_per_execution
+    arms = {"msjax": [program.step_fn, program.init_fn(jax.random.key(0)), batch, 1],
+            "plain": [plain_step, plain_state, plain_batch, 1]}
     times = alternating_windows(arms, steps, repeats)
     plain_params = sum(x.size for x in jax.tree.leaves(arms["plain"][1][0]))
     return {"config": cfg.name, "steps": steps, "repeats": repeats,

@@ -57,10 +57,11 @@ def test_alternating_windows_reverses_the_order_every_round_and_carries_each_sta
             return state + 1, state
         return step
 
-    arms = {"a": [arm("a"), 0, None], "b": [arm("b"), 100, None]}
+    # b runs 2 steps per call (train.steps_per_execution): a window of 2 steps is one call of it
+    arms = {"a": [arm("a"), 0, None, 1], "b": [arm("b"), 100, None, 2]}
     times = bench.alternating_windows(arms, steps=2, repeats=3)
     assert len(times["a"]) == len(times["b"]) == 3
-    # round 0 (warm-up, 3 steps each) runs b then a; then a b, b a, a b
-    rounds = ["b"] * 3 + ["a"] * 3 + ["a"] * 2 + ["b"] * 2 + ["b"] * 2 + ["a"] * 2 + ["a"] * 2 + ["b"] * 2
+    # round 0 (warm-up, 3 calls each) runs b then a; then a b, b a, a b
+    rounds = ["b"] * 3 + ["a"] * 3 + ["a"] * 2 + ["b"] + ["b"] + ["a"] * 2 + ["a"] * 2 + ["b"]
     assert order == rounds
-    assert arms["a"][1] == 3 + 6 and arms["b"][1] == 100 + 3 + 6  # each arm's state carried across its windows
+    assert arms["a"][1] == 3 + 6 and arms["b"][1] == 100 + 3 + 3  # each arm's state carried across its windows
