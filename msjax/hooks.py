@@ -88,7 +88,8 @@ class RunContext:
       timings: host times of the current step, written by the loop before `on_step_end`: `issue_t` (perf_counter
         seconds when the step was called), `data_s` (waiting for the batch), `dispatch_s` (inside the step call),
         `checkpoint_s` (blocked in the checkpoint save after the previous step), `eval_s` (evaluating after the
-        previous step; 0 when it did not). Seconds.
+        previous step; 0 when it did not). Seconds. And `steps`: how many steps the call ran (1, or
+        `train.steps_per_execution`); the step `on_step_end` gets is the last of them, the times are the call's.
     """
 
     config: Any
