@@ -49,9 +49,9 @@ window end the chain is sized so the probe takes at most `observe.probe_budget` 
 time. It shows a device that is slow throughout; a rank that stalls now and then can pass a short probe untouched,
 which is why the steps' own figures decide.
 
-With `train.steps_per_execution` K > 1 the loop calls the compiled program once per K steps and sees only every
-K-th step: a row then stands for the K steps its call ran, its step number the last of them, its times the call's
-divided by K (per-step averages), its loss and gradient norm the last step's.
+With `train.steps_per_execution` K > 1 one call of the compiled program runs up to K steps and the loop sees only
+the step it ends at: a row then stands for the steps its call ran, its step number the last of them, its times the
+call's divided by its steps (per-step averages), its loss and gradient norm the last step's.
 
 Resolution: done_t is when the watcher thread woke, so it lags by the thread's wake-up (tens of microseconds to a
 few milliseconds under load); step figures are meant for windows of steps and heatmaps, not single microseconds.
