@@ -2,8 +2,9 @@
 
 Step mode (default): `python scripts/bench.py --config=gpt_tiny [--steps=20] [--json=out.json] [--train.x=...]`
 times the jitted train step on synthetic random tokens (tokens/s, step time, MFU): the state is created sharded
-and the step is timed after compilation, with a device sync around each timed window (the data pipeline is
-benchmarked separately and runs off the critical path). With `--plain_jax`, msjax's step is timed against
+and the step is timed after compilation, as the loop calls it (K steps a call with `train.steps_per_execution`),
+with a device sync around each timed window (the data pipeline is benchmarked separately and runs off the
+critical path). With `--plain_jax`, msjax's step is timed against
 nanoGPT's block written in plain JAX at the same shapes (scripts/bench_reference.py), in alternating windows;
 with `--vs="--model.x=... --mesh.y=..."`, against itself under those overrides, the same way.
 
