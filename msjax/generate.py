@@ -6,10 +6,12 @@
 
 Decoding with the cache (default) runs the prompts once (prefill: a batch of prompts of different lengths,
 right-padded, in one forward pass that also fills the cache), then one token per step against the cache
-(`msjax.model.GPT.decode`). The cache holds model.max_seq_len positions per layer (so one compiled decode step
-serves every prompt length); with a sliding window it is a ring of W slots per layer, so its memory is O(W), not
-O(sequence). `cache=False` recomputes the whole sequence for every new token (the reference the cached
-path is tested against, and the baseline of scripts/bench_generate.py).
+(`msjax.model.GPT.decode`), every step of a chunk inside one compiled `lax.while_loop`, as MaxText's and
+JetStream's decode loops run on the device: one call and one host sync per chunk instead of per token, and the
+loop ends on the device once every row has produced a stop id. The cache holds model.max_seq_len positions per
+layer (so one compiled decode loop serves every prompt length); with a sliding window it is a ring of W slots per
+layer, so its memory is O(W), not O(sequence). `cache=False` recomputes the whole sequence for every new token
+(the reference the cached path is tested against, and the baseline of scripts/bench_generate.py).
 
 Layouts: the parameters keep the sharding they were restored with (any mesh: `load_run` takes mesh overrides) and
 the model's logical axes are laid out by the config's rule set, except that the sequence of the decoded tokens is
@@ -41,8 +43,6 @@ from msjax.sharding import use_rules
 from msjax.sharding_rules import RULE_SETS, Rules
 from msjax.sharding_rules import axes as ax
 
-# Rows are checked for a stop token every this many decoded tokens (a host sync), to end the loop early.
-STOP_CHECK_EVERY = 8
 # Token buffers are padded to a multiple of this many positions (fewer distinct shapes to compile).
 PAD_TO = 16
 
@@ -76,7 +76,7 @@ class Generator:
         self._replicated = None if mesh is None else NamedSharding(mesh, P())
         sampling = ("temperature", "top_k", "top_p")
         self._prefill = jax.jit(self._prefill_fn, static_argnames=("max_len",) + sampling)
-        self._step = jax.jit(self._step_fn, static_argnames=sampling, donate_argnames=("cache",))
+        self._decode = jax.jit(self._decode_fn, static_argnames=sampling)
         self._full_step = jax.jit(self._full_step_fn, static_argnames=sampling, donate_argnames=("buf_bt",))
 
     # ---- the compiled pieces --------------------------------------------------------------------------------
@@ -92,11 +92,33 @@ class Generator:
             last_bv = jnp.take_along_axis(logits_btv, (count_b - 1)[:, None, None], axis=1)[:, 0]
             return self._replicate(sample_logits(last_bv, key, temperature, top_k, top_p)), cache
 
-    def _step_fn(self, params, token_b, pos_b, cache, key, *, temperature, top_k, top_p):
-        with self._in_rules(None if self.rules is None else decode_rules(self.rules)):
-            ones = jnp.ones_like(pos_b)
-            logits_btv, cache = apply_decode(self.graphdef, params, token_b[:, None], pos_b, ones, cache)
-            return self._replicate(sample_logits(logits_btv[:, 0], key, temperature, top_k, top_p)), cache
+    def _decode_fn(self, params, token_b, pos_b, cache, key, first_step, count, stops_s, done_b, *, temperature,
+                   top_k, top_p):
+        """Up to `count` tokens after `token_b` (rows at positions `pos_b`), one decode step per iteration of a
+        while loop; draw i uses fold_in(key, first_step + i). The loop ends early once every row is `done_b` or
+        has produced one of `stops_s`. Returns ((B, max_seq_len) int32 tokens, of which the first `made` columns
+        are the decoded ones; made)."""
+        rows = token_b.shape[0]
+
+        def more(carry):
+            i, _, _, _, _, done_b = carry
+            return (i < count) & ~jnp.all(done_b)
+
+        def decode_one(carry):
+            i, token_b, pos_b, cache, out_bt, done_b = carry
+            with self._in_rules(None if self.rules is None else decode_rules(self.rules)):
+                logits_btv, cache = apply_decode(self.graphdef, params, token_b[:, None], pos_b,
+                                                 jnp.ones_like(pos_b), cache)
+                token_b = self._replicate(sample_logits(logits_btv[:, 0], jax.random.fold_in(key, first_step + i),
+                                                        temperature, top_k, top_p))
+            out_bt = jax.lax.dynamic_update_slice(out_bt, token_b[:, None], (0, i))
+            return i + 1, token_b, pos_b + 1, cache, out_bt, done_b | jnp.isin(token_b, stops_s)
+
+        out_bt = jnp.zeros((rows, self.cfg.max_seq_len), jnp.int32)  # a chunk never holds more tokens
+        done_b = done_b | jnp.isin(token_b, stops_s)
+        made, _, _, _, out_bt, _ = jax.lax.while_loop(more, decode_one, (jnp.int32(0), token_b, pos_b, cache,
+                                                                         out_bt, done_b))
+        return self._replicate(out_bt), made
 
     def _full_step_fn(self, params, buf_bt, pos_b, key, *, temperature, top_k, top_p):
         """Uncached: the whole (padded) sequence again; the token at each row's `pos_b` is sampled and written."""
@@ -168,7 +190,7 @@ class Generator:
                 contexts = [c[-(limit // 2):] for c in contexts]
                 room = limit - max(map(len, contexts))
             chunk = self._chunk(contexts, min(room, max_new_tokens - made), key, made, cache, settings, stops,
-                                stopped)
+                                stopped, n)
             for r in range(rows):
                 out[r] += chunk[r]
                 contexts[r] = contexts[r] + chunk[r]
@@ -176,8 +198,9 @@ class Generator:
         return [_until_stop(o, stops) for o in out[:n]]
 
     def _chunk(self, contexts: list[list[int]], new: int, key: jax.Array, first_step: int, cache: bool,
-               settings: dict, stops: np.ndarray, stopped: np.ndarray) -> list[list[int]]:
-        """`new` tokens after each context (each context + new <= max_seq_len); updates `stopped`."""
+               settings: dict, stops: np.ndarray, stopped: np.ndarray, real_rows: int) -> list[list[int]]:
+        """Up to `new` tokens after each context (each context + new <= max_seq_len; fewer once every one of the
+        first `real_rows` rows has produced a stop id); updates `stopped`."""
         rows = len(contexts)
         lengths = np.array([len(c) for c in contexts], np.int32)
         # Widths rounded up to a multiple of PAD_TO, so prompts of nearby lengths share one compiled program (padding
@@ -190,40 +213,37 @@ class Generator:
         buf = np.zeros((rows, width), np.int32)
         for r, c in enumerate(contexts):
             buf[r, :len(c)] = c
-        tokens: list[jax.Array] = []
         if cache:
             token, kv = self._prefill(self.params, self._put(buf), self._put(lengths),
                                       jax.random.fold_in(key, first_step), max_len=self.cfg.max_seq_len,
                                       **settings)
-            tokens.append(token)
-            pos = self._put(lengths)
-            for i in range(1, new):
-                if self._all_stopped(tokens, i, stops, stopped):
-                    break
-                token, kv = self._step(self.params, token, pos, kv, jax.random.fold_in(key, first_step + i),
+            decoded = None
+            if new > 1:  # dispatched before the first token is read back, so the device goes straight on
+                done = stopped | (np.arange(rows) >= real_rows)  # dummy rows never hold the loop up
+                decoded = self._decode(self.params, token, self._put(lengths), kv, key, np.int32(first_step + 1),
+                                       np.int32(new - 1), self._put(stops.astype(np.int32)), self._put(done),
                                        **settings)
-                pos = pos + 1
-                tokens.append(token)
-            del kv
+            ids = _host(token)[:, None]  # (rows, made)
+            if decoded is not None:
+                out, made = decoded
+                ids = np.concatenate([ids, _host(out)[:, :int(_host(made))]], axis=1)
         else:
+            tokens: list[jax.Array] = []
             buf_dev, pos = self._put(buf), self._put(lengths)
+            seen = stopped.copy()
             for i in range(new):
-                if i and self._all_stopped(tokens, i, stops, stopped):
-                    break
+                if i and stops.size:  # a host sync per token: this path is the reference, not the fast one
+                    seen |= np.isin(_host(tokens[-1]), stops)
+                    if seen[:real_rows].all():
+                        break
                 token, buf_dev = self._full_step(self.params, buf_dev, pos, jax.random.fold_in(key, first_step + i),
                                                  **settings)
                 pos = pos + 1
                 tokens.append(token)
-        ids = np.stack([_host(t) for t in tokens], axis=1)  # (rows, made)
+            ids = np.stack([_host(t) for t in tokens], axis=1)  # (rows, made)
         if stops.size:
             stopped |= np.isin(ids, stops).any(axis=1)
         return [row.tolist() for row in ids]
-
-    def _all_stopped(self, tokens: list[jax.Array], i: int, stops: np.ndarray, stopped: np.ndarray) -> bool:
-        if not stops.size or i % STOP_CHECK_EVERY:
-            return False
-        recent = np.stack([_host(t) for t in tokens[-STOP_CHECK_EVERY:]], axis=1)
-        return bool((stopped | np.isin(recent, stops).any(axis=1)).all())
 
     def _put(self, x: np.ndarray) -> jax.Array:
         """Host values (the same on every process) as an array whole on every device of the mesh."""

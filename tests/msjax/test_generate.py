@@ -134,6 +134,22 @@ def test_stop_tokens_end_rows():
     for f, o in zip(free, out):
         cut = f.index(stop) + 1 if stop in f else len(f)
         assert o == f[:cut]
+    assert gen.generate(PROMPTS, 18, temperature=0, stop_ids=[stop], cache=False) == out
+
+
+def test_the_decode_loop_ends_on_the_device_once_every_row_has_stopped():
+    """One chunk of cached decoding is one compiled while loop: it stops after the step at which the last real row
+    produced a stop id, not at the chunk's end (the dummy rows that pad a batch do not hold it up)."""
+    gen = _generator(tiny())
+    free = gen.generate(PROMPTS[:3], 18, temperature=0)
+    # stop ids taken from the rows' own greedy tokens: every row stops, each at its first of them
+    stops = np.array(sorted({free[0][3], free[1][5], free[2][7]}))
+    firsts = [min(r.index(s) for s in stops if s in r) for r in free]
+    settings = dict(temperature=0.0, top_k=0, top_p=1.0)
+    contexts = [list(p) for p in PROMPTS[:3]] + [[0]]  # a dummy fourth row, as generate pads a batch
+    rows = gen._chunk(contexts, 18, jax.random.key(0), 0, True, settings, stops, np.zeros(4, bool), 3)
+    assert len(rows[0]) == max(firsts) + 1 < 18
+    assert [r[:len(rows[0])] for r in free] == rows[:3]
 
 
 @pytest.mark.parametrize("call, match", [
