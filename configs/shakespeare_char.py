@@ -1,6 +1,7 @@
 """The standard char-level Shakespeare CPU recipe (nanoGPT's `train_shakespeare_char.py` with its README's CPU
-flags): 4 layers, 4 heads, width 128, context 64, batch 12, 2000 steps, AdamW lr 1e-3 -> 1e-4 cosine, beta2 0.99,
-100 warmup steps, no dropout, eval every 250 steps over 20 batches; 90/10 train/validation split of the file.
+flags): 4 layers, 4 heads, width 128, context 64, batch 12, no biases (nanoGPT's `bias = False`), 2000 steps, AdamW
+lr 1e-3 -> 1e-4 cosine, beta2 0.99, 100 warmup steps, no dropout, eval every 250 steps over 20 batches; 90/10
+train/validation split of the file.
 
 The corpus (Karpathy's tinyshakespeare, 1,115,394 bytes of public-domain Shakespeare) ships inside the package
 (msjax/data/corpora/), so the preset runs on a fresh clone or install, from any working directory.
@@ -15,6 +16,9 @@ OVERRIDES = {
     # parameters give the optimizer 3x the leaves (each a few small ops); unrolled, the step takes ~5% less.
     "model.scan_unroll": 4,
     "model.d_model": 128,
+    # nanoGPT's model as its recipe trains it: train.py's `bias = False` (no biases in the linear layers, LayerNorm
+    # without an offset), which neither the config file nor the README's flags change
+    "model.use_bias": False,
     "model.max_seq_len": 64,
     # bf16 matmul operands where the backend multiplies bf16 faster (GPU, TPU, AMX CPUs), float32 elsewhere
     "model.matmul_dtype": "auto",

@@ -14,10 +14,11 @@ plain_train_step = load_script("bench_reference").plain_train_step
 
 
 @pytest.mark.slow
-def test_plain_step_is_msjax_sized_starts_at_log_v_and_learns():
-    cfg = apply_overrides(load_preset("shakespeare_char"), {"model.vocab_size": 65})
+@pytest.mark.parametrize("use_bias, params", [(False, 804_992), (True, 810_752)])
+def test_plain_step_is_msjax_sized_starts_at_log_v_and_learns(use_bias, params):
+    cfg = apply_overrides(load_preset("shakespeare_char"), {"model.vocab_size": 65, "model.use_bias": use_bias})
     row = plain_jax_comparison(cfg, steps=2, repeats=2)
-    assert row["plain_params"] == row["msjax_params"] == 810_752, row  # the same parameters, shape for shape
+    assert row["plain_params"] == row["msjax_params"] == params, row  # the same parameters, shape for shape
     assert row["msjax_step_s"] > 0 and row["plain_step_s"] > 0 and len(row["msjax_s"]) == 2
     step, state, batch = plain_train_step(cfg, cfg.model.padded_vocab())
     losses = []
@@ -36,6 +37,6 @@ def test_a_model_the_reference_does_not_reproduce_is_refused():
     with pytest.raises(ValueError, match="differs in model.block, model.tie_embeddings"):
         plain_train_step(cfg, cfg.model.padded_vocab())
     llama = apply_overrides(load_preset("llama_tiny"), {"model.vocab_size": 65})
-    with pytest.raises(ValueError, match="differs in model.num_kv_heads, model.tie_embeddings, model.use_bias, "
-                                         "model.position, model.norm, model.mlp"):
+    with pytest.raises(ValueError, match="differs in model.num_kv_heads, model.tie_embeddings, model.position, "
+                                         "model.norm, model.mlp"):
         plain_train_step(llama, llama.model.padded_vocab())
