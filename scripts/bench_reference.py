@@ -22,21 +22,21 @@ from msjax.config import Config
 from msjax.ops import matmul
 
 
-def _init(key: jax.Array, L: int, D: int, F: int, T: int, V: int, std: float, bias: bool) -> dict[str, Any]:
+def _init(key: jax.Array, L: int, D: int, F: int, T: int, V: int, std: float, with_bias: bool) -> dict[str, Any]:
     keys = iter(jax.random.split(key, 4 * L + 2))
 
     def normal(*shape):
         return std * jax.random.normal(next(keys), shape, jnp.float32)
 
-    def zeros(*shape):  # a bias, or none
-        return {"b": jnp.zeros(shape)} if bias else {}
+    def bias(*shape):  # a zero bias, or none (nanoGPT's bias=False)
+        return {"b": jnp.zeros(shape)} if with_bias else {}
 
     def norm():
-        return {"scale": jnp.ones((D,)), **zeros(D)}
+        return {"scale": jnp.ones((D,)), **bias(D)}
 
     layers = [{"ln1": norm(), "ln2": norm(),
-               "qkv": {"w": normal(D, 3 * D), **zeros(3 * D)}, "o": {"w": normal(D, D), **zeros(D)},
-               "in": {"w": normal(D, F), **zeros(F)}, "out": {"w": normal(F, D), **zeros(D)}} for _ in range(L)]
+               "qkv": {"w": normal(D, 3 * D), **bias(3 * D)}, "o": {"w": normal(D, D), **bias(D)},
+               "in": {"w": normal(D, F), **bias(F)}, "out": {"w": normal(F, D), **bias(D)}} for _ in range(L)]
     return {"wte": normal(V, D), "wpe": normal(T, D), "ln_f": norm(), "layers": layers}
 
 
