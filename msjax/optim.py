@@ -10,7 +10,8 @@ import optax
 
 from msjax.config import OptimizerConfig
 
-# Matmul weights take weight decay; norms, biases and embeddings do not (Radford et al. 2019; nanoGPT; Megatron).
+# Matmul weights take weight decay; norms, biases and embedding tables do not, as minGPT's configure_optimizers
+# sorts them. (nanoGPT and Megatron-LM decay every matrix, the embedding tables included.)
 DECAYED = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_in", "w_out", "lm_head"})
 
 
