@@ -6,8 +6,8 @@
 
 Decoding with the cache (default) runs the prompts once (prefill: a batch of prompts of different lengths,
 right-padded, in one forward pass that also fills the cache), then one token per step against the cache
-(`msjax.model.GPT.decode`), every step of a chunk inside one compiled `lax.while_loop`, as MaxText's and
-JetStream's decode loops run on the device: one call and one host sync per chunk instead of per token, and the
+(`msjax.model.GPT.decode`), every step of a chunk inside one compiled `lax.while_loop`, as T5X's and the Flax
+lm1b example's `temperature_sample` decode: one call and one host sync per chunk instead of per token, and the
 loop ends on the device once every row has produced a stop id. The cache holds model.max_seq_len positions per
 layer (so one compiled decode loop serves every prompt length); with a sliding window it is a ring of W slots per
 layer, so its memory is O(W), not O(sequence). `cache=False` recomputes the whole sequence for every new token
@@ -223,7 +223,7 @@ class Generator:
                 decoded = self._decode(self.params, token, self._put(lengths), kv, key, np.int32(first_step + 1),
                                        np.int32(new - 1), self._put(stops.astype(np.int32)), self._put(done),
                                        **settings)
-            ids = _host(token)[:, None]  # (rows, made)
+            ids = _host(token)[:, None]  # (rows, 1): the prefill's token, then the loop's
             if decoded is not None:
                 out, made = decoded
                 ids = np.concatenate([ids, _host(out)[:, :int(_host(made))]], axis=1)
