@@ -31,6 +31,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
 from msjax.config import ModelConfig
@@ -43,10 +44,15 @@ from msjax.parallel import arrival, collective_matmul, fsdp_prefetch, options as
 from msjax.sharding import constrain
 from msjax.sharding_rules import axes as ax
 
+# The name every weight matmul's product carries (`dense`): a product computed through msjax.ops.matmul's custom
+# VJP is no `dot_general` to the dots policies, which save it by this name instead.
+WEIGHT_MATMUL = "weight_matmul"
+_cp = jax.checkpoint_policies
 REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    "full": _cp.nothing_saveable,
+    "dots": _cp.save_from_both_policies(_cp.checkpoint_dots, _cp.save_only_these_names(WEIGHT_MATMUL)),
+    "dots_no_batch": _cp.save_from_both_policies(_cp.checkpoint_dots_with_no_batch_dims,
+                                                 _cp.save_only_these_names(WEIGHT_MATMUL)),
 }
 
 KV_NAMES = (ax.ACT_BATCH, None, ax.ACT_KV_HEADS, ax.ACT_HEAD_DIM)  # layout of one layer's cached keys (B, S, G, K)
@@ -92,12 +98,13 @@ class Norm(nnx.Module):
         return layer_norm(x_btd, self.scale[...], bias, self.eps).astype(x_btd.dtype)  # msjax/ops/layer_norm.py
 
 
-def dense(spec: str, x: jax.Array, w: jax.Array, dt, matmul_dt) -> jax.Array:
-    """A weight matmul `einsum(spec, x, w)` out in the activations' dtype `dt`: plain in `dt` when
-    `matmul_dt == dt`, else with operands rounded to `matmul_dt` and float32 accumulation (`msjax.ops.matmul`)."""
-    if matmul_dt == dt:
+def dense(spec: str, x: jax.Array, w: jax.Array, dt, matmul_dt, own_backward: bool) -> jax.Array:
+    """A weight matmul `einsum(spec, x, w)` out in the activations' dtype `dt`, its operands rounded to `matmul_dt`
+    with float32 accumulation, through `msjax.ops.matmul`'s backward where `own_backward`
+    (`matmul.own_backward`); plain in `dt`, left to autodiff, elsewhere."""
+    if not own_backward:
         return jnp.einsum(spec, x, w.astype(dt))
-    return matmul.einsum(spec, x, w, matmul_dt).astype(dt)
+    return checkpoint_name(matmul.einsum(spec, x, w, matmul_dt).astype(dt), WEIGHT_MATMUL)
 
 
 def default_positions(t: int) -> jax.Array:
@@ -128,6 +135,7 @@ class Attention(nnx.Module):
         self.impl = cfg.attention.impl
         self.dtype = jnp.dtype(cfg.dtype)
         self.matmul_dtype = matmul.resolve(cfg.matmul_dtype, cfg.dtype)
+        self.own_backward = matmul.own_backward(self.matmul_dtype, cfg.dtype)
 
     def finish_qkv(self, q_bthk: jax.Array, k_btgk: jax.Array, v_btgk: jax.Array, positions_bt: jax.Array
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -145,16 +153,16 @@ class Attention(nnx.Module):
 
     def project(self, x_btd: jax.Array, positions_bt: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries (B, T, H, K), keys and values (B, T, G, K) of `x_btd` at `positions_bt`."""
-        dt, mt = self.dtype, self.matmul_dtype
-        q_bthk = dense("btd,dhk->bthk", x_btd, self.wq[...], dt, mt)
-        k_btgk = dense("btd,dgk->btgk", x_btd, self.wk[...], dt, mt)
-        v_btgk = dense("btd,dgk->btgk", x_btd, self.wv[...], dt, mt)
+        dt, mt, own = self.dtype, self.matmul_dtype, self.own_backward
+        q_bthk = dense("btd,dhk->bthk", x_btd, self.wq[...], dt, mt, own)
+        k_btgk = dense("btd,dgk->btgk", x_btd, self.wk[...], dt, mt, own)
+        v_btgk = dense("btd,dgk->btgk", x_btd, self.wv[...], dt, mt, own)
         return self.finish_qkv(q_bthk, k_btgk, v_btgk, positions_bt)
 
     def output(self, o_bthk: jax.Array) -> jax.Array:
         """The output projection (B, T, H, K) -> (B, T, D)."""
         o_bthk = constrain(o_bthk, (ax.ACT_BATCH, ax.ACT_SEQ_INNER, ax.ACT_HEADS, ax.ACT_HEAD_DIM))
-        y_btd = dense("bthk,hkd->btd", o_bthk, self.wo[...], self.dtype, self.matmul_dtype)
+        y_btd = dense("bthk,hkd->btd", o_bthk, self.wo[...], self.dtype, self.matmul_dtype, self.own_backward)
         if self.use_bias:
             y_btd = y_btd + self.bo[...].astype(self.dtype)
         return y_btd
@@ -198,6 +206,7 @@ class MLP(nnx.Module):
         self.use_bias = cfg.use_bias
         self.dtype = jnp.dtype(cfg.dtype)
         self.matmul_dtype = matmul.resolve(cfg.matmul_dtype, cfg.dtype)
+        self.own_backward = matmul.own_backward(self.matmul_dtype, cfg.dtype)
 
     def column_weights(self) -> list[jax.Array]:
         """The input-side (D, F) matrices, in the order `activate` takes their products: [gate, up] or [in]."""
@@ -218,10 +227,10 @@ class MLP(nnx.Module):
         return jax.nn.gelu(in_btf)  # tanh approximation: GPT-2's gelu_new
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
-        dt, mt = self.dtype, self.matmul_dtype
-        h_btf = self.activate(*(dense("btd,df->btf", x_btd, w, dt, mt) for w in self.column_weights()))
+        dt, mt, own = self.dtype, self.matmul_dtype, self.own_backward
+        h_btf = self.activate(*(dense("btd,df->btf", x_btd, w, dt, mt, own) for w in self.column_weights()))
         h_btf = constrain(h_btf, (ax.ACT_BATCH, ax.ACT_SEQ_INNER, ax.ACT_MLP))
-        y_btd = dense("btf,fd->btd", h_btf, self.w_out[...], dt, mt)
+        y_btd = dense("btf,fd->btd", h_btf, self.w_out[...], dt, mt, own)
         if self.use_bias:
             y_btd = y_btd + self.b_out[...].astype(dt)
         return y_btd
@@ -397,11 +406,12 @@ class GPT(nnx.Module):
         padding entries -1e9 (the model's output end; a pipeline's last stage runs it after its layers)."""
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
         mt = matmul.resolve(cfg.matmul_dtype, dt)
+        own = matmul.own_backward(mt, dt)
         x_btd = self.ln_f(x_btd)
         if self.lm_head is not None:
-            logits_btv = dense("btd,dv->btv", x_btd, self.lm_head[...], dt, mt)
+            logits_btv = dense("btd,dv->btv", x_btd, self.lm_head[...], dt, mt, own)
         else:
-            logits_btv = dense("btd,vd->btv", x_btd, self.wte[...], dt, mt)
+            logits_btv = dense("btd,vd->btv", x_btd, self.wte[...], dt, mt, own)
         logits_btv = constrain(logits_btv.astype(jnp.float32), (ax.ACT_BATCH, ax.ACT_SEQ_INNER, ax.ACT_VOCAB))
         if cfg.padded_vocab() > cfg.vocab_size:
             real = jnp.arange(logits_btv.shape[-1]) < cfg.vocab_size

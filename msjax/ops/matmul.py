@@ -17,6 +17,18 @@ Residuals are the float32 operands themselves, cast again in the backward: the w
 parameter leaf (no bf16 copy of the parameters in a pipeline's stash of residuals), the activation is one that
 its producer keeps anyway.
 
+On XLA:CPU weight matmuls take this path with float32 operands too (`own_backward` says when), for the layout
+of the weight gradient. dW contracts the tokens, the leading axis of both the activation and the output gradient,
+so one of them must be transposed first: YNNPACK, which runs XLA:CPU's dots, takes only row-major (M, K) x
+(K, N) operands, and XLA's loop emitter transposes at 1-2 GB/s. Left to autodiff, XLA transposes the wider
+operand, and for the MLP fuses that transpose into the elementwise work around the GELU (recomputed in column
+order): 3.3-4 ms per layer in the float32 shakespeare_char step, against ~0.5 ms for a dot. Here the backward
+transposes the narrower of the two (the (B*T, D) gradient instead of the (B*T, 4D) activation) and then the
+small weight-shaped product, behind an optimization barrier that keeps that transpose out of the dot (a dot with
+a transposed output leaves YNNPACK for XLA's own, slower emitter). The float32 step, 10 steps a call: 47.5 ->
+29.7 ms (docs/cpu_speed.md). GPU and TPU libraries take transposed operands themselves; there unrounded
+matmuls keep XLA's own autodiff.
+
 `resolve` turns the setting into a dtype: "activations" (the matmuls run in `model.dtype`, today's float32 or
 bf16 path), "bfloat16", or "auto": bfloat16 where the backend's bf16 matmuls are known to be faster than its
 float32 ones (GPU, TPU, a CPU with AMX-BF16; an H100 ran an 8192^3 matmul at 778 against 407 TFLOP/s), the
@@ -57,7 +69,8 @@ def resolve(setting: str, activations, platform: str | None = None) -> jnp.dtype
         activations is bfloat16.
       platform: the backend deciding "auto" ("cpu", "gpu", "tpu"); None: `jax.default_backend()`.
     Returns:
-      a jnp.dtype; equal to `activations` means plain matmuls in that dtype.
+      a jnp.dtype; equal to `activations` means unrounded matmuls in that dtype (`own_backward` says which
+      path computes them).
     Raises:
       ValueError: an unknown setting.
     """
@@ -73,6 +86,22 @@ def resolve(setting: str, activations, platform: str | None = None) -> jnp.dtype
     raise ValueError(f"model.matmul_dtype={setting!r}: allowed are {', '.join(MATMUL_DTYPES)}")
 
 
+def own_backward(operand_dtype, activations, platform: str | None = None) -> bool:
+    """Whether weight matmuls go through `einsum` (its custom VJP) rather than a plain `jnp.einsum` left to
+    autodiff: always when the operands are rounded (`operand_dtype` narrower than `activations`); unrounded, on
+    XLA:CPU under float32 activations, the dtype CPU training runs in (the weight gradient's layout, module
+    docstring). bfloat16 activations on a CPU are GPU and TPU configurations compiled for a dry run, which
+    should lower as they do there.
+
+    Args:
+      operand_dtype: `resolve`'s dtype; activations: `model.dtype`; platform: as in `resolve`.
+    """
+    platform = platform or jax.default_backend()
+    if jnp.dtype(operand_dtype) != jnp.dtype(activations):
+        return True
+    return platform == "cpu" and jnp.dtype(activations) == jnp.float32
+
+
 def einsum(spec: str, x: jax.Array, w: jax.Array, operand_dtype) -> jax.Array:
     """`jnp.einsum(spec, x, w)` with both operands rounded to `operand_dtype`, products accumulated in float32.
 
@@ -80,14 +109,15 @@ def einsum(spec: str, x: jax.Array, w: jax.Array, operand_dtype) -> jax.Array:
       spec: a two-operand einsum "A,B->C" in which every index appears in exactly two of A, B, C (a weight
         matmul: "btd,df->btf", "bthk,hkd->btd", ...), so each input's gradient is again such an einsum.
       x, w: float arrays of any float dtype (typically float32 activations and a float32 weight).
-      operand_dtype: the dtype the operands are rounded to (bfloat16).
+      operand_dtype: the dtype the operands are rounded to (bfloat16, or float32 for no rounding).
     Returns:
-      the product, float32, shaped by C. Gradients come back in the dtypes of x and w.
+      the product, float32, shaped by C. Gradients come back in the dtypes of x and w; on XLA:CPU (the default
+      backend when traced) the weight gradient transposes the narrower of x and the output gradient.
     Raises:
       ValueError: a spec outside the form above.
     """
     _check_spec(spec)
-    return _einsum(spec, jnp.dtype(operand_dtype), x, w)
+    return _einsum(spec, jnp.dtype(operand_dtype), jax.default_backend() == "cpu", x, w)
 
 
 @functools.cache
@@ -105,21 +135,29 @@ def _parts(spec: str) -> tuple[str, str, str]:
     return a, b, out
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _einsum(spec, dt, x, w):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _einsum(spec, dt, narrow_transpose, x, w):
     return jnp.einsum(spec, x.astype(dt), w.astype(dt), preferred_element_type=jnp.float32)
 
 
-def _einsum_fwd(spec, dt, x, w):
-    return _einsum(spec, dt, x, w), (x, w)
+def _einsum_fwd(spec, dt, narrow_transpose, x, w):
+    return _einsum(spec, dt, narrow_transpose, x, w), (x, w)
 
 
-def _einsum_bwd(spec, dt, residuals, g):
+def _einsum_bwd(spec, dt, narrow_transpose, residuals, g):
     x, w = residuals
     a, b, c = _parts(spec)
     g = g.astype(dt)
     dx = jnp.einsum(f"{c},{b}->{a}", g, w.astype(dt), preferred_element_type=jnp.float32)
-    dw = jnp.einsum(f"{a},{c}->{b}", x.astype(dt), g, preferred_element_type=jnp.float32)
+    if narrow_transpose and x.size > g.size:
+        # dW as the product with the gradient first: the narrower operand is the one transposed for the dot
+        # (module docstring); the result has the gradient's indices first and is transposed to B after.
+        b_swapped = "".join(i for i in c if i in b) + "".join(i for i in a if i in b)
+        dw = jnp.einsum(f"{c},{a}->{b_swapped}", g, x.astype(dt), preferred_element_type=jnp.float32)
+        if b_swapped != b:  # the barrier keeps this transpose a copy of its own, not the dot's output layout
+            dw = jnp.transpose(jax.lax.optimization_barrier(dw), [b_swapped.index(i) for i in b])
+    else:
+        dw = jnp.einsum(f"{a},{c}->{b}", x.astype(dt), g, preferred_element_type=jnp.float32)
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 

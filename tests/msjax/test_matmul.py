@@ -1,5 +1,6 @@
 """msjax.ops.matmul: bf16-operand weight matmuls against float64 references of the same rounded operands
-(random data), the backward's dots all bf16, no bf16 copy of a weight among the residuals, and "auto"."""
+(random data), the backward's dots all bf16, no bf16 copy of a weight among the residuals, and "auto"; float32
+operands against float64 references, with the weight gradient transposing the narrower operand on XLA:CPU."""
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 
 from msjax.ops import matmul
+from tests.msjax import hlo_utils
 
 TOL = 1e-5  # relative to the largest magnitude: float32 accumulation of exact bf16 x bf16 products
 SPECS = {  # the model's weight matmuls, with small shapes for each letter
@@ -15,7 +17,9 @@ SPECS = {  # the model's weight matmuls, with small shapes for each letter
     "btd,dhk->bthk": ((2, 5, 16), (16, 4, 8)),
     "bthk,hkd->btd": ((2, 5, 4, 8), (4, 8, 16)),
     "btd,vd->btv": ((2, 5, 16), (40, 16)),
+    "bte,ve->btv": ((2, 5, 24), (8, 24)),  # a tied head narrower than the model: dW's operands swap, no transpose
 }
+TOL_F32 = 1e-6  # float32 operands against float64: float32 accumulation over at most 24 terms
 
 
 def rounded(a) -> np.ndarray:
@@ -85,6 +89,61 @@ def test_residuals_are_the_operands_not_bf16_copies():
     leaves = jax.tree.leaves(vjp)
     assert any(leaf is w for leaf in leaves) and any(leaf is x for leaf in leaves)
     assert not any(getattr(leaf, "dtype", None) == jnp.bfloat16 for leaf in leaves)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_float32_operands_give_float32_products_and_gradients(spec):
+    """Unrounded operands through the custom VJP (XLA:CPU's path for every weight matmul): the same function and
+    gradients as float64 einsums, whichever operand the weight gradient transposes."""
+    x, w, g = operands(spec, seed=7 + len(spec))
+    a, b, c = spec.replace("->", ",").split(",")
+    y, vjp = jax.vjp(lambda x, w: matmul.einsum(spec, x, w, jnp.float32), x, w)
+    dx, dw = vjp(g)
+    assert y.dtype == dx.dtype == dw.dtype == jnp.float32
+    x64, w64, g64 = (np.asarray(v, np.float64) for v in (x, w, g))
+    close(y, np.einsum(spec, x64, w64), TOL_F32)
+    close(dx, np.einsum(f"{c},{b}->{a}", g64, w64), TOL_F32)
+    close(dw, np.einsum(f"{a},{c}->{b}", x64, g64), TOL_F32)
+
+
+def largest_transposed_array(text: str) -> int:
+    """Elements of the largest array any transpose in a compiled HLO module produces (inside fusions too)."""
+    comps = hlo_utils.parse(text)
+    sizes = [int(np.prod(dims)) for comp in comps.values() for i in comp.instrs if i.op == "transpose"
+             for _, dims in i.shapes]
+    return max(sizes, default=0)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the layout rule is XLA:CPU's")
+def test_the_weight_gradient_transposes_the_narrower_operand_on_cpu():
+    """The model's MLP, float32: XLA:CPU's dots take row-major operands only, so dW_out = H^T dY transposes one of
+    the hidden activation H (B*T x F) and the gradient dY (B*T x D). Autodiff (and a custom VJP writing dW as
+    H^T dY) transposes H, fused into the GELU that produces it: recomputed in column order, ms per layer in the
+    real step. `einsum` transposes nothing wider than dY. Fails when the backward transposes H."""
+    bsz, t, d, f = 4, 64, 64, 256
+    k = jax.random.split(jax.random.key(11), 4)
+    x, g = jax.random.normal(k[0], (bsz, t, d)), jax.random.normal(k[1], (bsz, t, d))
+    w_in, w_out = 0.1 * jax.random.normal(k[2], (d, f)), 0.1 * jax.random.normal(k[3], (f, d))
+
+    def largest_transposed_array(product) -> int:
+        def loss(x, w_in, w_out):
+            h = jax.nn.gelu(product("btd,df->btf", x, w_in))
+            return jnp.sum(product("btf,fd->btd", h, w_out) * g)
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, w_in, w_out).compile().as_text()
+        return max((int(np.prod(dims)) for comp in hlo_utils.parse(text).values() for i in comp.instrs
+                    if i.op == "transpose" for _, dims in i.shapes), default=0)
+
+    assert largest_transposed_array(lambda s, a, b: matmul.einsum(s, a, b, jnp.float32)) <= bsz * t * d
+    assert largest_transposed_array(lambda s, a, b: jnp.einsum(s, a, b)) == bsz * t * f  # what it guards against
+
+
+def test_own_backward_rule():
+    f32, bf16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
+    own = matmul.own_backward
+    assert own(bf16, f32, platform="gpu") and own(bf16, f32, platform="cpu")  # rounded operands: always
+    assert own(f32, f32, platform="cpu")  # CPU float32 training: the weight gradient's layout
+    assert not own(f32, f32, platform="gpu") and not own(bf16, bf16, platform="tpu")  # autodiff elsewhere
+    assert not own(bf16, bf16, platform="cpu")  # a GPU configuration compiled on CPU lowers as on the GPU
 
 
 def test_resolve_settings():

@@ -553,14 +553,18 @@ _LLAMA = {"model.position": "rope", "model.norm": "rmsnorm", "model.mlp": "swigl
           "model.tie_embeddings": False, "model.num_kv_heads": 2}
 
 
-@pytest.mark.parametrize("scan_layers, block, dtype, llama", [
-    (True, "serial", "float32", False), (True, "parallel", "bfloat16", False), (False, "serial", "bfloat16", False),
-    (False, "parallel", "float32", False), (True, "serial", "float32", True), (False, "serial", "bfloat16", True)])
-def test_stash_bytes_are_the_steps_residuals(scan_layers, block, dtype, llama):
+@pytest.mark.parametrize("scan_layers, block, dtype, llama, matmul_dtype", [
+    (True, "serial", "float32", False, "activations"), (True, "parallel", "bfloat16", False, "activations"),
+    (False, "serial", "bfloat16", False, "activations"), (False, "parallel", "float32", False, "activations"),
+    (True, "serial", "float32", True, "activations"), (False, "serial", "bfloat16", True, "activations"),
+    (True, "serial", "float32", False, "bfloat16")])
+def test_stash_bytes_are_the_steps_residuals(scan_layers, block, dtype, llama, matmul_dtype):
     """The planner's stash slot (`memory.stash_layer_bytes` x layers per chunk + `stash_entry_invariant_bytes`)
     is, to the byte, what the pipelined step's forward saves for its backward (`PipelinedGrads.stash_entry`,
     the residual pytree of the chunk's vjp), under every remat policy, for chunks of one layer (unrolled) and
-    of two (a scan when layers are stacked), for GPT and Llama blocks."""
+    of two (a scan when layers are stacked), for GPT and Llama blocks. The weight matmuls run through
+    msjax.ops.matmul's custom VJP here (float32 on XLA:CPU, and bf16-rounded operands anywhere), whose products
+    the dots policies save by name: without that they would keep only the layer input, as under "full"."""
     import jax
 
     from msjax.config import Config
@@ -571,7 +575,7 @@ def test_stash_bytes_are_the_steps_residuals(scan_layers, block, dtype, llama):
     base = {"model.d_model": 48, "model.num_heads": 4, "model.d_ff": 80, "model.max_seq_len": 16,
             "train.seq_len": 16, "train.global_batch": 6, "mesh.data": 1, "model.vocab_size": 100,
             "mesh.pipeline": 2, "model.scan_layers": scan_layers, "model.block": block, "model.dtype": dtype,
-            **(_LLAMA if llama else {})}
+            "model.matmul_dtype": matmul_dtype, **(_LLAMA if llama else {})}
     for remat, layers in [(r, 4) for r in ("none", "dots_no_batch", "dots", "full")] + [("none", 2)]:
         cfg = apply_overrides(Config(), {**base, "model.remat": remat, "model.num_layers": layers}).validate()
         program = build_train_program(cfg, make_mesh(cfg.mesh, jax.devices()[:2]))
