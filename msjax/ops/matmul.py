@@ -1,4 +1,5 @@
-"""Weight matmuls with bfloat16 operands under float32 activations (`model.matmul_dtype`).
+"""Weight matmuls with their own backward: bfloat16 operands under float32 activations (`model.matmul_dtype`), and
+XLA:CPU's float32 ones.
 
 Mixed precision as GPU autocast and TPU's default matmul precision do it: the activations, norms, softmax,
 residual stream and parameters stay float32; each weight matmul rounds its two operands to bfloat16 and
@@ -25,8 +26,8 @@ operand, and for the MLP fuses that transpose into the elementwise work around t
 order): 3.3-4 ms per layer in the float32 shakespeare_char step, against ~0.5 ms for a dot. Here the backward
 transposes the narrower of the two (the (B*T, D) gradient instead of the (B*T, 4D) activation) and then the
 small weight-shaped product, behind an optimization barrier that keeps that transpose out of the dot (a dot with
-a transposed output leaves YNNPACK for XLA's own, slower emitter). The float32 step, 10 steps a call: 47.5 ->
-29.7 ms (docs/cpu_speed.md). GPU and TPU libraries take transposed operands themselves; there unrounded
+a transposed output leaves YNNPACK for XLA's own, slower emitter). The float32 step, 10 steps a call: 47.4-48.4
+-> 29.5-30.9 ms (docs/cpu_speed.md). GPU and TPU libraries take transposed operands themselves; there unrounded
 matmuls keep XLA's own autodiff.
 
 `resolve` turns the setting into a dtype: "activations" (the matmuls run in `model.dtype`, today's float32 or
