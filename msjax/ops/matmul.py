@@ -96,6 +96,8 @@ def own_backward(operand_dtype, activations, platform: str | None = None) -> boo
 
     Args:
       operand_dtype: `resolve`'s dtype; activations: `model.dtype`; platform: as in `resolve`.
+    Returns:
+      True for `einsum`, False for plain autodiff (`msjax.model.dense` takes it).
     """
     platform = platform or jax.default_backend()
     if jnp.dtype(operand_dtype) != jnp.dtype(activations):
