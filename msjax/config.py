@@ -153,8 +153,8 @@ class ModelConfig:
       dtype: dtype of the activations and matmuls.
       matmul_dtype: the weight matmuls' operands: "activations" (in `dtype`), "bfloat16" (rounded to bf16,
         accumulated in float32, forward and backward: mixed precision under float32 activations), or "auto"
-        (bfloat16 where the backend's bf16 matmuls are faster: GPU, TPU, a CPU with AMX-BF16; `dtype`
-        elsewhere). See `msjax.ops.matmul`.
+        (bfloat16 where the backend's bf16 matmuls are faster: GPU, TPU, a CPU whose AMX-BF16 this process may
+        use; `dtype` elsewhere). See `msjax.ops.matmul`.
       attention: attention settings (model.attention.*).
     """
 

@@ -20,7 +20,9 @@ The three efficiency fields are *achievable fractions of the datasheet figure*, 
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -195,16 +197,50 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+# Linux's x86-64 arch_prctl: a process asks for the AMX tile data state before its first AMX instruction (Linux
+# 5.16+, Documentation/arch/x86/xstate.rst); without the grant that instruction faults.
+_SYS_ARCH_PRCTL = 158
+ARCH_REQ_XCOMP_PERM = 0x1023
+XFEATURE_XTILEDATA = 18
+
+
+@functools.cache
+def cpu_amx_bf16_usable() -> bool:
+    """Whether this process can run AMX-BF16 tile matmuls: the CPU reports `amx_bf16` in /proc/cpuinfo and the
+    kernel grants the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM). False where either is missing or cannot be
+    read (another OS, another architecture, a kernel before 5.16, a seccomp profile that refuses the request).
+
+    Why the grant and not the flag alone: XLA:CPU's matmul libraries ask for the same grant and, refused, run
+    bf16 dots on their AVX-512 kernels, slower than float32 ones (`scripts/refuse_amx.py` refuses it; measured in
+    docs/cpu_speed.md). Asking grants nothing those libraries would not ask for themselves. Read once per
+    process: every module of the model resolves `model.matmul_dtype=auto` (`msjax.ops.matmul.resolve`) when it
+    is built."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return False
+    if "amx_bf16" not in flags.split(":", 1)[1].split() or os.uname().machine != "x86_64":
+        return False
+    # ctypes, not a C extension: one syscall, once per process; libc's syscall() is the documented way to make it
+    # (its arguments are longs: the kernel reads whole registers).
+    libc = ctypes.CDLL(None, use_errno=True)
+    args = (ctypes.c_long(_SYS_ARCH_PRCTL), ctypes.c_long(ARCH_REQ_XCOMP_PERM), ctypes.c_long(XFEATURE_XTILEDATA))
+    return libc.syscall(*args) == 0
+
+
 def _cpu_key(dtype: str = "float32") -> str:
     """Names what a CPU matmul rate depends on: the CPU model, the cores this process may use, jaxlib (which
-    picks the matmul library: Eigen, YNNPACK) and the operands' dtype (float32 keys carry none, as before bf16
-    rates were kept)."""
+    picks the matmul library: Eigen, YNNPACK), the operands' dtype (float32 keys carry none, as before bf16
+    rates were kept) and, for bf16, whether this process may use AMX (refused, the same CPU's bf16 rate is ~7x
+    lower: `cpu_amx_bf16_usable`)."""
     import jaxlib
 
     model = cpu_model()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     key = f"{model} | {cores} cores | jaxlib {jaxlib.__version__}"
-    return key if dtype == "float32" else f"{key} | {dtype}"
+    if dtype == "float32":
+        return key
+    return f"{key} | {dtype}" if cpu_amx_bf16_usable() else f"{key} | {dtype} without AMX"
 
 
 def cpu_peak_flops(dtype: str = "float32") -> float:

@@ -32,33 +32,23 @@ matmuls keep XLA's own autodiff.
 
 `resolve` turns the setting into a dtype: "activations" (the matmuls run in `model.dtype`, today's float32 or
 bf16 path), "bfloat16", or "auto": bfloat16 where the backend's bf16 matmuls are known to be faster than its
-float32 ones (GPU, TPU, a CPU with AMX-BF16; an H100 ran an 8192^3 matmul at 778 against 407 TFLOP/s), the
-activations' dtype elsewhere: CPUs without AMX (AVX-512-BF16 alone, as on AMD Zen 4, was not measured) keep
-float32 numerics.
+float32 ones (GPU, TPU, a CPU with AMX-BF16 that this process may use, `msjax.hardware.cpu_amx_bf16_usable`; an
+H100 ran an 8192^3 matmul at 778 against 407 TFLOP/s), the activations' dtype elsewhere. Without AMX, XLA:CPU's
+bf16 dots are slower than its float32 ones even where the CPU has AVX-512-BF16 (AMD Zen 4, Intel Cooper Lake):
+on an AMX Xeon with AMX refused (`scripts/refuse_amx.py`), a 1024^3 product 196-207 against 271-282 GFLOP/s and
+the shakespeare_char step 37-40 against 32-33 ms (docs/cpu_speed.md).
 """
 
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+from msjax.hardware import cpu_amx_bf16_usable
+
 MATMUL_DTYPES = ("activations", "bfloat16", "auto")
-
-
-@functools.cache
-def cpu_has_amx_bf16() -> bool:
-    """Whether this Linux host's CPU reports the `amx_bf16` flag in /proc/cpuinfo (False where it cannot tell).
-    Read once per process: every module of the model resolves `auto` when it is built."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return "amx_bf16" in line.split(":", 1)[1].split()
-    except OSError:
-        pass
-    return False
 
 
 def resolve(setting: str, activations, platform: str | None = None) -> jnp.dtype:
@@ -82,7 +72,7 @@ def resolve(setting: str, activations, platform: str | None = None) -> jnp.dtype
         return jnp.dtype(jnp.bfloat16)
     if setting == "auto":
         platform = platform or jax.default_backend()
-        fast = platform in ("gpu", "cuda", "rocm", "tpu") or (platform == "cpu" and cpu_has_amx_bf16())
+        fast = platform in ("gpu", "cuda", "rocm", "tpu") or (platform == "cpu" and cpu_amx_bf16_usable())
         return jnp.dtype(jnp.bfloat16) if fast else activations
     raise ValueError(f"model.matmul_dtype={setting!r}: allowed are {', '.join(MATMUL_DTYPES)}")
 

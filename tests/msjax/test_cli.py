@@ -88,10 +88,15 @@ HELP_FLAGS = {"train.py": "--train.steps", "bench.py": "--reference_cmd", "plan.
               "bench_generate.py": "--new_tokens", "bench_convert.py": "--width", "results.py": "--record"}
 
 
+# Scripts that run another command, as `nice` does: no flags of their own, so no msjax flags either; their
+# --help gives the usage.
+WRAPPERS = {"refuse_amx.py": "refuse_amx.py COMMAND [ARGS...]"}
+
+
 def test_help_flags_cover_every_script():
     """Every entry point in scripts/ (a file run as `__main__`; helper modules such as store_clients.py are not)."""
     entry_points = [p.name for p in SCRIPTS.glob("*.py") if 'if __name__ == "__main__":' in p.read_text()]
-    assert sorted(HELP_FLAGS) == sorted(entry_points)
+    assert sorted(HELP_FLAGS | WRAPPERS) == sorted(entry_points)
     assert "store_clients.py" not in entry_points and (SCRIPTS / "store_clients.py").exists()
 
 
@@ -100,6 +105,12 @@ def test_every_script_has_help(script, flag):
     proc = _script(script, "--help")
     assert proc.returncode == 0, proc.stderr
     assert flag in proc.stdout and "--log_level" in proc.stdout
+
+
+@pytest.mark.parametrize("script, usage", sorted(WRAPPERS.items()))
+def test_every_wrapper_has_help(script, usage):
+    proc = _script(script, "--help")
+    assert proc.returncode == 0 and usage in proc.stdout, proc.stderr
 
 
 @pytest.mark.parametrize("script, args, named", [

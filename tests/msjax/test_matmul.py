@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from msjax.hardware import cpu_amx_bf16_usable
 from msjax.ops import matmul
 from tests.msjax import hlo_utils
 
@@ -153,7 +154,7 @@ def test_resolve_settings():
     assert matmul.resolve("bfloat16", "float32") == bf16
     assert matmul.resolve("auto", "float32", platform="gpu") == bf16
     assert matmul.resolve("auto", "float32", platform="tpu") == bf16
-    assert matmul.resolve("auto", "float32", platform="cpu") == (bf16 if matmul.cpu_has_amx_bf16() else f32)
+    assert matmul.resolve("auto", "float32", platform="cpu") == (bf16 if cpu_amx_bf16_usable() else f32)
     assert matmul.resolve("auto", "bfloat16", platform="cpu") == bf16  # never wider than the activations
     with pytest.raises(ValueError, match=r"model.matmul_dtype='fp8'.*activations, bfloat16, auto"):
         matmul.resolve("fp8", "float32")
