@@ -196,10 +196,14 @@ def load(results_dir: Path = RESULTS_DIR) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: r["name"])
 
 
+# Scripts that run another command (scripts/README.md): a record's benchmark is the command they run.
+WRAPPERS = ("refuse_amx.py",)
+
+
 def script_of(command: str) -> str:
-    """The scripts/*.py file a command runs ("" when none)."""
+    """The scripts/*.py benchmark a command runs, behind any of WRAPPERS ("" when none)."""
     for word in shlex.split(command):
-        if word.endswith(".py"):
+        if word.endswith(".py") and Path(word).name not in WRAPPERS:
             return Path(word).name
     return ""
 
@@ -243,8 +247,10 @@ def render(rows: list[dict[str, Any]]) -> str:
         return "\n".join(lines + ["No results recorded yet.", ""])
     lines += ["| result | figures | command | machine | date |", "|---|---|---|---|---|"]
     for r in rows:
+        # Under refuse_amx.py the CPU still lists its AMX flags; the machine column says the command had none.
+        refused = " (AMX refused)" if "refuse_amx.py" in r["command"] else ""
         lines.append("| " + " | ".join(_cell(x) for x in (
-            r["name"], figures(r), f"`{r['command']}`", describe_machine(r["machine"]), r["date"])) + " |")
+            r["name"], figures(r), f"`{r['command']}`", describe_machine(r["machine"]) + refused, r["date"])) + " |")
     return "\n".join(lines) + "\n"
 
 

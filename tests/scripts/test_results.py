@@ -53,6 +53,10 @@ def test_a_record_is_the_json_a_command_printed_last(tmp_path):
     assert results.figures({**row, "command": "python scripts/bench.py --config=x"}) == (
         f"step {value['step_s']:.4f} s, tokens/s {value['tokens_per_s']:,.0f}, MFU {value['mfu']:.1%}")
     assert results.figures(row).startswith(f"step_s {value['step_s']:.4g}")
+    # behind a wrapper (a command that runs another) the same benchmark's figures, and the machine says so
+    wrapped = {**row, "command": "python scripts/refuse_amx.py python scripts/bench.py --config=x"}
+    assert results.figures(wrapped) == results.figures({**row, "command": "python scripts/bench.py --config=x"})
+    assert "(AMX refused) |" in results.render([wrapped])
     # a benchmark whose result is rows: each row labelled by its own fields
     rows = [{"batch": int(b), "mode": m, "tokens_per_s": float(rng.uniform(1, 1e4))}
             for b, m in zip(rng.integers(1, 64, 3), ("kv_cache", "recompute", "kv_cache"))]
