@@ -28,7 +28,8 @@ import ctypes
 import os
 import sys
 
-# The request refused, from Linux's arch/x86/include/uapi/asm/prctl.h and asm/unistd_64.h.
+# The request refused, from Linux's arch/x86/include/uapi/asm/prctl.h and asm/unistd_64.h (msjax.hardware has the
+# same two: this script imports no msjax, whose process set-up would change the environment COMMAND inherits).
 SYS_ARCH_PRCTL = 158
 ARCH_REQ_XCOMP_PERM = 0x1023
 
