@@ -8,7 +8,7 @@ On a CPU with AMX (Intel Sapphire Rapids and later) a Linux process asks the ker
 (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`, Linux 5.16+) before its first tile instruction. This
 script installs a seccomp filter that answers that one request with EPERM, then replaces itself with COMMAND; the
 filter holds for COMMAND and every process it starts (seccomp filters survive fork and exec). Everything else runs
-as before. msjax's `model.matmul_dtype=auto` (`msjax.ops.matmul.cpu_amx_bf16_usable`) and XLA:CPU's matmul
+as before. msjax's `model.matmul_dtype=auto` (`msjax.hardware.cpu_amx_bf16_usable`) and XLA:CPU's matmul
 libraries ask before they use AMX and, refused, take the paths of a CPU without it: float32 weight matmuls, and
 the AVX-512 kernels an AMD Zen 4 or an Intel Xeon before Sapphire Rapids runs.
 
