@@ -569,6 +569,14 @@ class Config:
     observe: ObserveConfig = field(default_factory=ObserveConfig)
     name: str = "default"
 
+    def pipeline_microbatches(self, stages: int | None = None) -> int:
+        """M, the microbatches one step sends through the pipeline per replica: `pipeline.microbatches`, or the
+        stage count when it is 0 (the smallest M that fills a 1F1B pipeline); 1 without pipeline stages.
+        `stages`: the pipeline axis size (default mesh.pipeline). The one statement of this rule: the step, the
+        schedule and the planner read it here or through `msjax.layout.Layout.microbatches`."""
+        p = self.mesh.pipeline if stages is None else stages
+        return (self.pipeline.microbatches or p) if p > 1 else 1
+
     def validate(self) -> "Config":
         """Cross-field checks that need no devices. Returns self; raises ConfigError naming the key."""
         m, a, t = self.model, self.model.attention, self.train
@@ -715,7 +723,7 @@ def _check_pipeline(cfg: Config) -> None:
         if pc.virtual_stages > 1:
             raise ConfigError(f"pipeline.virtual_stages={pc.virtual_stages} needs mesh.pipeline > 1")
         return
-    m, v, L = pc.microbatches or p, pc.virtual_stages, cfg.model.num_layers
+    m, v, L = cfg.pipeline_microbatches(), pc.virtual_stages, cfg.model.num_layers
     if L % (p * v):
         raise ConfigError(f"model.num_layers={L} is not divisible by mesh.pipeline x pipeline.virtual_stages = "
                           f"{p} x {v} (every stage chunk holds the same number of layers)")

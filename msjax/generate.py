@@ -40,7 +40,7 @@ from msjax.config import Config, ModelConfig, apply_overrides
 from msjax.model import apply, apply_decode, init_cache
 from msjax.sample import check_sampling, sample_logits
 from msjax.sharding import use_rules
-from msjax.sharding_rules import RULE_SETS, Rules
+from msjax.sharding_rules import Rules
 from msjax.sharding_rules import axes as ax
 
 # Token buffers are padded to a multiple of this many positions (fewer distinct shapes to compile).
@@ -308,16 +308,14 @@ def load_run(run_dir: str | Path, overrides: dict[str, Any] | None = None, confi
       msjax.checkpoint.CheckpointError: no checkpoint passes verification.
     """
     from msjax.data import load_tokenizer
-    from msjax.parallel.pipeline import pipeline_rules
     from msjax.runs import restore_params, run_config
 
     run_dir = Path(run_dir)
     cfg = run_config(run_dir, overrides) if config is None else apply_overrides(config, overrides or {}).validate()
     program, step, params = restore_params(run_dir, cfg, devices)
-    rules = pipeline_rules(RULE_SETS[cfg.mesh.rules], program.mesh.shape[ax.PIPELINE])
     tok_path = run_dir / "tokenizer.json"
     tokenizer = load_tokenizer(tok_path) if tok_path.is_file() else None
-    generator = Generator(program.config.model, program.graphdef, params, program.mesh, rules)
+    generator = Generator(program.config.model, program.graphdef, params, program.mesh, program.layout.rules)
     return LoadedRun(program.config, step, generator, tokenizer, run_dir)
 
 

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
 
 
 class LoopControl:
@@ -83,13 +82,14 @@ class RunContext:
       program: the TrainProgram (msjax.train_step).
       start_step: the step the run starts from (0, or the restored checkpoint's step).
       control: the loop's LoopControl.
-      learning_rates: (train.steps,) float32, the learning rate of step s at index s - 1
-        (`msjax.optim.learning_rates`), or None where no loop made it (a hook driven by hand).
       timings: host times of the current step, written by the loop before `on_step_end`: `issue_t` (perf_counter
         seconds when the step was called), `data_s` (waiting for the batch), `dispatch_s` (inside the step call),
         `checkpoint_s` (blocked in the checkpoint save after the previous step), `eval_s` (evaluating after the
         previous step; 0 when it did not). Seconds. And `steps`: how many steps the call ran (1, or
         `train.steps_per_execution`); the step `on_step_end` gets is the last of them, the times are the call's.
+      checkpoint_dir: the persistent checkpoint tier as the loop resolved it (a local path or a gs:// / s3://
+        URL), or None.
+      local_checkpoint_dir: the local tier (`checkpoint.local_dir` resolved), or None when there is none.
     """
 
     config: Any
@@ -98,8 +98,9 @@ class RunContext:
     program: Any
     start_step: int
     control: LoopControl
-    learning_rates: np.ndarray | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    checkpoint_dir: Any = None
+    local_checkpoint_dir: Any = None
 
 
 class Hook:

@@ -14,7 +14,7 @@ import jax
 
 from msjax.checkpoint import CheckpointError, Checkpointer, checkpoint_dir
 from msjax.config import Config, ConfigError, apply_overrides, load_preset
-from msjax.mesh import make_mesh
+from msjax.layout import resolve as resolve_layout
 from msjax.train_step import build_train_program
 
 
@@ -40,8 +40,7 @@ def restore_params(run_dir: str | Path, cfg: Config, devices: Sequence[jax.Devic
       ConfigError: a mesh that does not fit the devices.
       msjax.checkpoint.CheckpointError: no checkpoint, or none passes verification.
     """
-    mesh = make_mesh(cfg.mesh, devices)
-    program = build_train_program(cfg, mesh)
+    program = build_train_program(resolve_layout(cfg, devices, check_rules=False))
     # Read-only: the run may still be training, and its newest step may be between Orbax's commit and its record.
     ckpt = Checkpointer(cfg.checkpoint, checkpoint_dir(cfg.checkpoint, str(run_dir)), read_only=True)
     try:

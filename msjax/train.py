@@ -15,7 +15,8 @@ import logging
 import math
 import signal
 import time
-from typing import TYPE_CHECKING, Any, NoReturn, Sequence
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 
 import jax
 from tqdm import tqdm
@@ -24,19 +25,13 @@ from msjax.checkpoint import Checkpointer, check_resume_config, checkpoint_dir, 
 from msjax import distributed, paths
 from msjax.config import Config, ConfigError, to_dict
 from msjax.data import BatchLoader, check_data_paths, eval_batches, prepare_data
-from msjax.flops import flops_per_token
-from msjax.hardware import mesh_peak_flops
 from msjax.faults import NonFiniteStop, StopOnSignal
 from msjax.hooks import Hook, Hooks, LoopControl, RunContext
-from msjax.mesh import make_mesh
+from msjax.layout import Layout, resolve as resolve_layout
 from msjax.metrics import MetricsWriter
 from msjax.observe import MetricsSink, loop_hooks
-from msjax.optim import learning_rates
-from msjax.parallel.pipeline import pipeline_rules
 from msjax.parallel.schedule import pipeline_summary
-from msjax.planner.preflight import check_layout
 from msjax.control import phases
-from msjax.sharding_rules import RULE_SETS
 from msjax.parallel import xla_flags
 from msjax.generate import Generator
 from msjax.goodput import LoopLedger
@@ -90,9 +85,59 @@ def build_hooks(cfg: Config, control_plane: "ControlPlaneHook | None" = None, si
             LoopLedger(sinks=sinks)]
 
 
+@dataclass
+class RunSummary:
+    """What `run` returns.
+
+    Attributes:
+      start_step: the step the run started from (0, or the restored checkpoint's).
+      final_step: the last step taken.
+      val_loss: (step, mean validation loss in nats per token) at every evaluation.
+      train_loss: the loss of the last logged step (None when no step was logged).
+      tokens_per_s, mfu: throughput and model FLOPs utilisation of the last logging interval (None before one).
+      wall_s: seconds from the call to the end of the loop (sample excluded).
+      first_step_s: seconds to the end of the first step (compilation included); None when no step ran.
+      checkpoints: the steps with a checkpoint on disk at the end.
+      param_count: parameters (elements).
+      goodput: the run's goodput ledger (`msjax.goodput.LoopLedger.finish`).
+      sample: text generated at the end (None when disabled or stopped).
+      stop_reason, stop_signal: why the loop stopped early and the signal behind it (None when it finished).
+      state: the final train state (`msjax.train_step`), left out of `to_json`.
+    """
+
+    start_step: int
+    final_step: int = 0
+    val_loss: list[tuple[int, float]] = field(default_factory=list)
+    train_loss: float | None = None
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    wall_s: float = 0.0
+    first_step_s: float | None = None
+    checkpoints: list[int] = field(default_factory=list)
+    param_count: int = 0
+    goodput: dict[str, Any] = field(default_factory=dict)
+    sample: str | None = None
+    stop_reason: str | None = None
+    stop_signal: int | None = None
+    state: Any = None
+
+
+
+# Present in the JSON only when the run produced them (a stopped run has no sample, a run that never logged no
+# throughput), as the train command has always printed it.
+_ONLY_WHEN_SET = ("tokens_per_s", "mfu", "sample", "stop_reason", "stop_signal")
+
+
+def summary_json(summary: RunSummary) -> dict[str, Any]:
+    """The JSON-friendly fields of `run`'s summary (no state), as the train command prints them."""
+    out = {f.name: getattr(summary, f.name) for f in fields(summary) if f.name != "state"}
+    return {k: v for k, v in out.items() if not (k in _ONLY_WHEN_SET and v is None)}
+
+
 def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = None,
-        control_plane: "ControlPlaneHook | None" = None, sinks: Sequence[MetricsSink] = ()) -> dict[str, Any]:
-    """Trains `cfg` and returns a summary: final train/val loss, tokens/s, MFU, step and wall times.
+        control_plane: "ControlPlaneHook | None" = None, sinks: Sequence[MetricsSink] = (),
+        preflight: Callable[[Layout], Any] | None = None) -> RunSummary:
+    """Trains `cfg` and returns a `RunSummary`: final train/val loss, tokens/s, MFU, step and wall times.
 
     Args:
       cfg: the run's config.
@@ -100,10 +145,14 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
       control: requests to the loop (stop, checkpoint now, profile); a fresh LoopControl by default.
       control_plane: the process's control-plane hook, when it joined one (`build_hooks`).
       sinks: further live metric sinks for the step observer (`build_hooks`).
+      preflight: called with the resolved layout before any data is read, directory written or program compiled,
+        to refuse a run that cannot fit (the train command passes the planner's memory estimate,
+        `msjax.planner.preflight.check_layout`); it raises ConfigError.
 
     Raises:
-      ConfigError: a config that does not fit the devices or data (mesh size, memory estimate, vocabulary, batch
-        split; the first three checked before anything is read or allocated), a path msjax cannot use
+      ConfigError: a config that does not fit the devices or data (mesh size, model and batch split, the
+        preflight's memory estimate, vocabulary; all but the vocabulary checked before anything is read or
+        allocated), a path msjax cannot use
         (msjax.paths.PathError: an unknown scheme, a missing backend package, a URL for a local-only key), an
         unwritable checkpoint directory,
         checkpoints already present without `checkpoint.resume`, or a resume whose config differs from the
@@ -123,8 +172,10 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
     run_dir = paths.local(t.run_dir, "train.run_dir")
     check_data_paths(cfg.data)
     ckpt_dir = checkpoint_dir(cfg.checkpoint, t.run_dir)
-    local_checkpoint_dir(cfg.checkpoint)
-    check_layout(cfg)  # mesh, divisibility and memory, before any data, directory or compilation
+    local_ckpt_dir = local_checkpoint_dir(cfg.checkpoint)
+    layout = resolve_layout(cfg)  # mesh and divisibility, before any data, directory or compilation
+    if preflight is not None:
+        preflight(layout)
     if jax.process_index() == 0:
         ensure_writable(run_dir, "train.run_dir")
     ckpt = Checkpointer(cfg.checkpoint, ckpt_dir)
@@ -140,9 +191,9 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
         check_resume_config(saved_cfg, cfg, where)
 
     data = prepare_data(cfg.data)
-    mesh = make_mesh(cfg.mesh)
-    program = build_train_program(cfg, mesh, vocab_size=data.tokenizer.vocab_size)
-    cfg = program.config
+    layout = layout.with_vocab(data.tokenizer.vocab_size)
+    program = build_train_program(layout)
+    cfg, mesh = layout.config, layout.mesh
     if jax.process_index() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
@@ -170,28 +221,27 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
     val = eval_batches(data.val, seq_len=t.seq_len, batch=t.global_batch, num_batches=t.eval_batches,
                        seed=cfg.data.seed + 1, sharding=program.batch_sharding)
 
-    n_dev = mesh.devices.size
-    peak, peak_label = mesh_peak_flops(mesh.devices.flat, program.matmul_dtype)
-    step_flops = flops_per_token(cfg.model, t.seq_len) * t.global_batch * t.seq_len
-    tokens_per_step = t.global_batch * t.seq_len
+    peak, peak_label = layout.peak
+    tokens_per_step = layout.tokens_per_step
     _log(f"msjax: {cfg.name} | {program.param_count / 1e6:.2f}M params | mesh "
-         f"{dict(mesh.shape)} | {n_dev} x {jax.devices()[0].device_kind} | MFU against {peak / 1e12:.3g} "
-         f"TFLOP/s ({peak_label}) | train {len(data.train):,} / val {len(data.val):,} tokens")
-    if mesh.shape["pipeline"] > 1:
-        _log(pipeline_summary(mesh.shape["pipeline"], cfg.pipeline.virtual_stages, cfg.pipeline.microbatches))
+         f"{dict(mesh.shape)} | {layout.num_devices} x {jax.devices()[0].device_kind} | MFU against "
+         f"{peak / 1e12:.3g} TFLOP/s ({peak_label}) | train {len(data.train):,} / val {len(data.val):,} tokens")
+    if layout.stages > 1:
+        _log(pipeline_summary(layout.stages, layout.virtual_stages, layout.microbatches))
     _log(xla_flags.describe())
 
     # Once: the checkpoint record holds it, and converting the config each step cost ~0.6 ms of host CPU per step
     # (the 2-core CPU recipe runs the loop's host work on the cores its steps compute on).
     cfg_dict = to_dict(cfg)
     writer = MetricsWriter(run_dir, start_step=start_step, loggers=t.loggers, name=cfg.name, config=cfg_dict)
-    lrs = learning_rates(cfg.optimizer, t.steps)  # lr of step s at s - 1, logged with the loss
+    lrs = program.learning_rates  # lr of step s at s - 1, logged with the loss
     control = control or LoopControl()
     hook_list = build_hooks(cfg, control_plane, sinks, extra=hooks)
-    goodput = hook_list[-1]
+    goodput = next(h for h in hook_list if isinstance(h, LoopLedger))
     hook = Hooks(hook_list)
     ctx = RunContext(config=cfg, run_dir=run_dir, mesh=mesh, program=program, start_step=start_step,
-                     control=control, learning_rates=lrs)
+                     control=control, checkpoint_dir=ckpt_dir,
+                     local_checkpoint_dir=local_ckpt_dir)
     hook.on_start(ctx)
     # With train.steps_per_execution K > 1 one call runs K steps (program.steps_fn), unless a step the loop acts on
     # (a log, evaluation, save, observer window or GC step; the last step) falls inside them: single steps up to it.
@@ -211,7 +261,7 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
         distributed.align_first_step(program.steps_fn, state, (batch_spec,) * k)
     else:
         distributed.align_first_step(program.step_fn, state, batch_spec)
-    summary: dict[str, Any] = {"val_loss": [], "start_step": start_step}
+    summary = RunSummary(start_step=start_step)
     bar = tqdm(total=t.steps, initial=start_step, disable=not t.progress or jax.process_index() != 0,
                dynamic_ncols=True, desc=cfg.name)
     last_log_step, last_log_time, first_step_time = start_step, None, None
@@ -241,18 +291,18 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
                 loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
                 now = time.perf_counter()
                 tok_s = (step - last_log_step) * tokens_per_step / (now - last_log_time)
-                mfu = tok_s / tokens_per_step * step_flops / peak
+                mfu = layout.mfu(tok_s / tokens_per_step)
                 last_log_step, last_log_time = step, now
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", mfu=f"{mfu:.1%}")
                 scalars = {"loss": loss, "grad_norm": grad_norm, "lr": float(lrs[step - 1]), "tokens_per_s": tok_s,
                            "mfu": mfu, "skipped": int(metrics["skipped"])}
                 writer.write(step, scalars)
                 hook.on_log(ctx, step, scalars)
-                summary.update(tokens_per_s=tok_s, mfu=mfu)
+                summary.tokens_per_s, summary.mfu = tok_s, mfu
             t_eval = time.perf_counter()
             if val and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
                 val_loss = evaluate(program, state["params"], val)
-                summary["val_loss"].append((step, val_loss))
+                summary.val_loss.append((step, val_loss))
                 writer.write(step, {"val_loss": val_loss, "wall_s": time.perf_counter() - t_start})
                 _log(f"step {step}: val loss {val_loss:.4f} ({time.perf_counter() - t_start:.1f} s)")
             ctx.timings["eval_s"] = time.perf_counter() - t_eval
@@ -270,7 +320,7 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
             if stopping:
                 ckpt.wait()  # the stop's checkpoint is complete (recorded, copied) before the loop returns
                 _log(f"stopping after step {step}: {control.stop_reason}; checkpoint of step {step} complete")
-                summary["stop_reason"], summary["stop_signal"] = control.stop_reason, control.stop_signal
+                summary.stop_reason, summary.stop_signal = control.stop_reason, control.stop_signal
                 break
     except BaseException as e:
         error = e
@@ -284,31 +334,23 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
         ckpt_close_s = time.perf_counter() - t_close
         writer.close()
 
-    summary.update(
-        final_step=step, train_loss=loss if not math.isnan(loss) else None,
-        wall_s=time.perf_counter() - t_start, first_step_s=first_step_time, checkpoints=ckpt.all_steps(),
-        param_count=program.param_count,
-    )
+    summary.final_step, summary.train_loss = step, loss if not math.isnan(loss) else None
+    summary.wall_s, summary.first_step_s = time.perf_counter() - t_start, first_step_time
+    summary.checkpoints, summary.param_count = ckpt.all_steps(), program.param_count
     # Every process takes part (the parameters are sharded over all of them); a stopped run exits without one.
-    if t.sample_tokens and "stop_reason" not in summary:
+    if t.sample_tokens and summary.stop_reason is None:
         tok = data.tokenizer
         prompt = [tok.eot_id] if tok.eot_id is not None else tok.encode("\n").tolist()
         key = jax.random.wrap_key_data(state["rng"])
         # KV-cached decoding on the training mesh; past model.max_seq_len the context rolls (msjax.generate).
-        generator = Generator(cfg.model, program.graphdef, state["params"], mesh,
-                              pipeline_rules(RULE_SETS[cfg.mesh.rules], mesh.shape["pipeline"]))
+        generator = Generator(cfg.model, program.graphdef, state["params"], mesh, layout.rules)
         ids = generator.generate([prompt], t.sample_tokens, temperature=t.sample_temperature, seed=key,
                                  rolling=True)[0]
-        summary["sample"] = tok.decode(ids)
-        _log("---- sample ----\n" + summary["sample"] + "\n----------------")
-    summary["goodput"] = goodput.finish(ckpt_close_s)
-    summary["state"] = state
+        summary.sample = tok.decode(ids)
+        _log("---- sample ----\n" + summary.sample + "\n----------------")
+    summary.goodput = goodput.finish(ckpt_close_s)
+    summary.state = state
     return summary
-
-
-def summary_json(summary: dict[str, Any]) -> dict[str, Any]:
-    """The JSON-friendly part of `run`'s summary (drops the state)."""
-    return {k: v for k, v in summary.items() if k != "state"}
 
 
 

@@ -15,25 +15,26 @@ Train state (a plain pytree, what Orbax saves):
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from msjax.config import Config, ConfigError
+from msjax.config import Config
+from msjax.layout import Layout, pipeline_rules, resolve as resolve_layout
 from msjax.model import abstract_model, apply, init_params
-from msjax.ops import matmul
-from msjax.optim import make_optimizer, skipped_steps
+from msjax.optim import learning_rates, make_optimizer, skipped_steps
 from msjax.parallel.arrival import step_start, use_arrival_marks
 from msjax.parallel.options import use_overlap
-from msjax.parallel.pipeline import PipelinedGrads, microbatches, pipeline_rules
+from msjax.parallel.pipeline import PipelinedGrads
 from msjax.parallel.zero2 import reduce_scattered_grads
 from msjax.sharding import constrain, tree_shardings, use_rules
-from msjax.sharding_rules import OPTIMIZER_STATE_RULES, RULE_SETS, logical_to_mesh_spec, optimizer_state_rules
+from msjax.sharding_rules import OPTIMIZER_STATE_RULES, optimizer_state_rules
 from msjax.sharding_rules import axes as ax
 
 
@@ -62,6 +63,7 @@ class TrainProgram:
       pipeline: the `msjax.parallel.pipeline.PipelinedGrads` the step runs with mesh.pipeline > 1, else None.
       matmul_dtype: the dtype name the weight matmuls' operands take on this backend ("float32", "bfloat16":
         `model.matmul_dtype` resolved, `msjax.ops.matmul.resolve`): what a CPU's MFU is measured against.
+      layout: the resolved layout the program was built for (`msjax.layout.Layout`).
     """
 
     config: Config
@@ -82,6 +84,13 @@ class TrainProgram:
     pipeline: PipelinedGrads | None = None
     matmul_dtype: str = "float32"
     steps_fn: Callable | None = None
+    layout: Layout | None = None
+
+    @functools.cached_property
+    def learning_rates(self) -> np.ndarray:
+        """(train.steps,) float32: the learning rate of step s at index s - 1 (`msjax.optim.learning_rates`),
+        computed once per program: what the loop logs and the step observer records."""
+        return learning_rates(self.config.optimizer, self.config.train.steps)
 
 
 def _nbytes(tree: Any) -> int:
@@ -94,41 +103,26 @@ def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
     return losses.mean()
 
 
-def build_train_program(cfg: Config, mesh: Mesh, vocab_size: int | None = None) -> TrainProgram:
-    """Builds the sharded train program for `cfg` on `mesh`.
+def build_train_program(cfg: Config | Layout, mesh: Mesh | None = None, vocab_size: int | None = None
+                        ) -> TrainProgram:
+    """Builds the sharded train program of one layout.
 
     Args:
-      cfg: a validated Config.
-      mesh: from `msjax.mesh.make_mesh(cfg.mesh)`.
-      vocab_size: the tokenizer's vocabulary (overrides model.vocab_size when given).
+      cfg: the resolved `msjax.layout.Layout` to build; or a Config, resolved here on `mesh` (`msjax.layout.resolve`).
+      mesh: with a Config, the mesh from `msjax.mesh.make_mesh(cfg.mesh)`; ignored with a Layout.
+      vocab_size: with a Config, the tokenizer's vocabulary (fills model.vocab_size when it is 0).
     Raises:
-      ConfigError: a vocabulary that is missing or larger than model.vocab_size, or a (pipeline) microbatch
-        that does not split over the data-parallel devices.
+      ConfigError: what `msjax.layout.resolve` raises: a vocabulary that is missing or larger than
+        model.vocab_size, a model or (pipeline) microbatch that does not split over the mesh.
     """
-    model_cfg = cfg.model
-    if vocab_size:
-        if model_cfg.vocab_size and vocab_size > model_cfg.vocab_size:
-            raise ConfigError(f"the tokenizer has {vocab_size} tokens but model.vocab_size={model_cfg.vocab_size}")
-        model_cfg = dataclasses.replace(model_cfg, vocab_size=model_cfg.vocab_size or vocab_size)
-    if model_cfg.vocab_size < 1:
-        raise ConfigError("model.vocab_size is 0 and no tokenizer vocabulary was given")
-    cfg = dataclasses.replace(cfg, model=model_cfg)
-    if model_cfg.padded_vocab() % mesh.shape["tensor"]:
-        raise ConfigError(f"model.vocab_multiple={model_cfg.vocab_multiple} pads the {model_cfg.vocab_size}-token "
-                          f"vocabulary to {model_cfg.padded_vocab()} rows, which mesh.tensor={mesh.shape['tensor']} "
-                          "does not divide; set model.vocab_multiple to a multiple of mesh.tensor")
-    t = cfg.train
-    batch_devices = mesh.shape["data"] * mesh.shape["fsdp"]
-    stages = mesh.shape["pipeline"]
-    pipe_m = microbatches(cfg) if stages > 1 else 1
-    micro = t.global_batch // t.microbatches
-    if (micro // pipe_m) % batch_devices:
-        pipe = f" / pipeline.microbatches={pipe_m}" if stages > 1 else ""
-        raise ConfigError(f"microbatch of {micro // pipe_m} sequences (train.global_batch={t.global_batch} / "
-                          f"train.microbatches={t.microbatches}{pipe}) does not split over data x fsdp = "
-                          f"{batch_devices} devices")
+    # A Config given here is resolved as the low-level API always built it: any rule set on any mesh.
+    layout = cfg if isinstance(cfg, Layout) else resolve_layout(cfg, mesh=mesh, vocab_size=vocab_size,
+                                                                 check_rules=False)
+    if layout.padded_vocab is None:
+        layout = layout.with_vocab(None)  # raises: no vocabulary at all
+    cfg, mesh, rules = layout.config, layout.mesh, layout.rules
+    model_cfg, t, stages = cfg.model, cfg.train, layout.stages
 
-    rules = pipeline_rules(RULE_SETS[cfg.mesh.rules], stages)
     graphdef, abs_params, logical_specs = abstract_model(model_cfg)
     param_shardings = tree_shardings(logical_specs, mesh, rules)
     tx = make_optimizer(cfg.optimizer, t.steps)
@@ -145,8 +139,7 @@ def build_train_program(cfg: Config, mesh: Mesh, vocab_size: int | None = None) 
                                           transform_non_params=lambda _: replicated)
     state_shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings,
                        "rng": replicated}
-    batch_spec = logical_to_mesh_spec((ax.ACT_BATCH, ax.ACT_SEQ), rules)
-    batch_sharding = NamedSharding(mesh, batch_spec)
+    batch_sharding = NamedSharding(mesh, layout.batch_spec)
 
     def init(key: jax.Array) -> dict:
         params_key, run_key = jax.random.split(key)
@@ -243,5 +236,5 @@ def build_train_program(cfg: Config, mesh: Mesh, vocab_size: int | None = None) 
         batch_sharding=batch_sharding, init_fn=init_fn, step_fn=step_fn, eval_fn=eval_fn, grad_fn=grads_fn,
         param_count=sum(x.size for x in jax.tree.leaves(abs_params)), param_bytes=_nbytes(abs_params),
         opt_state_bytes=_nbytes(abs_opt), pipeline=pipelined,
-        matmul_dtype=matmul.resolve(cfg.model.matmul_dtype, cfg.model.dtype).name, steps_fn=steps_fn,
+        matmul_dtype=layout.matmul_dtype, steps_fn=steps_fn, layout=layout,
     )

@@ -35,8 +35,6 @@ import numpy as np
 
 from msjax import cli
 from msjax.config import Config
-from msjax.flops import flops_per_token
-from msjax.hardware import mesh_peak_flops
 from msjax.mesh import make_mesh
 from msjax.train_step import build_train_program
 
@@ -121,15 +119,15 @@ def benchmark(cfg: Config, steps: int = 20, warmup: int = 3, repeats: int = 3, v
                                                    warmup, repeats, trace_dir)
     cfg, t = program.config, program.config.train
     step_s = statistics.median(times)
-    peak, label = mesh_peak_flops(mesh.devices.flat, program.matmul_dtype)
-    tokens_per_step = t.global_batch * t.seq_len
-    flops = flops_per_token(cfg.model, t.seq_len) * tokens_per_step
+    layout = program.layout
+    peak, label = layout.peak
+    tokens_per_step, flops = layout.tokens_per_step, layout.step_flops
     return {
         "config": cfg.name, "devices": mesh.devices.size, "device_kind": jax.devices()[0].device_kind,
         "mesh": dict(mesh.shape), "global_batch": t.global_batch, "seq_len": t.seq_len,
         "params": program.param_count, "compile_s": compile_s, "step_s": step_s,
         "tokens_per_s": tokens_per_step / step_s, "model_flops_per_step": flops,
-        "mfu": flops / step_s / peak, "peak_flops": peak, "peak_label": label,
+        "mfu": layout.mfu(1.0 / step_s), "peak_flops": peak, "peak_label": label,
     }
 
 
@@ -220,7 +218,7 @@ def plain_jax_comparison(cfg: Config, steps: int = 50, repeats: int = 6) -> dict
     """
     mesh = make_mesh(cfg.mesh, jax.devices()[:1])  # the reference has no sharding: compare on one device
     program = build_train_program(cfg, mesh, vocab_size=cfg.model.vocab_size or 50304)
-    cfg, t = program.config, program.config.train
+    cfg = program.config
     batch = random_batch(program)
     plain_step, plain_state, plain_batch = plain_train_step(cfg, cfg.model.padded_vocab())
     # one step per call on both sides (the reference is a single jitted step), whatever train.steps_per_execution
@@ -233,7 +231,7 @@ def plain_jax_comparison(cfg: Config, steps: int = 50, repeats: int = 6) -> dict
             "ratio": statistics.median([a / b for a, b in zip(times["msjax"], times["plain"])]),
             "msjax_s": times["msjax"], "plain_s": times["plain"], "msjax_params": program.param_count,
             "plain_params": int(plain_params),
-            "model_flops_per_step": flops_per_token(cfg.model, t.seq_len) * t.global_batch * t.seq_len}
+            "model_flops_per_step": program.layout.step_flops}
 
 
 def format_plain_table(row: dict[str, Any]) -> str:

@@ -147,8 +147,6 @@ def measure(cfg: Config, steps: int, repeats: int, warmup: int = 2) -> dict:
     import jax
     from bench import time_train_step  # scripts/bench.py, beside this script: imports jax, so not at the top
 
-    from msjax.flops import flops_per_token
-    from msjax.hardware import mesh_peak_flops
     from msjax.mesh import make_mesh
 
     sizes = cfg.mesh.axis_sizes()
@@ -158,16 +156,15 @@ def measure(cfg: Config, steps: int, repeats: int, warmup: int = 2) -> dict:
                                                       repeats)
     cfg, t = program.config, program.config.train
     step_s, cpu_s = statistics.median(walls), statistics.median(cpus)
-    peak, label = mesh_peak_flops(mesh.devices.flat, program.matmul_dtype)
-    tokens_per_step = t.global_batch * t.seq_len
-    flops = flops_per_token(cfg.model, t.seq_len) * tokens_per_step
+    layout = program.layout
+    peak, label = layout.peak
+    tokens_per_step, flops = layout.tokens_per_step, layout.step_flops
     return {"config": cfg.name, "devices": mesh.devices.size, "device_kind": jax.devices()[0].device_kind,
             "mesh": dict(mesh.shape), "global_batch": t.global_batch, "seq_len": t.seq_len,
-            "pipeline_microbatches": cfg.pipeline.microbatches or cfg.mesh.pipeline,
-            "virtual_stages": cfg.pipeline.virtual_stages, "params": program.param_count,
+            "pipeline_microbatches": layout.microbatches, "virtual_stages": layout.virtual_stages, "params": program.param_count,
             "compile_s": compile_s, "step_s": step_s, "cpu_s": cpu_s, "step_s_windows": walls,
             "cpu_s_windows": cpus, "tokens_per_s": tokens_per_step / step_s, "model_flops_per_step": flops,
-            "mfu": flops / step_s / peak, "peak_flops": peak, "peak_label": label}
+            "mfu": layout.mfu(1.0 / step_s), "peak_flops": peak, "peak_label": label}
 
 
 def _run(argv: list[str], opts: ParallelBenchOptions) -> int:

@@ -31,7 +31,7 @@ From these, with done_t of the previous step:
                  makes it longer than the others'; the others' wait for this rank lies after it, in the collectives.
   host_lag_s   = lag_s accumulated between done_t(s-1) and done_t(s).
   tokens_per_s, mfu from step_s; loss, grad_norm read by the watcher once the step is done; lr of the step from
-  the run's table of the optimizer's schedule (`RunContext.learning_rates`, `msjax.optim.learning_rates`).
+  the run's table of the optimizer's schedule (`TrainProgram.learning_rates`).
 
 At the end of each window (`observe.window` steps, after the window's last step is done) the window's per-rank
 figures (own_compute_s, host_lag_s, host_stall_s, ...) are gathered with jax's multihost all-gather (one
@@ -80,12 +80,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from msjax.flops import flops_per_token
-from msjax.hardware import mesh_peak_flops
 from msjax.hooks import Hook, RunContext
 from msjax.events import append_event
 from msjax.observe.stragglers import RankPlace, StragglerDetector, mesh_places
-from msjax.optim import learning_rates
 from msjax.parallel.arrival import ARRIVALS
 
 log = logging.getLogger(__name__)
@@ -386,15 +383,12 @@ class StepObserver(Hook):
     # ---- set-up and tear-down -----------------------------------------------------------------------------------
 
     def on_start(self, ctx: RunContext) -> None:
-        cfg, t = ctx.config, ctx.config.train
         self.rank, self.nproc = jax.process_index(), jax.process_count()
         self.run_dir = Path(ctx.run_dir)
-        self.tokens_per_step = t.global_batch * t.seq_len
-        self.step_flops = flops_per_token(cfg.model, t.seq_len) * self.tokens_per_step
-        self.peak, _ = mesh_peak_flops(ctx.mesh.devices.flat, ctx.program.matmul_dtype)
-        # lr of step s is entry s - 1: the loop's own table, or the same function's when the hook runs outside it
-        lrs = ctx.learning_rates
-        self._lr = np.asarray(lrs if lrs is not None else learning_rates(cfg.optimizer, t.steps))
+        layout = ctx.program.layout
+        self.tokens_per_step, self.peak = layout.tokens_per_step, layout.peak_flops
+        self._mfu = layout.mfu
+        self._lr = ctx.program.learning_rates  # lr of step s is entry s - 1, the table the loop logs
         hosts = self._gather_hosts()
         self.places: dict[int, RankPlace] = mesh_places(ctx.mesh.devices, hosts=hosts)
         here = self.places[self.rank].host
@@ -421,7 +415,7 @@ class StepObserver(Hook):
             # Block-buffered, flushed at window ends and at the end: a line write per step is measurable on CPU.
             self._jsonl = open(ranks / f"rank{self.rank}.jsonl", "a")
             self._tb = SummaryWriter(str(self.run_dir / "tb" / f"rank{self.rank}"))
-        self._tb_every = max(1, t.log_every)  # TensorBoard at the loop's log cadence (per-step rows are in JSONL)
+        self._tb_every = max(1, ctx.config.train.log_every)  # TensorBoard at the loop's log cadence (per-step rows are in JSONL)
         local = [d for d in ctx.mesh.devices.flat if d.process_index == self.rank]
         self._probe = None
         # One process has no peer to compare its probe with: no calibration (~0.5 s at start) and no probes.
@@ -559,7 +553,7 @@ class StepObserver(Hook):
                 row = {"step": step, "time": time.time(), "step_s": step_s, "compute_s": compute, **arrived,
                        "host_lag_s": lag, "host_stall_s": stall, **host,
                        "tokens_per_s": self.tokens_per_step / step_s if step_s > 0 else 0.0,
-                       "mfu": self.step_flops / step_s / self.peak if step_s > 0 else 0.0,
+                       "mfu": self._mfu(1.0 / step_s) if step_s > 0 else 0.0,
                        "lr": float(self._lr[min(step, len(self._lr)) - 1]), **values}
                 if first:
                     row["compile"] = True

@@ -70,12 +70,12 @@ def in_flight(stages: int, virtual_stages: int, microbatches: int, stage: int = 
 
 def pipeline_summary(stages: int, virtual_stages: int, microbatches: int) -> str:
     """The start-up line of a pipelined run: schedule, bubble fraction and microbatches in flight (the same
-    functions the planner prices). `microbatches` 0 means `stages` (pipeline.microbatches' default)."""
-    m = microbatches or stages
-    return (f"pipeline: interleaved 1F1B, P={stages} stages x V={virtual_stages} chunks, M={m} microbatches | "
-            f"bubble (P-1)/(VM+P-1) = {bubble_fraction(stages, virtual_stages, m):.1%} | "
-            f"{in_flight(stages, virtual_stages, m)} chunk-microbatches in flight on stage 0 (stash of "
-            f"{Schedule(stages, virtual_stages, m).slots} slots)")
+    functions the planner prices). `microbatches`: M as resolved (`msjax.layout.Layout.microbatches`)."""
+    p, v, m = stages, virtual_stages, microbatches
+    return (f"pipeline: interleaved 1F1B, P={p} stages x V={v} chunks, M={m} microbatches | "
+            f"bubble (P-1)/(VM+P-1) = {bubble_fraction(p, v, m):.1%} | "
+            f"{in_flight(p, v, m)} chunk-microbatches in flight on stage 0 (stash of {Schedule(p, v, m).slots} "
+            "slots)")
 
 
 @dataclass(frozen=True)

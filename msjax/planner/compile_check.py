@@ -57,7 +57,7 @@ def compile_config(cfg: Config, sizes: dict[str, int], pipeline_microbatches: in
                                     "train.microbatches": 1})
     p, d = sizes["pipeline"], sizes["data"]
     g = cfg.train.global_batch // d
-    pm = (cfg.pipeline.microbatches or p) if p > 1 else 1
+    pm = cfg.pipeline_microbatches(p)
     micro = cfg.train.microbatches if g % (cfg.train.microbatches * pm) == 0 and \
         (g // (cfg.train.microbatches * pm)) % sizes["fsdp"] == 0 else 1
     over = {"mesh.pipeline": 1, "mesh.data": 1, "mesh.fsdp": sizes["fsdp"], "mesh.sequence": sizes["sequence"],
@@ -68,7 +68,7 @@ def compile_config(cfg: Config, sizes: dict[str, int], pipeline_microbatches: in
             f"devices (one of the {d} data-parallel replicas; batch {g})")
     if p > 1:
         over["mesh.pipeline"] = p
-        m = cfg.pipeline.microbatches or p
+        m = pm
         what = what.replace("(data=1,", f"(pipeline={p}, data=1,").replace(
             f"of {sizes['fsdp'] * sizes['sequence'] * sizes['tensor']} fake",
             f"of {p * sizes['fsdp'] * sizes['sequence'] * sizes['tensor']} fake")

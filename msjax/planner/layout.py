@@ -28,12 +28,11 @@ import functools
 import math
 from dataclasses import dataclass
 
-from msjax.config import Config
+from msjax.config import Config, ConfigError
+from msjax.layout import check_model_split as check_run_split
 from msjax.hardware import Hardware
 from msjax.planner.options import COLLECTIVE_LATENCY, PlanError, PlanOptions
-from msjax.sharding_rules import RULE_SETS
 from msjax.sharding_rules.rules import OPTIMIZER_STATE_RULES
-from msjax.sharding_rules import axes as ax
 
 AXES = ("pipeline", "data", "fsdp", "sequence", "tensor")
 
@@ -169,30 +168,12 @@ def mesh_sizes(cfg: Config, devices: int) -> dict[str, int]:
 
 
 def check_model_split(cfg: Config, sizes: dict[str, int], vocab: int) -> None:
-    """Divisibility of the model over the mesh. Raises PlanError naming the key that does not divide."""
-    m, t, p, f, s = cfg.model, sizes["tensor"], sizes["pipeline"], sizes["fsdp"], sizes["sequence"]
-    if p > m.num_layers:
-        raise PlanError(f"mesh.pipeline={p} stages is more than model.num_layers={m.num_layers} layers")
-    if m.num_layers % p:
-        raise PlanError(f"model.num_layers={m.num_layers} is not divisible by mesh.pipeline={p} stages")
-    for key, value in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.kv_heads),
-                       ("model.d_ff", m.ff_size), ("vocabulary (padded)", vocab)):
-        if value % t:
-            raise PlanError(f"{key}={value} is not divisible by the tensor-parallel size mesh.tensor={t}")
-    if m.d_model % f:
-        raise PlanError(f"model.d_model={m.d_model} is not divisible by mesh.fsdp={f} (FSDP splits the embed axis)")
-    if cfg.train.seq_len % s:
-        raise PlanError(f"train.seq_len={cfg.train.seq_len} is not divisible by mesh.sequence={s}")
-    rules = RULE_SETS[cfg.mesh.rules]
-    if t > 1 and rules.get(ax.HEADS) != "tensor":
-        raise PlanError(f"mesh.tensor={t} but rule set mesh.rules={cfg.mesh.rules!r} splits nothing over the "
-                        "tensor axis (the work would be repeated t times); use 'tp' or 'fsdp_tp'")
-    if f > 1 and rules.get(ax.EMBED) != "fsdp" and cfg.mesh.rules not in OPTIMIZER_STATE_RULES:
-        raise PlanError(f"mesh.fsdp={f} but rule set mesh.rules={cfg.mesh.rules!r} shards no parameter over fsdp "
-                        "(that is plain data parallelism); use 'fsdp', 'fsdp_tp' or 'zero2', or set mesh.data instead")
-    if s > 1 and rules.get(ax.ACT_SEQ_INNER) != "sequence":
-        raise PlanError(f"mesh.sequence={s} but rule set mesh.rules={cfg.mesh.rules!r} does not split the "
-                        "sequence; use 'tp' or 'fsdp_tp'")
+    """Divisibility of the model over the mesh (`msjax.layout.check_model_split`, the run's own check). Raises
+    PlanError naming the key that does not divide."""
+    try:
+        check_run_split(cfg, sizes, vocab)
+    except ConfigError as e:
+        raise PlanError(str(e)) from None
 
 
 def zero2_over_fsdp(cfg: Config, layout: "Layout") -> bool:
@@ -227,7 +208,7 @@ def config_microbatch_size(cfg: Config, sizes: dict[str, int]) -> int:
     M = `pipeline.microbatches` (0: mesh.pipeline, as the train step reads it) with pipeline stages, else 1.
     Raises PlanError when that does not divide."""
     per_replica = replica_batch(cfg, sizes)
-    m = (cfg.pipeline.microbatches or sizes["pipeline"]) if sizes["pipeline"] > 1 else 1
+    m = cfg.pipeline_microbatches(sizes["pipeline"])
     if per_replica % (cfg.train.microbatches * m):
         what = f"train.microbatches={cfg.train.microbatches}" + (
             f" x pipeline.microbatches={m}" if sizes["pipeline"] > 1 else "")

@@ -23,9 +23,10 @@ from typing import Sequence
 
 from msjax.config import Config, ConfigError, apply_overrides
 from msjax.hardware import Hardware, for_device_kind
+from msjax.layout import Layout, split_batch
 from msjax.planner.layout import check_model_split, make_layout, resolve_vocab
 from msjax.planner.memory import MemoryReport, memory_report, stage_params
-from msjax.planner.options import PlanError, PlanOptions
+from msjax.planner.options import PlanOptions
 
 _GIB = 2.0**30
 
@@ -75,13 +76,7 @@ def estimate(cfg: Config, sizes: dict[str, int], hw: Hardware, limit: float) -> 
         cfg = apply_overrides(cfg, {"model.vocab_size": 256})
     vocab = resolve_vocab(cfg)
     check_model_split(cfg, sizes, vocab)
-    t, p = cfg.train, sizes["pipeline"]
-    m = (cfg.pipeline.microbatches or p) if p > 1 else 1
-    replicas = sizes["data"] * sizes["fsdp"]
-    b = t.global_batch // (t.microbatches * m * replicas)
-    if b < 1 or t.global_batch % (t.microbatches * m * replicas):
-        raise PlanError(f"train.global_batch={t.global_batch} does not split into train.microbatches x "
-                        f"pipeline.microbatches x data x fsdp = {t.microbatches} x {m} x {replicas}")
+    p, b = sizes["pipeline"], split_batch(cfg, sizes).microbatch
     layout = make_layout(cfg, PlanOptions(devices=math.prod(sizes.values())), hw, sizes,
                          cfg.pipeline.virtual_stages if p > 1 else 1, b, 0, cfg.model.remat)
     return memory_report(cfg, layout, stage_params(cfg, vocab, sizes), limit, 1.0)
@@ -104,7 +99,7 @@ def _candidates(cfg: Config, sizes: dict[str, int], n: int) -> list[dict[str, ob
         out.append({"model.remat": "full"})
     p = sizes["pipeline"]
     if p > 1:
-        m = cfg.pipeline.microbatches or p
+        m = cfg.pipeline_microbatches(p)
         out += [{"pipeline.microbatches": m * k} for k in (2, 4, 8)]
     else:
         out += [{"train.microbatches": cfg.train.microbatches * k} for k in (2, 4, 8)]
@@ -144,12 +139,13 @@ def _fitting_overrides(cfg: Config, sizes: dict[str, int], n: int, hw: Hardware,
     return found
 
 
-def check_layout(cfg: Config, devices: Sequence | None = None) -> MemoryReport | None:
+def check_layout(cfg: Config | Layout, devices: Sequence | None = None) -> MemoryReport | None:
     """Checks `cfg` against the devices before anything is allocated (module docstring).
 
     Args:
-      cfg: a validated config.
-      devices: the job's devices (default `jax.devices()`: every process's).
+      cfg: a validated config, or a run's resolved layout (`msjax.layout.Layout`: its config on its mesh's
+        devices; the train command's pre-flight, `msjax.train.run(..., preflight=check_layout)`).
+      devices: the job's devices (default `jax.devices()`: every process's; a layout's own with a layout).
     Returns:
       the memory estimate (None when the device's memory is unknown).
     Raises:
@@ -160,6 +156,8 @@ def check_layout(cfg: Config, devices: Sequence | None = None) -> MemoryReport |
 
     from msjax.mesh import resolve_axis_sizes
 
+    if isinstance(cfg, Layout):
+        cfg, devices = cfg.config, list(cfg.mesh.devices.flat)
     devices = list(devices if devices is not None else jax.devices())
     n = len(devices)
     budget = device_budget(devices)

@@ -91,7 +91,7 @@ def main() -> int:
         left = [t.name for t in threading.enumerate() if t not in before and t.is_alive() and not t.daemon]
         print(f"threads left: {json.dumps(left)}", flush=True)
         return 1
-    out.write_text(json.dumps({"digest": digest(summary["state"]),
+    out.write_text(json.dumps({"digest": digest(summary.state),
                                "summary": {k: v for k, v in summary_json(summary).items() if k != "sample"}}))
     return 0
 

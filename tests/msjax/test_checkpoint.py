@@ -95,7 +95,7 @@ def test_nonfinite_steps_are_skipped_and_never_checkpointed(tmp_path, small_corp
     cfg = make_tiny_config(tmp_path, small_corpus, **{"optimizer.lr": 1e30, "optimizer.min_lr": 1e30,
                                                       "optimizer.warmup_steps": 0, "train.eval_every": 0})
     summary = run(cfg)
-    assert _finite(summary["state"])
+    assert _finite(summary.state)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     skipped = [r["skipped"] for r in rows if "skipped" in r]
     assert skipped[-1] >= 6 and any(not math.isfinite(r["loss"]) for r in rows if "loss" in r)
@@ -103,7 +103,7 @@ def test_nonfinite_steps_are_skipped_and_never_checkpointed(tmp_path, small_corp
     from msjax.mesh import make_mesh
     from msjax.train_step import build_train_program
 
-    program = build_train_program(cfg, make_mesh(cfg.mesh), vocab_size=summary["state"]["params"]["wte"].shape[0])
+    program = build_train_program(cfg, make_mesh(cfg.mesh), vocab_size=summary.state["params"]["wte"].shape[0])
     step, state, _ = ckpt.restore(program.abstract_state)
     ckpt.close()
     assert step == 8 and _finite(state)
@@ -125,7 +125,7 @@ def test_nonfinite_stop_policy_ends_the_run_keeping_the_last_good_checkpoint(tmp
 
 def test_eval_batches_zero_trains_and_saves_the_last_step(tmp_path, small_corpus, make_tiny_config):
     summary = run(make_tiny_config(tmp_path, small_corpus, **{"train.eval_batches": 0, "train.steps": 4}))
-    assert summary["checkpoints"] == [4] and summary["val_loss"] == []
+    assert summary.checkpoints == [4] and summary.val_loss == []
 
 
 # ---- 6: resume with another model config ---------------------------------------------------------------------
@@ -170,7 +170,7 @@ def test_damaged_newest_checkpoint_falls_back_and_ends_bit_identical(cache, tmp_
                                                                      how):
     ref_root, ref = reference(cache, tmp_path_factory, small_corpus, make_tiny_config)
     _copy_run(ref_root, tmp_path)
-    _corrupt(tmp_path / "run" / "checkpoints" / "8", how, ref["state"])
+    _corrupt(tmp_path / "run" / "checkpoints" / "8", how, ref.state)
     caplog.set_level(logging.INFO, logger="msjax.train")
     capfd.readouterr()
     resumed = run(make_tiny_config(tmp_path, small_corpus, **{"checkpoint.resume": True}))
@@ -180,12 +180,12 @@ def test_damaged_newest_checkpoint_falls_back_and_ends_bit_identical(cache, tmp_
                 and r.name.startswith("msjax.checkpoint") and r.getMessage().startswith("checkpoint")]
     assert len(warnings) == 1 and "/checkpoints/8 failed verification" in warnings[0], (warnings, err)
     assert "Traceback" not in err
-    assert resumed["start_step"] == 4
+    assert resumed.start_step == 4
     # data=2: restored by one replica and broadcast (msjax.checkpoint.replica), then trained on bit-identically
     assert "resumed from step 4" in caplog.text and "read by one data-parallel replica" in caplog.text
-    for x, y in zip(_leaves(ref["state"]), _leaves(resumed["state"])):
+    for x, y in zip(_leaves(ref.state), _leaves(resumed.state)):
         np.testing.assert_array_equal(x, y)
-    assert resumed["checkpoints"] == [4, 8]  # the damaged one moved aside, its step written again
+    assert resumed.checkpoints == [4, 8]  # the damaged one moved aside, its step written again
     assert list((tmp_path / "run" / "checkpoints" / "rejected").iterdir())
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [(r["step"], tuple(sorted(r))) for r in rows]
@@ -369,10 +369,10 @@ def test_local_tier_restores_first_and_persistent_tier_backs_it_up(tmp_path, sma
     assert sorted(p.name for p in local.iterdir() if p.name.isdigit()) == ["8"]
     assert sorted(p.name for p in persistent.iterdir() if p.name.isdigit()) == ["4", "8"]
     # The local copy of 8 is damaged: the persistent copy of the same step is restored, nothing retrained.
-    _corrupt(local / "8", "bitflip", straight["state"])
+    _corrupt(local / "8", "bitflip", straight.state)
     resumed = run(apply_overrides(cfg, {"checkpoint.resume": True}))
-    assert resumed["start_step"] == 8 and "local/8 failed verification" in caplog.text
-    for x, y in zip(_leaves(straight["state"]), _leaves(resumed["state"])):
+    assert resumed.start_step == 8 and "local/8 failed verification" in caplog.text
+    for x, y in zip(_leaves(straight.state), _leaves(resumed.state)):
         np.testing.assert_array_equal(x, y)
 
 

@@ -180,7 +180,7 @@ def trained_run(tmp_path_factory, small_corpus):
                                                "model.position": "rope", "model.norm": "rmsnorm",
                                                "model.mlp": "swiglu", "model.attention.window": 8})
     summary = run(cfg)
-    assert summary["sample"]  # the loop's own end-of-run sample decodes with the cache (rolling past 32)
+    assert summary.sample  # the loop's own end-of-run sample decodes with the cache (rolling past 32)
     return tmp / "run"
 
 

@@ -174,6 +174,6 @@ def test_a_run_publishes_its_ledger_live_and_writes_one_that_adds_up(tmp_path, s
     assert b["evaluation"] > 0 and b["checkpoint"] > 0  # eval_every 4 and checkpoint.every 4 of 8 steps
     assert b["restart"] == b["recomputed"] == 0
     assert ledger["steps"] == {"start": 0, "end": 8, "run": 8}
-    assert summary["goodput"]["buckets"]["productive"] == pytest.approx(b["productive"])
+    assert summary.goodput["buckets"]["productive"] == pytest.approx(b["productive"])
     events = read_events(cfg.train.run_dir, "goodput")
     assert [e["step"] for e in events][:4] == [2, 4, 6, 8] and events[-1]["final"]

@@ -232,7 +232,7 @@ def trained(tmp_path_factory, small_corpus):
         "train.sample_tokens": 0, "checkpoint.every": 6, "model.rope_base": 777.0, "mesh.data": 8, "mesh.fsdp": 1,
         "mesh.tensor": 1})
     summary = run(cfg)
-    assert summary["train_loss"] is not None
+    assert summary.train_loss is not None
     return tmp / "run"
 
 

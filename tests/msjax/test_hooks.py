@@ -40,8 +40,8 @@ def test_hooks_are_called_and_a_stop_request_saves_and_ends(tmp_path, small_corp
     logged = [c for c in rec.calls if c[0] == "log"]
     assert logged[0][1] == 2 and {"grad_norm", "loss", "mfu", "tokens_per_s"} <= set(logged[0][2])
     assert ("ckpt", 3) in rec.calls and rec.calls[-1] == ("end", None)
-    assert summary["final_step"] == 3 and summary["stop_reason"] == "test asked"
-    assert summary["checkpoints"] == [3]
+    assert summary.final_step == 3 and summary.stop_reason == "test asked"
+    assert summary.checkpoints == [3]
 
 
 def test_loop_control_is_thread_safe_and_consumes_requests():

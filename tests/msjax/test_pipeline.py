@@ -363,11 +363,11 @@ def test_resume_mid_pipelined_run_is_bit_identical(tmp_path, small_corpus, make_
     straight = run(make_tiny_config(tmp_path / "a", small_corpus, **layout))
     run(make_tiny_config(tmp_path / "b", small_corpus, **layout, **{"train.steps": 4}))
     resumed = run(make_tiny_config(tmp_path / "b", small_corpus, **layout, **{"checkpoint.resume": True}))
-    assert resumed["start_step"] == 4
-    for x, y in zip(jax.tree.leaves(jax.device_get(straight["state"])),
-                    jax.tree.leaves(jax.device_get(resumed["state"]))):
+    assert resumed.start_step == 4
+    for x, y in zip(jax.tree.leaves(jax.device_get(straight.state)),
+                    jax.tree.leaves(jax.device_get(resumed.state))):
         np.testing.assert_array_equal(x, y)  # params, optimizer state, step and RNG, bit for bit
-    assert straight["val_loss"][-1] == resumed["val_loss"][-1]
+    assert straight.val_loss[-1] == resumed.val_loss[-1]
 
 
 # Two processes x 4 devices training pp2 x dp2 x tp2 and ending with the parameters of 1 process x 8 devices:

@@ -172,7 +172,7 @@ def test_train_save_to_bucket_resume_bit_identical_from_it(cache, s3, tmp_path_f
     ref = straight(cache, s3, tmp_path_factory, small_corpus, make_tiny_config)
     names = {paths.basename(o.path) for o in paths.walk_files(f"{s3.scheme}://ckpt/straight/8")}
     assert RECORD_NAME in names and "manifest.ocdbt" in names
-    assert latest_verified(f"{s3.scheme}://ckpt/straight") == 8 == ref["final_step"]
+    assert latest_verified(f"{s3.scheme}://ckpt/straight") == 8 == ref.final_step
     # The run's config and tokenizer beside its checkpoints: the bucket alone describes and decodes them.
     saved = json.loads(paths.read_bytes(f"{s3.scheme}://ckpt/straight/config.json"))
     assert saved["checkpoint"]["dir"] == f"{s3.scheme}://ckpt/straight" and saved["model"]["d_model"] == 32
@@ -184,8 +184,8 @@ def test_train_save_to_bucket_resume_bit_identical_from_it(cache, s3, tmp_path_f
                                                                 "checkpoint.resume": True}))
     caplog.set_level("INFO", logger="msjax.train")
     resumed = run(cfg)
-    assert resumed["start_step"] == 4 and f"resumed from step 4 ({s3.scheme}://ckpt/cut" in caplog.text
-    _same(ref["state"], resumed["state"])
+    assert resumed.start_step == 4 and f"resumed from step 4 ({s3.scheme}://ckpt/cut" in caplog.text
+    _same(ref.state, resumed.state)
     assert latest_verified(f"{s3.scheme}://ckpt/cut", local) == 8
     assert sorted(int(p.name) for p in local.iterdir() if p.name.isdigit()) == [8]  # local_keep=1
 
@@ -201,7 +201,7 @@ def test_damaged_newest_bucket_checkpoint_falls_back(cache, s3, tmp_path_factory
     prefix = f"{s3.scheme}://ckpt/{damage}"
     _copy_prefix(f"{s3.scheme}://ckpt/straight", prefix)
     if damage == "flipped_byte":
-        _flip_parameter_bit(f"{prefix}/8", ref["state"])
+        _flip_parameter_bit(f"{prefix}/8", ref.state)
         assert latest_verified(prefix) == 8  # its record is there: only reading it finds the damage
     else:
         paths.remove(f"{prefix}/8/{RECORD_NAME}")
@@ -217,8 +217,8 @@ def test_damaged_newest_bucket_checkpoint_falls_back(cache, s3, tmp_path_factory
                 if damage == "flipped_byte" else ("has no integrity record (its write was interrupted)",))
     assert len(warnings) == 1 and f"{prefix}/8 " in warnings[0], err
     assert any(e in warnings[0] for e in expected), err
-    assert resumed["start_step"] == 4
-    _same(ref["state"], resumed["state"])
+    assert resumed.start_step == 4
+    _same(ref.state, resumed.state)
     rejected = paths.listdir(f"{prefix}/rejected")
     assert len(rejected) == (1 if damage == "flipped_byte" else 0) and latest_verified(prefix) == 8
 
@@ -254,7 +254,7 @@ def test_without_local_dir_a_staging_tier_in_the_cache_fronts_the_bucket(s3, tmp
 
     out = run(make_tiny_config(tmp_path, small_corpus, **_on(s3, **{
         "checkpoint.dir": f"{s3.scheme}://ckpt/staged", "checkpoint.every": 2, "checkpoint.keep": 2})))
-    assert out["checkpoints"] == [6, 8]
+    assert out.checkpoints == [6, 8]
     staged = staging_dir(f"{s3.scheme}://ckpt/staged")
     assert staged.is_relative_to(tmp_path / "msjax-cache")
     assert sorted(p.name for p in staged.iterdir() if p.name.isdigit()) == ["8"]

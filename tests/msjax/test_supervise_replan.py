@@ -50,9 +50,9 @@ def test_replanned_restart_continues_the_loss_curve(make_tiny_config, small_corp
                                                   .splitlines()) if "loss" in r}
     # the interrupted run: the same schedule (decay_steps fixed), stopped at its checkpoint of step 3
     first = run(make_tiny_config(tmp_path / "cut", small_corpus, **{**over, "train.steps": 3}))
-    assert first["checkpoints"][-1] == 3
+    assert first.checkpoints[-1] == 3
 
-    vocab = straight["state"]["params"]["wte"].shape[0]
+    vocab = straight.state["params"]["wte"].shape[0]
     data = prepare_data(cfg.data)
     plan = replan(apply_overrides(cfg, {"model.vocab_size": data.tokenizer.vocab_size}), 8, 4)
     new_cfg = apply_overrides(cfg, plan.overrides).validate()
@@ -71,6 +71,6 @@ def test_replanned_restart_continues_the_loss_curve(make_tiny_config, small_corp
             assert abs(float(metrics["loss"]) - losses[s]) < TOL, (s, float(metrics["loss"]), losses[s])
     finally:
         loader.close()
-    for x, y in zip(jax.tree.leaves(jax.device_get(straight["state"]["params"])),
+    for x, y in zip(jax.tree.leaves(jax.device_get(straight.state["params"])),
                     jax.tree.leaves(jax.device_get(state["params"]))):
         np.testing.assert_allclose(x, y, atol=TOL, rtol=0)

@@ -29,10 +29,10 @@ def test_trains_and_writes_metrics_checkpoints_and_sample(tmp_path, corpus):
     cfg = tiny(tmp_path, corpus, **{"train.steps": 30, "optimizer.decay_steps": 30, "optimizer.lr": 3e-3,
                                     "train.eval_every": 10, "checkpoint.every": 10})
     summary = run(cfg)
-    val = [v for _, v in summary["val_loss"]]
+    val = [v for _, v in summary.val_loss]
     assert len(val) == 3 and val[-1] < val[0] - 0.3, val  # validation loss visibly falls
-    assert summary["checkpoints"] == [10, 20, 30]
-    assert isinstance(summary["sample"], str) and summary["sample"]
+    assert summary.checkpoints == [10, 20, 30]
+    assert isinstance(summary.sample, str) and summary.sample
     rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert {"loss", "tokens_per_s", "mfu", "grad_norm"} <= set(rows[0]) and any("val_loss" in r for r in rows)
     assert list((tmp_path / "run" / "tb").glob("events.out.tfevents.*"))
@@ -40,7 +40,7 @@ def test_trains_and_writes_metrics_checkpoints_and_sample(tmp_path, corpus):
 
 
 def _params(summary):
-    return jax.tree.leaves(jax.device_get(summary["state"]))
+    return jax.tree.leaves(jax.device_get(summary.state))
 
 
 @pytest.mark.slow
@@ -51,11 +51,11 @@ def test_resume_is_bit_identical_and_skips_unfinished_checkpoints(tmp_path, corp
     # A write of step 6 that never finished: Orbax writes under a temporary name and renames when complete.
     shutil.copytree(ckpt_dir / "4", ckpt_dir / "6.orbax-checkpoint-tmp-1700000000")
     resumed = run(tiny(tmp_path / "b", corpus, **{"checkpoint.resume": True}))
-    assert resumed["start_step"] == 4
+    assert resumed.start_step == 4
     for x, y in zip(_params(straight), _params(resumed)):
         np.testing.assert_array_equal(x, y)  # params, optimizer state, step and RNG, bit for bit
-    assert straight["val_loss"][-1] == resumed["val_loss"][-1]
-    assert straight["sample"] == resumed["sample"]
+    assert straight.val_loss[-1] == resumed.val_loss[-1]
+    assert straight.sample == resumed.sample
 
 
 @pytest.mark.slow
@@ -69,25 +69,25 @@ def test_steps_per_execution_trains_like_single_steps_and_resumes_bit_identicall
     two = run(tiny(tmp_path / "two", corpus, **{"train.steps_per_execution": 2}))
     for x, y in zip(_params(single), _params(two)):
         np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6)
-    assert two["checkpoints"] == single["checkpoints"] == [4, 8]
-    assert [s for s, _ in two["val_loss"]] == [4, 8]
-    np.testing.assert_allclose([v for _, v in two["val_loss"]], [v for _, v in single["val_loss"]], rtol=1e-5)
+    assert two.checkpoints == single.checkpoints == [4, 8]
+    assert [s for s, _ in two.val_loss] == [4, 8]
+    np.testing.assert_allclose([v for _, v in two.val_loss], [v for _, v in single.val_loss], rtol=1e-5)
     rows = [json.loads(line) for line in (tmp_path / "two" / "run" / "metrics.jsonl").read_text().splitlines()]
     # logged every 2 steps, except the first call's end (step 2), which includes compiling, as step 1 with K = 1
     assert [r["step"] for r in rows if "loss" in r] == [4, 6, 8]
-    assert two["goodput"]["steps"] == 8  # steps counted by number, not by calls
+    assert two.goodput["steps"] == 8  # steps counted by number, not by calls
     timed = [json.loads(line) for line in (tmp_path / "two" / "run" / "ranks" / "rank0.jsonl").read_text().splitlines()]
     assert [r["step"] for r in timed] == [2, 4, 6, 8]
 
     run(tiny(tmp_path / "resumed", corpus, **{"train.steps_per_execution": 2, "train.steps": 4}))
     resumed = run(tiny(tmp_path / "resumed", corpus, **{"train.steps_per_execution": 2, "checkpoint.resume": True}))
-    assert resumed["start_step"] == 4
+    assert resumed.start_step == 4
     for x, y in zip(_params(two), _params(resumed)):
         np.testing.assert_array_equal(y, x)
 
     run(tiny(tmp_path / "off_grid", corpus, **{"train.steps": 3}))
     off_grid = run(tiny(tmp_path / "off_grid", corpus, **{"train.steps_per_execution": 2, "checkpoint.resume": True}))
-    assert off_grid["start_step"] == 3 and off_grid["checkpoints"] == [3, 4, 8]
+    assert off_grid.start_step == 3 and off_grid.checkpoints == [3, 4, 8]
     for x, y in zip(_params(single), _params(off_grid)):
         np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6)
 
@@ -100,7 +100,7 @@ def test_checkpoint_restores_onto_another_mesh(tmp_path, corpus):
     from msjax.train_step import build_train_program
 
     other = apply_overrides(cfg, {"mesh.data": 1, "mesh.fsdp": 8, "mesh.tensor": 1})
-    program = build_train_program(other, make_mesh(other.mesh), vocab_size=summary["state"]["params"]["wte"].shape[0])
+    program = build_train_program(other, make_mesh(other.mesh), vocab_size=summary.state["params"]["wte"].shape[0])
     step, state, loader = Checkpointer(cfg.checkpoint, tmp_path / "run" / "checkpoints").restore(
         program.abstract_state)
     assert step == 4 and loader["step"] == 4
