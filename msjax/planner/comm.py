@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from msjax.config import Config
 from msjax.hardware import Hardware
-from msjax.planner.layout import Layout, Link, group_link, zero2_over_fsdp
+from msjax.planner.layout import PlanLayout, Link, group_link, zero2_over_fsdp
 from msjax.planner.memory import (
     DTYPE_BYTES, StageParams, ends_elements, gathered_kv_bytes, state_bytes_per_element,
 )
@@ -83,17 +83,17 @@ class Collective:
                 f"calls={self.calls:g}, {self.link.kind})")
 
 
-def tp_regions(layout: Layout) -> int:
+def tp_regions(layout: PlanLayout) -> int:
     """Tensor-parallel regions per layer: attention and MLP (serial), or one fused region (parallel)."""
     return 1 if layout.block == "parallel" else 2
 
 
-def passes(layout: Layout) -> float:
+def passes(layout: PlanLayout) -> float:
     """Forward passes of a layer per microbatch counting remat recompute (full remat reruns the forward)."""
     return 2.0 if layout.remat == "full" else 1.0
 
 
-def kv_gathers(layout: Layout) -> float:
+def kv_gathers(layout: PlanLayout) -> float:
     """K/V all-gathers over `sequence` per layer and microbatch: the forward's, plus one in the backward unless
     the gathered copy was saved (remat `none`): full remat reruns the forward, and the dots policies save only
     the local K/V projection outputs (an all-gather is not a dot), so the backward gathers them again. Checked on
@@ -103,7 +103,7 @@ def kv_gathers(layout: Layout) -> float:
     return 1.0 if layout.remat == "none" else 2.0
 
 
-def inventory(cfg: Config, layout: Layout, hw: Hardware, stage: StageParams) -> list[Collective]:
+def inventory(cfg: Config, layout: PlanLayout, hw: Hardware, stage: StageParams) -> list[Collective]:
     """Every collective of one step on the most loaded device (see module docstring)."""
     m = cfg.model
     e = DTYPE_BYTES[m.dtype]

@@ -1,4 +1,4 @@
-"""A layout: the mesh sizes, pipeline schedule and batch split of one plan, checked for legality.
+"""A plan's candidate layout: the mesh sizes, pipeline schedule and batch split of one plan, checked for legality.
 
 Mesh axes are ordered outer to inner (pipeline, data, fsdp, sequence, tensor) as in `msjax.mesh`, and devices
 are numbered in that row-major order, so the tensor axis is contiguous (inside a node) and the pipeline axis is
@@ -38,8 +38,11 @@ AXES = ("pipeline", "data", "fsdp", "sequence", "tensor")
 
 
 @dataclass(frozen=True)
-class Layout:
-    """One fully resolved layout (every size explicit).
+class PlanLayout:
+    """One candidate layout the planner prices (every size explicit): the mesh, schedule and batch split of
+    `msjax.layout.Layout` plus the choices a plan searches over (remat, ZeRO stage, microbatch size) and the
+    baseline it models. A run's own layout is `msjax.layout.Layout`; `make_layout` checks a candidate with the
+    run's rules (`msjax.layout.check_model_split`).
 
     Attributes:
       pipeline, data, fsdp, sequence, tensor: mesh axis sizes (their product is the device count).
@@ -105,7 +108,7 @@ class Link:
     members_per_node: int
 
 
-def group_link(layout: Layout, axes: tuple[str, ...], hw: Hardware) -> Link:
+def group_link(layout: PlanLayout, axes: tuple[str, ...], hw: Hardware) -> Link:
     """See `_group_link` (cached on the axis sizes)."""
     return _group_link(tuple(getattr(layout, a) for a in AXES), axes, hw)
 
@@ -176,7 +179,7 @@ def check_model_split(cfg: Config, sizes: dict[str, int], vocab: int) -> None:
         raise PlanError(str(e)) from None
 
 
-def zero2_over_fsdp(cfg: Config, layout: "Layout") -> bool:
+def zero2_over_fsdp(cfg: Config, layout: "PlanLayout") -> bool:
     """Whether the `fsdp` axis holds ZeRO-2, not ZeRO-3: a rule set whose gradients and optimizer state are laid
     out apart from its parameters (`sharding_rules.OPTIMIZER_STATE_RULES`, the `zero2` rule set) replicates the
     parameters over `fsdp` and shards the rest; the step then reduce-scatters the gradients and all-gathers the
@@ -231,8 +234,8 @@ def attention_is_flash(cfg: Config, hw: Hardware) -> bool:
 
 
 def make_layout(cfg: Config, opts: PlanOptions, hw: Hardware, sizes: dict[str, int], virtual_stages: int,
-                microbatch_size: int, zero_stage: int, remat: str) -> Layout:
-    """A checked Layout for explicit choices. Raises PlanError naming what does not divide."""
+                microbatch_size: int, zero_stage: int, remat: str) -> PlanLayout:
+    """A checked PlanLayout for explicit choices. Raises PlanError naming what does not divide."""
     vocab = resolve_vocab(cfg)
     check_model_split(cfg, sizes, vocab)
     per_replica = replica_batch(cfg, sizes)
@@ -258,7 +261,7 @@ def make_layout(cfg: Config, opts: PlanOptions, hw: Hardware, sizes: dict[str, i
         raise PlanError(f"sequence parallelism splits the {cfg.train.seq_len // sizes['sequence']}-token "
                         f"sequence over mesh.tensor={t}; it does not divide {how}")
     megatron = opts.baseline == "megatron"
-    return Layout(
+    return PlanLayout(
         pipeline=p, data=sizes["data"], fsdp=sizes["fsdp"], sequence=sizes["sequence"], tensor=t,
         virtual_stages=virtual_stages, microbatch_size=microbatch_size, microbatches=m, zero_stage=zero_stage,
         remat=remat, sequence_parallel=sp, block="serial" if megatron else cfg.model.block,
@@ -267,11 +270,11 @@ def make_layout(cfg: Config, opts: PlanOptions, hw: Hardware, sizes: dict[str, i
     )
 
 
-def fast_replace(layout: Layout, **changes) -> Layout:
+def fast_replace(layout: PlanLayout, **changes) -> PlanLayout:
     """dataclasses.replace without re-running __init__ (the search makes ~10^6 variants of checked layouts;
     only fields that need no re-checking may be changed this way: remat, zero_stage, and a microbatch size /
     virtual-stage count that the caller took from the legal lists)."""
-    new = object.__new__(Layout)
+    new = object.__new__(PlanLayout)
     new.__dict__.update(layout.__dict__)
     new.__dict__.update(changes)
     return new

@@ -38,7 +38,7 @@ from msjax.sharding_rules import RULE_SETS, logical_to_mesh_spec
 from msjax.sharding_rules import axes as ax
 from msjax.sharding_rules.rules import OPTIMIZER_STATE_RULES
 
-from msjax.planner.layout import Layout
+from msjax.planner.layout import PlanLayout
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -231,7 +231,7 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
     return outer + inner + scores
 
 
-def gathered_kv_bytes(cfg: Config, layout: Layout) -> float:
+def gathered_kv_bytes(cfg: Config, layout: PlanLayout) -> float:
     """Bytes of one layer's keys and values after attention's all-gather over `sequence`, per device and
     microbatch: 2 (K and V) x b x T x G / t x K x bytes per element (the whole sequence, this device's heads).
 
@@ -243,7 +243,7 @@ def gathered_kv_bytes(cfg: Config, layout: Layout) -> float:
         * m.head_size
 
 
-def layer_activation_bytes(cfg: Config, layout: Layout, policy: str | None = None) -> float:
+def layer_activation_bytes(cfg: Config, layout: PlanLayout, policy: str | None = None) -> float:
     """Bytes one layer keeps for one microbatch on one device under an msjax remat policy.
 
     none: everything autodiff keeps (Korthikanti's count, with the layout's dropout / flash / block type).
@@ -287,7 +287,7 @@ def rolled(model_cfg: ModelConfig, layers: int) -> bool:
     return model_cfg.scan_layers and -(-layers // model_cfg.scan_unroll) > 1
 
 
-def msjax_layer_activation_bytes(cfg: Config, layout: Layout, scanned: bool | None = None) -> float:
+def msjax_layer_activation_bytes(cfg: Config, layout: PlanLayout, scanned: bool | None = None) -> float:
     """Bytes one layer of msjax's model keeps for its backward without remat, per microbatch and device, as the
     compiled train step holds them (the `none` policy of the msjax baseline; other policies: `layer_activation_bytes`).
 
@@ -359,7 +359,7 @@ def msjax_layer_activation_bytes(cfg: Config, layout: Layout, scanned: bool | No
     return acts
 
 
-def msjax_ends_bytes(cfg: Config, layout: Layout) -> dict[str, float]:
+def msjax_ends_bytes(cfg: Config, layout: PlanLayout) -> dict[str, float]:
     """Per-device buffers of the model's two ends in msjax's compiled step, for one microbatch (same source as
     `msjax_layer_activation_bytes`):
 
@@ -488,7 +488,7 @@ class MemoryReport:
         return self.total <= self.capacity
 
 
-def state_bytes_per_element(cfg: Config, layout: Layout) -> tuple[float, float, float]:
+def state_bytes_per_element(cfg: Config, layout: PlanLayout) -> tuple[float, float, float]:
     """(param, grad, optimizer) bytes per parameter element on a device before ZeRO division.
 
     msjax: parameters in model.param_dtype, gradients accumulated in float32 (msjax.train_step), two optimizer
@@ -501,7 +501,7 @@ def state_bytes_per_element(cfg: Config, layout: Layout) -> tuple[float, float, 
     return float(pb), 4.0, 2.0 * pb
 
 
-def memory_report(cfg: Config, layout: Layout, stage: StageParams, device_memory: float,
+def memory_report(cfg: Config, layout: PlanLayout, stage: StageParams, device_memory: float,
                   memory_fraction: float) -> MemoryReport:
     """Memory of the most loaded stage. Stage 0 holds the embedding and the most in-flight activations;
     the last stage holds the output layer and the logits; with p = 1 one device holds everything."""
@@ -539,7 +539,7 @@ def memory_report(cfg: Config, layout: Layout, stage: StageParams, device_memory
                         in_flight_layers)
 
 
-def activation_table(cfg: Config, layout: Layout) -> dict[str, float]:
+def activation_table(cfg: Config, layout: PlanLayout) -> dict[str, float]:
     """Per-layer activation bytes under every remat policy (for the report): what msjax's pipelined step stashes
     per layer and microbatch (`stash_layer_bytes`), else Korthikanti's count (`layer_activation_bytes`)."""
     import dataclasses
@@ -552,7 +552,7 @@ def activation_table(cfg: Config, layout: Layout) -> dict[str, float]:
 
 
 
-def msjax_per_layer(cfg: Config, layout: Layout, scanned: bool | None = None) -> float:
+def msjax_per_layer(cfg: Config, layout: PlanLayout, scanned: bool | None = None) -> float:
     """Stored bytes per layer and microbatch in msjax's step: `msjax_layer_activation_bytes` without remat, the
     remat policy's saved tensors (`layer_activation_bytes`) with it."""
     if layout.remat == "none":
@@ -560,7 +560,7 @@ def msjax_per_layer(cfg: Config, layout: Layout, scanned: bool | None = None) ->
     return layer_activation_bytes(cfg, layout)
 
 
-def optimizer_elements(cfg: Config, layout: Layout, stage: StageParams, layers: int) -> int:
+def optimizer_elements(cfg: Config, layout: PlanLayout, stage: StageParams, layers: int) -> int:
     """Elements per device of one parameter copy laid out like the gradients and optimizer state: the
     parameters' own layout, except the `zero2` rule set, which shards them over fsdp where the parameters are
     replicated (`sharding_rules.optimizer_state_rules`)."""
@@ -573,7 +573,7 @@ def optimizer_elements(cfg: Config, layout: Layout, stage: StageParams, layers: 
     return layers * ostage.layer_elements + ostage.first_elements + ostage.last_elements
 
 
-def fsdp_gathered_bytes(cfg: Config, layout: Layout, stage: StageParams, layers: int) -> float:
+def fsdp_gathered_bytes(cfg: Config, layout: PlanLayout, stage: StageParams, layers: int) -> float:
     """FSDP's gathered weights live at the peak, per device (parameter dtype, split over tensor only):
     unrolled layers without remat keep every layer's gathered weights from the forward to the backward (GSPMD
     gathers each weight once and both passes read it: measured, all L layers' (D, F / t), (F / t, D) ... in the
@@ -585,7 +585,7 @@ def fsdp_gathered_bytes(cfg: Config, layout: Layout, stage: StageParams, layers:
     return n * DTYPE_BYTES[cfg.model.param_dtype] * stage.layer_total / layout.tensor
 
 
-def _msjax_report(cfg: Config, layout: Layout, stage: StageParams, device_memory: float,
+def _msjax_report(cfg: Config, layout: PlanLayout, stage: StageParams, device_memory: float,
                   memory_fraction: float) -> MemoryReport:
     """Memory of msjax's train step without pipeline stages (`msjax.train_step`), at its peak, the start of the
     backward (source: the compiled step's buffer assignment, see `msjax_layer_activation_bytes`):
@@ -616,7 +616,7 @@ def _msjax_report(cfg: Config, layout: Layout, stage: StageParams, device_memory
                         float(L), grads_in_backward=grads / copies * (copies - 1))
 
 
-def stash_layer_bytes(cfg: Config, layout: Layout, scanned: bool | None = None) -> float:
+def stash_layer_bytes(cfg: Config, layout: PlanLayout, scanned: bool | None = None) -> float:
     """Bytes one layer's residuals take in a stash slot of msjax's pipelined step, per device: what the
     forward's `jax.vjp` saves for the backward under `model.remat`'s `jax.checkpoint` policy
     (`msjax.parallel.pipeline`). Read off the residual pytrees of the step (`PipelinedGrads.stash_entry`; checked
@@ -665,7 +665,7 @@ def stash_layer_bytes(cfg: Config, layout: Layout, scanned: bool | None = None) 
     return saved + scores * ((9 + extra) if not scanned else (4 + extra))
 
 
-def stash_entry_invariant_bytes(cfg: Config, layout: Layout, scanned: bool | None = None) -> float:
+def stash_entry_invariant_bytes(cfg: Config, layout: PlanLayout, scanned: bool | None = None) -> float:
     """Bytes of a stash slot shared by the chunk's layers: with scanned layers, no remat and materialised
     attention, the causal mask and its float32 companion, hoisted out of the layer loop but per microbatch
     (b x a/t x T/c x T x 5 bytes), and with RoPE its tables (`rope_table_bytes`, hoisted likewise); 0 otherwise."""
@@ -678,7 +678,7 @@ def stash_entry_invariant_bytes(cfg: Config, layout: Layout, scanned: bool | Non
     return mask + rope_table_bytes(cfg, layout)
 
 
-def rope_table_bytes(cfg: Config, layout: Layout) -> float:
+def rope_table_bytes(cfg: Config, layout: PlanLayout) -> float:
     """Bytes of RoPE's cosine and sine tables that autodiff keeps for the rotation's backward when nothing is
     rematerialised: two (T / c, K) tables in the compute dtype (the same for every sequence of the microbatch
     and every head); 0 for learned positions. Read off the pipelined step's residuals (a Llama block in
@@ -689,7 +689,7 @@ def rope_table_bytes(cfg: Config, layout: Layout) -> float:
     return 2.0 * DTYPE_BYTES[m.dtype] * cfg.train.seq_len / layout.sequence * m.head_size
 
 
-def _msjax_pipeline_report(cfg: Config, layout: Layout, stage: StageParams, device_memory: float,
+def _msjax_pipeline_report(cfg: Config, layout: PlanLayout, stage: StageParams, device_memory: float,
                            memory_fraction: float) -> MemoryReport:
     """Memory of a stage of msjax's pipelined step (`msjax.parallel.pipeline`), which differs from Megatron's:
     every stage holds the embedding and output ends (replicated over `pipeline`, one copy of a tied embedding);
@@ -775,7 +775,7 @@ PIPELINE_BACKWARD_TEMPS = 2.0
 PIPELINE_PACKING = 0.04
 
 
-def _pipeline_working(cfg: Config, layout: Layout, stage: StageParams, chunk_layers: int, entry: float,
+def _pipeline_working(cfg: Config, layout: PlanLayout, stage: StageParams, chunk_layers: int, entry: float,
                       ends: float, scanned: bool) -> float:
     """The largest transient of a tick of msjax's pipelined step, bytes per device: the forward slot (a scanned
     chunk's stacked residuals before they enter the stash), the backward slot (the chunk's weight gradients in
@@ -801,7 +801,7 @@ def _pipeline_working(cfg: Config, layout: Layout, stage: StageParams, chunk_lay
     return max(forward, backward, output, embedding)
 
 
-def ends_elements(cfg: Config, layout: Layout, stage: StageParams) -> int:
+def ends_elements(cfg: Config, layout: PlanLayout, stage: StageParams) -> int:
     """Elements per device of the embedding and output ends in msjax's pipelined step, where every stage holds
     both (replicated over `pipeline`) and a tied embedding once: `stage_params`' first and last elements less
     the Megatron-style copy it puts on the last stage."""
@@ -809,7 +809,7 @@ def ends_elements(cfg: Config, layout: Layout, stage: StageParams) -> int:
     return stage.first_elements + stage.last_elements - copy
 
 
-def _tied_copy(cfg: Config, layout: Layout) -> int:
+def _tied_copy(cfg: Config, layout: PlanLayout) -> int:
     """Elements per device of the tied-embedding copy `stage_params` puts on the last stage."""
     leaves = param_leaves(cfg.model, layout.vocab)
     wte = next(l for l in leaves if l.name == "wte")

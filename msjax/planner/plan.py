@@ -10,7 +10,7 @@ from msjax.planner import comm as comm_mod
 from msjax.planner import memory as mem
 from msjax.planner import timing
 from msjax.planner.layout import (
-    Layout, check_model_split, config_microbatch_size, legal_virtual_stages, make_layout, mesh_sizes, replica_batch,
+    PlanLayout, check_model_split, config_microbatch_size, legal_virtual_stages, make_layout, mesh_sizes, replica_batch,
     resolve_vocab,
 )
 from msjax.planner.options import PlanError, PlanOptions
@@ -39,7 +39,7 @@ class Plan:
     config: Config
     options: PlanOptions
     hardware: Hardware
-    layout: Layout
+    layout: PlanLayout
     memory: mem.MemoryReport
     collectives: list
     time: timing.StepTime
@@ -88,7 +88,7 @@ def get_hardware(opts: PlanOptions) -> Hardware:
         raise PlanError(err.args[0]) from None
 
 
-def evaluate(cfg: Config, opts: PlanOptions, hw: Hardware, layout: Layout,
+def evaluate(cfg: Config, opts: PlanOptions, hw: Hardware, layout: PlanLayout,
              stage: mem.StageParams | None = None) -> Plan:
     """Memory, communication and timing of one explicit layout."""
     sizes = layout.axis_sizes()

@@ -62,7 +62,7 @@ from msjax import flops as model_flops
 from msjax.config import Config
 from msjax.hardware import Hardware
 from msjax.planner import comm as comm_mod
-from msjax.planner.layout import Layout, zero2_over_fsdp
+from msjax.planner.layout import PlanLayout, zero2_over_fsdp
 from msjax.parallel.schedule import bubble_fraction, in_flight
 from msjax.planner.memory import DTYPE_BYTES, StageParams, ends_elements, in_flight_chunks
 from msjax.planner.options import (
@@ -127,7 +127,7 @@ def chunk_attended_keys(seq_len: int, window: int | None, chunks: int) -> float:
     return (prefix(seq_len) - prefix(seq_len - n)) / n
 
 
-def layer_times(cfg: Config, layout: Layout, rates: Rates) -> LayerTimes:
+def layer_times(cfg: Config, layout: PlanLayout, rates: Rates) -> LayerTimes:
     """Times of one layer for one microbatch on the pacing device (see the module docstring)."""
     m = cfg.model
     s, b, t, sx = cfg.train.seq_len, layout.microbatch_size, layout.tensor, layout.sequence
@@ -181,7 +181,7 @@ class OutputTimes:
     hw_flops: float
 
 
-def output_times(cfg: Config, layout: Layout, rates: Rates) -> OutputTimes:
+def output_times(cfg: Config, layout: PlanLayout, rates: Rates) -> OutputTimes:
     s, b, t, sx = cfg.train.seq_len, layout.microbatch_size, layout.tensor, layout.sequence
     tok = b * s / sx  # logits are split over the sequence axis (act_seq) and the vocabulary over tensor
     flops = 2.0 * tok * cfg.model.d_model * layout.vocab / t
@@ -219,7 +219,7 @@ class StepTime:
     parts: dict = field(default_factory=dict)
 
 
-def step_time(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions, stage: StageParams,
+def step_time(cfg: Config, layout: PlanLayout, hw: Hardware, opts: PlanOptions, stage: StageParams,
               collectives: list | None = None) -> StepTime:
     """Predicted step time of `layout` (see module docstring for the overlap model)."""
     if opts.baseline == "megatron":
@@ -375,7 +375,7 @@ def step_time(cfg: Config, layout: Layout, hw: Hardware, opts: PlanOptions, stag
                     link_bound=link_bound, contention=contention, parts={k: mb * x for k, x in parts.items()})
 
 
-def model_flops_per_token(cfg: Config, layout: Layout, megatron_convention: bool = False) -> float:
+def model_flops_per_token(cfg: Config, layout: PlanLayout, megatron_convention: bool = False) -> float:
     """Model FLOPs per token (msjax.flops) for the layout's model (the megatron baseline has no window)."""
     mc = cfg.model
     if layout.window != mc.attention.window:
