@@ -639,14 +639,6 @@ class Config:
             if size < 1 and not (axis == "data" and size == -1):
                 raise ConfigError(f"mesh.{axis}={size}: allowed is an integer >= 1"
                                   + (" (or -1: the devices that remain)" if axis == "data" else ""))
-        tp = self.mesh.tensor
-        for key, value in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.kv_heads),
-                           ("model.d_model", m.d_model), ("model.d_ff", m.ff_size)):
-            if value % tp:
-                raise ConfigError(f"{key}={value} is not divisible by the tensor-parallel size mesh.tensor={tp}")
-        if t.seq_len % self.mesh.sequence:
-            raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by the sequence-parallel size "
-                              f"mesh.sequence={self.mesh.sequence}")
         o = self.observe
         if o.gc_every < 0 or o.window < 0 or o.persist < 1 or o.threshold <= 1.0 or o.profile_signal_steps < 1:
             raise ConfigError(f"observe: gc_every={o.gc_every}, window={o.window}, persist={o.persist}, threshold="
@@ -664,6 +656,9 @@ class Config:
             raise ConfigError("observe.exclude_stragglers=true needs observe.window >= 1 (stragglers are found at "
                               "window ends)")
         _check_pipeline(self)
+        # The model over the configured axes (data aside: -1 until the devices are known); the rule set's fit to
+        # them is checked where the devices are (msjax.layout), as the equivalence tests run any rule set anywhere.
+        check_model_split(self, {**self.mesh.axis_sizes(), "data": 1}, rules=False)
         from msjax.sharding_rules import RULE_SETS  # local import: sharding_rules must not import msjax
 
         if self.mesh.rules not in RULE_SETS:
@@ -733,6 +728,46 @@ def _check_pipeline(cfg: Config) -> None:
     if v > 1 and m % p:
         raise ConfigError(f"pipeline.microbatches={m} must be a multiple of mesh.pipeline={p} for the interleaved "
                           f"schedule (pipeline.virtual_stages={v} > 1; Narayanan et al. 2021 sec. 2.2)")
+
+
+def check_model_split(cfg: "Config", sizes: dict[str, int], vocab: int | None = None, rules: bool = True) -> None:
+    """Divisibility of the model over mesh `sizes` (layers over pipeline; heads, MLP width and, when given, the
+    padded vocabulary `vocab` over tensor; the embedding over fsdp; the sequence over sequence) and, with `rules`,
+    whether the rule set splits what each axis above 1 is for (a run and a plan refuse an axis whose work would
+    only be repeated; the step itself computes the same function either way). Raises ConfigError naming the key
+    that does not divide."""
+    m, t, p, f, s = cfg.model, sizes["tensor"], sizes["pipeline"], sizes["fsdp"], sizes["sequence"]
+    if p > m.num_layers:
+        raise ConfigError(f"mesh.pipeline={p} stages is more than model.num_layers={m.num_layers} layers")
+    if m.num_layers % p:
+        raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by mesh.pipeline={p} stages")
+    for key, value in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.kv_heads),
+                       ("model.d_model", m.d_model), ("model.d_ff", m.ff_size),
+                       *((("vocabulary (padded)", vocab),) if vocab else ())):
+        if value % t:
+            raise ConfigError(f"{key}={value} is not divisible by the tensor-parallel size mesh.tensor={t}")
+    if m.d_model % f:
+        raise ConfigError(f"model.d_model={m.d_model} is not divisible by mesh.fsdp={f} (FSDP splits the embed "
+                          "axis)")
+    if cfg.train.seq_len % s:
+        raise ConfigError(f"train.seq_len={cfg.train.seq_len} is not divisible by the sequence-parallel size "
+                          f"mesh.sequence={s}")
+    if not rules:
+        return
+    from msjax.sharding_rules import OPTIMIZER_STATE_RULES, RULE_SETS  # local: sharding_rules must not import msjax
+    from msjax.sharding_rules import axes as ax
+
+    rules = RULE_SETS[cfg.mesh.rules]
+    if t > 1 and rules.get(ax.HEADS) != "tensor":
+        raise ConfigError(f"mesh.tensor={t} but rule set mesh.rules={cfg.mesh.rules!r} splits nothing over the "
+                          "tensor axis (the work would be repeated t times); use 'tp' or 'fsdp_tp'")
+    if f > 1 and rules.get(ax.EMBED) != "fsdp" and cfg.mesh.rules not in OPTIMIZER_STATE_RULES:
+        raise ConfigError(f"mesh.fsdp={f} but rule set mesh.rules={cfg.mesh.rules!r} shards no parameter over "
+                          "fsdp (that is plain data parallelism); use 'fsdp', 'fsdp_tp' or 'zero2', or set mesh.data "
+                          "instead")
+    if s > 1 and rules.get(ax.ACT_SEQ_INNER) != "sequence":
+        raise ConfigError(f"mesh.sequence={s} but rule set mesh.rules={cfg.mesh.rules!r} does not split the "
+                          "sequence; use 'tp' or 'fsdp_tp'")
 
 
 def _positive(cfg: Config, *keys: str) -> None:

@@ -24,11 +24,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from msjax.config import Config, ConfigError
+from msjax.config import Config, ConfigError, check_model_split
 from msjax.flops import flops_per_token
 from msjax.sharding_rules import RULE_SETS, Rules
 from msjax.sharding_rules import axes as ax
-from msjax.sharding_rules.rules import OPTIMIZER_STATE_RULES
 
 
 def pipeline_rules(rules: Rules, stages: int) -> Rules:
@@ -166,41 +165,6 @@ def resolve_axis_sizes(cfg: Config, num_devices: int) -> dict[str, int]:
     from msjax.mesh import resolve_axis_sizes as sizes_of
 
     return sizes_of(cfg.mesh, num_devices)
-
-
-def check_model_split(cfg: Config, sizes: Mapping[str, int], vocab: int | None = None, rules: bool = True) -> None:
-    """Divisibility of the model over mesh `sizes` (layers over pipeline; heads, MLP width and, when given, the
-    padded vocabulary `vocab` over tensor; the embedding over fsdp; the sequence over sequence) and, with `rules`,
-    whether the rule set splits what each axis above 1 is for (a run and a plan refuse an axis whose work would
-    only be repeated; the step itself computes the same function either way). Raises ConfigError naming the key
-    that does not divide."""
-    m, t, p, f, s = cfg.model, sizes["tensor"], sizes["pipeline"], sizes["fsdp"], sizes["sequence"]
-    if p > m.num_layers:
-        raise ConfigError(f"mesh.pipeline={p} stages is more than model.num_layers={m.num_layers} layers")
-    if m.num_layers % p:
-        raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by mesh.pipeline={p} stages")
-    for key, value in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.kv_heads),
-                       ("model.d_ff", m.ff_size), *((("vocabulary (padded)", vocab),) if vocab else ())):
-        if value % t:
-            raise ConfigError(f"{key}={value} is not divisible by the tensor-parallel size mesh.tensor={t}")
-    if m.d_model % f:
-        raise ConfigError(f"model.d_model={m.d_model} is not divisible by mesh.fsdp={f} (FSDP splits the embed "
-                          "axis)")
-    if cfg.train.seq_len % s:
-        raise ConfigError(f"train.seq_len={cfg.train.seq_len} is not divisible by mesh.sequence={s}")
-    if not rules:
-        return
-    rules = RULE_SETS[cfg.mesh.rules]
-    if t > 1 and rules.get(ax.HEADS) != "tensor":
-        raise ConfigError(f"mesh.tensor={t} but rule set mesh.rules={cfg.mesh.rules!r} splits nothing over the "
-                          "tensor axis (the work would be repeated t times); use 'tp' or 'fsdp_tp'")
-    if f > 1 and rules.get(ax.EMBED) != "fsdp" and cfg.mesh.rules not in OPTIMIZER_STATE_RULES:
-        raise ConfigError(f"mesh.fsdp={f} but rule set mesh.rules={cfg.mesh.rules!r} shards no parameter over "
-                          "fsdp (that is plain data parallelism); use 'fsdp', 'fsdp_tp' or 'zero2', or set mesh.data "
-                          "instead")
-    if s > 1 and rules.get(ax.ACT_SEQ_INNER) != "sequence":
-        raise ConfigError(f"mesh.sequence={s} but rule set mesh.rules={cfg.mesh.rules!r} does not split the "
-                          "sequence; use 'tp' or 'fsdp_tp'")
 
 
 def split_batch(cfg: Config, sizes: Mapping[str, int]) -> BatchSplit:

@@ -27,7 +27,7 @@ from msjax.config import Config, ConfigError, to_dict
 from msjax.data import BatchLoader, check_data_paths, eval_batches, prepare_data
 from msjax.faults import NonFiniteStop, StopOnSignal
 from msjax.hooks import Hook, Hooks, LoopControl, RunContext
-from msjax.layout import Layout, resolve as resolve_layout
+from msjax.layout import resolve as resolve_layout
 from msjax.metrics import MetricsWriter
 from msjax.observe import MetricsSink, loop_hooks
 from msjax.parallel.schedule import pipeline_summary
@@ -136,7 +136,7 @@ def summary_json(summary: RunSummary) -> dict[str, Any]:
 
 def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = None,
         control_plane: "ControlPlaneHook | None" = None, sinks: Sequence[MetricsSink] = (),
-        preflight: Callable[[Layout], Any] | None = None) -> RunSummary:
+        preflight: Callable[[Config], Any] | None = None) -> RunSummary:
     """Trains `cfg` and returns a `RunSummary`: final train/val loss, tokens/s, MFU, step and wall times.
 
     Args:
@@ -145,9 +145,10 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
       control: requests to the loop (stop, checkpoint now, profile); a fresh LoopControl by default.
       control_plane: the process's control-plane hook, when it joined one (`build_hooks`).
       sinks: further live metric sinks for the step observer (`build_hooks`).
-      preflight: called with the resolved layout before any data is read, directory written or program compiled,
-        to refuse a run that cannot fit (the train command passes the planner's memory estimate,
-        `msjax.planner.preflight.check_layout`); it raises ConfigError.
+      preflight: called with the validated config before its layout is resolved, any data read, directory
+        written or program compiled, to refuse a run that cannot fit on the devices (scripts/train.py passes the
+        planner's check, `msjax.planner.preflight.check_layout`: mesh, split and memory estimate, with overrides
+        that would fit); it raises ConfigError.
 
     Raises:
       ConfigError: a config that does not fit the devices or data (mesh size, model and batch split, the
@@ -173,9 +174,9 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
     check_data_paths(cfg.data)
     ckpt_dir = checkpoint_dir(cfg.checkpoint, t.run_dir)
     local_ckpt_dir = local_checkpoint_dir(cfg.checkpoint)
-    layout = resolve_layout(cfg)  # mesh and divisibility, before any data, directory or compilation
     if preflight is not None:
-        preflight(layout)
+        preflight(cfg)
+    layout = resolve_layout(cfg)  # mesh and divisibility, before any data, directory or compilation
     if jax.process_index() == 0:
         ensure_writable(run_dir, "train.run_dir")
     ckpt = Checkpointer(cfg.checkpoint, ckpt_dir)
@@ -388,7 +389,7 @@ def _leave_for_peer(peer: str, error: BaseException) -> NoReturn:
     os._exit(EXIT_REQUESTED)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, preflight: Callable[[Config], Any] | None = None) -> int:
     """The train command: `msjax-train --config=gpt_tiny [--train.steps=200 --mesh.tensor=2 ... --resume]` (also
     `python -m msjax.train` and scripts/train.py). Flags -> config -> `run`; every field of msjax/config.py is a
     dotted flag (`--help` lists them), presets live in configs/. Under a launcher (MSJAX_REDIS_URL set) it
@@ -438,7 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 distributed.initialize()
                 phases.mark("distributed")
             with logging_redirect_tqdm():  # log records go around the progress bar, not through it
-                summary = summary_json(run(cfg, control_plane=hook))
+                summary = summary_json(run(cfg, control_plane=hook, preflight=preflight))
         except ControlError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -23,7 +23,7 @@ from typing import Sequence
 
 from msjax.config import Config, ConfigError, apply_overrides
 from msjax.hardware import Hardware, for_device_kind
-from msjax.layout import Layout, split_batch
+from msjax.layout import split_batch
 from msjax.planner.layout import check_model_split, make_layout, resolve_vocab
 from msjax.planner.memory import MemoryReport, memory_report, stage_params
 from msjax.planner.options import PlanOptions
@@ -139,13 +139,12 @@ def _fitting_overrides(cfg: Config, sizes: dict[str, int], n: int, hw: Hardware,
     return found
 
 
-def check_layout(cfg: Config | Layout, devices: Sequence | None = None) -> MemoryReport | None:
+def check_layout(cfg: Config, devices: Sequence | None = None) -> MemoryReport | None:
     """Checks `cfg` against the devices before anything is allocated (module docstring).
 
     Args:
-      cfg: a validated config, or a run's resolved layout (`msjax.layout.Layout`: its config on its mesh's
-        devices; the train command's pre-flight, `msjax.train.run(..., preflight=check_layout)`).
-      devices: the job's devices (default `jax.devices()`: every process's; a layout's own with a layout).
+      cfg: a validated config (`msjax.train.run(..., preflight=check_layout)` calls it so).
+      devices: the job's devices (default `jax.devices()`: every process's).
     Returns:
       the memory estimate (None when the device's memory is unknown).
     Raises:
@@ -156,8 +155,6 @@ def check_layout(cfg: Config | Layout, devices: Sequence | None = None) -> Memor
 
     from msjax.mesh import resolve_axis_sizes
 
-    if isinstance(cfg, Layout):
-        cfg, devices = cfg.config, list(cfg.mesh.devices.flat)
     devices = list(devices if devices is not None else jax.devices())
     n = len(devices)
     budget = device_budget(devices)
