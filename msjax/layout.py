@@ -191,11 +191,12 @@ def _known_vocab(cfg: Config) -> int | None:
 
 
 def _build(cfg: Config, sizes: dict[str, int], platform: str | None, mesh: Any, hardware: Any,
-           vocab_size: int | None, check_rules: bool = True) -> Layout:
+           vocab_size: int | None, strict: bool = True) -> Layout:
     from msjax.ops import matmul
 
-    cfg = cfg.validate()
-    check_model_split(cfg, sizes, rules=check_rules)
+    if strict:
+        cfg = cfg.validate()
+        check_model_split(cfg, sizes)
     p = sizes[ax.PIPELINE]
     layout = Layout(
         config=cfg, axis_sizes=sizes, microbatches=cfg.pipeline_microbatches(p),
@@ -212,7 +213,7 @@ def _build(cfg: Config, sizes: dict[str, int], platform: str | None, mesh: Any, 
 
 
 def resolve(cfg: Config, devices: Sequence[Any] | None = None, *, mesh: Any = None,
-            vocab_size: int | None = None, check_rules: bool = True) -> Layout:
+            vocab_size: int | None = None, strict: bool = True) -> Layout:
     """The layout of a run of `cfg` on real devices.
 
     Args:
@@ -220,20 +221,23 @@ def resolve(cfg: Config, devices: Sequence[Any] | None = None, *, mesh: Any = No
       devices: the devices of the mesh (default: every process's, `jax.devices()`); ignored with `mesh`.
       mesh: an existing device mesh to use instead of building one (`msjax.mesh.make_mesh`).
       vocab_size: the tokenizer's vocabulary (fills model.vocab_size when it is 0); None: as the config says.
-      check_rules: refuse a mesh axis above 1 that the rule set splits nothing over (`check_model_split`);
-        False for equivalence tests that run every rule set on one mesh.
+      strict: validate the config and check the model's split over the mesh, rule set included
+        (`msjax.config.check_model_split`), as a run does. False: the low-level program builder's contract, which
+        builds the config it is given as it is (equivalence tests run every rule set on one mesh); the mesh and
+        the batch split are checked either way.
     Raises:
       ConfigError: a config that does not validate, a mesh that does not match the devices, a model or batch
         that does not split over it, or a vocabulary that does not fit (`Layout.with_vocab`).
     """
     from msjax.mesh import make_mesh
 
-    cfg = cfg.validate()
+    if strict:
+        cfg = cfg.validate()
     if mesh is None:
         mesh = make_mesh(cfg.mesh, devices)
     sizes = {name: int(size) for name, size in mesh.shape.items()}
     platform = mesh.devices.flat[0].platform
-    return _build(cfg, sizes, platform, mesh, None, vocab_size, check_rules)
+    return _build(cfg, sizes, platform, mesh, None, vocab_size, strict)
 
 
 def plan(cfg: Config, devices: int, hardware: Any, vocab_size: int | None = None) -> Layout:

@@ -40,7 +40,7 @@ def restore_params(run_dir: str | Path, cfg: Config, devices: Sequence[jax.Devic
       ConfigError: a mesh that does not fit the devices.
       msjax.checkpoint.CheckpointError: no checkpoint, or none passes verification.
     """
-    program = build_train_program(resolve_layout(cfg, devices, check_rules=False))
+    program = build_train_program(resolve_layout(cfg, devices, strict=False))
     # Read-only: the run may still be training, and its newest step may be between Orbax's commit and its record.
     ckpt = Checkpointer(cfg.checkpoint, checkpoint_dir(cfg.checkpoint, str(run_dir)), read_only=True)
     try:

@@ -117,7 +117,7 @@ def build_train_program(cfg: Config | Layout, mesh: Mesh | None = None, vocab_si
     """
     # A Config given here is resolved as the low-level API always built it: any rule set on any mesh.
     layout = cfg if isinstance(cfg, Layout) else resolve_layout(cfg, mesh=mesh, vocab_size=vocab_size,
-                                                                 check_rules=False)
+                                                                 strict=False)
     if layout.padded_vocab is None:
         layout = layout.with_vocab(None)  # raises: no vocabulary at all
     cfg, mesh, rules = layout.config, layout.mesh, layout.rules
