@@ -256,8 +256,7 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
             return 1
         return k
 
-    batch_spec = jax.ShapeDtypeStruct((t.global_batch, t.seq_len), "int32", sharding=program.batch_sharding)
-    batch_spec = {"inputs": batch_spec, "targets": batch_spec}
+    batch_spec = program.abstract_batch
     if steps_of_call(start_step) > 1:
         distributed.align_first_step(program.steps_fn, state, (batch_spec,) * k)
     else:
