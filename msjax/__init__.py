@@ -1,8 +1,8 @@
-"""msjax: a JAX/XLA LLM training stack after MegaScale (Jiang et al., NSDI'24)."""
+"""msjax: a JAX/XLA LLM training stack after MegaScale (Jiang et al., NSDI'24).
+
+Importing msjax or any of its modules changes no process-wide state: the process set-up (malloc tuning on CPU,
+jax's compilation cache, XLA:CPU's collective safety flags) is `msjax.runtime.setup()`, which the entry points
+that start a run call first (the train and launch commands, the benchmarks, `msjax.train.run`, the notebook).
+"""
 
 __version__ = "0.1.0"
-
-from msjax import runtime as _runtime  # noqa: E402
-
-# Before anything imports and runs jax: glibc malloc tuning and the persistent compilation cache (msjax/runtime.py).
-_runtime.setup()

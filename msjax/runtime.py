@@ -1,9 +1,14 @@
-"""Process set-up, applied once on `import msjax`: the one place where importing msjax changes process-wide state.
+"""Process set-up of a run: the one place where msjax changes process-wide state, and only when asked.
 
-`setup()` (called from msjax/__init__.py) changes exactly this, each for a reason below and each with an opt-out;
-no other module changes process-wide state on import (tests/msjax/test_runtime.py checks both):
+`setup()` changes exactly this, each for a reason below and each with an opt-out. Importing msjax or any of its
+modules changes nothing (a dry run, `import msjax.config` in a user's program); `setup()` runs where a run starts:
+`msjax.train.main` (the train command every launcher's workers run) and `msjax.train.run`, the launch command, the
+benchmark scripts, the notebook's first cell and the test suite's conftest (tests/msjax/test_runtime.py checks
+both):
 
-- glibc malloc (`tune_malloc`): mmap threshold 1 GiB, heap trimming off, one arena. glibc hands XLA:CPU's large
+- glibc malloc (`tune_malloc`), on CPU runs only (`cpu_run`): mmap threshold 1 GiB, heap trimming off, one arena.
+  On a GPU or TPU host the data loader's threads would contend on that one arena, and XLA:CPU's per-step buffers,
+  the reason for the tuning, are not there. glibc hands XLA:CPU's large
   per-step buffers back to the OS (munmap/trim, and whole per-thread arena heaps when they fall empty) and
   page-faults them in again on the next step: a large share of a CPU run's wall time went to system time and
   minor faults (docs/cpu_speed.md). `mallopt` through ctypes needs nothing set before Python starts, unlike
@@ -62,9 +67,19 @@ def cache_home() -> Path:
     return Path(base) / "msjax"
 
 
+def cpu_run() -> bool:
+    """Whether this process will run on CPU devices, decided before jax starts a backend: `JAX_PLATFORMS` when it
+    is set (its first platform), else the absence of accelerator device files (NVIDIA's `/dev/nvidiactl`, a TPU
+    VM's `/dev/accel0` or `/dev/vfio/0`), which is what jax's GPU and TPU plugins would find."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip()
+    if platforms:
+        return platforms.split(",")[0].strip().lower() == "cpu"
+    return not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/accel0", "/dev/vfio/0"))
+
+
 def tune_malloc() -> bool:
     """Raises glibc's mmap threshold to 1 GiB, disables heap trimming and keeps malloc to one arena (see module
-    docstring). Must run before other threads allocate (msjax calls it on import, before jax starts any).
+    docstring). Must run before other threads allocate (`setup` calls it first, before jax starts any).
 
     Returns True when glibc accepted all three settings; False on another C library, with `MSJAX_MALLOPT=0`, or when
     glibc refused. Idempotent.
@@ -275,10 +290,11 @@ def quiet_failed_checkpoint_writes() -> None:
 
 
 def setup() -> None:
-    """Everything of the module docstring; called from `msjax/__init__.py` so every entry point (scripts,
-    notebooks, tests) gets it. malloc is tuned first, before jax is imported and allocates; the thread pools are
-    sized before jax creates its CPU client (on first use, not on import)."""
-    tune_malloc()
+    """Everything of the module docstring, once per process (every step is idempotent): call it first where a run
+    starts. malloc is tuned first (CPU runs only, `cpu_run`), before jax allocates; the thread pools are sized
+    before jax creates its CPU client (on first use, not on import)."""
+    if cpu_run():
+        tune_malloc()
     size_cpu_thread_pools()
     order_cpu_collectives()
     enable_compilation_cache()

@@ -22,7 +22,7 @@ import jax
 from tqdm import tqdm
 
 from msjax.checkpoint import Checkpointer, check_resume_config, checkpoint_dir, ensure_writable, local_checkpoint_dir
-from msjax import distributed, paths
+from msjax import distributed, paths, runtime
 from msjax.config import Config, ConfigError, to_dict
 from msjax.data import BatchLoader, check_data_paths, eval_batches, prepare_data
 from msjax.faults import NonFiniteStop, StopOnSignal
@@ -164,6 +164,7 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
       msjax.faults.NonFiniteLossError: a non-finite loss with `train.nonfinite=stop`.
     """
     t_start = time.perf_counter()
+    runtime.setup()  # once per process; an entry point has usually done it already (msjax.runtime)
     ensure_visible()  # a caller that configured no logging (a notebook) still sees the loop's messages
     cfg = cfg.validate()
     t = cfg.train
@@ -410,6 +411,7 @@ def main(argv: Sequence[str] | None = None, preflight: Callable[[Config], Any] |
 
     from msjax import cli
 
+    runtime.setup()  # first: malloc before jax allocates, XLA_FLAGS before its backend starts (msjax.runtime)
     argv = list(sys.argv[1:] if argv is None else argv)
     # `--profile_steps=K:N` (or `--profile_steps K:N`) is short for `--observe.profile_steps=K:N`.
     argv = ["--observe." + a[2:] if a.split("=")[0] == "--profile_steps" else a for a in argv]

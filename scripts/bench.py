@@ -33,13 +33,17 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
-from msjax import cli
+from msjax import cli, runtime
 from msjax.config import Config
 from msjax.mesh import make_mesh
 from msjax.train_step import build_train_program
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_reference.py beside this script, however loaded
 from bench_reference import plain_train_step  # noqa: E402
+
+# An entry point: the process set-up of a run (malloc on CPU, compilation cache, XLA:CPU collective flags),
+# before jax starts a backend; importing msjax itself changes nothing (msjax.runtime).
+runtime.setup()
 
 log = logging.getLogger("msjax.bench")
 

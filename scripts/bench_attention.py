@@ -35,9 +35,13 @@ import jax
 import jax.numpy as jnp
 
 
-from msjax import cli
+from msjax import cli, runtime
 from msjax.pallas_kernels.sliding_window_attention import sliding_window_attention
 from msjax.pallas_kernels.sliding_window_attention.kernel import visible_pairs
+
+# An entry point: the process set-up of a run (malloc on CPU, compilation cache, XLA:CPU collective flags),
+# before jax starts a backend; importing msjax itself changes nothing (msjax.runtime).
+runtime.setup()
 
 
 def attention_flops(batch: int, heads: int, head_dim: int, seq_len: int, window: int | None) -> tuple[int, int]:

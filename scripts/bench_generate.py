@@ -23,9 +23,13 @@ import time
 import jax
 import numpy as np
 
-from msjax import cli
+from msjax import cli, runtime
 from msjax.config import ConfigError, apply_overrides
 from msjax.hardware import cpu_model
+
+# An entry point: the process set-up of a run (malloc on CPU, compilation cache, XLA:CPU collective flags),
+# before jax starts a backend; importing msjax itself changes nothing (msjax.runtime).
+runtime.setup()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from msjax import cli
+from msjax import cli, runtime
 from msjax.config import ConfigError
 from msjax.control.rendezvous import join_protocol
 from msjax.control.server import RedisServer
@@ -55,6 +55,10 @@ from msjax.hardware import cpu_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # store_clients.py beside this script, however loaded
 from store_clients import RespConnection, TCPStoreConnection, run_protocol_async  # noqa: E402
+
+# An entry point: the process set-up of a run (malloc on CPU, compilation cache, XLA:CPU collective flags),
+# before jax starts a backend; importing msjax itself changes nothing (msjax.runtime).
+runtime.setup()
 
 RANKS = (256, 1024, 2048, 4096, 12288)
 PATTERNS = ("wait", "poll")

@@ -43,12 +43,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from msjax import cli
+from msjax import cli, runtime
 from msjax.config import Config, ConfigError
 from msjax.hooks import LoopControl, RunContext
 from msjax.mesh import make_mesh
 from msjax.observe.timing import StepObserver
 from msjax.train_step import build_train_program
+
+# An entry point: the process set-up of a run (malloc on CPU, compilation cache, XLA:CPU collective flags),
+# before jax starts a backend; importing msjax itself changes nothing (msjax.runtime).
+runtime.setup()
 
 
 def median_ci(x: np.ndarray, level: float = 0.95) -> tuple[float, float, float]:

@@ -30,8 +30,12 @@ import re
 import subprocess
 import sys
 
-from msjax import cli
+from msjax import cli, runtime
 from msjax.config import Config, ConfigError
+
+# An entry point: the process set-up of a run (malloc on CPU, compilation cache, XLA:CPU collective flags),
+# before jax starts a backend; importing msjax itself changes nothing (msjax.runtime).
+runtime.setup()
 
 TP = {"mesh.data": -1, "mesh.tensor": 2}
 ALL = "all"  # every device on this axis: filled in with the device count

@@ -40,9 +40,13 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from msjax import cli
+from msjax import cli, runtime
 from msjax.cli import config_flags, flag_value
 from msjax.config import Config, ConfigError, apply_overrides, load_preset
+
+# An entry point: the process set-up of a run (malloc on CPU, compilation cache, XLA:CPU collective flags),
+# before jax starts a backend; importing msjax itself changes nothing (msjax.runtime).
+runtime.setup()
 
 # Config flags under the user's (the user's win): a small model, a short supervised run.
 DEFAULTS = {

@@ -15,8 +15,12 @@ import dataclasses
 import json
 import sys
 
-from msjax import cli
+from msjax import cli, runtime
 from msjax.config import ConfigError, load_preset
+
+# An entry point: the process set-up of a run (malloc on CPU, compilation cache, XLA:CPU collective flags),
+# before jax starts a backend; importing msjax itself changes nothing (msjax.runtime).
+runtime.setup()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,8 +11,12 @@ import json
 import sys
 from pathlib import Path
 
-from msjax import cli
+from msjax import cli, runtime
 from msjax.config import ConfigError
+
+# An entry point: the process set-up of a run (malloc on CPU, compilation cache, XLA:CPU collective flags),
+# before jax starts a backend; importing msjax itself changes nothing (msjax.runtime).
+runtime.setup()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,8 +3,9 @@
 The eight fake devices share XLA:CPU's thread pools, and their collectives can deadlock in two ways, after which
 XLA aborts the process when a rendezvous times out (CI lost a worker each way): pools too small for the devices,
 and collectives that XLA's concurrency-optimised scheduler moves ahead of a while loop that holds collectives.
-`import msjax` sizes the pools at two threads per device and turns that scheduler off (msjax/runtime.py,
-`size_cpu_thread_pools` and `order_cpu_collectives`, with the measurements). The tests also raise XLA's
+`msjax.runtime.setup()`, which the suite calls here as every entry point does, sizes the pools at two threads per
+device and turns that scheduler off (msjax/runtime.py, `size_cpu_thread_pools` and `order_cpu_collectives`, with
+the measurements). The tests also raise XLA's
 rendezvous timeout from 40 s to 300 s, so a collective that is merely slow on a loaded machine is not taken for a
 deadlock; a real one still ends, and XLA's message names the collective it waited for.
 
@@ -30,6 +31,10 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 import logging  # noqa: E402
 
 import pytest  # noqa: E402
+
+from msjax import runtime  # noqa: E402
+
+runtime.setup()  # the process set-up of a run, as every entry point does (importing msjax changes nothing)
 
 
 @pytest.fixture(autouse=True)

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from msjax import cli
+from msjax import cli, runtime
 from msjax.config import Config, ConfigError
 from msjax.control.errors import ControlError
 from msjax.launch import preflight
@@ -61,6 +61,7 @@ def _parse(argv: Sequence[str] | None, prog: str) -> tuple[cli.LoggingOptions, L
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`msjax-launch`: returns the exit status (see the module docstring)."""
+    runtime.setup()  # an entry point: the process set-up of a run (msjax.runtime)
     try:
         common, opts, cfg, train_flags = _parse(argv, "msjax-launch")
     except ConfigError as e:
@@ -116,6 +117,7 @@ def spec(opts: LaunchOptions, cfg: Config, run_id: str, train_flags: Sequence[st
 
 def supervise(argv: Sequence[str] | None = None) -> int:
     """`msjax-supervise`: the supervisor on the backend its flags name; returns the exit status."""
+    runtime.setup()  # an entry point: the process set-up of a run (msjax.runtime)
     try:
         common, opts, cfg, train_flags = _parse(argv, "msjax-supervise")
         if opts.backend == "k8s" and not opts.run_id:

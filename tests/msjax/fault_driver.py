@@ -29,6 +29,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE))
 
+from msjax import runtime  # noqa: E402
+
+runtime.setup()  # a run's process set-up, before jax starts (8 CPU devices: the collective-safe flags)
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from conftest import tiny_run_config  # noqa: E402

@@ -10,11 +10,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-# glibc malloc/free through ctypes, after `import msjax` when the first argument says so.
+# glibc malloc/free through ctypes, after `msjax.runtime.setup()` when the first argument says so.
 _PREAMBLE = r"""
 import ctypes, resource, sys
 if sys.argv[1] == "msjax":
-    import msjax
+    import msjax.runtime
+    msjax.runtime.setup()
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
@@ -67,7 +68,7 @@ def _faults(mode: str, tmp_path: Path, program: str = _FAULTS) -> int:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")
-def test_import_msjax_stops_malloc_returning_large_buffers_to_the_os(tmp_path):
+def test_setup_stops_malloc_returning_large_buffers_to_the_os(tmp_path):
     plain, tuned = _faults("plain", tmp_path), _faults("msjax", tmp_path)
     pages = 20 * (64 << 20) // os.sysconf("SC_PAGE_SIZE")
     assert plain >= 0.9 * pages, plain  # the default really does fault every page back in
@@ -75,7 +76,7 @@ def test_import_msjax_stops_malloc_returning_large_buffers_to_the_os(tmp_path):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")
-def test_import_msjax_keeps_worker_threads_heaps_mapped(tmp_path):
+def test_setup_keeps_worker_threads_heaps_mapped(tmp_path):
     plain = _faults("plain", tmp_path, _THREAD_FAULTS)
     tuned = _faults("msjax", tmp_path, _THREAD_FAULTS)
     pages = 20 * (40 << 20) // os.sysconf("SC_PAGE_SIZE")
@@ -92,6 +93,8 @@ def test_caches_default_to_the_xdg_cache_dir(tmp_path):
     work.mkdir()
     code = f"""
 import json, jax, jax.numpy as jnp
+from msjax import runtime
+runtime.setup()
 from msjax.config import DataConfig
 from msjax.data import prepare_data
 ds = prepare_data(DataConfig(paths=({str(corpus)!r},), tokenizer="char"))
@@ -118,7 +121,9 @@ print(json.dumps({{"cache": jax.config.jax_compilation_cache_dir, "tokens": ds.m
 _TWO_PROCESS_STEP = r"""
 import os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-import msjax, jax, jax.numpy as jnp, numpy as np
+import msjax.runtime
+msjax.runtime.setup()
+import jax, jax.numpy as jnp, numpy as np
 pid, port, cache = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 jax.config.update("jax_compilation_cache_dir", cache)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -189,7 +194,8 @@ def test_every_process_of_a_cpu_job_loads_its_step_from_the_persistent_cache(tmp
 
 
 _POOLS = r"""
-import json, os, msjax
+import json, os, msjax.runtime
+msjax.runtime.setup()
 print(json.dumps(os.environ.get("PJRT_NPROC")))
 """
 
@@ -207,7 +213,7 @@ print(json.dumps(os.environ.get("PJRT_NPROC")))
      str(max(os.cpu_count() or 1, 64))),
 ])
 def test_cpu_thread_pools_get_two_threads_per_device(env, want):
-    """`import msjax` sizes XLA:CPU's pools at two threads per CPU device (a rendezvous deadlock otherwise; see
+    """`msjax.runtime.setup()` sizes XLA:CPU's pools at two threads per CPU device (a rendezvous deadlock otherwise; see
     `msjax.runtime.size_cpu_thread_pools`), and leaves a user's PJRT_NPROC/NPROC alone."""
     base = {k: v for k, v in os.environ.items()
             if k not in ("XLA_FLAGS", "PJRT_NPROC", "NPROC", "MSJAX_PJRT_NPROC", "JAX_NUM_CPU_DEVICES")}
@@ -218,7 +224,8 @@ def test_cpu_thread_pools_get_two_threads_per_device(env, want):
 
 
 _ORDER = r"""
-import json, os, msjax
+import json, os, msjax.runtime
+msjax.runtime.setup()
 print(json.dumps(os.environ.get("XLA_FLAGS")))
 """
 _OFF = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
@@ -233,7 +240,7 @@ _OFF = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
     ({}, None),
 ])
 def test_several_cpu_devices_get_the_collective_safe_scheduler(env, want):
-    """`import msjax` turns XLA:CPU's concurrency-optimised scheduler off when a process has several CPU devices
+    """`msjax.runtime.setup()` turns XLA:CPU's concurrency-optimised scheduler off when a process has several CPU devices
     (a collective-order deadlock otherwise; see `msjax.runtime.order_cpu_collectives`), unless the user chose."""
     base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
     out = subprocess.run([sys.executable, "-c", _ORDER], env={**base, "MSJAX_COMPILATION_CACHE": "0", **env},
@@ -254,9 +261,10 @@ def test_concurrent_scheduler_on_reads_the_last_flag(monkeypatch, flags, on):
     assert concurrent_scheduler_on() is on
 
 
-# Imports msjax's dependencies, then msjax (the one place that changes process-wide state, msjax.runtime.setup),
-# then every module of the package, and prints what changed at each stage: environment variables, warnings filters, jax's config, loggers'
-# levels, filters and handlers, signal handlers, the recursion limit and live threads.
+# Imports msjax's dependencies, then msjax, then every module of the package, then calls msjax.runtime.setup() (the
+# one place that changes process-wide state, where a run starts) twice, and prints what changed at each stage:
+# environment variables, warnings filters, jax's config, loggers' levels, filters and handlers, signal handlers, the
+# recursion limit and live threads.
 _IMPORT_STATE = r"""
 import importlib, json, logging, os, pkgutil, signal, sys, threading, warnings
 
@@ -311,8 +319,12 @@ for m in pkgutil.walk_packages(msjax.__path__, "msjax."):
     except ImportError as e:  # an optional dependency that is not installed: that module cannot change anything
         failed.append(f"{m.name}: {e}")
 s2 = snapshot()
-print(json.dumps({"msjax": diff(s0, s1), "modules": diff(s1, s2), "failed": failed,
-                  "count": len([n for n in sys.modules if n.startswith("msjax.")])}))
+msjax.runtime.setup()
+s3 = snapshot()
+msjax.runtime.setup()
+s4 = snapshot()
+print(json.dumps({"msjax": diff(s0, s1), "modules": diff(s1, s2), "setup": diff(s2, s3), "again": diff(s3, s4),
+                  "failed": failed, "count": len([n for n in sys.modules if n.startswith("msjax.")])}))
 """
 
 
@@ -326,14 +338,16 @@ def _import_state(env_extra: dict[str, str]) -> dict:
 
 
 @pytest.mark.slow
-def test_importing_a_module_changes_no_process_state_beyond_what_runtime_names(tmp_path):
-    """`import msjax` changes exactly what msjax/runtime.py's docstring lists; importing every other module of
-    the package after it changes nothing at all."""
+def test_importing_changes_no_process_state_and_setup_changes_what_runtime_names(tmp_path):
+    """Importing msjax and every module of the package changes nothing at all (a dry run, `import msjax.config`);
+    `msjax.runtime.setup()` changes exactly what msjax/runtime.py's docstring lists, once."""
     state = _import_state({"XLA_FLAGS": "--xla_force_host_platform_device_count=4",
                            "MSJAX_CACHE_HOME": str(tmp_path / "cache")})
     assert state["count"] > 100 and state["failed"] == [], state["failed"]
+    assert state["msjax"] == {}, state["msjax"]
     assert state["modules"] == {}, state["modules"]
-    changed = state["msjax"]
+    assert state["again"] == {}, state["again"]
+    changed = state["setup"]
     assert sorted(changed) == ["env", "jax_config", "loggers", "warnings"], changed
     assert sorted(changed["env"]) == ["MSJAX_PJRT_NPROC", "PJRT_NPROC", "XLA_FLAGS"]  # 4 CPU devices asked for
     assert changed["env"]["XLA_FLAGS"][1].endswith("--xla_cpu_enable_concurrency_optimized_scheduler=false")
@@ -344,11 +358,11 @@ def test_importing_a_module_changes_no_process_state_beyond_what_runtime_names(t
     assert after[1:] == before and "never awaited" in after[0]
 
 
-def test_with_one_device_and_the_opt_outs_import_msjax_leaves_env_and_jax_config_alone():
+def test_with_one_device_and_the_opt_outs_setup_leaves_env_and_jax_config_alone():
     state = _import_state({"MSJAX_COMPILATION_CACHE": "0", "MSJAX_CACHE_EVERY_PROCESS": "0",
                            "JAX_PLATFORMS": "cpu"})
-    assert "env" not in state["msjax"] and "jax_config" not in state["msjax"], state["msjax"]
-    assert state["modules"] == {}, state["modules"]
+    assert "env" not in state["setup"] and "jax_config" not in state["setup"], state["setup"]
+    assert state["msjax"] == {} and state["modules"] == {}, (state["msjax"], state["modules"])
 
 
 @pytest.mark.slow
@@ -358,4 +372,19 @@ def test_a_cache_floor_or_directory_the_user_chose_keeps_jax_floor(tmp_path, use
     user_env = ({"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "2.5"} if user_setting == "floor"
                 else {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "user")})
     state = _import_state({"JAX_PLATFORMS": "cpu", "MSJAX_CACHE_HOME": str(tmp_path / "cache"), **user_env})
-    assert "jax_persistent_cache_min_compile_time_secs" not in state["msjax"].get("jax_config", {}), state["msjax"]
+    assert "jax_persistent_cache_min_compile_time_secs" not in state["setup"].get("jax_config", {}), state["setup"]
+
+
+@pytest.mark.parametrize("platforms, cpu", [("cpu", True), ("cpu,cuda", True), ("cuda", False), ("tpu", False),
+                                             ("cuda,cpu", False)])
+def test_malloc_is_tuned_for_cpu_runs_only(monkeypatch, platforms, cpu):
+    """On a GPU or TPU host one malloc arena would make the data loader's threads contend: setup tunes malloc
+    only where the run's first platform is the CPU."""
+    from msjax import runtime
+
+    calls = []
+    monkeypatch.setenv("JAX_PLATFORMS", platforms)
+    monkeypatch.setattr(runtime, "tune_malloc", lambda: calls.append(1) or True)
+    assert runtime.cpu_run() is cpu
+    runtime.setup()
+    assert calls == ([1] if cpu else [])
