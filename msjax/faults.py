@@ -28,32 +28,10 @@ from typing import Any
 
 import jax
 
-from msjax.hooks import Hook, LoopControl, RunContext
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss or gradient norm was not finite and `train.nonfinite=stop`.
-
-    Attributes:
-      step: the step whose loss or gradient norm was not finite (None when not given).
-      loss: that step's loss (float; may be finite when only the gradient norm was not).
-    """
-
-    def __init__(self, message: str, step: int | None = None, loss: float = float("nan")):
-        super().__init__(message)
-        self.step, self.loss = step, loss
-
-
-# One stop notice can arrive twice within milliseconds: SLURM's `scancel --signal` signals every process of a job
-# step, and the task wrapper that runs the worker forwards the same signal to it (msjax.launch.slurm). A second
-# signal means "exit now" only when it comes later than this, as a person pressing Ctrl-C again does.
-DUPLICATE_WINDOW_S = 0.5
-
-
-def is_duplicate_delivery(first_at: float | None) -> bool:
-    """Whether a signal arriving now repeats the one first received at `first_at` (time.monotonic(), None: no
-    signal yet) rather than being a second request."""
-    return first_at is not None and time.monotonic() - first_at < DUPLICATE_WINDOW_S
+# The error a non-finite loss ends the loop with and the duplicate-signal rule belong to the hook contract
+# (msjax.hooks): the control plane's hook reads both without knowing this module.
+from msjax.hooks import (DUPLICATE_WINDOW_S, Hook, LoopControl, NonFiniteLossError, RunContext,  # noqa: F401
+                         is_duplicate_delivery)
 
 
 class StopOnSignal(Hook):

@@ -16,6 +16,7 @@ hook list is built in one place, `msjax.train.build_hooks`, from the config.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -69,6 +70,32 @@ class LoopControl:
         with self._lock:
             request, self.profile_request = self.profile_request, None
             return request
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or gradient norm was not finite and `train.nonfinite=stop` (raised by `msjax.faults.NonFiniteStop`;
+    a hook sees it in `on_end`).
+
+    Attributes:
+      step: the step whose loss or gradient norm was not finite (None when not given).
+      loss: that step's loss (float; may be finite when only the gradient norm was not).
+    """
+
+    def __init__(self, message: str, step: int | None = None, loss: float = float("nan")):
+        super().__init__(message)
+        self.step, self.loss = step, loss
+
+
+# One stop notice can arrive twice within milliseconds: SLURM's `scancel --signal` signals every process of a job
+# step, and the task wrapper that runs the worker forwards the same signal to it (msjax.launch.slurm). A second
+# signal means "exit now" only when it comes later than this, as a person pressing Ctrl-C again does.
+DUPLICATE_WINDOW_S = 0.5
+
+
+def is_duplicate_delivery(first_at: float | None) -> bool:
+    """Whether a signal arriving now repeats the one first received at `first_at` (time.monotonic(), None: no
+    signal yet) rather than being a second request."""
+    return first_at is not None and time.monotonic() - first_at < DUPLICATE_WINDOW_S
 
 
 @dataclass

@@ -105,20 +105,21 @@ class RunSummary:
       state: the final train state (`msjax.train_step`), left out of `to_json`.
     """
 
-    start_step: int
-    final_step: int = 0
+    # In the order the train command has always printed them (its JSON line starts with the validation losses).
     val_loss: list[tuple[int, float]] = field(default_factory=list)
-    train_loss: float | None = None
+    start_step: int = 0
     tokens_per_s: float | None = None
     mfu: float | None = None
+    stop_reason: str | None = None
+    stop_signal: int | None = None
+    final_step: int = 0
+    train_loss: float | None = None
     wall_s: float = 0.0
     first_step_s: float | None = None
     checkpoints: list[int] = field(default_factory=list)
     param_count: int = 0
-    goodput: dict[str, Any] = field(default_factory=dict)
     sample: str | None = None
-    stop_reason: str | None = None
-    stop_signal: int | None = None
+    goodput: dict[str, Any] = field(default_factory=dict)
     state: Any = None
 
 
@@ -431,11 +432,13 @@ def main(argv: Sequence[str] | None = None, preflight: Callable[[Config], Any] |
         hook = None
         try:
             if os.environ.get("MSJAX_REDIS_URL"):  # a launcher's worker: rendezvous, then jax.distributed
+                from msjax.checkpoint import latest_verified
                 from msjax.control.hook import ControlPlaneHook
                 from msjax.control.worker import join_from_env
 
                 s = cfg.supervisor
-                hook = ControlPlaneHook(join_from_env(), s.heartbeat_period_s, s.heartbeat_timeout_s)
+                hook = ControlPlaneHook(join_from_env(), s.heartbeat_period_s, s.heartbeat_timeout_s,
+                                        newest_checkpoint=latest_verified)
             else:
                 distributed.initialize()
                 phases.mark("distributed")

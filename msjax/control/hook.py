@@ -14,8 +14,8 @@ the loop never waits on Redis and no step adds a host sync. Every `period_s` it:
     line and exits at once with EXIT_REQUESTED, without waiting on collectives a dead peer will never join;
   - sends the per-rank metric rows buffered since the last beat (msjax.control.metrics);
   - on rank 0, records the newest verified checkpoint (tier "persistent") while one is awaited: the restored step
-    at the loop's start, a save the loop started (`on_checkpoint`) until `latest_verified` shows it, and again
-    after Redis restarts. Listing the checkpoint directory (an object store's bucket, perhaps) only then, not
+    at the loop's start, a save the loop started (`on_checkpoint`) until `newest_checkpoint` (passed in) shows
+    it, and again after Redis restarts. Listing the checkpoint directory (an object store's bucket, perhaps) only then, not
     every period, keeps slow storage from delaying the heartbeat that follows it; then it blocks on the command
     stream (XREAD BLOCK, one period at a time), queueing what arrives.
 The first step's beat goes out at once (the supervisor's recovery time ends when it sees every worker's first
@@ -59,13 +59,13 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from msjax.control import phases
 from msjax.control.store import EXIT_REQUESTED
-from msjax.hooks import Hook, RunContext
+from msjax.hooks import Hook, NonFiniteLossError, RunContext, is_duplicate_delivery
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +85,16 @@ class ControlPlaneHook(Hook):
       period_s: heartbeat period and the longest single blocking read of the command stream (seconds).
       ttl_s: heartbeat time-to-live (seconds): a rank silent this long counts as dead (> period_s).
       max_backoff_s: the longest pause between reconnect attempts while Redis is away (seconds).
+      newest_checkpoint: `(persistent tier, local tier or None) -> the newest verified step or None`, what rank 0
+        publishes (the train command passes `msjax.checkpoint.latest_verified`; the tiers are the loop's,
+        `RunContext.checkpoint_dir` and `.local_checkpoint_dir`). None: no checkpoint is published. Passed in, so
+        the transport knows no checkpoint format.
     Raises:
       ValueError: ttl_s not longer than period_s.
     """
 
-    def __init__(self, worker, period_s: float = 1.0, ttl_s: float = 5.0, max_backoff_s: float = 5.0):
+    def __init__(self, worker, period_s: float = 1.0, ttl_s: float = 5.0, max_backoff_s: float = 5.0,
+                 newest_checkpoint: Callable[[Any, Any], int | None] | None = None):
         if ttl_s <= period_s:
             raise ValueError(f"heartbeat ttl_s={ttl_s} must be longer than period_s={period_s}")
         self.worker = worker
@@ -109,6 +114,7 @@ class ControlPlaneHook(Hook):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ctx: RunContext | None = None
+        self._newest_checkpoint = newest_checkpoint
         self._ckpt_dir = None  # the persistent tier (a local Path or a URL) and the local tier (or None)
         self._local_ckpt_dir = None
         # rank 0: the checkpoint step waiting to be published (0: the newest, whatever it is), None when none is
@@ -126,14 +132,11 @@ class ControlPlaneHook(Hook):
 
     # -- loop side -----------------------------------------------------------------------------------------------
     def on_start(self, ctx: RunContext) -> None:
-        from msjax.checkpoint import checkpoint_dir, local_checkpoint_dir
-
         self._ctx = ctx
         self.step = self.start_step = ctx.start_step
         self.state = "running"
         self._await_checkpoint(0)  # the restored step, if any
-        self._ckpt_dir = checkpoint_dir(ctx.config.checkpoint, str(ctx.run_dir))
-        self._local_ckpt_dir = local_checkpoint_dir(ctx.config.checkpoint)
+        self._ckpt_dir, self._local_ckpt_dir = ctx.checkpoint_dir, ctx.local_checkpoint_dir
         self._safe(lambda: self.store.post_event("loop_start", rank=self.rank, step=ctx.start_step,
                                                  generation=self.generation))
         # The handlers before the beat: a signal sent once the loop is seen to have started is always a stop
@@ -173,8 +176,6 @@ class ControlPlaneHook(Hook):
         self._apply(ctx, decided, step)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        from msjax.faults import is_duplicate_delivery
-
         name = signal.Signals(signum).name
         if is_duplicate_delivery(self._signal_at):
             return
@@ -193,8 +194,6 @@ class ControlPlaneHook(Hook):
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous = {}
-        from msjax.faults import NonFiniteLossError
-
         if isinstance(error, NonFiniteLossError):
             # train.nonfinite=stop raised at the step itself, before any logging step could report it: report it
             # now, before the process exits, so the supervisor reads "non-finite loss", not a bare exit status 1.
@@ -354,19 +353,18 @@ class ControlPlaneHook(Hook):
                 self._awaited = max(self._awaited or 0, step)
 
     def _publish_checkpoint(self, raise_errors: bool = False) -> None:
-        """Records the newest verified checkpoint (`msjax.checkpoint.latest_verified` of the run's tiers: the step a
-        restore resumes from, never a step whose integrity record is missing) as tier "persistent", and stops
+        """Records the newest verified checkpoint (`newest_checkpoint` of the run's tiers: the step a restore
+        resumes from, never a step whose integrity record is missing) as tier "persistent", and stops
         awaiting one once it is the awaited step or newer; the checkpoint directory may be a local path or a gs:// /
         s3:// URL."""
-        if self.rank != 0 or self._ckpt_dir is None:
+        if self.rank != 0 or self._ckpt_dir is None or self._newest_checkpoint is None:
             return
         from msjax import paths
-        from msjax.checkpoint import latest_verified
 
         def publish() -> None:
             with self._lock:
                 awaited = self._awaited
-            newest = latest_verified(self._ckpt_dir, self._local_ckpt_dir)
+            newest = self._newest_checkpoint(self._ckpt_dir, self._local_ckpt_dir)
             if newest is not None:
                 self.store.set_checkpoint("persistent", newest, paths.join(self._ckpt_dir, str(newest)))
             with self._lock:

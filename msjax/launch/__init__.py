@@ -11,6 +11,7 @@
                 supervisor's local backend (`LocalBackend`); standby.py: its warm standby workers.
   slurm.py      the sbatch script as data (`SlurmScript`) and the supervisor's backend inside an allocation.
   k8s.py        the JobSet manifest as data and the supervisor's backend beside it.
+  backends.py   the backends as one table (`BACKENDS`): what local, slurm and k8s each do at every step.
   cli.py        the commands: `msjax-launch`, `msjax-supervise`.
 
 Every launcher starts a worker as the installed train command (`python -m msjax.train`, `msjax-train`), never by

@@ -36,6 +36,7 @@ from msjax import cli, runtime
 from msjax.config import Config, ConfigError
 from msjax.control.errors import ControlError
 from msjax.launch import preflight
+from msjax.launch.backends import BACKENDS
 from msjax.launch.options import LaunchOptions, parse
 from msjax.launch.output import Router
 
@@ -52,7 +53,7 @@ def new_run_id(name: str) -> str:
 
 def _parse(argv: Sequence[str] | None, prog: str) -> tuple[cli.LoggingOptions, LaunchOptions, Config, list[str]]:
     common, opts, cfg, train_flags = parse(sys.argv[1:] if argv is None else argv, prog=prog, description=__doc__)
-    if opts.submit and opts.backend != "slurm":
+    if opts.submit and not BACKENDS[opts.backend].submits:
         raise ConfigError(f"--submit: allowed with --backend=slurm only (a Kubernetes manifest is applied with "
                           f"kubectl apply -f), not --backend={opts.backend}")
     preflight.check(opts, cfg)
@@ -68,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _error(e)
     cli.setup_logging(common)
     run_id = opts.run_id or new_run_id(opts.name)
-    if opts.backend == "local":
+    if BACKENDS[opts.backend].runs_here:
         if opts.supervise:
             return run_supervised(opts, cfg, run_id, train_flags)
         from msjax.launch import local
@@ -101,18 +102,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def spec(opts: LaunchOptions, cfg: Config, run_id: str, train_flags: Sequence[str]) -> str:
     """The cluster spec of the job as text: an sbatch script or a Kubernetes manifest, with the supervisor as its
-    controller when `opts.supervise`. Raises ValueError for options the backend cannot honour."""
-    if opts.backend == "slurm":
-        from msjax.launch.slurm import sbatch_script
-
-        supervisor = ([f"--num_processes={opts.num_processes}",
-                       *opts.flags("devices_per_process", "accelerator", "device_kind", "rdzv_timeout_s",
-                                   "srun_args")] if opts.supervise else [])
-        return sbatch_script(opts, run_id, train_flags, cfg.train.run_dir, spares=cfg.supervisor.spares,
-                             supervisor=supervisor).render()
-    from msjax.launch import k8s
-
-    return k8s.render(k8s.manifest(opts, run_id, train_flags, cfg if opts.supervise else None), run_id)
+    controller when `opts.supervise` (`msjax.launch.backends`). Raises ValueError for options the backend cannot
+    honour, or for a backend whose workers run here (it has no spec)."""
+    backend = BACKENDS[opts.backend]
+    if backend.spec is None:
+        raise ValueError(f"--backend={opts.backend} runs its workers here; it renders no spec")
+    return backend.spec(opts, cfg, run_id, train_flags)
 
 
 def supervise(argv: Sequence[str] | None = None) -> int:
@@ -120,8 +115,8 @@ def supervise(argv: Sequence[str] | None = None) -> int:
     runtime.setup()  # an entry point: the process set-up of a run (msjax.runtime)
     try:
         common, opts, cfg, train_flags = _parse(argv, "msjax-supervise")
-        if opts.backend == "k8s" and not opts.run_id:
-            raise ConfigError("--backend=k8s needs --run_id (the JobSet workers' MSJAX_RUN_ID)")
+        if BACKENDS[opts.backend].needs_run_id and not opts.run_id:
+            raise ConfigError(f"--backend={opts.backend} needs --run_id (the workers' MSJAX_RUN_ID)")
     except ConfigError as e:
         return _error(e)
     cli.setup_logging(common)
@@ -154,15 +149,9 @@ def run_supervised(opts: LaunchOptions, cfg: Config, run_id: str, train_flags: S
     from msjax.supervise.supervisor import Supervisor
 
     router = Router(out)
-    hosts = None
+    backend = BACKENDS[opts.backend]
     try:
-        if opts.backend == "slurm":
-            from msjax.launch.slurm import allocation_nodes
-
-            hosts = list(opts.nodes) or allocation_nodes()
-            if len(hosts) < opts.num_processes:
-                raise ValueError(f"--num_processes={opts.num_processes} but the allocation has {len(hosts)} node(s) "
-                                 f"{hosts}")
+        hosts = backend.hosts(opts)
     except (ValueError, OSError) as e:
         return _error(e)
 
@@ -173,13 +162,13 @@ def run_supervised(opts: LaunchOptions, cfg: Config, run_id: str, train_flags: S
     with contextlib.ExitStack() as stack:
         stack.callback(lambda: [signal.signal(sig, h) for sig, h in previous.items()])
         redis_url = opts.redis_url
-        if opts.backend != "local":  # the job's Redis (the batch script's, the manifest's Service)
+        if backend.job_redis:  # the job's Redis (the batch script's, the manifest's Service)
             redis_url = redis_url or os.environ.get("MSJAX_REDIS_URL", "")
         try:
             if not redis_url:
                 redis_url = stack.enter_context(RedisServer()).url
-            backend = _backend(opts, cfg, train_flags, hosts, router, redis_url, run_id)
-            sup = Supervisor(cfg, backend, redis_url, opts.num_processes, opts.devices_per_process, run_id=run_id,
+            workers = backend.worker_backend(opts, cfg, train_flags, hosts, router, redis_url, run_id)
+            sup = Supervisor(cfg, workers, redis_url, opts.num_processes, opts.devices_per_process, run_id=run_id,
                              out=router, hosts=hosts, watchers=watchers)
         except ControlError as e:
             return _error(e)
@@ -189,23 +178,3 @@ def run_supervised(opts: LaunchOptions, cfg: Config, run_id: str, train_flags: S
             router.say(f"[supervisor] interrupted by {signal.Signals(e.signum).name}: workers stopped")
             return 128 + e.signum
 
-
-def _backend(opts: LaunchOptions, cfg: Config, train_flags: Sequence[str], hosts: list[str] | None, router: Router,
-             redis_url: str, run_id: str):
-    log_dir = Path(cfg.train.run_dir) / "logs"
-    if opts.backend == "slurm":
-        from msjax.launch.slurm import SlurmBackend
-
-        return SlurmBackend(train_flags, hosts, log_dir, router,
-                            cpu_devices=opts.devices_per_process if opts.accelerator == "none" else 0,
-                            rdzv_timeout_s=opts.rdzv_timeout_s, srun_args=opts.srun_args)
-    if opts.backend == "k8s":
-        from msjax.control.store import Store, connect
-        from msjax.launch.k8s import JobSetBackend
-
-        return JobSetBackend(Store(connect(redis_url, password=os.environ.get("MSJAX_REDIS_PASSWORD") or None),
-                                   run_id))
-    from msjax.launch.local import LocalBackend
-
-    return LocalBackend(train_flags, opts.devices_per_process, log_dir, router, rdzv_timeout_s=opts.rdzv_timeout_s,
-                        standby=cfg.supervisor.standby)

@@ -58,7 +58,7 @@ from msjax.control.store import EXIT_REQUESTED
 from msjax.launch.options import LaunchOptions
 from msjax.supervise.detect import STOPPED_EXITS
 from msjax.supervise.diagnostics import Checks, command
-from msjax.supervise.supervisor import Worker
+from msjax.supervise.supervisor import Worker, WorkerBackend
 
 COORDINATOR_PORT = 8476
 REDIS_PORT = 6379
@@ -242,7 +242,7 @@ class _Pod:
         return None
 
 
-class JobSetBackend:
+class JobSetBackend(WorkerBackend):
     """Workers started and restarted by a JobSet (see the module docstring).
 
     Args:

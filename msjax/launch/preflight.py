@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from msjax.config import Config
+from msjax.launch.backends import BACKENDS
 from msjax.launch.options import LaunchOptions
 
 
@@ -35,7 +36,7 @@ def planned_devices(opts: LaunchOptions) -> list[PlannedDevice]:
     """The job's devices: `devices_per_process` on each of `num_processes` processes. CPU devices on the local
     backend and with accelerator=none (their memory is this machine's RAM shared by a process's devices, as the
     trainer counts it); else `accelerator` devices of `device_kind`."""
-    cpu = opts.backend == "local" or opts.accelerator == "none"
+    cpu = BACKENDS[opts.backend].runs_here or opts.accelerator == "none"
     platform, kind = ("cpu", "cpu") if cpu else (opts.accelerator, opts.device_kind)
     return [PlannedDevice(platform, kind, p) for p in range(opts.num_processes)
             for _ in range(opts.devices_per_process)]

@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from msjax.config import override_flags
 from msjax.control.server import die_with_parent
 from msjax.control.store import EXIT_REQUESTED
 from msjax.launch.env import job_env
@@ -67,7 +68,7 @@ from msjax.launch.options import LaunchOptions
 from msjax.launch.output import Router, log_shows_lost_service
 from msjax.supervise.detect import STOPPED_EXITS
 from msjax.supervise.diagnostics import Checks, HostDiagnosis, diagnoses
-from msjax.supervise.supervisor import Worker
+from msjax.supervise.supervisor import Worker, WorkerBackend
 
 REDIS_PORT = 6379
 COORDINATOR_PORT = 8476
@@ -305,7 +306,7 @@ class _StepTask:
         return self.step.exits.get(self.rank, code)
 
 
-class SlurmBackend:
+class SlurmBackend(WorkerBackend):
     """Runs the supervised job's workers on the nodes of a SLURM allocation (see the module docstring).
 
     Args:
@@ -347,7 +348,7 @@ class SlurmBackend:
     def launch(self, attempt: int, hosts: Sequence[str], overrides: dict, resume: bool, redis_url: str,
                run_id: str) -> list[Worker]:
         """Starts the worker step on `hosts` (one task per node); returns one Worker per task."""
-        flags = self.train_flags + [f"--{k}={v}" for k, v in overrides.items()] + (["--resume"] if resume else [])
+        flags = self.train_flags + override_flags(overrides) + (["--resume"] if resume else [])
         env = job_env(self.env, redis_url=redis_url, run_id=run_id, num_processes=len(hosts),
                       rdzv_timeout_s=self.rdzv_timeout_s, cpu_devices=self.cpu_devices)
         # --kill-on-bad-exit=0: when a worker dies, the supervisor itself asks the others to leave (each says why

@@ -34,7 +34,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from msjax.config import Config, apply_overrides
 from msjax.events import EventLog, read_events
@@ -71,22 +71,47 @@ class Worker:
     peer_lost: Callable[[], bool] | None = None
 
 
-class WorkerBackend(Protocol):
+class WorkerBackend:
     """How to start and stop workers on which hosts: the only part of supervision that differs between a local
-    run, a SLURM allocation and a Kubernetes JobSet (see the module docstring)."""
+    run, a SLURM allocation and a Kubernetes JobSet (see the module docstring). Every method the supervisor calls
+    is declared here; a backend overrides `launch`, `stop` and `diagnose`, and the others where it has something
+    to do (the defaults do nothing).
+
+    Attributes:
+      standbys_used: workers of the last `launch` that started from a warm standby process (0 without standbys).
+    """
+
+    standbys_used: int = 0
 
     def launch(self, attempt: int, hosts: Sequence[str], overrides: dict, resume: bool, redis_url: str,
                run_id: str) -> list[Worker]:
-        """Starts one worker per host (rank = position in `hosts`) running the job's train command with
-        `--KEY=VALUE` for each override (and `--resume`), joined to the run `run_id` on `redis_url`."""
+        """Starts one worker per host (rank = position in `hosts`) running the job's train command with the
+        typed `overrides` (dotted key -> value, `msjax.config.override_flags`) and `--resume`, joined to the run
+        `run_id` on `redis_url`."""
+        raise NotImplementedError
 
     def stop(self, workers: Sequence[Worker], grace_s: float) -> dict:
         """Asks every live worker to end (SIGTERM or the backend's equivalent), forces it after `grace_s`.
         Returns {"terminated": n, "killed": n}; nothing of the workers runs after it returns."""
+        raise NotImplementedError
 
     def diagnose(self, hosts: Sequence[str], checks: Checks) -> list[HostDiagnosis] | None:
         """The self-checks (msjax.supervise.diagnostics) on `hosts`, one HostDiagnosis each in order; None when
         the backend cannot run them (they then run elsewhere, e.g. a Kubernetes initContainer)."""
+        raise NotImplementedError
+
+    def warm(self, count: int) -> None:
+        """Prepares `count` workers for the next restart while this attempt trains (the local backend's standby
+        processes import jax and the stack ahead); nothing by default."""
+
+    def exclusion_note(self, host: str) -> str:
+        """What keeps a restarted job off an excluded `host` where the cluster, not this backend, places workers
+        (a Kubernetes node taint, say); "" by default."""
+        return ""
+
+    def close(self) -> None:
+        """Ends whatever the backend still runs when the supervisor ends (standbys, its Redis step); nothing by
+        default."""
 
 
 @dataclass(frozen=True)
@@ -175,6 +200,7 @@ class Supervisor:
         self._reports_read = 0
         self._generation = 0  # the rendezvous generation of the attempt being watched
         self._workers: list[Worker] = []
+        self._device_kind = ""  # the accelerator the self-checks found (a re-plan prices it), "" until they ran
         self._beats: dict[int, dict] = {}
 
     def _post_event(self, event: dict) -> None:
@@ -206,7 +232,7 @@ class Supervisor:
                 self._workers = self.backend.launch(attempt, hosts, overrides, resume, self.store_url, self.run_id)
                 self.events.emit("launch", attempt=attempt, hosts=hosts, pids=[w.proc.pid for w in self._workers],
                                  overrides=overrides, resume=resume,
-                                 standbys_used=getattr(self.backend, "standbys_used", 0))
+                                 standbys_used=self.backend.standbys_used)
                 self._print(f"attempt {attempt}: {len(hosts)} host(s) {hosts}" + (f", {overrides}" if overrides
                                                                                   else ""))
                 failures, seen = self._watch(attempt, self._workers)
@@ -239,7 +265,7 @@ class Supervisor:
                             plan = self._replan(n, len(available), overrides)
                         except PlanError as e:
                             return self._finish("no_layout", 3, f"no layout fits the devices left: {e}")
-                        overrides = {**overrides, **{k: str(v) for k, v in plan.overrides.items()}}
+                        overrides = {**overrides, **plan.overrides}
                         n = len(available)
                     else:
                         return self._finish("no_layout", 3, f"host(s) {newly} excluded, no spare left and "
@@ -263,7 +289,7 @@ class Supervisor:
         finally:
             if self._workers:  # an interrupted or failed supervisor: workers get the grace period to save
                 self.backend.stop(self._workers, self.s.stop_grace_s)
-            getattr(self.backend, "close", lambda: None)()
+            self.backend.close()
             self.events.close()
             self.control.client.close()
 
@@ -307,7 +333,7 @@ class Supervisor:
                              loss=r.get("loss"))
             # With train.nonfinite=skip the loop skips the update itself and goes on: an observation, not a
             # failure. Otherwise the run cannot go on from here: restart from the newest checkpoint.
-            if getattr(self.cfg.train, "nonfinite", "stop") != "skip":
+            if self.cfg.train.nonfinite != "skip":
                 seen[r["rank"]].nonfinite = (r.get("step"), r.get("loss"))
 
     def _watch(self, attempt: int, workers: list[Worker]) -> tuple[list[detect.Failure], dict[int, _Seen]]:
@@ -357,7 +383,7 @@ class Supervisor:
                         self._first_step_t = now
                         self.events.emit("first_step", attempt=attempt, rank=rank, step=self._first_step)
                         # the next restart's workers import while this attempt trains (the local backend's standby)
-                        getattr(self.backend, "warm", lambda n: None)(len(workers))
+                        self.backend.warm(len(workers))
             self._read_reports(attempt, seen)
             for watch in self.watchers:
                 watch(Progress(attempt, workers, beats, self.events.emit))
@@ -412,7 +438,7 @@ class Supervisor:
         if results is None:  # they ran elsewhere (a Kubernetes initContainer) and reported failing hosts to Redis
             for host in sorted(self.control.excluded_hosts() - set(self.excluded)):
                 self.excluded[host] = "failed its self-checks"
-                note = getattr(self.backend, "exclusion_note", lambda h: "")(host)
+                note = self.backend.exclusion_note(host)
                 self.events.emit("excluded", host=host, reason=self.excluded[host], action=note)
                 self._print(f"excluded {host}: failed its self-checks" + (f"; keep the job off it: {note}"
                                                                           if note else ""))
@@ -454,7 +480,7 @@ class Supervisor:
         if config_json.exists():  # the run's own config has the tokenizer's vocabulary filled in
             vocab = json.loads(config_json.read_text())["model"]["vocab_size"]
             cfg = apply_overrides(cfg, {"model.vocab_size": vocab})
-        hardware, note = planner_hardware(self.s.replan_hardware, getattr(self, "_device_kind", ""))
+        hardware, note = planner_hardware(self.s.replan_hardware, self._device_kind)
         plan = replan(cfg, old_hosts * self.devices_per_host, new_hosts * self.devices_per_host, hardware, note)
         self.events.emit("replanned", **plan.to_dict())
         self._print(plan.text())

@@ -359,10 +359,10 @@ def test_rank_0_publishes_the_newest_verified_checkpoint_of_a_local_or_object_st
             assert latest_verified(where) == 2
             store = Store(connect(server.url), f"hook-{len(where)}")
             hook = ControlPlaneHook(WorkerContext(store, Assignment(0, 1, "h:1", 0), "0-0", "host0", "host0"),
-                                    period_s=0.1, ttl_s=5.0)
+                                    period_s=0.1, ttl_s=5.0, newest_checkpoint=latest_verified)
             cfg = apply_overrides(Config(), {"checkpoint.dir": where, **s3.overrides()})
             ctx = RunContext(config=cfg, run_dir=tmp_path / "run", mesh=None, program=None, start_step=0,
-                             control=LoopControl())
+                             control=LoopControl(), checkpoint_dir=where)
             hook.on_start(ctx)
             try:
                 hook.on_end(ctx, None)
@@ -409,9 +409,9 @@ def test_rank_0_lists_the_checkpoint_directory_only_while_a_save_awaits_its_veri
     with RedisServer() as server:
         store = Store(connect(server.url), "hook-listing")
         hook = ControlPlaneHook(WorkerContext(store, Assignment(0, 1, "h:1", 0), "0-0", "host0", "host0"),
-                                period_s=period, ttl_s=5.0)
+                                period_s=period, ttl_s=5.0, newest_checkpoint=msjax.checkpoint.latest_verified)
         ctx = RunContext(config=apply_overrides(Config(), {"checkpoint.dir": str(ckpt)}), run_dir=tmp_path / "run",
-                         mesh=None, program=None, start_step=2, control=LoopControl())
+                         mesh=None, program=None, start_step=2, control=LoopControl(), checkpoint_dir=ckpt)
         hook.on_start(ctx)
         try:
             wait_for("the restored step's record", lambda: (store.checkpoint("persistent") or {}).get("step") == 2)
