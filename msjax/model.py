@@ -13,7 +13,12 @@ projection. GPT-2 is (learned, layernorm, gelu, biases, tied); Llama is (rope, r
 untied) with grouped-query heads. Checkpoints of both convert to and from Hugging Face (`msjax.hf`).
 
 Parallelism is not written here: parameters carry logical axis names (`sharding_rules.axes`) and activations
-pass through `msjax.sharding.constrain`; the rule set picked in the config decides the layout.
+pass through `msjax.sharding.constrain`; the rule set picked in the config decides the layout. What changes how
+the model computes is applied from `msjax.parallel`, which this module never imports, at three declared points
+(`msjax.sharding.applied`: run a block, scan the stacked layers, mark the backward's end). A block declares what
+such a transform may use of it: `Block.parallel`, `ln1`/`ln2`, the attention's `wq`, `wk`, `wv`, `wo`,
+`finish_qkv()`, `window`, `impl` and dtypes, the MLP's `column_weights()`, `activate()` and `w_out` (the
+collective matmul's view of a block). A new block type is a class here plus, where it needs one, a transform there.
 With `scan_layers=True` layers are created stacked (leading `layers` axis, parameters under `blocks`) and run
 with `jax.lax.scan`, so compile time does not grow with depth: the choice for deep models. `scan_layers=False`
 keeps one parameter set per layer (`layers.0`, `layers.1`, ...) and a Python loop, as MaxText does; for shallow
@@ -40,8 +45,7 @@ from msjax.ops import matmul
 from msjax.ops.layer_norm import layer_norm
 from msjax.ops.rms_norm import rms_norm
 from msjax.ops.rope import rope
-from msjax.parallel import arrival, collective_matmul, fsdp_prefetch, options as overlap
-from msjax.sharding import constrain
+from msjax.sharding import applied, constrain
 from msjax.sharding_rules import axes as ax
 
 # The name every weight matmul's product carries (`dense`): a product computed through msjax.ops.matmul's custom
@@ -259,8 +263,9 @@ class Block(nnx.Module):
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         x_btd = constrain(x_btd, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED))
-        if overlap.active().tp == "collective_matmul":  # the same math, tensor-parallel rings by hand
-            return collective_matmul.block(self, x_btd)
+        run_block = applied().block  # e.g. the same math with tensor-parallel rings by hand (msjax.parallel)
+        if run_block is not None:
+            return run_block(self, x_btd)
         return self._residual(x_btd, lambda h_btd: (self.attn(h_btd), None))[0]
 
     def decode(self, x_btd: jax.Array, positions_bt: jax.Array, cache: "LayerCache", write: "CacheWrite"
@@ -373,8 +378,9 @@ class GPT(nnx.Module):
         if cfg.scan_layers:
             graphdef, stacked = nnx.split(self.blocks)
             layer = remat(lambda x, state: (nnx.merge(graphdef, state)(x), None))
-            if overlap.active().fsdp_prefetch:  # layer i+1's all-gather carried ahead of layer i
-                x_btd = fsdp_prefetch.scan_layers(layer, x_btd, stacked, cfg.scan_unroll)
+            scan = applied().scan_layers  # e.g. layer i+1's FSDP all-gather carried ahead of layer i
+            if scan is not None:
+                x_btd = scan(layer, x_btd, stacked, cfg.scan_unroll)
             else:
                 x_btd, _ = jax.lax.scan(layer, x_btd, stacked, unroll=cfg.scan_unroll)
         else:
@@ -398,8 +404,10 @@ class GPT(nnx.Module):
         x_btd = jnp.take(wte_vd, tokens_bt, axis=0)
         if cfg.position == "learned":
             x_btd = x_btd + (self.wpe[...][:t] if positions_bt is None else jnp.take(self.wpe[...], positions_bt, 0))
-        # where the backward pass ends: its gradient records when each device gets there (msjax.parallel.arrival)
-        return arrival.backward_end(constrain(x_btd.astype(dt), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED)))
+        x_btd = constrain(x_btd.astype(dt), (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED))
+        # where the backward pass ends: a transform may record when each device's gradient gets there
+        mark = applied().backward_end
+        return x_btd if mark is None else mark(x_btd)
 
     def head(self, x_btd: jax.Array) -> jax.Array:
         """Final norm and vocabulary projection: logits (B, T, V) float32 for the last layer's output (B, T, D),

@@ -1,13 +1,23 @@
-"""Where logical axis names meet the mesh: the one activation-layout helper and parameter shardings.
+"""Where logical axis names meet the mesh: the one activation-layout helper, parameter shardings, and the points
+where parallelism is applied to a model from outside it.
 
 The model names axes; `use_rules(mesh, rules)` says, for the code traced inside it, which mesh axes those names
 land on. Outside such a context `constrain` is the identity, so the model also runs as plain single-device code.
+
+Parallelism that changes how a model computes, not only where its arrays live, reaches it the same way: the model
+asks `applied()` at three declared points (run one block, scan the stacked layers, mark the input whose gradient
+ends the backward) and does its own plain math where nothing is applied. `msjax.parallel` installs its
+transforms with `use_parallelism` (the collective matmul and FSDP prefetch from `use_overlap`, the arrival marks
+from `use_arrival_marks`); the model never imports it (torchtitan's `parallelize_llama` applies tensor, FSDP and
+pipeline parallelism to a model that knows none of them, the same split).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import jax
@@ -45,6 +55,45 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     region = region_mesh(mesh)
     return jax.lax.with_sharding_constraint(x, NamedSharding(region, region_spec(logical_to_mesh_spec(names, rules),
                                                                                   region)))
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """The transforms `msjax.parallel` applies to a model, each None where the model's own code runs.
+
+    Attributes:
+      block: `(block, x_btd) -> y_btd`, one transformer layer computed another way (the collective matmul). It
+        reads the block through the interface the block declares (`msjax.model.Block`: its attention's
+        projections and `finish_qkv`, its MLP's `column_weights` and `activate`).
+      scan_layers: `(layer, x_btd, stacked, unroll) -> x_btd`, the stacked layers' scan
+        (`jax.lax.scan(layer, x, stacked, unroll=unroll)[0]` by default; FSDP prefetch gathers ahead).
+      backward_end: `x_btd -> x_btd`, an identity on the embedding output whose gradient marks where the backward
+        pass ends (the straggler detector's arrival marks).
+    """
+
+    block: Callable[[Any, jax.Array], jax.Array] | None = None
+    scan_layers: Callable[..., jax.Array] | None = None
+    backward_end: Callable[[jax.Array], jax.Array] | None = None
+
+
+_PARALLELISM: contextvars.ContextVar[Parallelism] = contextvars.ContextVar("msjax_parallelism",
+                                                                          default=Parallelism())
+
+
+@contextlib.contextmanager
+def use_parallelism(**transforms: Callable | None) -> Iterator[None]:
+    """Applies `transforms` (fields of `Parallelism`; the others stay as the enclosing context has them) to models
+    traced inside this context."""
+    token = _PARALLELISM.set(dataclasses.replace(_PARALLELISM.get(), **transforms))
+    try:
+        yield
+    finally:
+        _PARALLELISM.reset(token)
+
+
+def applied() -> Parallelism:
+    """The transforms of the enclosing `use_parallelism` contexts (none outside them)."""
+    return _PARALLELISM.get()
 
 
 def region_mesh(mesh: Mesh) -> Any:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from msjax.ops.context_parallel import sequence_sharded_attention
 from msjax.ops.softmax import softmax
 from msjax.sharding import active_rules, nested_shard_map
 from msjax.sharding_rules import axes as ax
@@ -64,8 +65,6 @@ def attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array, *, window
     active = active_rules()
     if impl == "xla" and active is not None and active[0].shape[ax.SEQUENCE] > 1:
         # Context parallelism: keys/values gathered by hand so the backward reduce-scatters dK/dV.
-        from msjax.parallel.context_parallel import sequence_sharded_attention  # msjax.parallel imports this module
-
         mesh, rules = active
         q_spec = logical_to_mesh_spec((ax.ACT_BATCH, ax.ACT_SEQ_INNER, ax.ACT_HEADS, None), rules)
         kv_spec = logical_to_mesh_spec((ax.ACT_BATCH, ax.ACT_SEQ_INNER, ax.ACT_KV_HEADS, None), rules)

@@ -11,17 +11,19 @@ Pipeline parallelism:
 
 Communication hidden behind compute:
   options           the active overlap switches (`mesh.tp_overlap`, `mesh.fsdp_prefetch`) for traced code, set
-                    by the train step next to the sharding rules.
+                    by the train step next to the sharding rules; it applies the transforms they select to the
+                    model (`msjax.sharding.use_parallelism`).
   collective_matmul Megatron-SP's all-gather -> matmul and matmul -> reduce-scatter decomposed into bidirectional
                     `ppermute` steps under `jax.shard_map`, one all-gather and one reduce-scatter per parallel
                     block (MegaScale Fig. 3).
-  context_parallel  the key/value all-gather over `sequence` whose transpose is a reduce-scatter of dK/dV.
   fsdp_prefetch     layer i+1's FSDP parameter all-gather carried through the layer scan ahead of layer i.
   zero2             ZeRO-2's gradient reduction written out: `psum_scatter` over `fsdp` under `jax.shard_map`.
   arrival           per-device timestamps inside the step (its start, the backward's end) for the straggler
                     detector of `msjax.observe`.
   xla_flags         XLA flag presets per backend, applied before the backend starts.
 
-The model stays single-device code that names its axes: it calls into this package at a few dispatch points, and
-nothing here changes the math (tests/msjax/test_pipeline.py, tests/msjax/test_overlap.py).
+The model stays single-device code that names its axes and never imports this package: these transforms reach it
+through the three points it declares (`msjax.sharding.Parallelism`), and nothing here changes the math
+(tests/msjax/test_pipeline.py, tests/msjax/test_overlap.py). Context-parallel attention, an attention
+implementation over a sequence-sharded mesh, is `msjax.ops.context_parallel`.
 """

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from msjax.sharding import active_rules, nested_shard_map
+from msjax.sharding import active_rules, nested_shard_map, use_parallelism
 from msjax.sharding_rules import logical_to_mesh_spec
 from msjax.sharding_rules import axes as ax
 
@@ -114,10 +114,12 @@ def _marked(x: jax.Array, names: tuple[str, ...], step: jax.Array, kind: str) ->
 @contextlib.contextmanager
 def use_arrival_marks(step: jax.Array) -> Iterator[None]:
     """Makes `step_start` and `backward_end` record, under step number `step` (an int32 scalar of the traced step),
-    for code traced inside this context."""
+    for code traced inside this context; the model marks its embedding output with `backward_end` there
+    (`msjax.sharding.use_parallelism`)."""
     token = _STEP.set(step)
     try:
-        yield
+        with use_parallelism(backward_end=backward_end):
+            yield
     finally:
         _STEP.reset(token)
 

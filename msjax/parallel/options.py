@@ -1,8 +1,9 @@
 """The overlap switches that traced code reads: which tensor-parallel overlap and whether FSDP prefetches.
 
-The train step enters `use_overlap(cfg.mesh)` next to `msjax.sharding.use_rules` while it traces; the model's
-dispatch points ask `active()`. Outside such a scope everything is off, so the model still runs as plain
-single-device code.
+The train step enters `use_overlap(cfg.mesh)` next to `msjax.sharding.use_rules` while it traces. It applies the
+transforms the switches ask for to the model (`msjax.sharding.use_parallelism`: the collective matmul runs each
+block, FSDP prefetch runs the layer scan), and the parallel code asks `active()`. Outside such a scope everything
+is off, so the model still runs as plain single-device code.
 """
 
 from __future__ import annotations
@@ -30,10 +31,18 @@ _ACTIVE: contextvars.ContextVar[Overlap] = contextvars.ContextVar("msjax_overlap
 
 @contextlib.contextmanager
 def use_overlap(mesh_cfg) -> Iterator[None]:
-    """Makes code traced inside this context use the overlap switches of `mesh_cfg` (a `MeshConfig`)."""
+    """Makes code traced inside this context use the overlap switches of `mesh_cfg` (a `MeshConfig`), and applies
+    the model transforms they select."""
+    # Imported here: both transforms read these switches (`active`) themselves.
+    from msjax.parallel import collective_matmul, fsdp_prefetch
+    from msjax.sharding import use_parallelism
+
     token = _ACTIVE.set(Overlap(tp=mesh_cfg.tp_overlap, fsdp_prefetch=mesh_cfg.fsdp_prefetch))
+    transforms = {"block": collective_matmul.block if mesh_cfg.tp_overlap == "collective_matmul" else None,
+                  "scan_layers": fsdp_prefetch.scan_layers if mesh_cfg.fsdp_prefetch else None}
     try:
-        yield
+        with use_parallelism(**transforms):
+            yield
     finally:
         _ACTIVE.reset(token)
 

@@ -1,7 +1,8 @@
 """One way down: launching (msjax.launch) and supervision (msjax.supervise) sit on the control plane
-(msjax.control), which imports neither; supervision never imports the launcher; no package of the three imports
-another in a circle; the loop, checkpoints, observability and the planner know nothing of who watches them; and
-no module of the package runs a script by path. Every import counts, those inside functions too."""
+(msjax.control), which imports neither, nor the loop, checkpoints or fault handling; supervision never imports
+the launcher; no package of the three imports another in a circle; the loop, checkpoints, observability and the
+planner know nothing of who watches them; the loop reads the resolved layout, not the planner; the model and its
+ops never import the parallel transforms applied to them; and no module of the package runs a script by path. Every import counts, those inside functions too."""
 
 import ast
 import re
@@ -73,6 +74,14 @@ NEVER = [
     ("msjax.checkpoint", "msjax.supervise", "checkpoints know no policy"),
     ("msjax.observe", "msjax.supervise", "measuring is not deciding"),
     ("msjax.planner", "msjax.supervise", "plans know no running job"),
+    ("msjax.control", "msjax.checkpoint", "transport knows no checkpoint: the loop passes in what it needs"),
+    ("msjax.control", "msjax.faults", "transport knows no fault or NaN handling"),
+    ("msjax.control", "msjax.train", "transport knows no loop"),
+    ("msjax.train", "msjax.planner", "the loop reads the resolved layout, not the planner"),
+    ("msjax.layout", "msjax.planner", "the layout stands below the planner, which reads it"),
+    ("msjax.model", "msjax.parallel", "the model is single-device math; parallel/ applies itself"),
+    ("msjax.ops", "msjax.parallel", "ops are single-device math; parallel/ applies itself"),
+    ("msjax.sharding", "msjax.parallel", "the model's side of the interface knows no transform"),
 ]
 
 
