@@ -80,20 +80,9 @@ AXIS = ax.PIPELINE
 ACT = (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED)
 
 
-def pipeline_rules(rules: Rules, stages: int) -> Rules:
-    """The rule set with stacked layers split over `pipeline` (each stage stores its own layers); unchanged for
-    one stage."""
-    return {**rules, ax.LAYERS: AXIS} if stages > 1 else rules
-
-
-def microbatches(cfg: Config) -> int:
-    """M: `pipeline.microbatches`, or mesh.pipeline when it is 0."""
-    return cfg.pipeline.microbatches or cfg.mesh.pipeline
-
-
 def schedule_of(cfg: Config) -> Schedule:
-    """The interleaved 1F1B schedule this config's step runs."""
-    return Schedule(cfg.mesh.pipeline, cfg.pipeline.virtual_stages, microbatches(cfg))
+    """The interleaved 1F1B schedule this config's step runs (M: `Config.pipeline_microbatches`)."""
+    return Schedule(cfg.mesh.pipeline, cfg.pipeline.virtual_stages, cfg.pipeline_microbatches())
 
 
 def _block_graphdef(model_cfg: ModelConfig) -> nnx.GraphDef:

@@ -148,7 +148,7 @@ def analytic_state_bytes(cfg: Config, vocab: int, sizes: dict[str, int]) -> dict
     the replicated scalars (step int32, rng
     uint32[2], four int32 optimizer counters: Adam's, the schedule's and `optax.apply_if_finite`'s two, and its
     `last_finite` bool, which is state though the compiled step never reads it). With pipeline stages, stacked layers are
-    split over `pipeline` (L / p per device, `msjax.parallel.pipeline.pipeline_rules`); per-layer parameters and
+    split over `pipeline` (L / p per device, `msjax.layout.pipeline_rules`); per-layer parameters and
     the embedding / output end are replicated over it.
     """
     pb = DTYPE_BYTES[cfg.model.param_dtype]

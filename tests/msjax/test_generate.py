@@ -17,7 +17,7 @@ from msjax.config import AttentionConfig, ModelConfig, apply_overrides, Config
 from msjax.generate import Generator, decode_rules, generate_text, load_run
 from msjax.mesh import make_mesh
 from msjax.model import abstract_model, init_params
-from msjax.parallel.pipeline import pipeline_rules
+from msjax.layout import pipeline_rules
 from msjax.sample import filter_logits, sample_logits
 from msjax.sharding_rules import RULE_SETS
 from msjax.train_step import build_train_program
