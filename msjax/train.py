@@ -394,7 +394,10 @@ def main(argv: Sequence[str] | None = None, preflight: Callable[[Config], Any] |
     """The train command: `msjax-train --config=gpt_tiny [--train.steps=200 --mesh.tensor=2 ... --resume]` (also
     `python -m msjax.train` and scripts/train.py). Flags -> config -> `run`; every field of msjax/config.py is a
     dotted flag (`--help` lists them), presets live in configs/. Under a launcher (MSJAX_REDIS_URL set) it
-    joins the run's control plane first (msjax.control.worker) and runs with its hook.
+    joins the run's control plane first (msjax.control.worker) and runs with its hook. `preflight` goes to `run`:
+    `msjax-train` and scripts/train.py (`msjax.launch.cli.train`) pass the planner's memory check;
+    `python -m msjax.train`, the loop's own module, checks mesh and split only (a launcher has run the memory
+    check for its workers before starting them).
 
     Returns the exit status:
       0    finished: the loop reached train.steps.

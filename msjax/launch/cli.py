@@ -60,6 +60,17 @@ def _parse(argv: Sequence[str] | None, prog: str) -> tuple[cli.LoggingOptions, L
     return common, opts, cfg, train_flags
 
 
+def train(argv: Sequence[str] | None = None) -> int:
+    """`msjax-train` (and scripts/train.py): the train command, `msjax.train.main`, with the planner's pre-flight
+    check (`msjax.planner.preflight.check_layout`: mesh, split and memory estimate against the devices, with
+    overrides that would fit) before anything is read or compiled. The loop itself reads no planner; its entry
+    point above it composes the two. Returns the exit status of `msjax.train.main`."""
+    from msjax.planner.preflight import check_layout
+    from msjax.train import main as train_main
+
+    return train_main(argv, preflight=check_layout)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`msjax-launch`: returns the exit status (see the module docstring)."""
     runtime.setup()  # an entry point: the process set-up of a run (msjax.runtime)
