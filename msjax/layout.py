@@ -26,7 +26,7 @@ from typing import Any, Mapping, Sequence
 
 from msjax.config import Config, ConfigError, check_model_split
 from msjax.flops import flops_per_token
-from msjax.sharding_rules import RULE_SETS, Rules
+from msjax.sharding_rules import RULE_SETS, Rules, optimizer_state_rules
 from msjax.sharding_rules import axes as ax
 
 
@@ -70,6 +70,9 @@ class Layout:
       microbatches: M, the pipeline's microbatches per step per replica (1 without pipeline stages).
       virtual_stages: V, model chunks per pipeline stage (1 without pipeline stages).
       rules: the logical-axis rule set of `mesh.rules`, with stacked layers over `pipeline` when it is split.
+      state_rules: the rule set of the gradients and optimizer state: `rules`' own, except ZeRO-2's (sharded over
+        fsdp where the parameters are replicated); stacked layers over `pipeline` likewise, or every stage would
+        hold the whole model's optimizer state.
       batch: the batch split (`BatchSplit`).
       padded_vocab: embedding rows (the vocabulary rounded up to `model.vocab_multiple`), None until known.
       matmul_dtype: the dtype the weight matmuls' operands take on the backend ("float32", "bfloat16":
@@ -83,6 +86,7 @@ class Layout:
     microbatches: int
     virtual_stages: int
     rules: Rules
+    state_rules: Rules
     batch: BatchSplit
     padded_vocab: int | None
     matmul_dtype: str
@@ -201,7 +205,8 @@ def _build(cfg: Config, sizes: dict[str, int], platform: str | None, mesh: Any, 
     layout = Layout(
         config=cfg, axis_sizes=sizes, microbatches=cfg.pipeline_microbatches(p),
         virtual_stages=cfg.pipeline.virtual_stages if p > 1 else 1,
-        rules=pipeline_rules(RULE_SETS[cfg.mesh.rules], p), batch=split_batch(cfg, sizes),
+        rules=pipeline_rules(RULE_SETS[cfg.mesh.rules], p),
+        state_rules=pipeline_rules(optimizer_state_rules(cfg.mesh.rules), p), batch=split_batch(cfg, sizes),
         padded_vocab=None, matmul_dtype=matmul.resolve(cfg.model.matmul_dtype, cfg.model.dtype, platform).name,
         mesh=mesh, hardware=hardware,
     )

@@ -26,7 +26,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from msjax.config import Config
-from msjax.layout import Layout, pipeline_rules, resolve as resolve_layout
+from msjax.layout import Layout, resolve as resolve_layout
 from msjax.model import abstract_model, apply, init_params
 from msjax.optim import learning_rates, make_optimizer, skipped_steps
 from msjax.parallel.arrival import step_start, use_arrival_marks
@@ -34,7 +34,7 @@ from msjax.parallel.options import use_overlap
 from msjax.parallel.pipeline import PipelinedGrads
 from msjax.parallel.zero2 import reduce_scattered_grads
 from msjax.sharding import constrain, tree_shardings, use_rules
-from msjax.sharding_rules import OPTIMIZER_STATE_RULES, optimizer_state_rules
+from msjax.sharding_rules import OPTIMIZER_STATE_RULES
 from msjax.sharding_rules import axes as ax
 
 
@@ -129,12 +129,8 @@ def build_train_program(cfg: Config | Layout, mesh: Mesh | None = None, vocab_si
     abs_opt = jax.eval_shape(tx.init, abs_params)
     replicated = NamedSharding(mesh, P())
     # Optimizer moments follow their parameter's sharding (so FSDP shards them too); counters are replicated.
-    # Gradients follow the optimizer state's rules: the parameters' own, except ZeRO-2 (sharded over fsdp where
-    # the parameters are replicated).
-    # (stacked layers split over `pipeline` like the parameters: pipeline_rules, or every stage would hold the whole
-    # model's optimizer state)
-    grad_shardings = tree_shardings(logical_specs, mesh, pipeline_rules(optimizer_state_rules(cfg.mesh.rules),
-                                                                        stages))
+    # Gradients follow the optimizer state's rules (`Layout.state_rules`): the parameters' own, except ZeRO-2.
+    grad_shardings = tree_shardings(logical_specs, mesh, layout.state_rules)
     opt_shardings = optax.tree_map_params(tx, lambda _, s: s, abs_opt, grad_shardings,
                                           transform_non_params=lambda _: replicated)
     state_shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings,
