@@ -190,7 +190,9 @@ class LoopLedger(Hook):
         self.buckets["checkpoint"] += checkpoint_close_s
         self.buckets["teardown"] += max(0.0, now - (self.ended or now) - checkpoint_close_s)
         self.last = now
-        return self._publish(final=True, write=True)
+        # Said apart too: the checkpoint bucket's share spent after every hook's on_end (an outside observer's
+        # window ends before it).
+        return self._publish(final=True, write=True, checkpoint_close_s=checkpoint_close_s)
 
     # -- the ledger --------------------------------------------------------------------------------------------------
     def _straggler(self) -> None:
