@@ -877,21 +877,6 @@ def coerce(key: str, tp: Any, value: Any) -> Any:
     raise ConfigError(f"{key}: cannot set a value of type {describe_type(tp)}")
 
 
-def override_flags(overrides: Mapping[str, Any]) -> list[str]:
-    """The train command's flags `--KEY=VALUE` that set `overrides` (dotted key -> typed value, as
-    `apply_overrides` takes them): the one place a typed override becomes a command line (a supervisor's re-plan
-    reaching a restarted worker). Booleans as true/false, tuples comma-separated, None as none; `coerce` reads
-    each back to the same value."""
-    def text(value: Any) -> str:
-        if isinstance(value, bool):
-            return "true" if value else "false"
-        if isinstance(value, (tuple, list)):
-            return ",".join(str(v) for v in value)
-        return "none" if value is None else str(value)
-
-    return [f"--{key}={text(value)}" for key, value in overrides.items()]
-
-
 def apply_overrides(cfg: Config, overrides: Mapping[str, Any]) -> Config:
     """Returns a copy of `cfg` with dotted keys replaced; raises ConfigError on unknown keys or bad values."""
     for key, value in overrides.items():

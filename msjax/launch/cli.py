@@ -127,7 +127,8 @@ def supervise(argv: Sequence[str] | None = None) -> int:
     try:
         common, opts, cfg, train_flags = _parse(argv, "msjax-supervise")
         if BACKENDS[opts.backend].needs_run_id and not opts.run_id:
-            raise ConfigError(f"--backend={opts.backend} needs --run_id (the workers' MSJAX_RUN_ID)")
+            raise ConfigError(f"--backend={opts.backend} needs --run_id (the {opts.backend} workers' MSJAX_RUN_ID, "
+                              "given when their spec was rendered)")
     except ConfigError as e:
         return _error(e)
     cli.setup_logging(common)

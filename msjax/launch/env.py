@@ -1,10 +1,14 @@
-"""The environment of a worker process: the one place that writes the MSJAX_* variables a launcher hands to the
-train command (msjax.control.worker reads them), for every backend.
+"""What a launcher hands a worker process, for every backend: its environment (the one place that writes the
+MSJAX_* variables the train command reads in msjax.control.worker) and, under the supervisor, its train flags
+(`worker_flags`: the one place a typed config override becomes a command line).
 """
 
 from __future__ import annotations
 
 import re
+from typing import Any, Mapping, Sequence
+
+from msjax.cli import flag_value
 
 # Set per worker by the rendezvous (msjax.control.worker): an inherited value would join the wrong job.
 _JAX_LAUNCH_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
@@ -44,3 +48,13 @@ def worker_env(job: dict[str, str], *, rank: int, host: str, advertise_host: str
     (`worker_id`; default: the host) and the address its peers reach it on."""
     return {**job, "MSJAX_RANK": str(rank), "MSJAX_HOST": host, "MSJAX_WORKER_ID": worker_id or host,
             "MSJAX_ADVERTISE_HOST": advertise_host}
+
+
+def worker_flags(train_flags: Sequence[str], overrides: Mapping[str, Any], resume: bool) -> list[str]:
+    """A supervised worker's train flags: the job's own `train_flags`, then `--KEY=VALUE` for each of `overrides`
+    (dotted config key -> typed value, as `msjax.config.apply_overrides` takes them: a re-plan's mesh sizes and
+    microbatches), spelled so `msjax.config.coerce` reads the same value back (`msjax.cli.flag_value`), then
+    `--resume` when `resume`. An override comes after the job's own flags: the train command keeps a key's last
+    value."""
+    return [*train_flags, *(f"--{key}={flag_value(value)}" for key, value in overrides.items()),
+            *(["--resume"] if resume else [])]

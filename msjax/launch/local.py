@@ -40,10 +40,10 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from msjax.config import Config, override_flags
+from msjax.config import Config
 from msjax.control.server import die_with_parent
 from msjax.control.store import EXIT_REQUESTED
-from msjax.launch.env import job_env, worker_env
+from msjax.launch.env import job_env, worker_env, worker_flags
 from msjax.launch.options import LaunchOptions
 from msjax.launch.output import Router, log_shows_lost_service
 from msjax.supervise.detect import STOPPED_EXITS, describe_exit
@@ -287,7 +287,7 @@ class LocalBackend(WorkerBackend):
     def launch(self, attempt: int, hosts: Sequence[str], overrides: dict, resume: bool, redis_url: str,
                run_id: str) -> list[Worker]:
         """Starts one worker per host (rank = position in `hosts`); a live standby takes a worker's place."""
-        flags = self.train_flags + override_flags(overrides) + (["--resume"] if resume else [])
+        flags = worker_flags(self.train_flags, overrides, resume)
         job = job_env(self.env, redis_url=redis_url, run_id=run_id, num_processes=len(hosts),
                       rdzv_timeout_s=self.rdzv_timeout_s, cpu_devices=self.devices_per_host)
         self._group = ProcessGroup(self.router)

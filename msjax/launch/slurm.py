@@ -59,10 +59,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from msjax.config import override_flags
 from msjax.control.server import die_with_parent
 from msjax.control.store import EXIT_REQUESTED
-from msjax.launch.env import job_env
+from msjax.launch.env import job_env, worker_flags
 from msjax.launch.local import self_checks
 from msjax.launch.options import LaunchOptions
 from msjax.launch.output import Router, log_shows_lost_service
@@ -348,7 +347,7 @@ class SlurmBackend(WorkerBackend):
     def launch(self, attempt: int, hosts: Sequence[str], overrides: dict, resume: bool, redis_url: str,
                run_id: str) -> list[Worker]:
         """Starts the worker step on `hosts` (one task per node); returns one Worker per task."""
-        flags = self.train_flags + override_flags(overrides) + (["--resume"] if resume else [])
+        flags = worker_flags(self.train_flags, overrides, resume)
         env = job_env(self.env, redis_url=redis_url, run_id=run_id, num_processes=len(hosts),
                       rdzv_timeout_s=self.rdzv_timeout_s, cpu_devices=self.cpu_devices)
         # --kill-on-bad-exit=0: when a worker dies, the supervisor itself asks the others to leave (each says why

@@ -86,7 +86,7 @@ class WorkerBackend:
     def launch(self, attempt: int, hosts: Sequence[str], overrides: dict, resume: bool, redis_url: str,
                run_id: str) -> list[Worker]:
         """Starts one worker per host (rank = position in `hosts`) running the job's train command with the
-        typed `overrides` (dotted key -> value, `msjax.config.override_flags`) and `--resume`, joined to the run
+        typed `overrides` (dotted key -> value, `msjax.launch.env.worker_flags`) and `--resume`, joined to the run
         `run_id` on `redis_url`."""
         raise NotImplementedError
 

@@ -215,17 +215,3 @@ def test_resume_check_reads_configs_saved_before_the_new_keys():
     assert config_differences(saved, apply_overrides(cfg, {"train.loggers": ("wandb",)})) == []
     saved["model"]["mlp"] = "swiglu"
     assert config_differences(saved, cfg) == ["model.mlp: 'swiglu' -> 'gelu'"]
-
-
-def test_typed_overrides_become_flags_that_parse_back_to_the_same_config():
-    """A re-plan's overrides (dotted key -> typed value) reach a restarted worker as flags
-    (`msjax.config.override_flags`); parsed back they give the same config."""
-    from msjax.config import override_flags
-
-    over = {"mesh.data": 2, "mesh.tensor": 4, "mesh.fsdp_prefetch": True, "model.attention.window": None,
-            "train.loggers": ("jsonl", "tensorboard"), "optimizer.lr": 3e-4, "mesh.rules": "tp"}
-    flags = override_flags(over)
-    assert flags[:3] == ["--mesh.data=2", "--mesh.tensor=4", "--mesh.fsdp_prefetch=true"]
-    parsed = dict(f[2:].split("=", 1) for f in flags)
-    base = Config()
-    assert apply_overrides(base, parsed) == apply_overrides(base, over)

@@ -269,3 +269,20 @@ def test_a_job_that_cannot_run_is_refused_before_anything_is_written_or_started(
     if backend != "local":
         code, _, err = _launch(capsys, *common, flags=["--mesh.data=2"])
         assert code == 0 and out.exists(), err
+
+
+def test_typed_overrides_become_worker_flags_that_parse_back_to_the_same_config():
+    """A re-plan's overrides (dotted key -> typed value) reach a restarted worker as flags after the job's own
+    (`worker_flags`), then --resume; parsed back they give the same config."""
+    from msjax.config import Config, apply_overrides
+    from msjax.launch.env import worker_flags
+
+    over = {"mesh.data": 2, "mesh.tensor": 4, "mesh.fsdp_prefetch": True, "model.attention.window": None,
+            "train.loggers": ("jsonl", "tensorboard"), "optimizer.lr": 3e-4, "mesh.rules": "tp"}
+    flags = worker_flags(["--config=gpt_tiny", "--mesh.data=8"], over, resume=True)
+    assert flags[:5] == ["--config=gpt_tiny", "--mesh.data=8", "--mesh.data=2", "--mesh.tensor=4",
+                         "--mesh.fsdp_prefetch=true"]
+    assert flags[-1] == "--resume" and worker_flags([], {}, resume=False) == []
+    parsed = dict(f[2:].split("=", 1) for f in flags[2:-1])
+    base = Config()
+    assert apply_overrides(base, parsed) == apply_overrides(base, over)
