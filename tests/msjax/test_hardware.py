@@ -72,6 +72,8 @@ def test_bf16_matmul_peak_is_measured_and_kept_apart_from_float32(fresh):
     f32, bf16 = cpu_peak_flops(), cpu_peak_flops("bfloat16")  # real measurements
     assert 1e8 < bf16 < 1e15
     assert json.loads(fresh.read_text()) == {hardware._cpu_key(): f32, hardware._cpu_key("bfloat16"): bf16}
-    assert hardware._cpu_key("bfloat16") == hardware._cpu_key() + " | bfloat16"
+    # the float32 key and the dtype, and whether AMX may be used (a CPU without it has a ~7x lower bf16 rate)
+    amx = "" if hardware.cpu_amx_bf16_usable() else " without AMX"
+    assert hardware._cpu_key("bfloat16") == hardware._cpu_key() + " | bfloat16" + amx
     peak, label = hardware.mesh_peak_flops(jax.devices("cpu")[:1], "bfloat16")
     assert peak == bf16 and label == "best measured CPU bf16 matmul rate x 1 host(s)"
