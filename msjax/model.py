@@ -31,7 +31,7 @@ slot p mod S) and the longest sequence otherwise.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -84,6 +84,13 @@ def _vocab_param(rngs: nnx.Rngs, cfg: ModelConfig, shape: tuple[int, ...], names
     return nnx.Param(jnp.where(real, value, 0.0).astype(value.dtype), out_sharding=names)
 
 
+def _matmul_setting(cfg: ModelConfig) -> tuple[jnp.dtype, bool]:
+    """(operand dtype, own backward) of the weight matmuls under `cfg` (`msjax.ops.matmul.resolve` and
+    `own_backward`): resolved once per block, and taken by its attention and MLP."""
+    operand_dtype = matmul.resolve(cfg.matmul_dtype, cfg.dtype)
+    return operand_dtype, matmul.own_backward(operand_dtype, cfg.dtype)
+
+
 class Norm(nnx.Module):
     """LayerNorm (Ba et al. 2016) or RMSNorm (Zhang and Sennrich 2019) over the last axis, computed in float32 with
     a hand-written backward (`msjax.ops`). LayerNorm has an offset when `use_bias`; RMSNorm never has one."""
@@ -117,9 +124,10 @@ def default_positions(t: int) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    """Multi-head causal self-attention with grouped-query heads, an optional sliding window and optional RoPE."""
+    """Multi-head causal self-attention with grouped-query heads, an optional sliding window and optional RoPE.
+    `matmuls`: its weight matmuls' (operand dtype, own backward), the block's `_matmul_setting`."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, matmuls: tuple[jnp.dtype, bool]):
         d, h, g, k = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.head_size
         dt, std = jnp.dtype(cfg.param_dtype), cfg.init_std
         # GPT-2's scaled init of residual projections: std / sqrt(2 L).
@@ -138,8 +146,7 @@ class Attention(nnx.Module):
         self.window = cfg.attention.window
         self.impl = cfg.attention.impl
         self.dtype = jnp.dtype(cfg.dtype)
-        self.matmul_dtype = matmul.resolve(cfg.matmul_dtype, cfg.dtype)
-        self.own_backward = matmul.own_backward(self.matmul_dtype, cfg.dtype)
+        self.matmul_dtype, self.own_backward = matmuls
 
     def finish_qkv(self, q_bthk: jax.Array, k_btgk: jax.Array, v_btgk: jax.Array, positions_bt: jax.Array
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -192,9 +199,10 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """GeLU MLP, D -> F -> D (two matrices), or SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x)), three."""
+    """GeLU MLP, D -> F -> D (two matrices), or SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x)), three.
+    `matmuls`: its weight matmuls' (operand dtype, own backward), the block's `_matmul_setting`."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, matmuls: tuple[jnp.dtype, bool]):
         d, f = cfg.d_model, cfg.ff_size
         dt, std = jnp.dtype(cfg.param_dtype), cfg.init_std
         self.swiglu = cfg.mlp == "swiglu"
@@ -209,8 +217,7 @@ class MLP(nnx.Module):
             self.b_out = _param(rngs, (d,), (ax.NORM,), 0.0, dt)
         self.use_bias = cfg.use_bias
         self.dtype = jnp.dtype(cfg.dtype)
-        self.matmul_dtype = matmul.resolve(cfg.matmul_dtype, cfg.dtype)
-        self.own_backward = matmul.own_backward(self.matmul_dtype, cfg.dtype)
+        self.matmul_dtype, self.own_backward = matmuls
 
     def column_weights(self) -> list[jax.Array]:
         """The input-side (D, F) matrices, in the order `activate` takes their products: [gate, up] or [in]."""
@@ -245,10 +252,11 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.parallel = cfg.block == "parallel"
+        matmuls = _matmul_setting(cfg)
         self.ln1 = Norm(cfg, rngs)
-        self.attn = Attention(cfg, rngs)
+        self.attn = Attention(cfg, rngs, matmuls)
         self.ln2 = None if self.parallel else Norm(cfg, rngs)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MLP(cfg, rngs, matmuls)
 
     def _residual(self, x_btd: jax.Array, attend) -> tuple[jax.Array, Any]:
         """The block's residual structure around `attend`: (B, T, D) -> ((B, T, D) out, what attend returned
@@ -413,8 +421,7 @@ class GPT(nnx.Module):
         """Final norm and vocabulary projection: logits (B, T, V) float32 for the last layer's output (B, T, D),
         padding entries -1e9 (the model's output end; a pipeline's last stage runs it after its layers)."""
         cfg, dt = self.cfg, jnp.dtype(self.cfg.dtype)
-        mt = matmul.resolve(cfg.matmul_dtype, dt)
-        own = matmul.own_backward(mt, dt)
+        mt, own = _matmul_setting(cfg)
         x_btd = self.ln_f(x_btd)
         if self.lm_head is not None:
             logits_btv = dense("btd,dv->btv", x_btd, self.lm_head[...], dt, mt, own)
@@ -499,6 +506,21 @@ def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, dict, dict]:
         model = nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
     return graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(nnx.get_partition_spec(state))
+
+
+def block_graphdef(cfg: ModelConfig) -> nnx.GraphDef:
+    """The static structure (nnx.GraphDef) of one transformer block, allocating nothing: what a pipeline stage
+    merges with each layer's parameters."""
+    with nnx.use_eager_sharding(False):
+        block = nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0)))
+    return nnx.split(block)[0]
+
+
+def ends_graphdef(cfg: ModelConfig) -> tuple[nnx.GraphDef, list[str]]:
+    """(GraphDef, sorted top-level parameter keys) of the model without its layers: the embedding, final norm and
+    output projection (`GPT.embed`, `GPT.head`), which a pipeline runs on its first and last stage."""
+    graphdef, abs_params, _ = abstract_model(replace(cfg, num_layers=0, scan_layers=False))
+    return graphdef, sorted(abs_params)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array) -> dict:

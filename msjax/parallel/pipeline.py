@@ -68,10 +68,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from msjax.config import Config, ModelConfig
-from msjax.model import REMAT_POLICIES, Block, abstract_model, cse_barrier
+from msjax.config import Config
+from msjax.model import REMAT_POLICIES, abstract_model, block_graphdef, cse_barrier, ends_graphdef
 from msjax.parallel import options as overlap
-from msjax.parallel.schedule import Schedule
+from msjax.parallel.schedule import Schedule, pipeline_summary
 from msjax.sharding import constrain, use_rules
 from msjax.sharding_rules import Rules, logical_to_mesh_spec
 from msjax.sharding_rules import axes as ax
@@ -83,19 +83,6 @@ ACT = (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED)
 def schedule_of(cfg: Config) -> Schedule:
     """The interleaved 1F1B schedule this config's step runs (M: `Config.pipeline_microbatches`)."""
     return Schedule(cfg.mesh.pipeline, cfg.pipeline.virtual_stages, cfg.pipeline_microbatches())
-
-
-def _block_graphdef(model_cfg: ModelConfig) -> nnx.GraphDef:
-    with nnx.use_eager_sharding(False):
-        block = nnx.eval_shape(lambda: Block(model_cfg, nnx.Rngs(0)))
-    return nnx.split(block)[0]
-
-
-def _ends_graphdef(model_cfg: ModelConfig) -> tuple[nnx.GraphDef, list[str]]:
-    """GraphDef of the model without layers (embedding, final norm, output projection) and its top-level keys."""
-    ends_cfg = dataclasses.replace(model_cfg, num_layers=0, scan_layers=False)
-    graphdef, abs_params, _ = abstract_model(ends_cfg)
-    return graphdef, sorted(abs_params)
 
 
 def _save_activations(param_shapes: set[tuple[int, ...]]) -> Callable[..., bool]:
@@ -150,8 +137,8 @@ class PipelinedGrads:
         self.stages, self.v = cfg.mesh.pipeline, cfg.pipeline.virtual_stages
         self.chunk_layers = m.num_layers // (self.stages * self.v)
         self.param_shardings = param_shardings
-        self.block_gd = _block_graphdef(m)
-        self.ends_gd, self.end_keys = _ends_graphdef(m)  # its empty layer list holds no state
+        self.block_gd = block_graphdef(m)
+        self.ends_gd, self.end_keys = ends_graphdef(m)  # its empty layer list holds no state
         # (P, V, Lc, ...) regrouped layer parameters: stage on `pipeline`, then the layer's own layout.
         self.staged_shardings = jax.tree.map(
             lambda spec: NamedSharding(mesh, P(AXIS, None, None, *logical_to_mesh_spec(tuple(spec), rules))),
@@ -161,6 +148,11 @@ class PipelinedGrads:
         self.stacked_shardings = jax.tree.map(
             lambda spec: NamedSharding(mesh, P(None, *logical_to_mesh_spec(tuple(spec), rules))),
             layer_specs, is_leaf=lambda x: isinstance(x, P))
+
+    def describe(self) -> str:
+        """The start-up line of the run: schedule, bubble fraction and microbatches in flight
+        (`msjax.parallel.schedule.pipeline_summary`)."""
+        return pipeline_summary(self.sched.stages, self.sched.virtual_stages, self.sched.microbatches)
 
     # -- parameter regrouping -------------------------------------------------------------------------------
 
