@@ -12,6 +12,9 @@ from typing import Any, Sequence
 
 import jax
 
+from msjax.config import to_dict
+from msjax.hooks import Hook, RunContext
+
 
 def _step_of(row: str) -> float:
     """The step of a metrics.jsonl row; infinity for a torn or empty line (a crash mid-write), so it is dropped."""
@@ -47,26 +50,48 @@ def _summary_writer_class():
     return SummaryWriter
 
 
-class MetricsWriter:
+class MetricsWriter(Hook):
     """Writes `{step, **scalars}` to `<run_dir>/metrics.jsonl`, TensorBoard events under `<run_dir>/tb` and W&B,
-    as `loggers` says.
+    as `loggers` says: one of the run's hooks, so the loop hands its numbers to hooks alone (`on_log`: a logging
+    step's scalars; `on_eval`: an evaluation's). `on_start` opens the sinks in the run directory, `on_end` closes
+    them. Outside a run: `open(...)`, `write`, `close`.
 
-    `start_step`: the step the run (re)starts from. Rows of later steps, written by an earlier attempt that did
-    not get to checkpoint them, are dropped from metrics.jsonl (rewritten atomically) and TensorBoard is told to
-    purge them (tensorboardX `purge_step`), so a resumed run's metrics hold each step once.
-    `loggers`: any of "jsonl", "tensorboard", "wandb" (`train.loggers`); `name` and `config` (a dict) describe the
-    run to W&B.
+    `loggers`: any of "jsonl", "tensorboard", "wandb" (`train.loggers`).
 
     Raises:
-      ConfigError: wandb asked for but not installed.
+      ConfigError: wandb asked for but not installed (at `on_start` / `open`).
     """
 
-    def __init__(self, run_dir: Path, start_step: int = 0, loggers: Sequence[str] = ("jsonl", "tensorboard"),
-                 name: str = "", config: dict[str, Any] | None = None):
-        self.enabled = jax.process_index() == 0
+    def __init__(self, loggers: Sequence[str] = ("jsonl", "tensorboard")):
+        self.loggers = tuple(loggers)
+        self.enabled = False
         self._jsonl = self._tb = self._wandb = None
+
+    def on_start(self, ctx: RunContext) -> None:
+        self.open(ctx.run_dir, start_step=ctx.start_step, name=ctx.config.name, config=to_dict(ctx.config))
+
+    def on_log(self, ctx: RunContext, step: int, scalars: dict[str, float]) -> None:
+        self.write(step, scalars)
+
+    def on_eval(self, ctx: RunContext, step: int, scalars: dict[str, float]) -> None:
+        self.write(step, scalars)
+
+    def on_end(self, ctx: RunContext, error: BaseException | None) -> None:
+        self.close()
+
+    def open(self, run_dir: Path, start_step: int = 0, name: str = "", config: dict[str, Any] | None = None
+             ) -> "MetricsWriter":
+        """Opens the sinks under `run_dir` (process 0 only; elsewhere writing does nothing); returns self.
+
+        `start_step`: the step the run (re)starts from. Rows of later steps, written by an earlier attempt that did
+        not get to checkpoint them, are dropped from metrics.jsonl (rewritten atomically) and TensorBoard is told to
+        purge them (tensorboardX `purge_step`), so a resumed run's metrics hold each step once. `name` and `config`
+        (a dict) describe the run to W&B.
+        """
+        loggers = self.loggers
+        self.enabled = jax.process_index() == 0
         if not self.enabled:
-            return
+            return self
         run_dir.mkdir(parents=True, exist_ok=True)
         if "jsonl" in loggers:
             path = run_dir / "metrics.jsonl"
@@ -84,6 +109,7 @@ class MetricsWriter:
             from msjax.observe.wandb_logger import WandbLogger
 
             self._wandb = WandbLogger(run_dir, name, config or {})
+        return self
 
     def write(self, step: int, scalars: dict[str, Any]) -> None:
         if not self.enabled:
@@ -102,3 +128,5 @@ class MetricsWriter:
         for sink in (self._jsonl, self._tb, self._wandb):
             if sink is not None:
                 sink.close()
+        self._jsonl = self._tb = self._wandb = None
+        self.enabled = False

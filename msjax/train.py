@@ -30,13 +30,12 @@ from msjax.hooks import Hook, Hooks, LoopControl, RunContext
 from msjax.layout import resolve as resolve_layout
 from msjax.metrics import MetricsWriter
 from msjax.observe import MetricsSink, loop_hooks
-from msjax.parallel.schedule import pipeline_summary
 from msjax.control import phases
 from msjax.parallel import xla_flags
 from msjax.generate import Generator
 from msjax.goodput import LoopLedger
 from msjax.log import ensure_visible
-from msjax.train_step import TrainProgram, build_train_program
+from msjax.train_step import build_train_program
 
 
 if TYPE_CHECKING:
@@ -51,18 +50,11 @@ def _log(msg: str) -> None:
         log.info(msg)
 
 
-def evaluate(program: TrainProgram, params: Any, batches: list[dict]) -> float:
-    """Mean validation loss (nats per token) over fixed batches (NaN when there are none)."""
-    if not batches:
-        return float("nan")
-    losses = [program.eval_fn(params, b) for b in batches]
-    return float(sum(float(x) for x in losses) / len(losses))
-
-
 def build_hooks(cfg: Config, control_plane: "ControlPlaneHook | None" = None, sinks: Sequence[MetricsSink] = (),
                 extra: Sequence[Hook] = ()) -> list[Hook]:
-    """The run's hooks, in the order the loop calls them (`on_end` in reverse), from its config: fault handling
-    (`StopOnSignal`; `NonFiniteStop` with train.nonfinite=stop), observability (`msjax.observe.loop_hooks`: the
+    """The run's hooks, in the order the loop calls them (`on_end` in reverse), from its config: the metrics
+    writer (`msjax.metrics.MetricsWriter`, per `train.loggers`: its sinks open before every other hook starts and
+    close after every other hook ended), fault handling (`StopOnSignal`; `NonFiniteStop` with train.nonfinite=stop), observability (`msjax.observe.loop_hooks`: the
     step observer and the profiler, per the `observe` section), the control plane, `extra`, and last the goodput
     ledger (`msjax.goodput.LoopLedger`: its clock starts once every other hook has started and stops before any
     other ends).
@@ -81,8 +73,8 @@ def build_hooks(cfg: Config, control_plane: "ControlPlaneHook | None" = None, si
     if control_plane is not None:
         sinks.append(control_plane.metrics)
         exclude_host, plane = control_plane.metrics.exclude_host, [control_plane]
-    return [*fault_hooks, *loop_hooks(cfg, sinks=sinks, exclude_host=exclude_host), *plane, *extra,
-            LoopLedger(sinks=sinks)]
+    return [MetricsWriter(cfg.train.loggers), *fault_hooks, *loop_hooks(cfg, sinks=sinks, exclude_host=exclude_host),
+            *plane, *extra, LoopLedger(sinks=sinks)]
 
 
 @dataclass
@@ -201,9 +193,7 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
         data.tokenizer.save(str(run_dir / "tokenizer.json"))
-        if paths.is_remote(ckpt_dir):  # beside the checkpoints too: the bucket alone describes and decodes them
-            for name in ("config.json", "tokenizer.json"):
-                paths.write_bytes(paths.join(ckpt_dir, name), (run_dir / name).read_bytes())
+        ckpt.keep_beside([run_dir / "config.json", run_dir / "tokenizer.json"])
     phases.mark("prepared")
 
     loader_state = None
@@ -229,14 +219,13 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
     _log(f"msjax: {cfg.name} | {program.param_count / 1e6:.2f}M params | mesh "
          f"{dict(mesh.shape)} | {layout.num_devices} x {jax.devices()[0].device_kind} | MFU against "
          f"{peak / 1e12:.3g} TFLOP/s ({peak_label}) | train {len(data.train):,} / val {len(data.val):,} tokens")
-    if layout.stages > 1:
-        _log(pipeline_summary(layout.stages, layout.virtual_stages, layout.microbatches))
+    if program.pipeline is not None:
+        _log(program.pipeline.describe())
     _log(xla_flags.describe())
 
     # Once: the checkpoint record holds it, and converting the config each step cost ~0.6 ms of host CPU per step
     # (the 2-core CPU recipe runs the loop's host work on the cores its steps compute on).
     cfg_dict = to_dict(cfg)
-    writer = MetricsWriter(run_dir, start_step=start_step, loggers=t.loggers, name=cfg.name, config=cfg_dict)
     lrs = program.learning_rates  # lr of step s at s - 1, logged with the loss
     control = control or LoopControl()
     hook_list = build_hooks(cfg, control_plane, sinks, extra=hooks)
@@ -298,14 +287,13 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", mfu=f"{mfu:.1%}")
                 scalars = {"loss": loss, "grad_norm": grad_norm, "lr": float(lrs[step - 1]), "tokens_per_s": tok_s,
                            "mfu": mfu, "skipped": int(metrics["skipped"])}
-                writer.write(step, scalars)
                 hook.on_log(ctx, step, scalars)
                 summary.tokens_per_s, summary.mfu = tok_s, mfu
             t_eval = time.perf_counter()
             if val and ((t.eval_every and step % t.eval_every == 0) or step == t.steps):
-                val_loss = evaluate(program, state["params"], val)
+                val_loss = program.evaluate(state["params"], val)
                 summary.val_loss.append((step, val_loss))
-                writer.write(step, {"val_loss": val_loss, "wall_s": time.perf_counter() - t_start})
+                hook.on_eval(ctx, step, {"val_loss": val_loss, "wall_s": time.perf_counter() - t_start})
                 _log(f"step {step}: val loss {val_loss:.4f} ({time.perf_counter() - t_start:.1f} s)")
             ctx.timings["eval_s"] = time.perf_counter() - t_eval
             if ckpt.reached_preemption(step):  # multi-process: all processes stop at the same step
@@ -334,7 +322,6 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
         t_close = time.perf_counter()
         ckpt.close()  # waits for an asynchronous save to commit: checkpoint time in the goodput ledger
         ckpt_close_s = time.perf_counter() - t_close
-        writer.close()
 
     summary.final_step, summary.train_loss = step, loss if not math.isnan(loss) else None
     summary.wall_s, summary.first_step_s = time.perf_counter() - t_start, first_step_time

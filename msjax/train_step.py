@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +86,14 @@ class TrainProgram:
     steps_fn: Callable | None = None
     layout: Layout | None = None
 
+    def evaluate(self, params: Any, batches: Sequence[dict]) -> float:
+        """Mean loss (nats per token) of `params` over `batches` (each like `abstract_batch`), each batch weighing
+        the same: the validation loss. NaN when there are no batches."""
+        if not batches:
+            return float("nan")
+        losses = [self.eval_fn(params, b) for b in batches]
+        return float(sum(float(x) for x in losses) / len(losses))
+
     @functools.cached_property
     def learning_rates(self) -> np.ndarray:
         """(train.steps,) float32: the learning rate of step s at index s - 1 (`msjax.optim.learning_rates`),
@@ -125,6 +133,13 @@ def build_train_program(cfg: Config | Layout, mesh: Mesh | None = None, vocab_si
 
     graphdef, abs_params, logical_specs = abstract_model(model_cfg)
     param_shardings = tree_shardings(logical_specs, mesh, rules)
+
+    def init(key: jax.Array) -> dict:
+        params_key, run_key = jax.random.split(key)
+        params = init_params(model_cfg, params_key)
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params),
+                "rng": jax.random.key_data(run_key)}
+
     tx = make_optimizer(cfg.optimizer, t.steps)
     abs_opt = jax.eval_shape(tx.init, abs_params)
     replicated = NamedSharding(mesh, P())
@@ -137,11 +152,12 @@ def build_train_program(cfg: Config | Layout, mesh: Mesh | None = None, vocab_si
                        "rng": replicated}
     batch_sharding = NamedSharding(mesh, layout.batch_spec)
 
-    def init(key: jax.Array) -> dict:
-        params_key, run_key = jax.random.split(key)
-        params = init_params(model_cfg, params_key)
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params),
-                "rng": jax.random.key_data(run_key)}
+    @contextlib.contextmanager
+    def tracing() -> Iterator[None]:
+        """Where every function of this program is traced: the layout's rule set, and the model transforms of
+        the overlap switches (collective matmul, FSDP prefetch: `msjax.parallel.options.use_overlap`)."""
+        with use_rules(mesh, rules), use_overlap(cfg.mesh):
+            yield
 
     def loss_fn(params: dict, inputs_bt: jax.Array, targets_bt: jax.Array) -> jax.Array:
         return cross_entropy(apply(graphdef, params, inputs_bt), targets_bt)
@@ -184,7 +200,7 @@ def build_train_program(cfg: Config | Layout, mesh: Mesh | None = None, vocab_si
         # the pipeline's stages run the embedding inside their own schedule, where nothing is marked.
         observed = cfg.observe.window and cfg.observe.own_compute and stages == 1
         marks = use_arrival_marks(state["step"] + 1) if observed else contextlib.nullcontext()
-        with use_rules(mesh, rules), use_overlap(cfg.mesh), marks:
+        with tracing(), marks:
             if stages > 1:
                 loss, grads = pipelined(params, batch["inputs"], batch["targets"])
             else:
@@ -198,13 +214,13 @@ def build_train_program(cfg: Config | Layout, mesh: Mesh | None = None, vocab_si
         return new_state, metrics
 
     def eval_step(params: dict, batch: dict) -> jax.Array:
-        with use_rules(mesh, rules), use_overlap(cfg.mesh):
+        with tracing():
             return loss_fn(params, batch["inputs"], batch["targets"])
 
     def batch_grads(params: dict, batch: dict) -> tuple[jax.Array, dict]:
         if stages > 1:
             return pipelined(params, batch["inputs"], batch["targets"])
-        with use_rules(mesh, rules), use_overlap(cfg.mesh):
+        with tracing():
             return grad_fn(params, batch["inputs"], batch["targets"])
 
     init_fn = jax.jit(init, out_shardings=state_shardings)

@@ -46,7 +46,7 @@ import time
 import uuid
 import hashlib
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -408,6 +408,14 @@ class Checkpointer:
         return None
 
     # ---- saving -----------------------------------------------------------------------------------------------
+
+    def keep_beside(self, files: Sequence[Path]) -> None:
+        """Copies `files` (the run's config.json and tokenizer.json) beside the checkpoints when the persistent
+        tier is object storage, so that the bucket alone describes and decodes them; nothing for a local tier (the
+        run directory beside it holds them). Call on process 0. Raises OSError (or the object store's error)."""
+        if self.persistent.remote:
+            for f in files:
+                paths.write_bytes(paths.join(self.directory, f.name), f.read_bytes())
 
     def prepare(self, state: Any) -> None:
         """Compiles the checksum programs a save of `state` will run, on a thread of their own, so the first save

@@ -1,6 +1,7 @@
 """The loop's hook interface: hooks are called at the documented points, and LoopControl requests are honoured
 (a stop request saves a checkpoint of the step it stopped after and ends the run there)."""
 
+import json
 import threading
 
 import pytest
@@ -25,6 +26,9 @@ class Recorder(Hook):
     def on_log(self, ctx, step, scalars):
         self.calls.append(("log", step, sorted(scalars)))
 
+    def on_eval(self, ctx, step, scalars):
+        self.calls.append(("eval", step, sorted(scalars)))
+
     def on_checkpoint(self, ctx, step):
         self.calls.append(("ckpt", step))
 
@@ -33,15 +37,22 @@ class Recorder(Hook):
 
 
 def test_hooks_are_called_and_a_stop_request_saves_and_ends(tmp_path, small_corpus, make_tiny_config):
-    rec = Recorder(stop_at=3)
+    """Steps 1-4 of an 8-step run (log every 2, evaluate and checkpoint every 4), stopped by a hook after step 4.
+    The metrics file holds what the hooks were given: the metrics writer is one of them."""
+    rec = Recorder(stop_at=4)
     summary = run(make_tiny_config(tmp_path, small_corpus), hooks=[rec])
     assert rec.calls[0] == ("start", 0)
-    assert [c[1] for c in rec.calls if c[0] == "step"] == [1, 2, 3]
+    assert [c[1] for c in rec.calls if c[0] == "step"] == [1, 2, 3, 4]
     logged = [c for c in rec.calls if c[0] == "log"]
-    assert logged[0][1] == 2 and {"grad_norm", "loss", "mfu", "tokens_per_s"} <= set(logged[0][2])
-    assert ("ckpt", 3) in rec.calls and rec.calls[-1] == ("end", None)
-    assert summary.final_step == 3 and summary.stop_reason == "test asked"
-    assert summary.checkpoints == [3]
+    assert [c[1] for c in logged] == [2, 4] and {"grad_norm", "loss", "mfu", "tokens_per_s"} <= set(logged[0][2])
+    assert [c for c in rec.calls if c[0] == "eval"] == [("eval", 4, ["val_loss", "wall_s"])]
+    assert ("ckpt", 4) in rec.calls and rec.calls[-1] == ("end", None)
+    assert summary.final_step == 4 and summary.stop_reason == "test asked"
+    assert summary.checkpoints == [4]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    written = [(s, sorted(["step", *keys])) for _, s, keys in logged] + [(4, ["step", "val_loss", "wall_s"])]
+    assert [(r["step"], sorted(r)) for r in rows] == written
+    assert rows[-1]["val_loss"] == summary.val_loss[-1][1]
 
 
 def test_loop_control_is_thread_safe_and_consumes_requests():
@@ -61,12 +72,13 @@ def test_loop_control_is_thread_safe_and_consumes_requests():
 
 
 def test_the_hook_list_is_built_from_the_config_and_shares_through_constructor_arguments():
-    """build_hooks: fault handling, then observability, then the control plane, then the caller's, then the
+    """build_hooks: the metrics writer, then fault handling, then observability, then the control plane, then the caller's, then the
     goodput ledger; the step observer gets the control plane's metrics sink and straggler exclusion as
     constructor arguments, and the ledger the sinks that take a goodput ledger."""
     from msjax.config import Config, apply_overrides
     from msjax.faults import NonFiniteStop, StopOnSignal
     from msjax.goodput import LoopLedger
+    from msjax.metrics import MetricsWriter
     from msjax.observe import ProfileHook, StepObserver
     from msjax.train import build_hooks
 
@@ -91,11 +103,12 @@ def test_the_hook_list_is_built_from_the_config_and_shares_through_constructor_a
     mine, own_sink, plane = Recorder(), StepSink(), Plane()
     hooks = build_hooks(apply_overrides(Config(), {"train.nonfinite": "stop"}), plane, sinks=[own_sink],
                         extra=[mine])
-    assert [type(h) for h in hooks] == [StopOnSignal, NonFiniteStop, StepObserver, ProfileHook, Plane, Recorder,
-                                        LoopLedger]
-    observer = hooks[2]
+    assert [type(h) for h in hooks] == [MetricsWriter, StopOnSignal, NonFiniteStop, StepObserver, ProfileHook, Plane,
+                                        Recorder, LoopLedger]
+    assert hooks[0].loggers == Config().train.loggers
+    observer = hooks[3]
     assert observer.sinks == [own_sink, plane.metrics] and observer.exclude_host == plane.metrics.exclude_host
     assert hooks[-1].sinks == [plane.metrics]
     alone = build_hooks(apply_overrides(Config(), {"train.nonfinite": "skip"}))
-    assert [type(h) for h in alone] == [StopOnSignal, StepObserver, ProfileHook, LoopLedger]
-    assert alone[1].sinks == [] and alone[1].exclude_host is None and alone[-1].sinks == []
+    assert [type(h) for h in alone] == [MetricsWriter, StopOnSignal, StepObserver, ProfileHook, LoopLedger]
+    assert alone[2].sinks == [] and alone[2].exclude_host is None and alone[-1].sinks == []

@@ -147,7 +147,7 @@ def test_tensorboard_writer_loads_without_importing_torch_and_leaves_torch_impor
         "import importlib, sys\n"
         "from pathlib import Path\n"
         "from msjax.metrics import MetricsWriter\n"
-        f"w = MetricsWriter(Path({str(tmp_path)!r}), loggers=('tensorboard',))\n"
+        f"w = MetricsWriter(loggers=('tensorboard',)).open(Path({str(tmp_path)!r}))\n"
         "w.write(3, {'loss': 1.5}); w.close()\n"
         f"for m in ['torch', *{optional!r}]:\n"
         "    assert m not in sys.modules, f'tensorboardX pulled in {m}'\n"
