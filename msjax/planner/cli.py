@@ -11,7 +11,12 @@ from typing import Sequence
 
 from msjax import cli
 from msjax.config import Config, apply_overrides
+from msjax.planner.goodput import DEFAULT_SHARES, LLAMA3_FAILURES_PER_DEVICE_HOUR
 from msjax.planner.options import PlanError, PlanOptions
+
+# The records --goodput reads by default: the repository's own measurements (docs/results).
+RECORDS = {"recovery_record": "recovery_ettr_slurm.json", "checkpoint_record": "checkpoint_save_restore.json",
+           "startup_record": "startup_redis_vs_tcpstore.json"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +31,15 @@ class PlanActions:
       top: layouts listed by --search.
       workers: processes for --search (0: one per core).
       global_batch: sequences per step (train.global_batch); 0 keeps the preset's.
+      goodput: project the planned layout's goodput over a long run (msjax.planner.goodput): expected failures,
+        what each costs, the checkpoint interval that maximises the effective training time ratio, and that ratio.
+      run_days: the run's length for --goodput, days.
+      failure_rate: failures per device per hour, every kind together (default: Llama 3's 419 unexpected
+        interruptions in 54 days on 16,384 GPUs).
+      failure_shares: kind:share pairs summing to 1 (kinds: process, host, hang).
+      checkpoint_minutes: the checkpoint interval to project, minutes of training; 0: the optimum.
+      recovery_record, checkpoint_record, startup_record: docs/results JSON records of scripts/bench_recovery.py,
+        bench_checkpoint.py and bench_init.py the costs come from ("": the repository's own).
     """
 
     search: bool = False
@@ -35,6 +49,14 @@ class PlanActions:
     top: int = 20
     workers: int = 0
     global_batch: int = 0
+    goodput: bool = False
+    run_days: float = 30.0
+    failure_rate: float = LLAMA3_FAILURES_PER_DEVICE_HOUR
+    failure_shares: str = ",".join(f"{k}:{v}" for k, v in DEFAULT_SHARES.items())
+    checkpoint_minutes: float = 0.0
+    recovery_record: str = ""
+    checkpoint_record: str = ""
+    startup_record: str = ""
 
 
 def parse_plan_args(argv: Sequence[str]) -> tuple[Config, PlanOptions, dict]:
@@ -107,6 +129,9 @@ def run(argv: Sequence[str], out=None) -> dict:
             print(report.plan_text(plan), file=out)
             result["plan"] = report.plan_dict(plan)
             result["fits"] = plan.fits
+        if actions["goodput"] and plan is not None:
+            text, result["goodput"] = goodput_report(plan, actions)
+            print("\n" + text, file=out)
         if actions["compile"] and plan is not None:
             from msjax.planner.compile_check import compile_check
 
@@ -125,6 +150,60 @@ def run(argv: Sequence[str], out=None) -> dict:
                                                  {"indent": 1}))
         print(f"\nwrote {actions['json']}", file=out)
     return result
+
+
+def parse_shares(text: str) -> dict[str, float]:
+    """`--failure_shares` ("process:0.6,host:0.3,hang:0.1") as {kind: share}. Raises PlanError naming the flag."""
+    from msjax.planner.goodput import RECORD_FAULTS
+
+    shares = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        kind, _, value = item.partition(":")
+        try:
+            share = float(value)
+        except ValueError:
+            share = -1.0
+        if kind not in RECORD_FAULTS or not 0.0 <= share <= 1.0 or kind in shares:
+            raise PlanError(f"--failure_shares={text}: allowed are kind:share pairs, each kind once (kinds: "
+                            f"{', '.join(RECORD_FAULTS)}), shares in [0, 1] summing to 1")
+        shares[kind] = share
+    if not shares or abs(sum(shares.values()) - 1.0) > 1e-6:
+        raise PlanError(f"--failure_shares={text}: the shares sum to {sum(shares.values()):g}; they must sum to 1")
+    return shares
+
+
+def goodput_report(plan, actions: dict) -> tuple[str, dict]:
+    """--goodput for one plan: (the table, the JSON-ready dict) of `msjax.planner.goodput.project` over
+    --run_days, with inputs from the measured records (`inputs_from_records`). Raises PlanError for a bad flag
+    or record."""
+    from pathlib import Path
+
+    from msjax.planner import goodput
+
+    if actions["run_days"] <= 0 or actions["failure_rate"] <= 0 or actions["checkpoint_minutes"] < 0:
+        raise PlanError(f"--run_days={actions['run_days']}, --failure_rate={actions['failure_rate']}, "
+                        f"--checkpoint_minutes={actions['checkpoint_minutes']}: allowed are days > 0, failures per "
+                        "device-hour > 0 and minutes >= 0 (0: the optimum)")
+    shares = parse_shares(actions["failure_shares"])
+    results = Path(__file__).resolve().parents[2] / "docs" / "results"
+    records = {key: actions[key] or str(results / name) for key, name in RECORDS.items()}
+    hw, devices = plan.hardware, plan.layout.devices
+    try:
+        inputs = goodput.inputs_from_records(
+            state_bytes_per_device=plan.memory.params + plan.memory.optimizer,
+            devices_per_host=min(hw.devices_per_node, devices), hosts=-(-devices // hw.devices_per_node),
+            step_s=plan.time.step, shares=shares, **records)
+        projection = goodput.project(actions["run_days"] * 86_400.0, devices, actions["failure_rate"],
+                                     inputs.kinds, inputs.stall_s, inputs.lag_s,
+                                     interval_s=actions["checkpoint_minutes"] * 60.0 or None)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    inputs.assumptions.append(f"failure rate {actions['failure_rate']:.3g} per device-hour"
+                              + (" (Llama 3's)" if actions["failure_rate"] == goodput.LLAMA3_FAILURES_PER_DEVICE_HOUR
+                                 else ""))
+    title = (f"Goodput projection: {plan.config.name} on {devices:,} x {hw.name}, "
+             f"{actions['run_days']:g} days (msjax.planner.goodput; Daly 2006)")
+    return goodput.projection_text(projection, inputs, title), goodput.projection_dict(projection, inputs)
 
 
 def compile_text(check: dict) -> str:
