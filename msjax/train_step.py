@@ -134,7 +134,7 @@ def build_train_program(cfg: Config | Layout, mesh: Mesh | None = None, vocab_si
     graphdef, abs_params, logical_specs = abstract_model(model_cfg)
     param_shardings = tree_shardings(logical_specs, mesh, rules)
 
-    def init(key: jax.Array) -> dict:
+    def init(key: jax.Array) -> dict:  # traced below, once `tx` exists
         params_key, run_key = jax.random.split(key)
         params = init_params(model_cfg, params_key)
         return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params),

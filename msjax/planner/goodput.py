@@ -301,8 +301,9 @@ def inputs_from_records(*, state_bytes_per_device: float, devices_per_host: int,
         costs["startup"] += join_s
         tier = "persistent" if kind == "host" else "local"
         costs["restore"] = restore[tier]
-        kinds[kind] = FailureKind(share, costs, source=f"{_shown(recovery_record)} ({len(faults)} fault(s): "
-                                                         f"{'/'.join(RECORD_FAULTS[kind])}); restore from the {tier} tier")
+        source = (f"{_shown(recovery_record)} ({len(faults)} fault(s): {'/'.join(RECORD_FAULTS[kind])}); restore "
+                  f"from the {tier} tier")
+        kinds[kind] = FailureKind(share, costs, source=source)
         notes.append(f"{kind} failures: {share:.0%} of all; restart {sum(costs.values()):.1f} s ("
                      + ", ".join(f"{p} {costs[p]:.1f}" for p in RESTART_PARTS) + f") from {kinds[kind].source}")
     notes.append(f"step time {step_s:.3g} s (the plan's)")
