@@ -6,11 +6,11 @@ with no hooks runs the same code path as one with them. Hooks ask things of the 
 checkpoint now, profile some steps) through the shared `LoopControl`, which any thread may write (a signal handler,
 a control-plane poller) and the loop reads once per step without touching the device.
 
-Rules for hooks: `on_step_end` runs on every step and must not block on the device (its `metrics` are device
-arrays still being computed; reading them forces a host sync); `on_log` runs at logging steps with host floats,
-`on_eval` after each evaluation. A hook gets what it shares with another hook through its constructor (the step observer gets the control plane's
-metrics sink as an argument), and what it may read about the run through `RunContext`'s typed fields; the run's
-hook list is built in one place, `msjax.train.build_hooks`, from the config.
+Rules for hooks: `on_step_end` runs on every step and must not block on the device (its `metrics` are device arrays
+still being computed; reading them forces a host sync); `on_log` runs at logging steps with host floats, `on_eval`
+after each evaluation. A hook gets what it shares with another hook through its constructor (the step observer gets
+the control plane's metrics sink as an argument), and what it may read about the run through `RunContext`'s typed
+fields; the run's hook list is built in one place, `msjax.train.build_hooks`, from the config.
 """
 
 from __future__ import annotations
