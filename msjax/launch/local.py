@@ -204,7 +204,11 @@ def _watch(opts: LaunchOptions, cfg: Config, group: ProcessGroup, store, server,
             server.proc = None
             server.start()
             router.say(f"[launch] Redis {server.bind}:{server.port} (pid {server.pid})")
-        bad = [(r, c) for r, c in codes.items() if c not in (None, 0)]
+        # After our stop command, a worker that saved and left with a stopped status did what it was asked; its
+        # peers are leaving by the same command and must not be signalled for it (a SIGTERM that reaches one after
+        # its loop ended kills it, with its handler gone). A peer that hangs gets the SIGTERM of term_grace_s.
+        bad = [(r, c) for r, c in codes.items() if c not in (None, 0)
+               and not (stop_sent_at is not None and c in STOPPED_EXITS)]
         if bad and asked_at is None:
             reason = f"rank {bad[0][0]} exited: {describe_exit(bad[0][1])}"
             router.say(f"[launch] {reason}: stopping the others")
