@@ -17,6 +17,14 @@ ETTR(τ) = τ / T(τ). R scales T by a constant, so the best τ does not depend 
 1 - e^{-(τ+δ)/M} = τ / M (found by bisection, `best_interval`). Young's first-order optimum (1974) is
 sqrt(2 δ M); Daly's higher-order one is checked against τ* in the tests.
 
+Where failures strike only while the job trains (`restart_failures=False`: the clock of the failure process stops
+during a restart, as in a benchmark that injects faults into a training job), the same argument gives
+T(τ) = (M + R)(e^{(τ+δ)/M} - 1): each of the e^{(τ+δ)/M} - 1 expected failures per segment costs exactly R. The
+two agree to first order in R/M (at R/M = 0.04 they differ by 0.08% of the wall time) and share the optimum τ*.
+Per-step overheads that are neither productive nor a checkpoint (data wait, evaluation) stretch the segment: a
+fraction ω of the productive time makes it τ(1 + ω) + δ long, and the optimum productive interval is
+τ*(ω) = τ*(0) / (1 + ω).
+
 Units: seconds throughout, rates per device-hour where named so.
 """
 
@@ -30,20 +38,29 @@ from typing import Mapping
 RESTART_PARTS = ("detection", "teardown", "startup", "compilation", "restore")
 
 
-def segment_time(interval_s: float, stall_s: float, restart_s: float, mtbf_s: float) -> float:
-    """Expected wall seconds to complete one segment of `interval_s` productive seconds and its checkpoint stall
+def segment_time(interval_s: float, stall_s: float, restart_s: float, mtbf_s: float,
+                 restart_failures: bool = True) -> float:
+    """Expected wall seconds to complete one segment of `interval_s` seconds of steps and its checkpoint stall
     `stall_s`, with failures of mean time between them `mtbf_s`, each costing `restart_s` plus the segment so far
-    (module docstring: Daly 2006). Raises ValueError for a non-positive interval or MTBF, or a negative cost."""
+    (module docstring: Daly 2006). `restart_failures`: failures strike restarts too (True), or only the steps and
+    the stall (False). Raises ValueError for a non-positive interval or MTBF, or a negative cost."""
     _check(interval_s=interval_s, mtbf_s=mtbf_s)
     if stall_s < 0 or restart_s < 0:
         raise ValueError(f"stall_s={stall_s}, restart_s={restart_s}: allowed are seconds >= 0")
-    return mtbf_s * math.exp(restart_s / mtbf_s) * math.expm1((interval_s + stall_s) / mtbf_s)
+    failed = math.expm1((interval_s + stall_s) / mtbf_s)  # expected failures per segment, times M / M
+    if restart_failures:
+        return mtbf_s * math.exp(restart_s / mtbf_s) * failed
+    return (mtbf_s + restart_s) * failed
 
 
-def ettr(interval_s: float, stall_s: float, restart_s: float, mtbf_s: float) -> float:
+def ettr(interval_s: float, stall_s: float, restart_s: float, mtbf_s: float, restart_failures: bool = True,
+         overhead: float = 0.0) -> float:
     """The effective training time ratio, productive seconds / wall seconds, of checkpointing every `interval_s`
-    productive seconds (`segment_time`'s arguments)."""
-    return interval_s / segment_time(interval_s, stall_s, restart_s, mtbf_s)
+    productive seconds (`segment_time`'s arguments; `overhead`: per-step seconds that are not productive, as a
+    fraction of the productive ones, module docstring)."""
+    if not (math.isfinite(overhead) and overhead >= 0):
+        raise ValueError(f"overhead={overhead!r}: allowed is a finite fraction >= 0")
+    return interval_s / segment_time(interval_s * (1.0 + overhead), stall_s, restart_s, mtbf_s, restart_failures)
 
 
 def young_interval(stall_s: float, mtbf_s: float) -> float:
@@ -135,43 +152,62 @@ class Projection:
 
 
 def project(run_s: float, devices: int, failure_rate_per_device_hour: float, kinds: Mapping[str, FailureKind],
-            stall_s: float, lag_s: float = 0.0, interval_s: float | None = None) -> Projection:
+            stall_s: float, lag_s: float = 0.0, interval_s: float | None = None, *, overhead: float = 0.0,
+            fixed_s: float = 0.0, restart_failures: bool = True) -> Projection:
     """The goodput of a run of `run_s` wall seconds on `devices` devices (module docstring).
 
     Args:
       run_s: wall seconds of the run.
       devices: accelerators in the job (each fails at `failure_rate_per_device_hour`).
-      failure_rate_per_device_hour: failures per device per hour, all kinds together.
+      failure_rate_per_device_hour: failures per device per hour of the time failures strike (the wall time less
+        `fixed_s`, and less the restarts where `restart_failures` is False), all kinds together.
       kinds: name -> FailureKind; the restart cost R is their share-weighted mean.
       stall_s: seconds each checkpoint stalls the steps.
       lag_s: seconds from a checkpoint being taken to its being complete (the background write).
       interval_s: productive seconds between checkpoints; None: the exact optimum (`best_interval`), or the
         background write `lag_s` when that is longer (a save does not start before the previous one is written).
+      overhead: per-step seconds that are neither productive nor a checkpoint (data wait, evaluation), as a
+        fraction of the productive seconds.
+      fixed_s: wall seconds spent once, outside the failure process (the first start-up and compilation, the
+        teardown at the end): badput "once".
+      restart_failures: failures strike restarts too (True, the default: a host fails whenever it fails), or
+        only the steps and checkpoints (False: faults injected into a training job).
     Raises:
-      ValueError: non-positive run length, devices or rate; shares that do not sum to 1 (within 1e-6).
+      ValueError: non-positive run length, devices or rate; `fixed_s` outside [0, run_s); shares that do not sum
+        to 1 (within 1e-6).
     """
     _check(run_s=run_s, devices=devices, failure_rate_per_device_hour=failure_rate_per_device_hour)
+    if not 0.0 <= fixed_s < run_s:
+        raise ValueError(f"fixed_s={fixed_s!r}: allowed is seconds in [0, run_s={run_s!r})")
     total = sum(k.share for k in kinds.values())
     if not kinds or abs(total - 1.0) > 1e-6:
         raise ValueError(f"failure shares {({n: k.share for n, k in kinds.items()})} sum to {total}; they must "
                          "sum to 1")
     mtbf = 3600.0 / (devices * failure_rate_per_device_hour)
     restart = sum(k.share * k.restart_s for k in kinds.values())
-    best = best_interval(stall_s, mtbf)
+    best = best_interval(stall_s, mtbf) / (1.0 + overhead)
     # Orbax writes one checkpoint at a time: below the background write, each save would wait for the previous.
-    tau = max(best, lag_s) if interval_s is None else interval_s
+    tau = max(best, lag_s / (1.0 + overhead)) if interval_s is None else interval_s
     _check(interval_s=tau)
-    ratio = ettr(tau, stall_s, restart + lag_s, mtbf)
-    productive = ratio * run_s
+    exposed = run_s - fixed_s
+    per_exposed = ettr(tau, stall_s, restart + lag_s, mtbf, restart_failures, overhead)
+    productive = per_exposed * exposed
     segments = productive / tau
-    failures_total = run_s / mtbf  # Poisson arrivals over the wall time (failures strike restarts too)
+    # Failures arrive over the exposed time: with restart_failures, all of it; else only the segments' own time,
+    # e^{(τ(1+ω)+δ)/M} - 1 of them per segment (segment_time), each followed by a whole restart.
+    failures_total = (exposed / mtbf if restart_failures
+                      else segments * math.expm1((tau * (1.0 + overhead) + stall_s) / mtbf))
     badput = {"productive": productive, "checkpoint": segments * stall_s}
+    if overhead:
+        badput["step overheads"] = segments * tau * overhead
+    if fixed_s:
+        badput["once"] = fixed_s
     for part in RESTART_PARTS:
         badput[part] = failures_total * sum(k.share * k.costs.get(part, 0.0) for k in kinds.values())
     badput["lost work"] = run_s - sum(badput.values())
     return Projection(run_s=run_s, mtbf_s=mtbf, failures={n: failures_total * k.share for n, k in kinds.items()},
                       interval_s=tau, young_s=young_interval(stall_s, mtbf), daly_s=daly_interval(stall_s, mtbf),
-                      best_s=best, ettr=ratio, badput=badput)
+                      best_s=best, ettr=productive / run_s, badput=badput)
 
 
 def _check(**values: float) -> None:
@@ -312,18 +348,21 @@ def inputs_from_records(*, state_bytes_per_device: float, devices_per_host: int,
 
 
 def projection_text(p: Projection, inputs: Inputs, title: str) -> str:
-    """The projection as a table: failures, each badput part (hours and share of the wall time), the intervals,
-    the ETTR, the largest part, and every assumption."""
-    hours = p.run_s / 3600.0
+    """The projection as a table: failures, each badput part (hours, or seconds for a run under a day, and share of
+    the wall time), the intervals, the ETTR, the largest part, and every assumption."""
+    long = p.run_s >= 86_400.0
+    unit, per = ("hours", 3600.0) if long else ("seconds", 1.0)
+    length = f"{p.run_s / 86_400.0:,.1f} days" if long else f"{p.run_s:,.1f} s"
+    mtbf = f"{p.mtbf_s / 3600.0:.2f} h" if long else f"{p.mtbf_s:.1f} s"
     lines = [title,
-             f"  run {hours / 24:,.1f} days; job MTBF {p.mtbf_s / 3600.0:.2f} h; expected failures "
+             f"  run {length}; job MTBF {mtbf}; expected failures "
              f"{sum(p.failures.values()):,.1f} (" + ", ".join(f"{k} {v:,.1f}" for k, v in p.failures.items()) + ")",
              f"  checkpoint every {p.interval_s / 60.0:,.1f} min = {p.interval_s / inputs.step_s:,.0f} steps "
              f"(stall {inputs.stall_s:.2f} s, background write {inputs.lag_s:.1f} s); optimum: exact "
              f"{p.best_s / 60.0:,.1f} min, Daly {p.daly_s / 60.0:,.1f} min, Young {p.young_s / 60.0:,.1f} min",
-             f"  {'where the wall time goes':28s} {'hours':>10s} {'share':>7s}"]
+             f"  {'where the wall time goes':28s} {unit:>10s} {'share':>7s}"]
     for part, seconds in sorted(p.badput.items(), key=lambda kv: -kv[1]):
-        lines.append(f"  {part:28s} {seconds / 3600.0:10,.1f} {seconds / p.run_s:7.2%}")
+        lines.append(f"  {part:28s} {seconds / per:10,.1f} {seconds / p.run_s:7.2%}")
     lines += [f"  ETTR {p.ettr:.2%}; the largest loss: {p.largest} ({p.badput[p.largest] / p.run_s:.2%} of the "
               "wall time)", "  assumptions:"] + [f"    - {a}" for a in inputs.assumptions]
     return "\n".join(lines)
