@@ -3,7 +3,7 @@ diagnostic), and what each cost.
 
     python scripts/bench_recovery.py [--faults_per_kind=1] [--kinds=kill,stop,diag] [--hosts=2]
         [--devices_per_host=2] [--steps=60] [--compile_cache=DIR] [--json=PATH] [--seed=N] [--backend=slurm]
-        [any config flag, e.g. --supervisor.heartbeat_period_s=1]
+        [--fault_every_s=S] [any config flag, e.g. --supervisor.heartbeat_period_s=1]
 
 Faults go in this order, one per attempt, each a random 3-8 steps after the attempt resumed: K kills, K stops,
 then K diagnostic failures (the first K-1 replaced by spare hosts, the last one re-planned onto the hosts left).
@@ -21,12 +21,19 @@ which assumes the steady state between faults is pure training. A second table b
 into phases (msjax.supervise.figures.recovery_phases: detect, stop, diagnose, backoff, then the restarted workers'
 process start, imports, rendezvous, jax.distributed, data/program, restore, first step's compile, heartbeat lag).
 `--json PATH` writes everything as JSON too, with the load average.
+
+With `--fault_every_s=S` the faults come at a fixed rate instead: one per S seconds of training on average (a
+Poisson process on the training time), of random kinds, until the run's steps are done; the run's ledger is then
+held against the goodput model fed with the run's own failure rate, restart costs and checkpoint stall
+(msjax.supervise.figures.run_projection; msjax.planner.goodput): both ETTRs and their difference in points are
+printed and kept under "projection_check" in the JSON.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import random
 import re
@@ -82,6 +89,14 @@ class RecoveryBenchOptions:
         (tests/slurm_cluster.py; root and Debian's slurmctld, slurmd, slurm-client and munge needed), the job the
         launcher's script, faults from outside it: kill (kill -9), stop (SIGSTOP), node (everything on the node of a
         rank other than 0 killed, slurmd included), one each; the spare node takes the failed node's place.
+      fault_every_s: > 0: faults at a fixed rate instead, one per this many seconds of training on average, until
+        the run's steps are done: each attempt's fault comes an exponentially distributed time after the attempt's
+        first step was seen (a Poisson process on the training time), of a kind drawn at random from --kinds (on
+        SLURM: kill, stop and node, at most NODE_SPARES node failures, a spare node each), into a random rank
+        (node: other than 0). The run then gets a spare host per diag fault drawn and the projection check: the
+        goodput model fed with the run's own rate and costs beside its measured ETTR. Checkpoints are then
+        written synchronously (checkpoint.async_save=False): a save is complete when its stall ends, as the check
+        assumes (the event log does not hold when an asynchronous save's background write ended).
     """
 
     faults_per_kind: int = 1
@@ -93,6 +108,13 @@ class RecoveryBenchOptions:
     json: str = ""
     seed: int = -1
     backend: Literal["local", "slurm"] = "local"
+    fault_every_s: float = 0.0
+
+
+# Faults drawn for a run at a fixed rate (--fault_every_s): the restart budget; a run that needs more ends with a
+# report. Node failures on the SLURM cluster at most, each taking one of its spare nodes.
+RATE_FAULTS = 60
+NODE_SPARES = 2
 
 
 def main(argv: list[str]) -> int:
@@ -109,7 +131,8 @@ def main(argv: list[str]) -> int:
             raise ConfigError(f"--kinds={','.join(own.kinds)!r}: allowed is a comma-separated subset of "
                               f"{','.join(KINDS)}")
         for flag, value, least in (("--faults_per_kind", own.faults_per_kind, 1), ("--hosts", own.hosts, 2),
-                                   ("--devices_per_host", own.devices_per_host, 1), ("--steps", own.steps, 1)):
+                                   ("--devices_per_host", own.devices_per_host, 1), ("--steps", own.steps, 1),
+                                   ("--fault_every_s", own.fault_every_s, 0)):
             if value < least:
                 raise ConfigError(f"{flag}={value}: allowed is >= {least}"
                                   + (" (a diagnostic failure excludes a host)" if flag == "--hosts" else ""))
@@ -123,13 +146,15 @@ def main(argv: list[str]) -> int:
 @dataclasses.dataclass(frozen=True)
 class Fault:
     """A fault to inject: `kind` into worker `rank` of attempt `attempt` (None: of every attempt, a fault loop),
-    `after` steps past the step the attempt resumed from. Kinds: kill (SIGKILL), stop (SIGSTOP, a hang), diag
-    (SIGABRT and the host's health check failing), term (SIGTERM, a preemption notice: the job saves and stops)."""
+    `after` steps past the step the attempt resumed from and `after_s` seconds after the attempt's first step was
+    seen (every worker past its restore step). Kinds: kill (SIGKILL), stop (SIGSTOP, a hang), diag (SIGABRT and
+    the host's health check failing), term (SIGTERM, a preemption notice: the job saves and stops)."""
 
     kind: str
     rank: int
     after: int
     attempt: int | None
+    after_s: float = 0.0
 
 
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "diag": signal.SIGABRT, "term": signal.SIGTERM}
@@ -143,14 +168,21 @@ class FaultInjector:
       faults: what to inject, each once.
       unhealthy_dir: where a `diag` fault marks its host unhealthy (the file `unhealthy-HOST`, which the run's
         health check, `health_check_command(unhealthy_dir)`, looks for).
+      last_step: the run's last step (train.steps): a worker that reached it is not faulted (the run's work is
+        done; a fault then would cost nothing and end no attempt). None: no such limit.
     """
 
-    def __init__(self, faults: list[Fault], unhealthy_dir: Path):
+    def __init__(self, faults: list[Fault], unhealthy_dir: Path, last_step: int | None = None):
+        self.last_step = last_step
         self.pending = list(faults)
         self.done: set = set()
         self.unhealthy_dir = Path(unhealthy_dir)
+        self.training_since: dict[int, float] = {}  # attempt -> when every worker was seen past its restore step
 
     def __call__(self, progress) -> None:
+        if progress.attempt not in self.training_since and len(progress.beats) == len(progress.workers) and all(
+                b.get("step") is not None and b["step"] > (b.get("start_step") or 0) for b in progress.beats.values()):
+            self.training_since[progress.attempt] = time.time()
         for f in list(self.pending):
             beat = progress.beats.get(f.rank)
             if f.attempt not in (None, progress.attempt) or beat is None or beat.get("step") is None:
@@ -160,6 +192,10 @@ class FaultInjector:
             if f.rank >= len(progress.workers) or progress.workers[f.rank].proc.poll() is not None:
                 continue
             if beat["step"] < (beat.get("start_step") or 0) + f.after:
+                continue
+            if self.last_step is not None and beat["step"] >= self.last_step:
+                continue
+            if f.after_s and time.time() - self.training_since.get(progress.attempt, math.inf) < f.after_s:
                 continue
             self.done.add((f, progress.attempt))
             if f.attempt is not None:
@@ -194,13 +230,22 @@ def supervised_run(cfg: Config, common: cli.CommonOptions, own: RecoveryBenchOpt
     k = own.faults_per_kind
     seed = own.seed if own.seed >= 0 else random.randrange(1 << 30)
     rng = random.Random(seed)
-    kinds = [kind for kind in KINDS if kind in own.kinds for _ in range(k)]
-    faults = [Fault(kind, rng.randrange(own.hosts), rng.randint(3, 8), attempt) for attempt, kind in enumerate(kinds)]
+    if own.fault_every_s:
+        faults = [Fault(rng.choice(own.kinds), rng.randrange(own.hosts), 1, attempt,
+                        rng.expovariate(1.0 / own.fault_every_s)) for attempt in range(RATE_FAULTS)]
+        spares, budget = sum(f.kind == "diag" for f in faults), RATE_FAULTS
+    else:
+        kinds = [kind for kind in KINDS if kind in own.kinds for _ in range(k)]
+        faults = [Fault(kind, rng.randrange(own.hosts), rng.randint(3, 8), attempt)
+                  for attempt, kind in enumerate(kinds)]
+        spares, budget = k - 1, len(kinds) + 2
     given_run_dir = cfg.train.run_dir != preset.train.run_dir
     run_dir = Path(cfg.train.run_dir if given_run_dir else tempfile.mkdtemp(prefix="bench_recovery_")) / "run"
-    overrides = {"train.run_dir": str(run_dir), "train.steps": own.steps, "supervisor.spares": k - 1,
-                 "supervisor.restart_budget": len(kinds) + 2, "optimizer.decay_steps": own.steps,
+    overrides = {"train.run_dir": str(run_dir), "train.steps": own.steps, "supervisor.spares": spares,
+                 "supervisor.restart_budget": budget, "optimizer.decay_steps": own.steps,
                  "supervisor.health_check": health_check_command(run_dir.parent / "health")}
+    if own.fault_every_s:
+        overrides["checkpoint.async_save"] = False
     cfg = apply_overrides(cfg, overrides).validate()
     logging_flags = [f"--{name}={flag_value(getattr(common, name))}" for name in ("log_level", "quiet", "verbose")
                      if getattr(common, name) != getattr(cli.CommonOptions(), name)]
@@ -221,11 +266,12 @@ def run(cfg: Config, common: cli.CommonOptions, own: RecoveryBenchOptions) -> in
         os.environ.update(JAX_COMPILATION_CACHE_DIR=own.compile_cache,
                           JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                           JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
-    print(f"bench_recovery: seed {seed}, faults {faults}, run dir {run_dir}", flush=True)
+    shown = f"one per {own.fault_every_s:g} s of training" if own.fault_every_s else f"{faults}"
+    print(f"bench_recovery: seed {seed}, faults {shown}, run dir {run_dir}", flush=True)
     opts = LaunchOptions(num_processes=own.hosts, devices_per_process=own.devices_per_host, supervise=True)
     t0 = time.time()
     code = run_supervised(opts, cfg, new_run_id("bench"), train_flags,
-                          watchers=[FaultInjector(faults, run_dir.parent / "health")])
+                          watchers=[FaultInjector(faults, run_dir.parent / "health", cfg.train.steps)])
     return report(read_events(run_dir), cfg, own, code, time.time() - t0, seed, "local")
 
 
@@ -250,16 +296,26 @@ def run_slurm(cfg: Config, common: cli.CommonOptions, own: RecoveryBenchOptions)
     if slurm_cluster.missing_tools() or os.geteuid() != 0:
         raise ConfigError(f"--backend=slurm needs root and {', '.join(slurm_cluster.missing_tools())} (apt-get "
                           "install slurmctld slurmd slurm-client munge)")
+    rate = own.fault_every_s > 0
     own = dataclasses.replace(own, faults_per_kind=1, kinds=("kill", "stop"))
     cfg, train_flags, local_faults, seed = supervised_run(cfg, common, own)
-    cfg = apply_overrides(cfg, {"supervisor.spares": 1})
-    train_flags = [*train_flags, "--supervisor.spares=1"]
     rng = random.Random(seed)
-    faults = [*local_faults, Fault("node", rng.randrange(1, own.hosts), rng.randint(3, 8), len(local_faults))]
+    if rate:  # a node failure takes a spare node: past NODE_SPARES of them, the draw is a kill
+        drawn = [rng.choice(("kill", "stop", "node")) for _ in local_faults]
+        kinds = [k if k != "node" or drawn[:i].count("node") < NODE_SPARES else "kill" for i, k in enumerate(drawn)]
+        faults = [dataclasses.replace(f, kind=k, rank=rng.randrange(1, own.hosts) if k == "node" else f.rank)
+                  for f, k in zip(local_faults, kinds)]
+        spares = min(NODE_SPARES, kinds.count("node"))
+    else:
+        faults = [*local_faults, Fault("node", rng.randrange(1, own.hosts), rng.randint(3, 8), len(local_faults))]
+        spares = 1
+    cfg = apply_overrides(cfg, {"supervisor.spares": spares})
+    train_flags = [*train_flags, f"--supervisor.spares={spares}"]
     run_dir = Path(cfg.train.run_dir)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    print(f"bench_recovery (slurm): seed {seed}, faults {faults}, run dir {run_dir}", flush=True)
-    cluster = slurm_cluster.SlurmCluster(run_dir.parent / "slurm", nodes=own.hosts + 1).up()
+    shown = f"one per {own.fault_every_s:g} s of training" if rate else f"{faults}"
+    print(f"bench_recovery (slurm): seed {seed}, faults {shown}, run dir {run_dir}", flush=True)
+    cluster = slurm_cluster.SlurmCluster(run_dir.parent / "slurm", nodes=own.hosts + spares).up()
     password, run_id = secrets.token_hex(8), f"bench-{secrets.token_hex(3)}"
     env = {k: v for k, v in cluster.env.items() if not k.startswith(("XLA_", "MSJAX_"))}
     env["PATH"] = f"{sysconfig.get_paths()['scripts']}{os.pathsep}{env['PATH']}"  # msjax's commands, for sbatch
@@ -287,6 +343,7 @@ def run_slurm(cfg: Config, common: cli.CommonOptions, own: RecoveryBenchOptions)
 
         store = None
         pending = list(faults)
+        training_since: dict[int, float] = {}  # attempt -> when every worker was seen past its restore step
         while job_state() in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING") and time.time() - t0 < 3600:
             time.sleep(0.2)
             if store is None:
@@ -299,10 +356,15 @@ def run_slurm(cfg: Config, common: cli.CommonOptions, own: RecoveryBenchOptions)
                 beats = store.heartbeats()
             except Exception:  # noqa: BLE001 - between attempts
                 continue
+            generations = {b.get("generation") for b in beats.values()}
+            if len(beats) == own.hosts and len(generations) == 1 and all(
+                    b.get("step") is not None and b["step"] > (b.get("start_step") or 0) for b in beats.values()):
+                training_since.setdefault(generations.pop(), time.time())
             for f in list(pending):
                 beat = beats.get(f.rank)
                 if (beat is None or beat.get("generation") != f.attempt or beat.get("step") is None
-                        or beat["step"] < (beat.get("start_step") or 0) + f.after):
+                        or beat["step"] < (beat.get("start_step") or 0) + f.after or beat["step"] >= own.steps
+                        or time.time() - training_since.get(f.attempt, math.inf) < f.after_s):
                     continue
                 pending.remove(f)
                 t = time.time()
@@ -398,7 +460,21 @@ def report(events: list[dict], cfg: Config, own: RecoveryBenchOptions, code: int
         print(f"extrapolated to one fault every 5 minutes: ETTR(300 s) = 1 - (mean per-fault cost) / 300 s "
               f"= 1 - {mean_cost:.1f} / 300 = {extrapolated:.1%}; per-fault cost = (restart + recomputed + "
               "the restarted attempts' start-up and compilation) / faults, from the goodput ledger")
-    out = {"backend": backend, "seed": seed, "exit_code": code, "wall_s": wall, "faults": rows, "goodput": ledger,
+    check = None
+    if own.fault_every_s and rows and step_time:
+        from msjax.planner.goodput import projection_dict, projection_text
+        from msjax.supervise.figures import run_projection
+
+        projection, inputs = run_projection(events, ledger, cfg.checkpoint.every, step_time,
+                                            own.hosts * own.devices_per_host)
+        print("\n" + projection_text(projection, inputs, "the goodput model fed with this run's own failure rate "
+                                     "and costs (msjax.supervise.figures.run_projection; faults strike training)"))
+        difference = 100.0 * (projection.ettr - ledger["ettr"])
+        print(f"projected ETTR {projection.ettr:.1%}, measured (the ledger) {ledger['ettr']:.1%}: "
+              f"{difference:+.1f} points")
+        check = {**projection_dict(projection, inputs), "measured_ettr": ledger["ettr"],
+                 "difference_points": difference}
+    out = {"backend": backend, "seed": seed, "fault_every_s": own.fault_every_s or None, "projection_check": check, "exit_code": code, "wall_s": wall, "faults": rows, "goodput": ledger,
            "step_s": step_time, "startup_s": startup, "attempt_compile": per_attempt, "heartbeat_period_s": period,
            "recovery_phases": breakdown,
            "load_avg": os.getloadavg(),

@@ -103,3 +103,86 @@ def recovery_phases(events: Iterable[dict]) -> list[dict]:
                 phases[name], t = max(0.0, ends[end] - t), max(t, ends[end])
         out.append({"kind": e["fault"], "rank": e["rank"], "attempt": e["attempt"], "phases": phases})
     return out
+
+
+def training_starts(events: Iterable[dict]) -> dict[int, float]:
+    """attempt -> when the attempt started training: its slowest worker's `first_step` mark (unix s), the end of
+    the first step's compilation and dispatch on every worker. Attempts whose workers never marked a first step
+    are missing."""
+    starts: dict[int, float] = {}
+    for e in events:
+        mark = (e.get("phases") or {}).get("first_step") if e["kind"] == "worker_phases" else None
+        if mark is not None:
+            starts[e["attempt"]] = max(starts.get(e["attempt"], mark), mark)
+    return starts
+
+
+def run_projection(events: Iterable[dict], ledger: dict, checkpoint_every: int, step_s: float, devices: int):
+    """The goodput projection (msjax.planner.goodput.project) fed with a fault-injected run's own failure rate and
+    costs, to hold against the ETTR its ledger measured. Faults are taken to strike training only (each attempt's
+    fault is injected after its first step: `restart_failures=False`).
+
+    What the run gives the model (wall seconds):
+      once       run_start -> the first attempt's training start (`training_starts`), and the ledger's teardown.
+      restarts   per fault, fault_injected -> the next attempt's training start, split into RESTART_PARTS by its
+                 recovery phases (`recovery_phases`, less the supervisor's heartbeat lag); mean per kind, the
+                 kinds' shares as injected.
+      rate       faults / exposed seconds, exposed = wall - once - the restarts' sum (the time faults could strike).
+      segment    `checkpoint_every` x `step_s` seconds of training between checkpoints, split in the ledger's
+                 proportions into productive (τ), checkpoint stall (δ) and data wait, evaluation and straggler time
+                 (the overhead ω, per productive second). The save is taken as complete when the stall ends (no
+                 background-write lag): an asynchronous save's write is not in the event log.
+    Args:
+      events: the run's event log, `fault_injected` events among them.
+      ledger: its `msjax.goodput.run_ledger`.
+      checkpoint_every: checkpoint.every, steps.
+      step_s: seconds per training step (the attempts' `step_s`).
+      devices: devices of the job.
+    Returns:
+      (the Projection, its Inputs: stall, step time and one line per figure and where it came from).
+    Raises:
+      ValueError: no fault, or a fault with no attempt that trained after it.
+    """
+    from msjax.planner import goodput as gp
+
+    events = sorted(events, key=lambda e: e["time"])
+    starts = training_starts(events)
+    run_start = next(e["time"] for e in events if e["kind"] == "run_start")
+    faults = [e for e in events if e["kind"] == "fault_injected"]
+    if not faults:
+        raise ValueError("the run had no injected fault: nothing to project")
+    phases_of = {(p["attempt"], p["rank"], p["kind"]): p["phases"] for p in recovery_phases(events)}
+    costs_of: dict[str, list[dict[str, float]]] = {}
+    restarts = 0.0
+    for f in faults:
+        later = [a for a in starts if a > f["attempt"]]
+        if not later:
+            raise ValueError(f"fault {f['fault']} at {f['time']:.1f}: no attempt trained after it")
+        restart = starts[min(later)] - f["time"]
+        restarts += restart
+        costs = dict.fromkeys(gp.RESTART_PARTS, 0.0)
+        for phase, seconds in phases_of[(f["attempt"], f["rank"], f["fault"])].items():
+            if phase != "heartbeat_lag":
+                costs[gp.PHASE_PARTS[phase]] += seconds
+        # The phases end at the slowest worker's marks; whatever they miss (a mark that came early) is start-up.
+        costs["startup"] += restart - sum(costs.values())
+        costs_of.setdefault(f["fault"], []).append(costs)
+    b = ledger["buckets"]
+    once = starts[min(starts)] - run_start + b["teardown"]
+    exposed = ledger["wall_s"] - once - restarts
+    overheads = b["data_wait"] + b["evaluation"] + b["straggler"]
+    training = b["productive"] + b["checkpoint"] + overheads
+    segment = checkpoint_every * step_s
+    kinds = {kind: gp.FailureKind(len(c) / len(faults), {p: sum(x[p] for x in c) / len(c) for p in gp.RESTART_PARTS},
+                                  source=f"this run's {len(c)} {kind} fault(s)") for kind, c in costs_of.items()}
+    stall = segment * b["checkpoint"] / training
+    notes = [f"{len(faults)} faults in {exposed:.1f} s of training: one per {exposed / len(faults):.1f} s",
+             f"once: {once:.1f} s (start-up and compilation before the first step, teardown at the end)",
+             f"segment: {checkpoint_every} steps x {step_s:.3f} s = {segment:.2f} s, of which checkpoint stall "
+             f"{stall:.3f} s and data wait, evaluation and straggler time {overheads / training:.1%} (the ledger's "
+             "shares)"] + [f"{k} faults: {v.share:.0%}, restart {v.restart_s:.1f} s ("
+                           + ", ".join(f"{p} {v.costs[p]:.1f}" for p in gp.RESTART_PARTS) + ")" for k, v in kinds.items()]
+    projection = gp.project(ledger["wall_s"], devices, len(faults) / exposed * 3600.0 / devices, kinds,
+                            stall_s=stall, interval_s=segment * b["productive"] / training,
+                            overhead=overheads / b["productive"], fixed_s=once, restart_failures=False)
+    return projection, gp.Inputs(kinds=kinds, stall_s=stall, lag_s=0.0, step_s=step_s, assumptions=notes)

@@ -93,6 +93,18 @@ def _flags(corpus: Path, run_dir: Path, cache: Path, **extra) -> list[str]:
     return [f"--{k}={v}" for k, v in flags.items()]
 
 
+def _nothing_left(tag: str) -> None:
+    """No process started under this test's tag (SUPERVISE_TEST_TAG in its environment) is still alive."""
+    left = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid != psutil.Process().pid and p.environ().get("SUPERVISE_TEST_TAG") == tag:
+                left.append((p.pid, " ".join(p.cmdline())[:120]))
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    assert not left, f"processes left behind: {left}"
+
+
 def _supervise(tmp: Path, corpus: Path, cache: Path, monkeypatch, *faults, hosts: int = 2, devices: int = 2,
                **cfg) -> tuple[int, str, list[dict]]:
     """Runs a supervised job of `hosts` hosts x `devices` devices to its end with `faults` injected
@@ -108,14 +120,7 @@ def _supervise(tmp: Path, corpus: Path, cache: Path, monkeypatch, *faults, hosts
                           watchers=[bench.FaultInjector([f for f in faults if isinstance(f, bench.Fault)],
                                                         tmp / "health"),
                                     *(f for f in faults if not isinstance(f, bench.Fault))])
-    left = []
-    for p in psutil.process_iter():
-        try:
-            if p.pid != psutil.Process().pid and p.environ().get("SUPERVISE_TEST_TAG") == tag:
-                left.append((p.pid, " ".join(p.cmdline())[:120]))
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    assert not left, f"processes left behind: {left}"
+    _nothing_left(tag)
     events = read_events(tmp / "run" / "events.jsonl") if (tmp / "run" / "events.jsonl").exists() else []
     return code, out.getvalue(), events
 
@@ -533,3 +538,34 @@ def test_fault_loop_ends_on_the_restart_budget(tmp_path, small_corpus, cache, mo
     kinds = [e["kind"] for e in events]
     assert kinds.count("launch") == 2 and events[-1]["kind"] == "run_end"
     assert events[-1]["status"] == "budget_exhausted"
+
+
+@pytest.mark.slow
+def test_faults_at_a_fixed_rate_end_at_the_ettr_the_goodput_model_projects_from_the_runs_own_rate_and_costs(
+        tmp_path, small_corpus, cache, monkeypatch, capsys):
+    """scripts/bench_recovery.py --fault_every_s, kept short: kills, SIGSTOPs and failed self-checks drawn at
+    random, one per 6 s of training on average (a Poisson process on the training time), until 120 steps are
+    done. The goodput model (msjax.planner.goodput) fed with this run's own failure rate, restart costs and
+    checkpoint stall (msjax.supervise.figures.run_projection) predicts the ETTR its ledger measured within 3
+    points. The figures are the run's own, so what this holds is the model's structure and the ledger's
+    accounting of the same wall time: here (about 4 faults, ETTR near 10%) the model with failures during
+    restarts too (Daly's e^{R/M}) projected 3.8% against 9.9% measured. Finer terms (the work lost per failure,
+    the once-only start-up) move this short run by 1-2.5 points and are held by the full-length run recorded in
+    docs/results/recovery_goodput_check.json. Seed 9 draws stop, kill, stop, diag, kill first."""
+    tag = uuid.uuid4().hex
+    monkeypatch.setenv("SUPERVISE_TEST_TAG", tag)
+    record = tmp_path / "bench.json"
+    flags = {"model.d_model": 32, "model.max_seq_len": 32, "train.seq_len": 32, "data.paths": small_corpus,
+             "data.cache_dir": cache, "data.val_fraction": 0.2, "train.run_dir": tmp_path}
+    code = bench.main([*(f"--{k}={v}" for k, v in flags.items()), "--fault_every_s=6", "--steps=120", "--seed=9",
+                       "--hosts=2", "--devices_per_host=1", f"--json={record}"])
+    out = capsys.readouterr().out
+    _nothing_left(tag)
+    assert code == 0, out[-3000:]
+    result = json.loads(record.read_text())
+    kinds = [f["kind"] for f in result["faults"]]
+    assert len(kinds) >= 3 and len(set(kinds)) >= 2, kinds
+    check = result["projection_check"]
+    assert check["measured_ettr"] == result["goodput"]["ettr"]
+    assert abs(check["difference_points"]) <= 3.0, out[-4000:]
+    assert f"{check['difference_points']:+.1f} points" in out
