@@ -464,8 +464,11 @@ class SupervisorConfig:
         hung or stalled the others cannot step or save: one heartbeat period and a half second at most then,
         msjax.supervise.supervisor.stop_grace).
       diagnose: run the self-checks on every host after a failure and exclude the hosts that fail.
-      diagnose_after_kill: run them also when every failed worker was killed by SIGKILL/SIGTERM/SIGINT (the OOM
-        killer, an operator; msjax.supervise.detect.needs_diagnosis), which points at no device.
+      exclude_after_deaths: a host on which workers died this many times over the run is excluded as a host
+        failing its self-checks is, even when they pass (a death: an error exit, an abort or SIGKILL, the OOM
+        killer's and a dying node's signal; not a stop by SIGTERM/SIGINT, a hang or a stall:
+        msjax.supervise.detect.died), so a host that keeps killing workers does not spend the restart budget; 0:
+        never.
       standby: keep a warm standby worker per host (jax and the stack imported) for restarts (local backend;
         msjax.launch.standby).
       diagnose_timeout_s: the diagnostics' time limit (a host that does not answer in time fails).
@@ -489,7 +492,7 @@ class SupervisorConfig:
     backoff_max_s: float = 60.0
     stop_grace_s: float = 10.0
     diagnose: bool = True
-    diagnose_after_kill: bool = False
+    exclude_after_deaths: int = 2
     standby: bool = True
     diagnose_timeout_s: float = 120.0
     diag_min_matmul_flops: float = 0.0
@@ -504,7 +507,7 @@ class SupervisorConfig:
             if getattr(self, key) <= 0:
                 raise ConfigError(f"supervisor.{key}={getattr(self, key)}: allowed is a number of seconds > 0")
         for key in ("stall_timeout_s", "backoff_s", "backoff_max_s", "stop_grace_s", "diag_min_matmul_flops",
-                    "restart_budget", "spares"):
+                    "restart_budget", "spares", "exclude_after_deaths"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"supervisor.{key}={getattr(self, key)}: allowed is a value >= 0")
         if self.heartbeat_timeout_s <= self.heartbeat_period_s:

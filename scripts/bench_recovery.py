@@ -68,6 +68,9 @@ DEFAULTS = {
     # a job-wide hang with live heartbeats (seen once here: both workers blocked in the checkpoint's
     # process_allgather) is found after this; above the first step's compile time under load (up to 60 s seen)
     "supervisor.stall_timeout_s": 120,
+    # a kill -9 stands for a worker process failing on a healthy host (a diag fault stands for a bad host): two
+    # kills on one host must not exclude it here
+    "supervisor.exclude_after_deaths": 0,
 }
 KINDS = ("kill", "stop", "diag")
 

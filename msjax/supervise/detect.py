@@ -164,10 +164,20 @@ def detect_failures(workers: Sequence[WorkerState], now: float, *, heartbeat_tim
     return out
 
 
-# Signals another process sends to end a worker (the kernel's OOM killer, an operator, a scheduler's preemption, a
-# launcher tearing the job down): a worker that died of one says nothing about its host's devices. A device fault
-# shows otherwise: an error exit or abort (XLA/CUDA errors), a hang, a stall, a non-finite loss.
-OUTSIDE_SIGNALS = (signal.SIGKILL, signal.SIGTERM, signal.SIGINT)
+# Signals an operator, a scheduler's preemption or a launcher tearing the job down send to stop a worker: a worker
+# that died of one says nothing about its host. SIGKILL is not one of them: it is also how the kernel's OOM killer
+# and a dying node end a process, so a worker killed by it gets the self-checks and counts as a death on its host
+# (`died`), as an error exit or an abort (XLA/CUDA checks) does.
+OUTSIDE_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def died(failure: Failure, exit_code: int | None) -> bool:
+    """Whether `failure` is a worker's death its host may be to blame for: an exit nobody asked for (an error exit,
+    an abort, SIGKILL), not a stop by one of OUTSIDE_SIGNALS, a save-and-stop (`stopped`), a hang or a stall.
+    `exit_code`: the worker's Popen returncode (-SIG for a signal; None: unknown, not counted)."""
+    if failure.kind != "exit" or exit_code is None or exit_code == 0:
+        return False
+    return exit_code > 0 or signal.Signals(-exit_code) not in OUTSIDE_SIGNALS
 
 
 def needs_diagnosis(failures: Sequence[Failure], exit_codes: dict[int, int | None]) -> bool:

@@ -196,6 +196,7 @@ class Supervisor:
         if len(self.hosts) < num_hosts:
             raise ValueError(f"{len(self.hosts)} host(s) {self.hosts} for a job of {num_hosts}")
         self.excluded: dict[str, str] = {}
+        self._deaths: dict[str, int] = {}  # host -> workers that died on it (detect.died), over the run
         self.policy = RestartPolicy(self.s.restart_budget, self.s.backoff_s, self.s.backoff_max_s)
         self._reports_read = 0
         self._generation = 0  # the rendezvous generation of the attempt being watched
@@ -247,11 +248,12 @@ class Supervisor:
                 self._workers = []
                 self.events.emit("stopped", attempt=attempt, grace_s=grace, **stopped)
                 codes = {f.rank: seen[f.rank].exit_code for f in failures}
-                diagnose = self.s.diagnose and (self.s.diagnose_after_kill or detect.needs_diagnosis(failures, codes))
+                diagnose = self.s.diagnose and detect.needs_diagnosis(failures, codes)
                 if self.s.diagnose and not diagnose:
-                    self.events.emit("diagnosis_skipped", reason="every failed worker was stopped by a signal from "
-                                                                 "outside (supervisor.diagnose_after_kill=false)")
+                    self.events.emit("diagnosis_skipped", reason="every failed worker was stopped by SIGTERM or "
+                                                                 "SIGINT, or saved and stopped")
                 newly = self._diagnose(hosts) if diagnose else []
+                newly += self._exclude_repeated_deaths(failures, codes)
                 newly += self._exclude_stragglers(hosts, n)
                 if newly:
                     available = [h for h in self.hosts if h not in self.excluded]
@@ -456,6 +458,28 @@ class Supervisor:
                 self._print(f"excluded {r.host}: {reason}")
         if not newly:
             self._print(f"diagnostics passed on {len(results)} host(s) ({time.time() - t0:.1f} s)")
+        return newly
+
+    def _exclude_repeated_deaths(self, failures: Sequence[detect.Failure], codes: dict[int, int | None]
+                                 ) -> list[str]:
+        """Counts the workers that died on each host (detect.died) and excludes a host at
+        supervisor.exclude_after_deaths deaths. Returns the hosts newly excluded that this backend places workers
+        on (where the cluster places them, the exclusion is recorded and its note printed, as for self-checks)."""
+        newly = []
+        for f in failures:
+            if not detect.died(f, codes.get(f.rank)) or f.host in self.excluded:
+                continue
+            self._deaths[f.host] = self._deaths.get(f.host, 0) + 1
+            if not self.s.exclude_after_deaths or self._deaths[f.host] < self.s.exclude_after_deaths:
+                continue
+            reason = f"its workers died {self._deaths[f.host]} times (the last: {_stable(f.detail)})"
+            note = self.backend.exclusion_note(f.host)
+            self.excluded[f.host] = reason
+            self.events.emit("excluded", host=f.host, reason=reason, **({"action": note} if note else {}))
+            self.control.exclude_host(f.host, reason)
+            self._print(f"excluded {f.host}: {reason}" + (f"; keep the job off it: {note}" if note else ""))
+            if not note:
+                newly.append(f.host)
         return newly
 
     def _exclude_stragglers(self, hosts: list[str], n: int) -> list[str]:

@@ -284,8 +284,8 @@ def test_supervised_job_excludes_failing_nodes_takes_the_spare_then_replans(clus
     unhealthy.mkdir()
     run_dir = tmp_path / "run"
     # a site health check that fails on a node marked unhealthy: with it, a kill -9 or a hang on that node is
-    # that node's fault (supervisor.diagnose_after_kill: a kill is reason enough to run the self-checks)
-    flags = _flags(corpus, run_dir, **{"supervisor.spares": 1, "supervisor.diagnose_after_kill": True,
+    # that node's fault (a SIGKILL, the OOM killer's and a dying node's signal, is reason enough for the self-checks)
+    flags = _flags(corpus, run_dir, **{"supervisor.spares": 1,
                                        "supervisor.health_check": f'test ! -e {unhealthy}/"$MSJAX_HOST"'})
     job = Job(cluster, tmp_path, flags, compile_cache, "--supervise")
     beat = job.wait_step(1, 4)

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from msjax.config import Config, ConfigError, apply_overrides
-from msjax.supervise.detect import Failure, WorkerState, blame, detect_failures, finished, needs_diagnosis
+from msjax.supervise.detect import (Failure, WorkerState, blame, detect_failures, died, finished,
+                                   needs_diagnosis)
 from msjax.events import EventLog, read_events
 from msjax.supervise.figures import fault_figures, recovery_phases
 from msjax.supervise.policy import RestartBudgetExhausted, RestartPolicy
@@ -167,16 +168,26 @@ def test_event_log_is_json_lines_and_feeds_a_sink(tmp_path):
     assert json.loads(line)["kind"] == "detected" and got[0]["failures"] == [{"rank": 1}]
 
 
-def test_self_checks_are_skipped_only_when_every_failure_is_a_kill_from_outside():
-    kill, term, abort = -signal.SIGKILL, -signal.SIGTERM, -signal.SIGABRT
+def test_self_checks_are_skipped_only_when_every_failure_is_a_stop_from_outside():
+    kill, term, sigint, abort = -signal.SIGKILL, -signal.SIGTERM, -signal.SIGINT, -signal.SIGABRT
     exit_ = [Failure(0, "h0", "exit", "killed"), Failure(1, "h1", "exit", "killed")]
-    assert not needs_diagnosis(exit_, {0: kill, 1: term})  # the OOM killer, an operator: no device implicated
-    assert needs_diagnosis(exit_, {0: kill, 1: abort})  # an abort (XLA/CUDA checks) may be a device
-    assert needs_diagnosis(exit_, {0: kill, 1: 1})  # an error exit
+    assert not needs_diagnosis(exit_, {0: term, 1: sigint})  # an operator, a preemption: no host implicated
+    assert needs_diagnosis(exit_, {0: kill, 1: term})  # SIGKILL: the OOM killer or a dying node, maybe the host
+    assert needs_diagnosis(exit_, {0: term, 1: abort})  # an abort (XLA/CUDA checks) may be a device
+    assert needs_diagnosis(exit_, {0: term, 1: 1})  # an error exit
     assert needs_diagnosis([Failure(0, "h0", "exit", "restarted")], {0: None})  # exit code unknown
-    assert needs_diagnosis([exit_[0], Failure(1, "h1", "heartbeat", "silent")], {0: kill, 1: None})  # a hang
+    assert needs_diagnosis([exit_[0], Failure(1, "h1", "heartbeat", "silent")], {0: term, 1: None})  # a hang
     # a worker that saved and left on a preemption's SIGTERM (143): stopped from outside, not a device
     assert not needs_diagnosis([Failure(0, "h0", "stopped", "stopped by SIGTERM")], {0: 143})
+
+
+def test_a_death_is_an_exit_nobody_asked_for():
+    dead = Failure(0, "h0", "exit", "x")
+    assert died(dead, -signal.SIGKILL) and died(dead, -signal.SIGABRT) and died(dead, 1)
+    assert not died(dead, -signal.SIGTERM) and not died(dead, -signal.SIGINT)
+    assert not died(dead, 0) and not died(dead, None)
+    for kind in ("stopped", "heartbeat", "stalled", "peer_lost", "nonfinite"):
+        assert not died(Failure(0, "h0", kind, "x"), -signal.SIGKILL), kind
 
 
 def test_recovery_phases_split_the_recovery_time_in_order():
