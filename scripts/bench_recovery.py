@@ -290,6 +290,7 @@ def run_slurm(cfg: Config, common: cli.CommonOptions, own: RecoveryBenchOptions)
 
     from msjax.control.store import Store, connect
     from msjax.events import read_events
+    from msjax.launch.slurm import redis_address
 
     spec = importlib.util.spec_from_file_location("slurm_cluster", Path(__file__).resolve().parents[1] / "tests"
                                                   / "slurm_cluster.py")
@@ -350,9 +351,13 @@ def run_slurm(cfg: Config, common: cli.CommonOptions, own: RecoveryBenchOptions)
         while job_state() in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING") and time.time() - t0 < 3600:
             time.sleep(0.2)
             if store is None:
+                output = run_dir.parent / f"msjax-{job}.out"
+                address = redis_address(output.read_text(errors="replace")) if output.exists() else None
+                if address is None:
+                    continue
                 try:
-                    store = Store(connect(f"redis://:{password}@{cluster.addr(cluster.nodes[0])}:6379/0", retries=0),
-                                  f"{run_id}-{job}")
+                    store = Store(connect(f"redis://:{password}@{cluster.addr(address[0])}:{address[1]}/0",
+                                          retries=0), f"{run_id}-{job}")
                 except Exception:  # noqa: BLE001 - not up yet
                     continue
             try:

@@ -152,14 +152,22 @@ class RedisServer:
 
     def _spawn(self) -> None:
         binary = redis_server_binary()
-        args = [binary, "--port", str(self.port), "--bind", self.bind, "--requirepass", self.password,
-                "--save", "", "--appendonly", "no", "--dir", self._dir, "--maxclients", str(self.maxclients),
-                "--protected-mode", "no", "--tcp-backlog", "4096", "--daemonize", "no"]
+        # "-": the password comes as configuration on stdin (`password_config`), never on the command line, which
+        # every user of the machine can read (ps, /proc/PID/cmdline).
+        args = [binary, "-", "--port", str(self.port), "--bind", self.bind, "--save", "", "--appendonly", "no",
+                "--dir", self._dir, "--maxclients", str(self.maxclients), "--protected-mode", "no",
+                "--tcp-backlog", "4096", "--daemonize", "no"]
+        config = password_config(self.password)
         log = open(self._log, "w")
         # start_new_session: Ctrl-C in a terminal reaches our process group, not the server; we stop it ourselves.
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE,
                                      start_new_session=True, preexec_fn=die_with_parent, cwd=self._dir)
         log.close()
+        try:
+            self.proc.stdin.write(config)
+            self.proc.stdin.close()
+        except BrokenPipeError:  # it exited at once: the wait below reports its log
+            pass
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -226,10 +234,24 @@ class _PortTaken(Exception):
     pass
 
 
+def password_config(password: str) -> bytes:
+    """The Redis configuration line that sets `password` (`requirepass`, quoted as redis.conf quotes strings),
+    for a server that reads its configuration from stdin (`redis-server -`).
+
+    Raises ControlError for a password with a line break or NUL (a configuration line cannot hold one)."""
+    if any(c in password for c in "\r\n\0"):
+        raise ControlError("the Redis password holds a line break or NUL: allowed is one line of text")
+    quoted = password.replace("\\", "\\\\").replace('"', '\\"')
+    return f'requirepass "{quoted}"\n'.encode()
+
+
 def main(argv: list[str] | None = None) -> int:
     """`msjax-redis [redis-server flags]`: runs `redis_server_binary()` in this process's place with the flags
-    given (a cluster job's Redis, started on its first node; msjax.launch.slurm). Returns 2 with one `error:` line
-    when no binary is found.
+    given (a cluster job's Redis, started on its first node; msjax.launch.slurm). The password is the environment's
+    MSJAX_REDIS_PASSWORD (the job script exports it; only its user can read a process's environment), handed to
+    the server as configuration on stdin, never on a command line. `msjax-redis --free-port` prints a TCP port
+    free on this host and exits (the job script's Redis port: jobs that share a node get different ones). Returns 2
+    with one `error:` line when no binary is found or the password cannot be a configuration line.
 
     The server runs with SIGTERM, SIGINT and SIGHUP blocked (a blocked signal stays pending across exec, and
     redis-server does not unblock it): a scheduler's preemption notice goes to every step of a job at once, and
@@ -238,11 +260,29 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv == ["--free-port"]:
+        print(free_port(""))
+        return 0
     try:
         binary = redis_server_binary()
+        password = os.environ.get("MSJAX_REDIS_PASSWORD")
+        config = password_config(password) if password else b""
     except ControlError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if config:  # on stdin: a pipe holds the one line until the server reads it, after exec
+        read, write = os.pipe()
+        os.write(write, config)
+        os.close(write)
+        os.dup2(read, 0)
+        os.close(read)
+        argv = ["-", *argv]
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
     os.execv(binary, [binary, *argv])
     return 0  # not reached: execv replaced this process
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -12,8 +12,9 @@ The script, built from `LaunchOptions` as data (`SlurmScript`), never patched af
   goes on, on a spare or on the nodes left);
   the setup block (--setup, --setup_file: a virtualenv, `module load`, a container's environment; every srun task
   inherits the environment it leaves, srun's default --export=ALL);
-  Redis on the first node of the allocation (`msjax-redis` as an srun step, its password generated at job start
-  and passed in the environment);
+  Redis on the first node of the allocation (`msjax-redis` as an srun step, on a port free there, listening on
+  that node's address; its password generated at job start and passed in the environment, never on a command
+  line; the script prints `msjax: Redis at NODE:PORT`, `redis_address`);
   then either the worker step, `srun ... msjax-train <train flags>` with one task per node, each task's rank its
   SLURM_PROCID (rank 0, JAX's coordinator, on the first node), its output split per rank into
   `<run_dir>/logs/rank<R>.log` and shown as a supervised run's (`msjax-output`, msjax.launch.output), or the
@@ -69,8 +70,8 @@ from msjax.supervise.detect import STOPPED_EXITS
 from msjax.supervise.diagnostics import Checks, HostDiagnosis, diagnoses
 from msjax.supervise.supervisor import Worker, WorkerBackend
 
-REDIS_PORT = 6379
-COORDINATOR_PORT = 8476
+# The line the job script prints once its Redis is chosen (`redis_address` reads it back from the job's output).
+_REDIS_LINE = re.compile(r"^msjax: Redis at (\S+):(\d+)$", re.M)
 # Exported in each task: its rank and host, the worker's identity and the address its peers reach it on.
 TASK_ENV = ('export MSJAX_RANK="$SLURM_PROCID" MSJAX_HOST="${SLURMD_NODENAME:-$(hostname)}"; '
             'export MSJAX_WORKER_ID="$MSJAX_HOST" MSJAX_ADVERTISE_HOST="$MSJAX_HOST"')
@@ -124,19 +125,27 @@ class SlurmScript:
                       "# -- end of setup --"]
         lines += [
             'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-            f"REDIS_PORT={REDIS_PORT}",
-            "# The password: the submitter's MSJAX_REDIS_PASSWORD (to watch the run's Redis), else a fresh one.",
-            "REDIS_PASSWORD=\"${MSJAX_REDIS_PASSWORD:-$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \\n')}\"",
+            "# No fixed port: jobs whose first nodes coincide, or a site's own Redis, must not collide. This script",
+            "# runs on the first node, so a port free here now is Redis's (JAX's coordinator, rank 0, takes a free",
+            "# port of its own node and publishes it through Redis).",
+            "REDIS_PORT=$(msjax-redis --free-port)",
+            "# Redis listens on the address the other nodes reach the first node by, not on every interface; where",
+            "# the node's name resolves to loopback here (Debian's 127.0.1.1), on all of them.",
+            "REDIS_BIND=$(getent ahostsv4 \"$HEAD_NODE\" | awk 'NR == 1 {print $1}')",
+            'case "$REDIS_BIND" in ""|127.*) REDIS_BIND=0.0.0.0 ;; esac',
+            "# The password: the submitter's MSJAX_REDIS_PASSWORD (to watch the run's Redis), else a fresh one; it",
+            "# reaches Redis and the workers through the environment (readable by this job's user alone), never a",
+            "# command line.",
+            "export MSJAX_REDIS_PASSWORD=\"${MSJAX_REDIS_PASSWORD:-$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \\n')}\"",
             "# Redis lives as long as the job: started on the first node (deaf to SIGTERM: a preemption notice goes",
             "# to every step, and the workers stop through Redis), killed on exit.",
-            'srun --nodes=1 --ntasks=1 -w "$HEAD_NODE" --overlap msjax-redis --port "$REDIS_PORT" --bind 0.0.0.0 '
-            '--requirepass "$REDIS_PASSWORD" --save "" --appendonly no --maxclients 20000 --tcp-backlog 4096 &',
+            'srun --nodes=1 --ntasks=1 -w "$HEAD_NODE" --overlap msjax-redis --port "$REDIS_PORT" --bind "$REDIS_BIND" '
+            '--save "" --appendonly no --maxclients 20000 --tcp-backlog 4096 &',
             "REDIS_PID=$!",
             "trap 'kill -KILL $REDIS_PID 2>/dev/null || true' EXIT",
             'export MSJAX_REDIS_URL="redis://${HEAD_NODE}:${REDIS_PORT}/0"',
-            'export MSJAX_REDIS_PASSWORD="$REDIS_PASSWORD"',
+            'echo "msjax: Redis at ${HEAD_NODE}:${REDIS_PORT}"',
             f'export MSJAX_RUN_ID="{self.run_id}-${{SLURM_JOB_ID}}"',
-            f"export MSJAX_COORDINATOR_PORT={COORDINATOR_PORT}",
             "export PYTHONUNBUFFERED=1",
             "# Wait (at most 60 s) until Redis accepts connections, so no worker starts against an absent server.",
             "for _ in $(seq 600); do",
@@ -244,6 +253,14 @@ def sbatch_script(opts: LaunchOptions, run_id: str, train_flags: Sequence[str], 
             "fi",
         ]
     return SlurmScript(run_id, nodes, tuple(d), setup, tuple(body))
+
+
+def redis_address(job_output: str) -> tuple[str, int] | None:
+    """(node, port) of a job's Redis, from the line its script prints (`msjax: Redis at NODE:PORT`) in the job's
+    output (sbatch --output); None before the line is there. For watching a run from outside its job; the job's
+    own processes get it as MSJAX_REDIS_URL."""
+    m = _REDIS_LINE.search(job_output)
+    return (m.group(1), int(m.group(2))) if m else None
 
 
 def submit(script: str, path: Path, sbatch: str = "sbatch") -> str:

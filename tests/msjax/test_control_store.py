@@ -330,6 +330,49 @@ def test_server_dies_with_its_owner():
         assert _wait_dead(pid), f"redis-server {pid} outlived its owner (kill={kill})"
 
 
+def test_the_password_reaches_redis_on_stdin_never_on_a_command_line(tmp_path, monkeypatch):
+    """Any user of a machine reads every process's command line (ps): RedisServer and `msjax-redis` (a cluster
+    job's Redis, its password in MSJAX_REDIS_PASSWORD) hand the password over as configuration on stdin. The
+    server is the real redis-server behind a wrapper (MSJAX_REDIS_SERVER) that records the command line it was
+    started with (redis-server retitles itself once up, so its /proc cmdline would not show what ps showed at
+    first). A password with a space, quotes and a backslash authenticates as given; a wrong one is refused."""
+    from msjax.control.server import redis_server_binary
+
+    argv_log = tmp_path / "argv.log"
+    wrapper = tmp_path / "redis-server"
+    wrapper.write_text(f'#!/bin/sh\necho "$*" >> {argv_log}\nexec {redis_server_binary()} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("MSJAX_REDIS_SERVER", str(wrapper))
+    password = 'pa ss"wo\\rd-' + os.urandom(4).hex()
+    with RedisServer(password=password) as srv:
+        url = f"redis://127.0.0.1:{srv.port}/0"
+        assert connect(url, password=password).ping()
+        with pytest.raises(ControlError):
+            connect(url, password="wrong", retries=0)
+    port = subprocess.run([sys.executable, "-m", "msjax.control.server", "--free-port"], capture_output=True,
+                          text=True, timeout=60, check=True).stdout.strip()
+    assert port.isdigit() and 0 < int(port) < 65536
+    proc = subprocess.Popen([sys.executable, "-m", "msjax.control.server", "--port", port, "--bind", "127.0.0.1",
+                             "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+                            env={**os.environ, "MSJAX_REDIS_PASSWORD": password}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        client = None
+        for _ in range(100):
+            try:
+                client = connect(f"redis://127.0.0.1:{port}/0", password=password, retries=0)
+                break
+            except ControlError:
+                time.sleep(0.1)
+        assert client is not None and client.ping()
+    finally:
+        proc.kill()
+        proc.wait(30)
+    started = argv_log.read_text().splitlines()
+    assert len(started) == 2 and all(line.startswith("- ") for line in started), started
+    assert not any(password in line or "requirepass" in line for line in started), started
+
+
 def test_tls_options_reach_redis_py():
     import redis
 

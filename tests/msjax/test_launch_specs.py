@@ -200,8 +200,12 @@ def test_slurm_script(tmp_path, capsys):
     first_msjax = next(i for i, line in enumerate(lines) if "msjax-" in line and not line.startswith("#"))
     assert lines.index("source /opt/venv/bin/activate") < lines.index("module load cuda/12") < first_msjax
     assert not any("scripts/" in line or line.startswith("cd ") for line in lines)  # no checkout needed
-    redis = next(line for line in lines if "msjax-redis" in line)
+    redis = next(line for line in lines if "--overlap msjax-redis" in line)
     assert redis.startswith('srun --nodes=1 --ntasks=1 -w "$HEAD_NODE" --overlap msjax-redis')
+    # no fixed port, the first node's own address, no password on a command line
+    assert '--port "$REDIS_PORT" --bind "$REDIS_BIND"' in redis and "requirepass" not in script
+    assert lines.index("REDIS_PORT=$(msjax-redis --free-port)") < lines.index(redis)
+    assert not any("COORDINATOR_PORT" in line or "6379" in line for line in lines)
     assert 'export MSJAX_RUN_ID="r1-${SLURM_JOB_ID}"' in lines
     (step,) = [line for line in lines if line.startswith("srun --nodes=\"$SLURM_NNODES\"")]
     words = shlex.split(step)

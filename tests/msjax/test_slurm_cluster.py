@@ -36,10 +36,12 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import psutil
 import pytest
 
 from msjax.control.store import Store, connect
 from msjax.events import read_events
+from msjax.launch.slurm import redis_address
 from tests.slurm_cluster import SlurmCluster, missing_tools
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,13 +96,14 @@ def _flags(corpus: Path, run_dir: Path, **extra) -> list[str]:
 class Job:
     """A job submitted with `msjax-launch --backend=slurm --submit`, and what the test reads of it."""
 
-    def __init__(self, cluster: SlurmCluster, tmp: Path, flags: list[str], cache: Path, *launch: str):
-        self.cluster, self.tmp = cluster, tmp
+    def __init__(self, cluster: SlurmCluster, tmp: Path, flags: list[str], cache: Path, *launch: str,
+                 password: str = PASSWORD):
+        self.cluster, self.tmp, self.password = cluster, tmp, password
         self.run_id = f"t{time.monotonic_ns() % 10**8}"
         env = {k: v for k, v in cluster.env.items() if not k.startswith(("XLA_", "JAX_", "MSJAX_"))}
         # msjax's commands first on PATH, as an activated virtualenv has them (sbatch passes the environment on)
         env["PATH"] = f"{sysconfig.get_paths()['scripts']}{os.pathsep}{env['PATH']}"
-        env = {**env, "MSJAX_REDIS_PASSWORD": PASSWORD, "JAX_COMPILATION_CACHE_DIR": str(cache),
+        env = {**env, "MSJAX_REDIS_PASSWORD": password, "JAX_COMPILATION_CACHE_DIR": str(cache),
                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1", "PYTHONUNBUFFERED": "1"}
         done = subprocess.run([sys.executable, "-m", "msjax.launch", "--backend=slurm", "--num_processes=2",
                                "--devices_per_process=2", "--accelerator=none", "--cpus_per_process=1",
@@ -146,9 +149,8 @@ class Job:
     def store(self) -> Store:
         """The job's control plane, on the first node of its allocation."""
         if self._store is None:
-            head = self.wait(lambda: self.info("BatchHost") not in ("", "(null)") and self.info("BatchHost"), 120,
-                             "the job to start")
-            url = f"redis://:{PASSWORD}@{self.cluster.addr(head)}:6379/0"
+            head, port = self.wait(lambda: redis_address(self.output()), 120, "the job's Redis address in its output")
+            url = f"redis://:{self.password}@{self.cluster.addr(head)}:{port}/0"
             self._store = Store(self.wait(lambda: _try_connect(url), 120, "the job's Redis"),
                                 f"{self.run_id}-{self.id}")
         return self._store
@@ -268,6 +270,35 @@ def test_sbatch_trains_across_two_nodes_and_a_requeued_job_resumes(cluster, tmp_
     assert "msjax: rank 1: SIGTERM received" in (logs / "rank1.log").read_text()  # logged, not shown
     for x, y in zip(_final_params(reference), _final_params(tmp_path / "run")):
         np.testing.assert_allclose(y, x, atol=TOL, rtol=0)
+
+
+def test_two_jobs_on_the_same_nodes_at_once_both_complete_and_no_password_is_on_a_command_line(
+        cluster, tmp_path, corpus, compile_cache, reference):
+    """Two jobs on node1 and node2 at the same time (each node has a CPU for each), each with its own Redis
+    password: each job's Redis and JAX coordinator take ports free on node1 (fixed ports collided: the second
+    Redis could not bind, and its workers met the first job's Redis with the wrong password), both complete with
+    the uninterrupted run's parameters, and no process of either job carries a password on its command line
+    (ps shows every process's to every user)."""
+    jobs = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        jobs.append(Job(cluster, tmp_path / name, _flags(corpus, tmp_path / name / "run"), compile_cache,
+                        "--sbatch=--nodelist=node1,node2", password=f"{PASSWORD}-{name}"))
+    for job in jobs:
+        job.wait_step(1, 1)  # both train at once
+    addresses = [redis_address(job.output()) for job in jobs]
+    assert addresses[0][0] == addresses[1][0] == "node1" and addresses[0][1] != addresses[1][1], addresses
+    for p in psutil.process_iter():
+        try:
+            line = " ".join(p.cmdline())
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        assert PASSWORD not in line, f"a password on the command line of pid {p.pid}: {line[:200]}"
+    for job in jobs:
+        assert job.finish() == "COMPLETED", job.output()[-5000:]
+    for name in ("a", "b"):
+        for x, y in zip(_final_params(reference), _final_params(tmp_path / name / "run")):
+            np.testing.assert_allclose(y, x, atol=TOL, rtol=0)
 
 
 def _events(run_dir: Path, kind: str) -> list[dict]:
