@@ -30,7 +30,9 @@ the integrity record last (msjax.checkpoint.tiers).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import logging
 import os
 import uuid
 from dataclasses import dataclass
@@ -126,6 +128,28 @@ def join(base: str | os.PathLike, *parts: str) -> str:
 
 def basename(path: str | os.PathLike) -> str:
     return os.fspath(path).rstrip("/").rsplit("/", 1)[-1]
+
+
+# The object-storage packages' loggers. Their retry loops log every failed attempt, with a traceback, and gcsfs
+# warns when it cannot tell a bucket's type; where msjax reports the failure itself, in one line that names the path
+# and the storage error, those records would say the same thing several times over.
+STORAGE_LOGGERS = ("gcsfs", "s3fs", "fsspec", "aiobotocore", "botocore", "google", "google_auth_httplib2")
+
+
+@contextlib.contextmanager
+def storage_logs_quiet() -> Iterator[None]:
+    """Silences STORAGE_LOGGERS below CRITICAL for the block: for a probe whose failure the caller reports itself
+    (the start-up check that a checkpoint directory can be written). Logger levels are process-wide: use it where no
+    other thread does storage I/O (the checks before training)."""
+    loggers = [logging.getLogger(name) for name in STORAGE_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def filesystem(url: str) -> tuple[Any, str]:

@@ -114,8 +114,9 @@ def ensure_writable(path: Path | str, key: str = "checkpoint.dir") -> None:
     if paths.is_remote(path):
         probe = paths.join(path, f".write-probe-{uuid.uuid4().hex}")
         try:
-            paths.write_bytes(probe, b"ok")
-            paths.remove(probe)
+            with paths.storage_logs_quiet():  # the error below is the report: not the retries' tracebacks too
+                paths.write_bytes(probe, b"ok")
+                paths.remove(probe)
         except Exception as e:  # noqa: BLE001 - any backend error (no bucket, refused, denied) is the report
             raise ConfigError(f"{key}={str(path)!r} is not writable ({type(e).__name__}: {e})") from None
         return

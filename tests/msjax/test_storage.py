@@ -8,6 +8,7 @@ Every resume is compared bit for bit with the uninterrupted run (`straight`), wh
 
 import dataclasses
 import json
+import os
 import logging
 import shutil
 import sysconfig
@@ -160,6 +161,28 @@ def test_unreachable_or_missing_buckets_are_one_error_naming_the_path(tmp_path, 
             prepare_data(DataConfig(paths=(f"{s3.scheme}://corpus/x",), cache_dir=str(tmp_path / "c")))
     finally:
         paths.configure(s3.storage)
+
+
+@pytest.mark.parametrize("scheme,endpoint", [("s3", "--storage.s3_endpoint"), ("gs", "--storage.gcs_endpoint")])
+def test_an_unreachable_bucket_is_one_error_line_without_the_storage_librarys_tracebacks(tmp_path, scheme,
+                                                                                         endpoint):
+    """As a new user meets it: train.py with a checkpoint bucket nobody answers for (port 9, discard: the
+    connection is refused). The storage packages retry and log every failure with its traceback (gcsfs also warns
+    that it cannot tell the bucket's type); msjax reports it once: the whole of stderr is one `error:` line
+    naming the path, and nothing is made locally. gcsfs gives up after its six retries (about 33 s here)."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "none", "AWS_SECRET_ACCESS_KEY": "none"}
+    out = subprocess.run([sys.executable, str(repo / "scripts" / "train.py"), "--config=gpt_tiny",
+                          f"--checkpoint.dir={scheme}://no-such-bucket/run1", f"{endpoint}=http://127.0.0.1:9",
+                          "--storage.s3_region=us-west-2", "--storage.timeout_s=2", "--train.steps=2",
+                          f"--train.run_dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-3000:]
+    assert lines[0].startswith(f"error: checkpoint.dir='{scheme}://no-such-bucket/run1' is not writable ("), lines
 
 
 # ---- checkpoints in a bucket -----------------------------------------------------------------------------------
