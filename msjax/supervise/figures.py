@@ -11,7 +11,10 @@ effective training time ratio are the goodput ledger's (msjax.goodput).
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
+
+if TYPE_CHECKING:  # the planner is imported where a projection is made, not with these figures
+    from msjax.planner.goodput import Inputs, Projection
 
 
 def _faults(events: Iterable[dict]) -> Iterator[tuple[dict, list[dict], dict | None]]:
@@ -117,7 +120,8 @@ def training_starts(events: Iterable[dict]) -> dict[int, float]:
     return starts
 
 
-def run_projection(events: Iterable[dict], ledger: dict, checkpoint_every: int, step_s: float, devices: int):
+def run_projection(events: Iterable[dict], ledger: dict, checkpoint_every: int, step_s: float,
+                   devices: int) -> tuple[Projection, Inputs]:
     """The goodput projection (msjax.planner.goodput.project) fed with a fault-injected run's own failure rate and
     costs, to hold against the ETTR its ledger measured. Faults are taken to strike training only (each attempt's
     fault is injected after its first step: `restart_failures=False`).
