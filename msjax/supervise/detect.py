@@ -177,7 +177,7 @@ def died(failure: Failure, exit_code: int | None) -> bool:
     `exit_code`: the worker's Popen returncode (-SIG for a signal; None: unknown, not counted)."""
     if failure.kind != "exit" or exit_code is None or exit_code == 0:
         return False
-    return exit_code > 0 or signal.Signals(-exit_code) not in OUTSIDE_SIGNALS
+    return exit_code > 0 or -exit_code not in OUTSIDE_SIGNALS  # ints: a realtime signal has no Signals member
 
 
 def needs_diagnosis(failures: Sequence[Failure], exit_codes: dict[int, int | None]) -> bool:
@@ -188,7 +188,7 @@ def needs_diagnosis(failures: Sequence[Failure], exit_codes: dict[int, int | Non
     restart)."""
     return any(f.kind not in ("exit", "stopped")
                or (f.kind == "exit" and ((exit_codes.get(f.rank) or 0) >= 0
-                                         or signal.Signals(-exit_codes[f.rank]) not in OUTSIDE_SIGNALS))
+                                         or -exit_codes[f.rank] not in OUTSIDE_SIGNALS))
                for f in failures)
 
 

@@ -439,23 +439,11 @@ class Supervisor:
         results = self.backend.diagnose(hosts, self.checks)
         if results is None:  # they ran elsewhere (a Kubernetes initContainer) and reported failing hosts to Redis
             for host in sorted(self.control.excluded_hosts() - set(self.excluded)):
-                self.excluded[host] = "failed its self-checks"
-                note = self.backend.exclusion_note(host)
-                self.events.emit("excluded", host=host, reason=self.excluded[host], action=note)
-                self._print(f"excluded {host}: failed its self-checks" + (f"; keep the job off it: {note}"
-                                                                          if note else ""))
+                self._exclude(host, "failed its self-checks", record=False)
             return []  # the cluster places the restarted workers; nothing to re-plan here
         self.events.emit("diagnosed", seconds=time.time() - t0, hosts={r.host: r.to_dict() for r in results})
         self._device_kind = next((r.device_kind for r in results if r.device_kind), "")
-        newly = []
-        for r in results:
-            if not r.ok:
-                reason = "; ".join(r.reasons)
-                self.excluded[r.host] = reason
-                newly.append(r.host)
-                self.events.emit("excluded", host=r.host, reason=reason)
-                self.control.exclude_host(r.host, reason)
-                self._print(f"excluded {r.host}: {reason}")
+        newly = [r.host for r in results if not r.ok and self._exclude(r.host, "; ".join(r.reasons))]
         if not newly:
             self._print(f"diagnostics passed on {len(results)} host(s) ({time.time() - t0:.1f} s)")
         return newly
@@ -464,23 +452,30 @@ class Supervisor:
                                  ) -> list[str]:
         """Counts the workers that died on each host (detect.died) and excludes a host at
         supervisor.exclude_after_deaths deaths. Returns the hosts newly excluded that this backend places workers
-        on (where the cluster places them, the exclusion is recorded and its note printed, as for self-checks)."""
+        on (`_exclude`)."""
         newly = []
         for f in failures:
             if not detect.died(f, codes.get(f.rank)) or f.host in self.excluded:
                 continue
             self._deaths[f.host] = self._deaths.get(f.host, 0) + 1
-            if not self.s.exclude_after_deaths or self._deaths[f.host] < self.s.exclude_after_deaths:
-                continue
-            reason = f"its workers died {self._deaths[f.host]} times (the last: {_stable(f.detail)})"
-            note = self.backend.exclusion_note(f.host)
-            self.excluded[f.host] = reason
-            self.events.emit("excluded", host=f.host, reason=reason, **({"action": note} if note else {}))
-            self.control.exclude_host(f.host, reason)
-            self._print(f"excluded {f.host}: {reason}" + (f"; keep the job off it: {note}" if note else ""))
-            if not note:
+            if (self.s.exclude_after_deaths and self._deaths[f.host] >= self.s.exclude_after_deaths
+                    and self._exclude(f.host, f"its workers died {self._deaths[f.host]} times (the last: "
+                                              f"{_stable(f.detail)})")):
                 newly.append(f.host)
         return newly
+
+    def _exclude(self, host: str, reason: str, record: bool = True) -> bool:
+        """Leaves `host` out of every later attempt for `reason`: remembered, an `excluded` event, one line, and
+        (`record`) the run's record of excluded hosts in Redis. Returns whether this backend places the workers
+        itself (the caller then takes a spare or re-plans); where the cluster places them, the event and the line
+        carry what keeps the job off the host (`WorkerBackend.exclusion_note`)."""
+        note = self.backend.exclusion_note(host)
+        self.excluded[host] = reason
+        self.events.emit("excluded", host=host, reason=reason, **({"action": note} if note else {}))
+        if record:
+            self.control.exclude_host(host, reason)
+        self._print(f"excluded {host}: {reason}" + (f"; keep the job off it: {note}" if note else ""))
+        return not note
 
     def _exclude_stragglers(self, hosts: list[str], n: int) -> list[str]:
         """With observe.exclude_stragglers: the straggler hosts the run recorded in Redis that this restart leaves

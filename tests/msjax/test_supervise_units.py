@@ -184,6 +184,7 @@ def test_self_checks_are_skipped_only_when_every_failure_is_a_stop_from_outside(
 def test_a_death_is_an_exit_nobody_asked_for():
     dead = Failure(0, "h0", "exit", "x")
     assert died(dead, -signal.SIGKILL) and died(dead, -signal.SIGABRT) and died(dead, 1)
+    assert died(dead, -(signal.SIGRTMIN + 2))  # a signal number with no Signals member
     assert not died(dead, -signal.SIGTERM) and not died(dead, -signal.SIGINT)
     assert not died(dead, 0) and not died(dead, None)
     for kind in ("stopped", "heartbeat", "stalled", "peer_lost", "nonfinite"):
