@@ -287,12 +287,30 @@ def read_bytes(path: str) -> bytes:
     return fs.cat_file(p)
 
 
+def _write_checks(url: str) -> dict[str, str]:
+    """The keyword arguments that make an object-store write verify what the server stored.
+
+    gcsfs sends an object under 5 MiB as one multipart/related request whose part delimiters end in a bare LF, so
+    content ending in a carriage return reads, to a server that accepts CRLF delimiters, as one byte shorter (a
+    GCS emulator stores it so). With `consistency="md5"` gcsfs compares the MD5 the server reports with the bytes
+    sent and raises `gcsfs.retry.ChecksumError`: a checkpoint file stored short fails its save, never its restore.
+    Only writes are checked: a download's MD5 check raises for composite objects, which GCS gives no MD5. S3's
+    PUT sends the body raw, with nothing to misread.
+    """
+    return {"consistency": "md5"} if url_scheme(url) == "gs" else {}
+
+
 def write_bytes(path: str, data: bytes) -> None:
     """Writes `data` to `path` whole or not at all: an object store's PUT is atomic (the object appears complete
-    or not at all); a local file is written to a temporary name, fsynced and renamed."""
+    or not at all); a local file is written to a temporary name, fsynced and renamed.
+
+    Raises:
+      OSError: the write was refused (the object store's own error types besides).
+      gcsfs.retry.ChecksumError: GCS stored other bytes than `data` (see `_write_checks`).
+    """
     if is_remote(path):
         fs, p = filesystem(path)
-        fs.pipe_file(p, data)
+        fs.pipe_file(p, data, **_write_checks(path))
         return
     target = Path(path)
     tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
@@ -325,11 +343,16 @@ def remove_tree(path: str) -> None:
 
 
 def upload(files: Sequence[tuple[Path, str]]) -> None:
-    """Copies local files to object-store URLs, several at a time; returns when every object is written."""
+    """Copies local files to object-store URLs, several at a time; returns when every object is written.
+
+    Raises:
+      OSError: a write was refused (the object store's own error types besides).
+      gcsfs.retry.ChecksumError: GCS stored other bytes than a file's (see `_write_checks`).
+    """
     if not files:
         return
     fs, _ = filesystem(files[0][1])
-    fs.put([str(src) for src, _ in files], [filesystem(dst)[1] for _, dst in files])
+    fs.put([str(src) for src, _ in files], [filesystem(dst)[1] for _, dst in files], **_write_checks(files[0][1]))
 
 
 def download(files: Sequence[tuple[str, Path]]) -> None:

@@ -185,6 +185,51 @@ def test_an_unreachable_bucket_is_one_error_line_without_the_storage_librarys_tr
     assert lines[0].startswith(f"error: checkpoint.dir='{scheme}://no-such-bucket/run1' is not writable ("), lines
 
 
+# ---- every byte arrives ----------------------------------------------------------------------------------------
+
+def _objects_ending_in_line_breaks(seed: int) -> dict[str, bytes]:
+    """Random objects, and random objects ending in each line-break byte sequence a multipart parser could take
+    for part of a delimiter."""
+    rng = np.random.default_rng(seed)
+    body = lambda: rng.integers(0, 256, int(rng.integers(1, 4096)), dtype=np.uint8).tobytes()  # noqa: E731
+    ends = {"cr": b"\r", "lf": b"\n", "crlf": b"\r\n", "lfcr": b"\n\r", "dashes": b"\r\n--"}
+    return {**{f"random{i}": body() for i in range(4)}, **{name: body() + end for name, end in ends.items()}}
+
+
+def test_objects_ending_in_any_byte_arrive_whole(s3, tmp_path):
+    """Uploaded (several at a time, and one written whole) and downloaded, every object has the bytes sent."""
+    objects = _objects_ending_in_line_breaks(seed=3)
+    for name, data in objects.items():
+        (tmp_path / name).write_bytes(data)
+    prefix = f"{s3.scheme}://ckpt/bytes"
+    paths.upload([(tmp_path / name, f"{prefix}/{name}") for name in objects])
+    paths.write_bytes(f"{prefix}/whole", objects["cr"])
+    paths.download([(f"{prefix}/{name}", tmp_path / "back" / name) for name in objects])
+    for name, data in objects.items():
+        assert (tmp_path / "back" / name).read_bytes() == data, name
+    assert paths.read_bytes(f"{prefix}/whole") == objects["cr"]
+
+
+def test_a_gcs_server_that_stores_other_bytes_fails_the_write(tmp_path, monkeypatch):
+    """The GCS emulator as released stores an object ending in a carriage return one byte short (see
+    tests/msjax/gcs_emulator.py). msjax's writes check the MD5 the server reports, so such an upload raises (a
+    checkpoint copy then fails its save, never its restore); without that check the same upload succeeds and the
+    bucket holds the short object."""
+    from gcsfs.retry import ChecksumError
+
+    data = _objects_ending_in_line_breaks(seed=4)["cr"]
+    (tmp_path / "f").write_bytes(data)
+    with GCSServer(byte_exact=False) as server:
+        server.make_bucket("b")
+        with pytest.raises(ChecksumError):
+            paths.upload([(tmp_path / "f", "gs://b/f")])
+        with pytest.raises(ChecksumError):
+            paths.write_bytes("gs://b/g", data)
+        monkeypatch.setattr(paths, "_write_checks", lambda url: {})
+        paths.upload([(tmp_path / "f", "gs://b/h")])
+        assert paths.read_bytes("gs://b/h") == data[:-1]
+
+
 # ---- checkpoints in a bucket -----------------------------------------------------------------------------------
 
 @pytest.mark.slow
