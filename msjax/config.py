@@ -431,14 +431,74 @@ class StorageConfig:
       s3_endpoint: URL of an S3-compatible server (MinIO, Ceph, moto: http://host:port); empty: AWS itself, or
         the AWS_ENDPOINT_URL environment variable.
       s3_region: S3 region; empty: AWS_REGION / AWS_DEFAULT_REGION / ~/.aws/config.
+      s3_profile: the named profile of ~/.aws/credentials and ~/.aws/config to take credentials (and, unless set
+        here, endpoint and region) from; empty: AWS_PROFILE, else the default chain.
       gcs_endpoint: URL of a GCS-compatible server (an emulator); empty: Google's, or STORAGE_EMULATOR_HOST.
+      gcs_credentials: a service-account key file (JSON) to authenticate to GCS with; empty: application default
+        credentials (none at all with gcs_endpoint: emulators take anonymous requests).
       timeout_s: bound on connecting to and on each read from object storage, seconds.
+      prefixes: settings bound to a path prefix, so that one process reaches several stores (a corpus on one, the
+        checkpoints on another): each entry is `<prefix> <key>=<value> ...`, e.g.
+        `s3://corpus s3_endpoint=http://minio-a:9000 s3_profile=data`, with keys among PREFIX_SETTINGS. A path takes
+        the settings above, then those of each prefix that contains it, shortest first, so the longest prefix wins
+        a key set twice (prefixes match whole path components: `s3://corpus` covers `s3://corpus/a`, not
+        `s3://corpus2`).
     """
 
     s3_endpoint: str = ""
     s3_region: str = ""
+    s3_profile: str = ""
     gcs_endpoint: str = ""
+    gcs_credentials: str = ""
     timeout_s: float = 60.0
+    prefixes: tuple[str, ...] = ()
+
+    def prefix_settings(self) -> list[tuple[str, dict[str, Any]]]:
+        """(prefix without a trailing slash, the settings it replaces) of each `prefixes` entry, longest first.
+
+        Raises:
+          ConfigError: an entry without settings, a prefix that is not a gs:// or s3:// URL with a bucket, a key
+            not in PREFIX_SETTINGS or not `key=value`, a bad timeout, a prefix given twice.
+        """
+        out: dict[str, dict[str, Any]] = {}
+        for entry in self.prefixes:
+            prefix, *pairs = entry.split() or [""]
+            where = f"storage.prefixes entry {entry!r}"
+            if not pairs:
+                raise ConfigError(f"{where} binds no settings; allowed: '<prefix> <key>=<value> ...' with keys "
+                                  f"{', '.join(PREFIX_SETTINGS)}")
+            check_path_value(prefix, "storage.prefixes")
+            if url_scheme(prefix) not in OBJECT_STORE_SCHEMES:
+                raise ConfigError(f"{where}: the prefix {prefix!r} is not an object-storage URL; allowed: "
+                                  "gs://bucket[/path] or s3://bucket[/path]")
+            prefix = prefix.rstrip("/")
+            if prefix in out:
+                raise ConfigError(f"{where}: the prefix {prefix!r} is given settings twice")
+            settings: dict[str, Any] = {}
+            for pair in pairs:
+                key, eq, value = pair.partition("=")
+                if not eq or key not in PREFIX_SETTINGS:
+                    raise ConfigError(f"{where}: {pair!r} is not a setting; allowed: <key>=<value> with keys "
+                                      f"{', '.join(PREFIX_SETTINGS)}")
+                settings[key] = coerce(f"{where}: {key}", _field_type(StorageConfig, key), value)
+            if not (math.isfinite(settings.get("timeout_s", 1.0)) and settings.get("timeout_s", 1.0) > 0):
+                raise ConfigError(f"{where}: timeout_s={settings['timeout_s']}: allowed is a finite number of "
+                                  "seconds > 0")
+            out[prefix] = settings
+        return sorted(out.items(), key=lambda item: -len(item[0]))
+
+    def for_path(self, url: str) -> "StorageConfig":
+        """The settings that reach `url` (see `prefixes`), with no prefixes of their own. Raises ConfigError as
+        prefix_settings."""
+        merged: dict[str, Any] = {}
+        for prefix, settings in reversed(self.prefix_settings()):  # shortest first: the longer prefix wins
+            if url == prefix or url.startswith(prefix + "/"):
+                merged.update(settings)
+        return dataclasses.replace(self, prefixes=(), **merged)
+
+
+# The StorageConfig fields a storage.prefixes entry may set.
+PREFIX_SETTINGS = ("s3_endpoint", "s3_region", "s3_profile", "gcs_endpoint", "gcs_credentials", "timeout_s")
 
 
 @dataclass(frozen=True)
@@ -602,6 +662,7 @@ class Config:
             check_path_value(value, "data.paths")
         if not (math.isfinite(self.storage.timeout_s) and self.storage.timeout_s > 0):
             raise ConfigError(f"storage.timeout_s={self.storage.timeout_s}: allowed is a finite number of seconds > 0")
+        self.storage.prefix_settings()
         if t.eval_batches < 0 or t.eval_every < 0 or t.log_every < 0:
             raise ConfigError(f"train.eval_batches={t.eval_batches}, train.eval_every={t.eval_every}, "
                               f"train.log_every={t.log_every}: allowed are integers >= 0 (0 disables)")

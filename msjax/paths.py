@@ -62,7 +62,13 @@ _storage = StorageConfig()
 
 
 def configure(storage: StorageConfig) -> None:
-    """Sets the object-store settings (endpoint, region, timeout) every later call in this process uses."""
+    """Sets the object-store settings (endpoint, region, credentials, timeout; per path prefix with
+    `storage.prefixes`) every later call in this process uses.
+
+    Raises:
+      ConfigError: a bad `storage.prefixes` entry (StorageConfig.prefix_settings), before anything is changed.
+    """
+    storage.prefix_settings()
     global _storage
     _storage = storage
 
@@ -152,11 +158,20 @@ def storage_logs_quiet() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def filesystem(url: str) -> tuple[Any, str]:
-    """(fsspec filesystem, the path inside it) for a `gs://` or `s3://` URL, with `configure`'s settings.
+def endpoint(url: str) -> str:
+    """The endpoint setting that reaches the `gs://` or `s3://` URL `url` ("" for the backend's default: AWS,
+    Google, or their environment variables). Raises ConfigError for a bad `storage.prefixes` entry."""
+    s = _storage.for_path(url)
+    return s.s3_endpoint if scheme(url) == "s3" else s.gcs_endpoint
 
-    Credentials come from each package's own chain: for s3fs AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, ~/.aws or
-    an instance role; for gcsfs Google's application default credentials.
+
+def filesystem(url: str) -> tuple[Any, str]:
+    """(fsspec filesystem, the path inside it) for a `gs://` or `s3://` URL, with `configure`'s settings for that
+    URL (those of the longest `storage.prefixes` entry that contains it, else the defaults).
+
+    Credentials come from the settings (`s3_profile`, `gcs_credentials`), else from each package's own chain: for
+    s3fs AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, ~/.aws or an instance role; for gcsfs Google's application
+    default credentials. fsspec caches a filesystem per set of arguments, so URLs with the same settings share one.
 
     Raises:
       PathError: `url` is not a gs:// or s3:// URL, or its package is missing.
@@ -167,7 +182,7 @@ def filesystem(url: str) -> tuple[Any, str]:
     if name not in BACKENDS:
         raise PathError(f"{url!r} is not an object-storage URL (gs:// or s3://)")
     check(url, "path")
-    s = _storage
+    s = _storage.for_path(url)
     if name == "s3":
         client: dict[str, Any] = {}
         if s.s3_endpoint:
@@ -179,6 +194,8 @@ def filesystem(url: str) -> tuple[Any, str]:
         options = {"client_kwargs": client, "config_kwargs": {
             "connect_timeout": s.timeout_s, "read_timeout": s.timeout_s,
             "retries": {"max_attempts": 3, "mode": "standard"}}}
+        if s.s3_profile:
+            options["profile"] = s.s3_profile
     elif s.gcs_endpoint:
         # A GCS-compatible server (an emulator) gets no credentials (token "anon": otherwise gcsfs looks for them,
         # the GCE metadata server included) and gcsfs's plain GCSFileSystem: the default one (gcsfs >= 2025.9)
@@ -186,11 +203,13 @@ def filesystem(url: str) -> tuple[Any, str]:
         # (a 60 s timeout per bucket).
         from gcsfs.core import GCSFileSystem
 
-        fs = GCSFileSystem(endpoint_url=s.gcs_endpoint, token="anon", timeout=s.timeout_s,
+        fs = GCSFileSystem(endpoint_url=s.gcs_endpoint, token=s.gcs_credentials or "anon", timeout=s.timeout_s,
                            use_listings_cache=False)
         return fs, fs._strip_protocol(url)
     else:
         options = {"timeout": s.timeout_s}
+        if s.gcs_credentials:
+            options["token"] = s.gcs_credentials
     # No listings cache: a checkpoint tier is listed to find what another process (or a crash) left there, and a
     # cached listing would hide it.
     fs = fsspec.filesystem(BACKENDS[name].protocol, use_listings_cache=False, **options)
@@ -342,6 +361,16 @@ def remove_tree(path: str) -> None:
         pass
 
 
+def _by_filesystem(urls: Sequence[str]) -> dict[int, tuple[Any, str, list[int]]]:
+    """The positions of `urls` grouped by the filesystem that serves them: {id: (filesystem, one of its URLs,
+    positions)}. URLs under different `storage.prefixes` settings need different filesystems."""
+    groups: dict[int, tuple[Any, str, list[int]]] = {}
+    for i, url in enumerate(urls):
+        fs, _ = filesystem(url)
+        groups.setdefault(id(fs), (fs, url, []))[2].append(i)
+    return groups
+
+
 def upload(files: Sequence[tuple[Path, str]]) -> None:
     """Copies local files to object-store URLs, several at a time; returns when every object is written.
 
@@ -349,20 +378,16 @@ def upload(files: Sequence[tuple[Path, str]]) -> None:
       OSError: a write was refused (the object store's own error types besides).
       gcsfs.retry.ChecksumError: GCS stored other bytes than a file's (see `_write_checks`).
     """
-    if not files:
-        return
-    fs, _ = filesystem(files[0][1])
-    fs.put([str(src) for src, _ in files], [filesystem(dst)[1] for _, dst in files], **_write_checks(files[0][1]))
+    for fs, url, at in _by_filesystem([dst for _, dst in files]).values():
+        fs.put([str(files[i][0]) for i in at], [filesystem(files[i][1])[1] for i in at], **_write_checks(url))
 
 
 def download(files: Sequence[tuple[str, Path]]) -> None:
     """Copies object-store URLs to local files (directories made as needed), several at a time."""
-    if not files:
-        return
     for _, dst in files:
         dst.parent.mkdir(parents=True, exist_ok=True)
-    fs, _ = filesystem(files[0][0])
-    fs.get([filesystem(src)[1] for src, _ in files], [str(dst) for _, dst in files])
+    for fs, _, at in _by_filesystem([src for src, _ in files]).values():
+        fs.get([filesystem(files[i][0])[1] for i in at], [str(files[i][1]) for i in at])
 
 
 def local_copy(path: str, dest_root: Path) -> Path:
@@ -400,6 +425,13 @@ def local_copy(path: str, dest_root: Path) -> Path:
 
 
 def copy(src: str, dst: str) -> None:
-    """Copies one object within the same object store (server side)."""
+    """Copies one object within the same object store (server side).
+
+    Raises:
+      ValueError: `src` and `dst` are reached with different settings (`storage.prefixes`): two stores.
+    """
     fs, p = filesystem(src)
-    fs.copy(p, filesystem(dst)[1])
+    fs_dst, p_dst = filesystem(dst)
+    if fs_dst is not fs:
+        raise ValueError(f"cannot copy {src} to {dst} on the server: storage.prefixes puts them on different stores")
+    fs.copy(p, p_dst)

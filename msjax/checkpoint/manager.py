@@ -101,8 +101,11 @@ def local_checkpoint_dir(cfg: CheckpointConfig) -> Path | None:
 
 def staging_dir(directory: str) -> Path:
     """The local tier of an object-storage persistent tier `directory` without `checkpoint.local_dir`: a folder in
-    the user's cache named by a hash of the URL, so a restarted run on the same host finds what it wrote."""
-    return cache_home() / "checkpoint-staging" / hashlib.sha256(directory.encode()).hexdigest()[:16]
+    the user's cache named by a hash of the URL and the endpoint that serves it (the same bucket name on two
+    stores is two directories), so a restarted run on the same host finds what it wrote."""
+    endpoint = paths.endpoint(directory)
+    key = f"{directory} at {endpoint}" if endpoint else directory  # default endpoints: the URL alone, as before
+    return cache_home() / "checkpoint-staging" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def ensure_writable(path: Path | str, key: str = "checkpoint.dir") -> None:

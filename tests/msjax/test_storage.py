@@ -425,6 +425,77 @@ def test_tokenizer_file_from_bucket_equals_the_local_file(s3, tmp_path):
                                       np.concatenate([there.train, there.val]))
 
 
+# ---- two stores in one process ---------------------------------------------------------------------------------
+
+def test_prefix_settings_layer_shortest_first_on_whole_path_components():
+    storage = StorageConfig(s3_endpoint="http://default:1", prefixes=(
+        "s3://corpus/ s3_endpoint=http://a:1 s3_profile=data", "s3://corpus/eval timeout_s=5"))
+    assert storage.for_path("s3://corpus/eval/x") == StorageConfig(
+        s3_endpoint="http://a:1", s3_profile="data", timeout_s=5.0)
+    assert storage.for_path("s3://corpus") == StorageConfig(s3_endpoint="http://a:1", s3_profile="data")
+    assert storage.for_path("s3://corpus2/x") == StorageConfig(s3_endpoint="http://default:1")
+    assert storage.for_path("gs://corpus/x") == StorageConfig(s3_endpoint="http://default:1")
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("s3://corpus", r"binds no settings; allowed: '<prefix> <key>=<value> \.\.\.' with keys s3_endpoint"),
+    ("s3://corpus s3_endpoint", r"'s3_endpoint' is not a setting; allowed: <key>=<value>"),
+    ("s3://corpus endpoint=http://a:1", r"'endpoint=http://a:1' is not a setting"),
+    ("/data/corpus s3_region=x", r"the prefix '/data/corpus' is not an object-storage URL"),
+    ("hdfs://corpus s3_region=x", r"scheme 'hdfs://' is not supported"),
+    ("s3://corpus timeout_s=0", r"timeout_s=0.0: allowed is a finite number of seconds > 0"),
+    ("s3://corpus timeout_s=soon", r"timeout_s='soon': allowed is float"),
+])
+def test_a_bad_prefix_entry_is_one_error_naming_it(tmp_path, small_corpus, make_tiny_config, entry, message):
+    with pytest.raises(ConfigError, match=message):
+        make_tiny_config(tmp_path, small_corpus, **{"storage.prefixes": (entry,)})
+    with pytest.raises(ConfigError, match=message):
+        paths.configure(StorageConfig(prefixes=(entry,)))
+    twice = ("s3://corpus s3_region=a", "s3://corpus/ s3_region=b")
+    with pytest.raises(ConfigError, match=r"the prefix 's3://corpus' is given settings twice"):
+        paths.configure(StorageConfig(prefixes=twice))
+
+
+def test_a_corpus_on_one_store_and_checkpoints_on_another_in_one_run(tmp_path, small_corpus, make_tiny_config):
+    """Two S3-compatible servers, both `s3://`: the corpus bucket on one (bound to its prefix by storage.prefixes),
+    the checkpoint bucket on the other (the default settings). A run reads the corpus there, saves its checkpoints
+    here, and a second run resumes from them; without the prefix entry the corpus is not found. A profile named
+    under one prefix is what that prefix's requests use (a missing one is refused by botocore, naming it), while
+    the other prefix is untouched."""
+    with S3Server() as corpus_store, S3Server() as ckpt_store:
+        corpus_store.make_bucket("corpus")
+        _upload_dir(small_corpus, "s3://corpus/text")
+        ckpt_store.make_bucket("ckpt")
+        store = {**ckpt_store.overrides(), "storage.prefixes": (f"s3://corpus s3_endpoint={corpus_store.endpoint}",)}
+        cfg = make_tiny_config(tmp_path, small_corpus, **store, **{"data.paths": ("s3://corpus/text",),
+                                                                     "checkpoint.dir": "s3://ckpt/run"})
+        first = run(cfg)
+        assert first.final_step == 8 and latest_verified("s3://ckpt/run") == 8
+        paths.configure(corpus_store.storage)  # the corpus server alone: it holds no checkpoint bucket
+        assert not paths.exists("s3://ckpt/run")
+        paths.configure(ckpt_store.storage)
+        assert not paths.exists("s3://corpus/text")
+        resumed = run(apply_overrides(cfg, {"train.steps": 12, "optimizer.decay_steps": 12,
+                                            "checkpoint.resume": True, "train.run_dir": str(tmp_path / "run2")}))
+        assert resumed.start_step == 8 and resumed.final_step == 12
+        with pytest.raises(DataError, match=r"data path 's3://corpus/text' does not exist"):
+            run(apply_overrides(cfg, {"storage.prefixes": (), "data.cache_dir": str(tmp_path / "cache2"),
+                                      "checkpoint.dir": "s3://ckpt/run3"}))
+
+        config_file = tmp_path / "aws_config"
+        config_file.write_text("[profile data]\nregion = us-west-2\naws_access_key_id = data-key\n"
+                               "aws_secret_access_key = data-secret\n")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("AWS_CONFIG_FILE", str(config_file))
+            paths.configure(dataclasses.replace(ckpt_store.storage, prefixes=(
+                f"s3://corpus s3_endpoint={corpus_store.endpoint} s3_profile=data",
+                f"s3://corpus/other s3_profile=nobody")))
+            assert paths.exists("s3://corpus/text") and paths.exists("s3://ckpt/run/8")
+            with pytest.raises(Exception, match=r"profile \(nobody\) could not be found"):
+                paths.exists("s3://corpus/other/x")
+        paths.configure(StorageConfig())
+
+
 # ---- several processes: each reads only its own rows ----------------------------------------------------------
 
 def _two_processes(script: str, args: list[str], timeout: float) -> list:
