@@ -1,9 +1,12 @@
 """The goodput ledger: where a run's wall time went, as productive step time and named badput.
 
 Every run writes `<run_dir>/goodput.json` at its end: the training loop for a run of its own (`LoopLedger`), the
-supervisor over all attempts for a supervised one (`run_ledger`, from the event log). During a run, rank 0 writes
-its ledger so far to the event log (`goodput` events, msjax.events) at every logging step, and every rank hands it
-to the control plane (`RedisMetricsSink.publish_goodput`: `msjax:{run_id}:goodput:{rank}` in the run's Redis).
+supervisor over all attempts for a supervised one (`run_ledger`, from the event log). The ledger is the job's, not
+one process's: every rank keeps its own, stores it in jax's coordination service at every logging step, and rank 0
+combines them (`job_ledger`: a synchronous step waits for its slowest rank, so each badput bucket is the largest of
+any rank's) and writes the result to the event log (`goodput` events, msjax.events) and to goodput.json, which also
+lists each rank's ledger and names the slowest rank of each bucket. Every rank also hands its own ledger to the
+control plane (`RedisMetricsSink.publish_goodput`: `msjax:{run_id}:goodput:{rank}` in the run's Redis).
 
 Buckets (seconds of wall-clock time, `time.time()`; they partition the run's wall time, so they add up to it):
 
@@ -12,7 +15,10 @@ Buckets (seconds of wall-clock time, `time.time()`; they partition the run's wal
                   jax.distributed, data, mesh, train program, checkpoint restore, the hooks' own start).
     compilation   `on_start` -> the end of the first step's dispatch (tracing, compiling, the first dispatch: jit
                   compiles synchronously at the first call), less the first batch's data wait.
-    data_wait     the loop waiting for the next batch (`data_s` of each step: `next(loader)`).
+    data_wait     the devices idle for want of the next batch: of each wait in `next(loader)`, the part after the
+                  previous step's outputs were ready (msjax.hooks.DataWait, timed by the step observer's watcher);
+                  the part before, hidden behind device work still queued, is productive. (The loop's whole wait
+                  is kept as `data_wait_host_s`.)
     checkpoint    the loop blocked in the checkpoint save after each step (`checkpoint_s`), and in closing the
                   checkpointer at the end (waiting for an asynchronous save to commit).
     evaluation    validation-loss evaluation (`eval_s`).
@@ -220,13 +226,26 @@ class LoopLedger(Hook):
         self.buckets["productive"] -= s
 
     def to_dict(self, final: bool = False) -> dict[str, Any]:
-        """The ledger so far: {"rank", "process_start", "loop_start", "until" (unix s: the end of the time
-        covered), "start_step", "step", "steps", "final", "buckets" {name: s}, "wall_s", "ettr"}."""
+        """This process's ledger so far: {"rank", "process_start", "loop_start", "until" (unix s: the end of the
+        time covered), "start_step", "step", "steps", "final", "buckets" {name: s}, "wall_s", "ettr",
+        "data_wait_host_s"}.
+
+        `data_wait` holds the batch waits the devices sat idle for (`RunContext.data_wait`, from the step
+        observer, for the steps whose device work is done); the rest of the loop's waits in `next(loader)`, hidden
+        behind steps still running, counts as productive. `data_wait_host_s` is the loop's whole wait.
+        """
         wall = (self.last or time.time()) - self.process_start
+        buckets = dict(self.buckets)
+        host_data = buckets["data_wait"]
+        if self._ctx is not None:
+            host_s, device_s = self._ctx.data_wait.totals()
+            hidden = min(max(0.0, host_s - device_s), buckets["data_wait"])
+            buckets["data_wait"] -= hidden
+            buckets["productive"] += hidden
         return {"rank": self.rank, "process_start": self.process_start, "loop_start": self.loop_start,
                 "until": self.last, "start_step": self.start_step, "step": self.step, "steps": self.steps,
-                "final": final, "buckets": dict(self.buckets), "wall_s": wall,
-                "ettr": self.buckets["productive"] / wall if wall > 0 else None}
+                "final": final, "buckets": buckets, "wall_s": wall,
+                "ettr": buckets["productive"] / wall if wall > 0 else None, "data_wait_host_s": host_data}
 
     def _publish(self, final: bool, write: bool = False, **extra: Any) -> dict[str, Any]:
         self._straggler()
@@ -236,21 +255,91 @@ class LoopLedger(Hook):
             return ledger
         for sink in self.sinks:
             sink.publish_goodput(self.rank, ledger)
+        ranks = _exchange(self.rank, ledger, final and write)
         if self.rank == 0:
-            append_event(ctx.run_dir, "goodput", **ledger)
+            job = job_ledger(ranks)
+            append_event(ctx.run_dir, "goodput", **{k: v for k, v in job.items() if k != "ranks"})
             if write:
-                write_ledger(ctx.run_dir, loop_summary(ledger))
+                write_ledger(ctx.run_dir, loop_summary(job))
+            return job
         return ledger
 
 
+# Every rank's ledger goes to jax's coordination service under these keys (the latest, overwritten at each
+# publish; the final one, once): rank 0 reads them without a collective, so a rank that raised cannot hang it.
+_KV_LATEST, _KV_FINAL = "msjax_goodput_latest/", "msjax_goodput_final/"
+# How long rank 0 waits, at the end of a run, for another rank's final ledger. The ranks end their loops at the
+# same step and close their checkpointers together, so the finals arrive within seconds; one that does not (its
+# process raised) is replaced by its latest ledger, and a warning names it.
+FINAL_WAIT_S = 60.0
+
+
+def _exchange(rank: int, ledger: dict[str, Any], final: bool) -> list[dict[str, Any]]:
+    """Every rank's latest ledger (rank 0; the others get [ledger]): this one stored in jax's coordination service,
+    the others read from it, a final exchange waiting for every rank's final ledger (at most FINAL_WAIT_S in all).
+    A rank that has published nothing yet is left out until it does."""
+    import jax
+
+    if jax.process_count() == 1:
+        return [ledger]
+    from msjax.compat import jax_distributed  # jax has no public key-value store
+
+    client = jax_distributed.global_state.client
+    text = json.dumps(ledger)
+    try:
+        client.key_value_set(f"{_KV_LATEST}{rank}", text, allow_overwrite=True)
+        if final:
+            client.key_value_set(f"{_KV_FINAL}{rank}", text, allow_overwrite=True)
+    except Exception as e:  # noqa: BLE001 - the service is gone (rank 0 ended): the ledger is a report, not a step
+        log.warning("goodput: rank %d could not publish its ledger to the coordination service: %s", rank, e)
+    if rank != 0:
+        return [ledger]
+    latest = {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in client.key_value_dir_get(_KV_LATEST)}
+    latest[0] = ledger
+    if final:
+        deadline = time.monotonic() + FINAL_WAIT_S  # one wait for all: ranks that raised cost it once, not each
+        for other in range(1, jax.process_count()):
+            left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+            try:
+                latest[other] = json.loads(client.blocking_key_value_get(f"{_KV_FINAL}{other}", left_ms))
+            except Exception:  # noqa: BLE001 - the coordination service's deadline error
+                log.warning("goodput: rank %d's final ledger did not arrive within %.0f s of the run's end "
+                            "(FINAL_WAIT_S); the job's goodput.json takes its latest one", other, FINAL_WAIT_S)
+    return [latest[r] for r in sorted(latest)]
+
+
+def job_ledger(ranks: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The job's ledger from every rank's (LoopLedger.to_dict dicts, rank 0's first): a synchronous step waits for
+    its slowest rank, so each badput bucket is the largest of any rank's (`slowest` names that rank), the wall the
+    longest, and productive the wall's rest (never below 0; what the maxima overrun shows in `unaccounted_s` of
+    goodput.json). Rank 0's own fields (steps, times) otherwise; `ranks` lists each rank's buckets, wall and ETTR.
+    One rank: its ledger, with `ranks` and `slowest` added."""
+    first = ranks[0]
+    wall = max(r["wall_s"] for r in ranks)
+    buckets, slowest = {}, {}
+    for name in LOOP_BUCKETS:
+        if name == "productive":
+            continue
+        worst = max(ranks, key=lambda r: r["buckets"].get(name, 0.0))
+        buckets[name], slowest[name] = worst["buckets"].get(name, 0.0), worst["rank"]
+    buckets["productive"] = max(0.0, wall - sum(buckets.values()))
+    return {**first, "wall_s": wall, "buckets": {k: buckets[k] for k in LOOP_BUCKETS}, "slowest": slowest,
+            "ettr": buckets["productive"] / wall if wall > 0 else None,
+            "ranks": [{"rank": r["rank"], "step": r.get("step"), "final": r.get("final"), "wall_s": r["wall_s"],
+                       "ettr": r["ettr"], "buckets": r["buckets"], "data_wait_host_s": r.get("data_wait_host_s")}
+                      for r in ranks]}
+
+
 def loop_summary(ledger: dict[str, Any]) -> dict[str, Any]:
-    """goodput.json of a run of its own, from its LoopLedger dict: {"wall_s", "buckets", "ettr",
-    "unaccounted_s", "steps", "source": "loop"}."""
+    """goodput.json of a run of its own, from its job ledger (`job_ledger`): {"wall_s", "buckets", "ettr",
+    "unaccounted_s", "steps", "slowest" {bucket: rank}, "ranks" [{"rank", "step", "final", "wall_s", "ettr",
+    "buckets", "data_wait_host_s"}], "source": "loop"}."""
     buckets = {k: ledger["buckets"].get(k, 0.0) for k in BUCKETS}
     wall = ledger["wall_s"]
     return {"source": "loop", "wall_s": wall, "buckets": buckets, "ettr": ledger["ettr"],
             "unaccounted_s": wall - sum(buckets.values()),
-            "steps": {"start": ledger["start_step"], "end": ledger["step"], "run": ledger["steps"]}}
+            "steps": {"start": ledger["start_step"], "end": ledger["step"], "run": ledger["steps"]},
+            "slowest": ledger.get("slowest", {}), "ranks": ledger.get("ranks", [])}
 
 
 def run_ledger(events: Iterable[dict]) -> dict[str, Any]:

@@ -98,6 +98,31 @@ def is_duplicate_delivery(first_at: float | None) -> bool:
     return first_at is not None and time.monotonic() - first_at < DUPLICATE_WINDOW_S
 
 
+class DataWait:
+    """The loop's waits for its batches, as the host saw them and as the devices did, over the steps whose device
+    work is done. The step observer's watcher thread adds each step once its outputs are ready; the goodput ledger
+    reads the totals (`msjax.goodput`).
+
+    A wait in `next(loader)` idles the devices only for the part of it after the previous step's outputs were
+    ready: before that they were still running queued steps. Per step (seconds, perf_counter clock):
+    device = max(0, got - max(fetch, previous step done)), the whole wait for a run's first step.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._host_s = self._device_s = 0.0
+
+    def add(self, host_s: float, device_s: float) -> None:
+        with self._lock:
+            self._host_s += host_s
+            self._device_s += device_s
+
+    def totals(self) -> tuple[float, float]:
+        """(host seconds, device seconds) of the steps added so far; device <= host."""
+        with self._lock:
+            return self._host_s, self._device_s
+
+
 @dataclass
 class RunContext:
     """What a hook may read about the run. Filled in by `msjax.train.run` before `on_start`.
@@ -117,6 +142,8 @@ class RunContext:
       checkpoint_dir: the persistent checkpoint tier as the loop resolved it (a local path or a gs:// / s3://
         URL), or None.
       local_checkpoint_dir: the local tier (`checkpoint.local_dir` resolved), or None when there is none.
+      data_wait: the batch waits as the devices saw them (`DataWait`): the step observer writes, the goodput
+        ledger reads.
     """
 
     config: Any
@@ -128,6 +155,7 @@ class RunContext:
     timings: dict[str, float] = field(default_factory=dict)
     checkpoint_dir: Any = None
     local_checkpoint_dir: Any = None
+    data_wait: DataWait = field(default_factory=DataWait)
 
 
 class Hook:

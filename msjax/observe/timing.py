@@ -23,6 +23,9 @@ From these, with done_t of the previous step:
   host_stall_s = max(0, issue_t(s) - done_t(s-1)): time the devices sat idle waiting for *this* process's host
                  (data, checkpoint, GC, Python). This is a rank's own host-side share: in a synchronous step the
                  other ranks wait for the rank whose host issued last, so only that rank shows the stall.
+  data idle    = max(0, issue_t(s) - max(issue_t(s) - data_s, done_t(s-1))): the part of the batch wait the
+                 devices sat idle for (before done_t(s-1) they still ran queued steps); added up with data_s in the
+                 run's `RunContext.data_wait`, for the goodput ledger's data_wait bucket.
   compute_s    = done_t(s) - max(issue_t(s), done_t(s-1)): the device time of the step (compute and the time spent
                  in its collectives).
   own_compute_s = max(arrive_t(s)) - min(start_t(s)) over the process's devices: the rank's own compute, the
@@ -80,7 +83,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from msjax.hooks import Hook, RunContext
+from msjax.hooks import DataWait, Hook, RunContext
 from msjax.events import append_event
 from msjax.observe.stragglers import RankPlace, StragglerDetector, mesh_places
 from msjax.parallel.arrival import ARRIVALS
@@ -375,6 +378,7 @@ class StepObserver(Hook):
         self._done_step = -1
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._data_wait: DataWait | None = None  # the run's, from on_start
         advisory = dict(ADVISORY_FIGURES) if cfg.probe else {}
         # rebuilt in on_start once the ranks' hosts are known (own_compute_s may be advisory there)
         self._detector = StragglerDetector({**SCORED_FIGURES, **advisory}, cfg.threshold, cfg.persist,
@@ -385,6 +389,7 @@ class StepObserver(Hook):
     def on_start(self, ctx: RunContext) -> None:
         self.rank, self.nproc = jax.process_index(), jax.process_count()
         self.run_dir = Path(ctx.run_dir)
+        self._data_wait = ctx.data_wait
         layout = ctx.program.layout
         self.tokens_per_step, self.peak = layout.tokens_per_step, layout.peak_flops
         self._mfu = layout.mfu
@@ -535,10 +540,15 @@ class StepObserver(Hook):
                         done = time.perf_counter()
                 if prev_done is None:
                     step_s, stall, start = done - issue_t, 0.0, issue_t
+                    data_idle = host["data_s"]
                 else:
                     step_s = done - prev_done
                     stall = max(0.0, issue_t - prev_done)
                     start = max(issue_t, prev_done)
+                    # the batch wait's part after the previous step was done (the loop fetched, then issued)
+                    data_idle = max(0.0, issue_t - max(issue_t - host["data_s"], prev_done))
+                if self._data_wait is not None:
+                    self._data_wait.add(host["data_s"], data_idle)
                 compute = done - start
                 if n > 1:  # the row gives per-step figures: a call of n steps, averaged over them
                     step_s, stall, compute = step_s / n, stall / n, compute / n

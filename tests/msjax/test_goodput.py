@@ -4,7 +4,9 @@ matching the loop's own time and adding up to the wall time, goodput.json writte
 
 The supervised run with a kill -9 and restarts is tests/msjax/test_supervise_e2e.py (its goodput assertions)."""
 
+import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -14,8 +16,9 @@ from msjax.control.store import Store, connect
 from msjax.control.worker import WorkerContext
 from msjax.control.rendezvous import Assignment
 from msjax.events import read_events
+from msjax import goodput
 from msjax.goodput import BUCKETS, read_ledger, run_ledger, straggler_seconds
-from msjax.hooks import Hook
+from msjax.hooks import DataWait, Hook
 from msjax.train import run
 
 
@@ -93,7 +96,7 @@ def test_the_loop_ledger_splits_each_step_interval_by_the_loops_own_timings(tmp_
 
     clock = _FakeTime(100.0)
     monkeypatch.setattr(goodput, "time", clock)
-    ctx = SimpleNamespace(run_dir=tmp_path, extra={}, timings={}, start_step=10,
+    ctx = SimpleNamespace(run_dir=tmp_path, extra={}, timings={}, start_step=10, data_wait=DataWait(),
                           config=SimpleNamespace(observe=SimpleNamespace(window=0)))
     ledger = goodput.LoopLedger(process_start=90.0, rank=0)
     ledger.on_start(ctx)  # 10 s of start-up
@@ -107,15 +110,41 @@ def test_the_loop_ledger_splits_each_step_interval_by_the_loops_own_timings(tmp_
     ctx.timings.update(checkpoint_s=1.5, eval_s=0.75)  # the last step's save and evaluation
     ledger.on_end(ctx, None)
     clock.t += 3.0
+    # The step observer's watcher: the first batch's wait idled the devices whole, the second's not at all (the
+    # first step still ran), the third's for 0.1 s of its 0.25 s.
+    for host_s, device_s in [(0.5, 0.5), (0.25, 0.0), (0.25, 0.1), (0.0, 0.0)]:
+        ctx.data_wait.add(host_s, device_s)
     out = ledger.finish(checkpoint_close_s=2.0)
-    want = {"startup": 10.0, "compilation": 7.0 - 0.5, "data_wait": 0.5 + 0.25 + 0.25,
+    hidden = 0.25 + 0.15
+    want = {"startup": 10.0, "compilation": 7.0 - 0.5, "data_wait": 0.5 + 0.25 + 0.25 - hidden,
             "checkpoint": 1.0 + 1.5 + 2.0, "evaluation": 0.5 + 0.75, "straggler": 0.0,
-            "productive": (2.0 - 0.25) + (3.0 - 0.25 - 1.0 - 0.5) + 2.0 + (4.0 - 1.5 - 0.75), "teardown": 1.0}
+            "productive": (2.0 - 0.25) + (3.0 - 0.25 - 1.0 - 0.5) + 2.0 + (4.0 - 1.5 - 0.75) + hidden,
+            "teardown": 1.0}
     assert out["buckets"] == pytest.approx(want)
+    assert out["data_wait_host_s"] == pytest.approx(1.0) and out["slowest"]["data_wait"] == 0
     assert out["wall_s"] == pytest.approx(31.0) == pytest.approx(sum(out["buckets"].values()))
     assert (out["step"], out["steps"], out["final"]) == (14, 4, True)
     assert read_ledger(tmp_path)["buckets"]["productive"] == pytest.approx(want["productive"])
     assert [e["final"] for e in read_events(tmp_path, "goodput")] == [False, True]
+
+
+def test_the_job_ledger_takes_each_badput_from_the_rank_that_had_most_of_it():
+    """Rank 1 waited longest for data, rank 0 longest in checkpoints: the job's step waited for both."""
+    def rank(r, wall, **buckets):
+        full = {**dict.fromkeys(goodput.LOOP_BUCKETS, 0.0), **buckets}
+        return {"rank": r, "wall_s": wall, "buckets": full, "ettr": full["productive"] / wall, "step": 9}
+
+    ranks = [rank(0, 100.0, startup=10.0, checkpoint=6.0, data_wait=1.0, productive=83.0),
+             rank(1, 98.0, startup=8.0, checkpoint=2.0, data_wait=9.0, productive=79.0)]
+    job = goodput.job_ledger(ranks)
+    assert job["wall_s"] == 100.0 and job["step"] == 9
+    assert job["buckets"] == pytest.approx({**dict.fromkeys(goodput.LOOP_BUCKETS, 0.0), "startup": 10.0,
+                                            "checkpoint": 6.0, "data_wait": 9.0, "productive": 75.0})
+    assert job["ettr"] == pytest.approx(0.75) and sum(job["buckets"].values()) == pytest.approx(job["wall_s"])
+    assert (job["slowest"]["startup"], job["slowest"]["checkpoint"], job["slowest"]["data_wait"]) == (0, 0, 1)
+    assert [(r["rank"], r["step"], r["ettr"]) for r in job["ranks"]] == [(0, 9, 0.83), (1, 9, pytest.approx(79 / 98))]
+    summary = goodput.loop_summary({**job, "start_step": 0, "steps": 9})
+    assert summary["ranks"] == job["ranks"] and summary["unaccounted_s"] == pytest.approx(0.0)
 
 
 class _Clock(Hook):
@@ -179,3 +208,45 @@ def test_a_run_publishes_its_ledger_live_and_writes_one_that_adds_up(tmp_path, s
     assert summary.goodput["buckets"]["productive"] == pytest.approx(b["productive"])
     events = read_events(cfg.train.run_dir, "goodput")
     assert [e["step"] for e in events][:4] == [2, 4, 6, 8] and events[-1]["final"]
+
+
+@pytest.mark.parametrize("step_width, expect", [(32, "seen"), (384, "hidden")])
+def test_a_batch_wait_is_badput_only_while_the_devices_idle(tmp_path, small_corpus, make_tiny_config, monkeypatch,
+                                                            step_width, expect):
+    """Every batch arrives 0.1 s late (the real loader, then a sleep). With a step of a few tens of milliseconds the
+    devices sit idle through most of each wait. With a step of about half a second (width 384 on these CPUs) the
+    loop waits while the previous step still runs, and that part of the wait is productive. The loop's own wait
+    (data_wait_host_s) is the same 0.1 s a step in both; the ledger's data_wait is held to the per-step rows' own
+    figures: at least the wait less the previous step's device time, at most the time the devices waited for the
+    host (host_stall_s) plus the first batch's wait."""
+    from msjax.data.loader import BatchLoader
+
+    late_s, steps = 0.1, 10
+    real_next = BatchLoader.__next__
+
+    def late_next(self):
+        batch = real_next(self)
+        time.sleep(late_s)
+        return batch
+
+    monkeypatch.setattr(BatchLoader, "__next__", late_next)
+    cfg = make_tiny_config(tmp_path, small_corpus, **{
+        "model.d_model": step_width, "model.num_heads": 4, "train.global_batch": 16, "train.steps": steps,
+        "optimizer.decay_steps": steps, "train.eval_every": 0, "train.sample_tokens": 0, "checkpoint.every": 0})
+    run(cfg)
+    ledger = read_ledger(cfg.train.run_dir)
+    (only,) = ledger["ranks"]
+    host, device = only["data_wait_host_s"], ledger["buckets"]["data_wait"]
+    rows = [json.loads(line) for line in (Path(cfg.train.run_dir) / "ranks" / "rank0.jsonl").read_text().splitlines()]
+    compute = [r["compute_s"] for r in rows]
+    print(f"width {step_width}: median step compute {sorted(compute)[steps // 2]:.3f} s, data wait: loop {host:.3f} "
+          f"s, devices idle {device:.3f} s")
+    assert host == pytest.approx(sum(r["data_s"] for r in rows)) and host >= steps * late_s
+    lower = rows[0]["data_s"] + sum(max(0.0, r["data_s"] - c) for r, c in zip(rows[1:], compute))
+    upper = rows[0]["data_s"] + sum(r["host_stall_s"] for r in rows[1:])
+    assert lower - 1e-3 <= device <= upper + 1e-3, (lower, device, upper)
+    if expect == "seen":
+        assert device >= 0.5 * host
+    else:
+        assert sorted(compute)[steps // 2] > 2 * late_s  # the premise: each step outlasts the wait behind it
+        assert device <= 0.8 * host

@@ -169,7 +169,15 @@ def test_the_same_run_unslowed_flags_nobody_and_streams_every_rank_to_redis(tmp_
     assert all(len(w["figures"]["own_compute_s"]) == NPROC and min(w["figures"]["own_compute_s"]) > 0
                for w in windows)  # every rank's steps were timed from inside
     assert not read_events(run_dir, "straggler")
-    assert json.loads((run_dir / "goodput.json").read_text())["buckets"]["straggler"] == 0
+    ledger = json.loads((run_dir / "goodput.json").read_text())
+    assert ledger["buckets"]["straggler"] == 0
+    # The job's ledger: every rank's final one reached rank 0 through the coordination service, and each badput
+    # bucket is the largest rank's.
+    assert [(r["rank"], r["step"], r["final"]) for r in ledger["ranks"]] == [(p, STEPS, True) for p in range(NPROC)]
+    for name, rank in ledger["slowest"].items():
+        assert ledger["buckets"][name] == max(r["buckets"][name] for r in ledger["ranks"]) == \
+            ledger["ranks"][rank]["buckets"][name]
+    assert ledger["wall_s"] == max(r["wall_s"] for r in ledger["ranks"])
     page, heatmap = _report(run_dir, monkeypatch)
     assert heatmap["boxed"] == [] and "none flagged" in page
     # Live metrics: every rank's rows reached the run's Redis stream, equal to its JSONL rows.
