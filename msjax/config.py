@@ -58,6 +58,24 @@ def url_scheme(value: str) -> str | None:
     return m.group("scheme").lower() if m else None
 
 
+def _check_rope_scaling(m: "ModelConfig") -> None:
+    rs = m.rope_scaling
+    if rs.type == "none":
+        return
+    if m.position != "rope":
+        raise ConfigError(f"model.rope_scaling.type={rs.type!r} scales RoPE's frequencies; model.position="
+                          f"{m.position!r} has none (set model.position=rope, or model.rope_scaling.type=none)")
+    if not (math.isfinite(rs.factor) and rs.factor >= 1.0):
+        raise ConfigError(f"model.rope_scaling.factor={rs.factor}: allowed is a finite number >= 1 (Llama 3.1: 8)")
+    if rs.type == "llama3":
+        if rs.original_max_seq_len <= 0:
+            raise ConfigError(f"model.rope_scaling.original_max_seq_len={rs.original_max_seq_len}: llama3 scaling "
+                              "needs the context before scaling, an integer > 0 (Llama 3.1: 8192)")
+        if not (0 < rs.low_freq_factor < rs.high_freq_factor and math.isfinite(rs.high_freq_factor)):
+            raise ConfigError(f"model.rope_scaling.low_freq_factor={rs.low_freq_factor}, high_freq_factor="
+                              f"{rs.high_freq_factor}: allowed are finite numbers 0 < low < high (Llama 3.1: 1, 4)")
+
+
 def check_path_value(value: str, key: str) -> None:
     """Checks the form of a path value for `key`, reading nothing: a scheme other than gs://, s3:// and file://,
     a URL for a key in LOCAL_PATH_KEYS, a URL without a bucket, or a one-slash URL (`gs:/bucket`, which a
@@ -107,6 +125,28 @@ class AttentionConfig:
 
 
 @dataclass(frozen=True)
+class RopeScalingConfig:
+    """RoPE frequency scaling, which stretches a model's trained context (`msjax.ops.rope.inverse_frequencies`).
+
+    Attributes:
+      type: none; linear (every frequency divided by `factor`: positions interpolated, Chen et al. 2023); llama3
+        (Llama 3.1's: wavelengths longer than original_max_seq_len / low_freq_factor divided by `factor`, shorter
+        than original_max_seq_len / high_freq_factor kept, those between interpolated smoothly; Meta's reference
+        code and `transformers`' `_compute_llama3_parameters`).
+      factor: the scaling factor (Llama 3.1: 8).
+      low_freq_factor: llama3's low-frequency bound (Llama 3.1: 1).
+      high_freq_factor: llama3's high-frequency bound (Llama 3.1: 4).
+      original_max_seq_len: llama3's context before scaling (Llama 3.1: 8192).
+    """
+
+    type: Literal["none", "linear", "llama3"] = "none"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Decoder-only transformer: GPT-2/3 (Radford et al. 2019; Brown et al. 2020) or Llama-style (Touvron et al.
     2023), serial or parallel blocks (GPT-J, PaLM).
@@ -135,6 +175,7 @@ class ModelConfig:
       position: learned (GPT-2: a (max_seq_len, D) table added to the token embedding) or rope (rotary
         embeddings of queries and keys, Su et al. 2021; Llama).
       rope_base: RoPE's frequency base theta (Llama 2: 10000, Llama 3: 500000).
+      rope_scaling: RoPE's frequency scaling (model.rope_scaling.*; Llama 3.1-3.3: llama3, factor 8).
       norm: layernorm (Ba et al. 2016; GPT-2) or rmsnorm (Zhang and Sennrich 2019; Llama; no offset).
       mlp: gelu (two matrices, tanh-approximated GeLU as GPT-2) or swiglu (three matrices, down(silu(gate x) *
         up x); Shazeer 2020; Llama).
@@ -170,6 +211,7 @@ class ModelConfig:
     block: Literal["serial", "parallel"] = "serial"
     position: Literal["learned", "rope"] = "learned"
     rope_base: float = 10000.0
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     mlp: Literal["gelu", "swiglu"] = "gelu"
     tie_embeddings: bool = True
@@ -678,6 +720,7 @@ class Config:
                               f"{m.head_size} is odd (set model.head_dim, or model.d_model / model.num_heads, even)")
         if not (math.isfinite(m.rope_base) and m.rope_base > 1.0):
             raise ConfigError(f"model.rope_base={m.rope_base}: allowed is a finite number > 1 (e.g. 10000)")
+        _check_rope_scaling(m)
         if not (math.isfinite(m.norm_eps) and m.norm_eps > 0):
             raise ConfigError(f"model.norm_eps={m.norm_eps}: allowed is a finite number > 0")
         if m.scan_unroll < 1 or (m.scan_unroll > 1 and not m.scan_layers):

@@ -143,6 +143,7 @@ class Attention(nnx.Module):
             self.bo = _param(rngs, (d,), (ax.NORM,), 0.0, dt)
         self.use_bias = cfg.use_bias
         self.rope_base = cfg.rope_base if cfg.position == "rope" else None
+        self.rope_scaling = cfg.rope_scaling
         self.window = cfg.attention.window
         self.impl = cfg.attention.impl
         self.dtype = jnp.dtype(cfg.dtype)
@@ -158,8 +159,8 @@ class Attention(nnx.Module):
             k_btgk = k_btgk + self.bk[...].astype(dt)
             v_btgk = v_btgk + self.bv[...].astype(dt)
         if self.rope_base is not None:
-            q_bthk = rope(q_bthk, positions_bt, self.rope_base)  # msjax/ops/rope.py
-            k_btgk = rope(k_btgk, positions_bt, self.rope_base)
+            q_bthk = rope(q_bthk, positions_bt, self.rope_base, self.rope_scaling)  # msjax/ops/rope.py
+            k_btgk = rope(k_btgk, positions_bt, self.rope_base, self.rope_scaling)
         return q_bthk, k_btgk, v_btgk
 
     def project(self, x_btd: jax.Array, positions_bt: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -102,10 +102,11 @@ def model_overrides_from_hf(hf: dict, where: str) -> tuple[str, dict[str, Any]]:
         rope = dict(hf.get("rope_parameters") or {})
         scaling = hf.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-        if rope_type != "default":
+        if rope_type not in ROPE_TYPES:
             raise HFConversionError(f"{where}: rope_parameters.rope_type / rope_scaling={rope_type!r}: msjax's "
-                                    "RoPE has no frequency scaling; allowed: 'default'")
+                                    f"RoPE scales frequencies as {', '.join(map(repr, ROPE_TYPES))}; allowed: those")
         base = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        params = {**scaling, **rope}  # transformers >= 5 writes rope_parameters, earlier releases rope_scaling
         if _get(hf, "attention_bias", False) != _get(hf, "mlp_bias", False):
             raise HFConversionError(f"{where}: attention_bias={hf.get('attention_bias')!r} and mlp_bias="
                                     f"{hf.get('mlp_bias')!r}: msjax has one switch for biases (model.use_bias); "
@@ -124,7 +125,8 @@ def model_overrides_from_hf(hf: dict, where: str) -> tuple[str, dict[str, Any]]:
                "model.d_ff": _positive_int(where, hf, "intermediate_size"),
                "model.max_seq_len": _positive_int(where, hf, "max_position_embeddings"),
                "model.norm_eps": float(_get(hf, "rms_norm_eps", 1e-6)),
-               "model.tie_embeddings": bool(_get(hf, "tie_word_embeddings", False))}
+               "model.tie_embeddings": bool(_get(hf, "tie_word_embeddings", False)),
+               **_rope_scaling_from_hf(where, rope_type, params)}
     out["model.vocab_size"] = _positive_int(where, hf, "vocab_size")
     out["model.block"] = "serial"
     out["model.attention.window"] = None
@@ -156,6 +158,36 @@ def architecture_for(cfg: ModelConfig) -> str:
     return target
 
 
+# HF's rope types msjax computes (msjax.ops.rope.inverse_frequencies), with the fields each one reads:
+# (HF field, msjax key under model.rope_scaling).
+ROPE_TYPES = {"default": (), "linear": (("factor", "factor"),),
+              "llama3": (("factor", "factor"), ("low_freq_factor", "low_freq_factor"),
+                         ("high_freq_factor", "high_freq_factor"),
+                         ("original_max_position_embeddings", "original_max_seq_len"))}
+
+
+def _rope_scaling_from_hf(where: str, rope_type: str, params: dict[str, Any]) -> dict[str, Any]:
+    if rope_type == "default":
+        return {"model.rope_scaling.type": "none"}
+    out: dict[str, Any] = {"model.rope_scaling.type": rope_type}
+    for hf_key, key in ROPE_TYPES[rope_type]:
+        if params.get(hf_key) is None:
+            raise HFConversionError(f"{where}: rope type {rope_type!r} needs rope_parameters.{hf_key}; it is missing")
+        out[f"model.rope_scaling.{key}"] = params[hf_key]
+    return out
+
+
+def _rope_parameters_for(cfg: ModelConfig) -> dict[str, Any]:
+    """HF's rope_parameters (transformers >= 5; rope_scaling before) of an msjax model."""
+    rs = cfg.rope_scaling
+    if rs.type == "none":
+        return {"rope_type": "default", "rope_theta": cfg.rope_base}
+    fields = {"factor": rs.factor, "low_freq_factor": rs.low_freq_factor, "high_freq_factor": rs.high_freq_factor,
+              "original_max_position_embeddings": rs.original_max_seq_len}
+    return {"rope_type": rs.type, "rope_theta": cfg.rope_base,
+            **{hf_key: fields[hf_key] for hf_key, _ in ROPE_TYPES[rs.type]}}
+
+
 def hf_config_for(arch: str, cfg: ModelConfig, special: dict[str, int | None]) -> dict[str, Any]:
     """The HF config.json of an msjax model (float32, no dropout: msjax trains without it). `special`: bos/eos/pad
     token ids (or None)."""
@@ -173,7 +205,8 @@ def hf_config_for(arch: str, cfg: ModelConfig, special: dict[str, int | None]) -
             "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_size,
             "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
             # transformers >= 5 reads rope_parameters, earlier releases rope_theta
-            "rope_theta": cfg.rope_base, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},
+            "rope_theta": cfg.rope_base, "rope_parameters": _rope_parameters_for(cfg),
+            **({"rope_scaling": _rope_parameters_for(cfg)} if cfg.rope_scaling.type != "none" else {}),
             "attention_bias": cfg.use_bias, "mlp_bias": cfg.use_bias, "tie_word_embeddings": cfg.tie_embeddings,
             "initializer_range": cfg.init_std, "attention_dropout": 0.0, "dtype": "float32", **tokens}
 

@@ -10,7 +10,7 @@ from msjax.config import Config, ConfigError, apply_overrides, flat_keys, load_p
 from msjax.mesh import make_mesh, resolve_axis_sizes
 
 EXPECTED_PRESETS = {"gpt_tiny", "shakespeare_char", "gpt_125m", "gpt_1_3b", "gpt_13b", "gpt175b", "gpt530b",
-                    "llama_tiny", "llama3_8b", "llama3_70b"}
+                    "llama_tiny", "llama3_8b", "llama3_70b", "llama3_1_8b"}
 
 
 @pytest.mark.parametrize("name", preset_names())
@@ -87,6 +87,16 @@ def test_dotted_overrides_parse_types():
     (["--train.steps_per_execution=0"], "train.steps_per_execution=0: allowed is an integer >= 1"),
     (["--train.steps_per_execution=2", "--train.nonfinite=stop"], "train.nonfinite=stop stops at the exact step"),
     (["--train.steps_per_execution=2", "--observe.own_compute=true"], "needs train.steps_per_execution=1"),
+    (["--model.rope_scaling.type=llama3"], "model.rope_scaling.type='llama3' scales RoPE's frequencies; "
+                                           "model.position='learned' has none"),
+    (["--model.position=rope", "--model.rope_scaling.type=yarn"],
+     "model.rope_scaling.type='yarn': allowed is one of 'none', 'linear', 'llama3'"),
+    (["--model.position=rope", "--model.rope_scaling.type=linear", "--model.rope_scaling.factor=0.5"],
+     "model.rope_scaling.factor=0.5: allowed is a finite number >= 1"),
+    (["--model.position=rope", "--model.rope_scaling.type=llama3", "--model.rope_scaling.factor=8"],
+     "model.rope_scaling.original_max_seq_len=0: llama3 scaling needs the context before scaling"),
+    (["--model.position=rope", "--model.rope_scaling.type=llama3", "--model.rope_scaling.original_max_seq_len=64",
+      "--model.rope_scaling.high_freq_factor=1"], "allowed are finite numbers 0 < low < high"),
 ])
 def test_bad_flags_name_the_key_and_the_allowed_values(argv, needle):
     with pytest.raises(ConfigError) as e:

@@ -62,11 +62,20 @@ MODELS = {
                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
                                             head_dim=10, max_position_embeddings=48, attention_bias=True,
                                             mlp_bias=True, tie_word_embeddings=True)),
+    # Llama 3.1's frequency scaling at a size where its three regimes all occur: head_dim 16, base 10000 and an
+    # original context of 64 give wavelengths 6.3 (kept: < 64 / 4), 20 (interpolated) and 63-6300 (divided by 8).
+    "llama31": ("LlamaConfig", dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=72, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                    rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                     "original_max_position_embeddings": 64},
+                                    rms_norm_eps=1e-5)),
 }
 # A layout per model that splits what it can over 8 devices (GPT-2's 3 heads do not split over tensor); the third
 # keeps one parameter set per layer (`layers.i`) instead of stacked `blocks`.
 LAYOUTS = {"gpt2": {"mesh.data": 2, "mesh.fsdp": 4}, "llama": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
-           "llama-bias-tied": {"mesh.data": 4, "mesh.fsdp": 2, "model.scan_layers": False}}
+           "llama-bias-tied": {"mesh.data": 4, "mesh.fsdp": 2, "model.scan_layers": False},
+           "llama31": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}}
 
 
 def _random_hf_model(kind: str, seed: int = 0):
@@ -124,6 +133,32 @@ def _msjax_logits(run, tokens: np.ndarray) -> np.ndarray:
     return np.asarray(apply(g.graphdef, g.params, tokens))[..., :run.config.model.vocab_size]
 
 
+@pytest.mark.parametrize("rope_type, fields", [
+    ("linear", {"factor": 4.0}),
+    ("llama3", {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}),  # Llama 3.1's own
+    ("llama3", {"factor": 32.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
+                "original_max_position_embeddings": 256}),
+])
+def test_scaled_rope_frequencies_equal_transformers(rope_type, fields):
+    """msjax.ops.rope.inverse_frequencies against `transformers`' own rope initialisation, head_dim 128 and Llama 3's
+    base: every one of the 64 frequencies within 1e-6 relative (both in float32)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from msjax.config import RopeScalingConfig
+    from msjax.hf.arch import ROPE_TYPES
+    from msjax.ops.rope import inverse_frequencies
+
+    config = transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32, rope_parameters={
+        "rope_type": rope_type, "rope_theta": 500000.0, **fields})
+    want, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    scaling = RopeScalingConfig(type=rope_type, **{key: fields[hf_key] for hf_key, key in ROPE_TYPES[rope_type]})
+    got = np.asarray(inverse_frequencies(128, 500000.0, scaling))
+    assert attention_factor == 1.0  # no rescaling of cos and sin for these types
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-6, atol=0)
+    assert not np.allclose(got, np.asarray(inverse_frequencies(128, 500000.0)))  # the scaling changed something
+
+
 @pytest.mark.parametrize("kind", MODELS)
 def test_imported_model_gives_transformers_logits(hf_dirs, imported, kind):
     _, model = hf_dirs[kind]
@@ -157,8 +192,8 @@ def test_export_gives_the_original_tensors_bit_for_bit(hf_dirs, imported, kind, 
 
 def test_greedy_generation_equals_transformers_generate(hf_dirs, imported):
     """Same prompt ids, `generate(do_sample=False)` against msjax's cached greedy decoding, for both
-    architectures (HF stops at no eos here: eos_token_id None)."""
-    for kind in ("gpt2", "llama"):
+    architectures and Llama 3.1's scaled RoPE (HF stops at no eos here: eos_token_id None)."""
+    for kind in ("gpt2", "llama", "llama31"):
         _, model = hf_dirs[kind]
         run = load_run(imported[kind].run_dir, overrides=ONE_DEVICE, devices=jax.devices()[:1])
         prompts = [[5, 17, 250, 3, 42], [7, 8]]
@@ -300,7 +335,10 @@ def _edited(hf_dirs, tmp_path, kind: str, config=None, drop=None, add=None, rena
     ("llama", dict(config={"architectures": ["MistralForCausalLM"]}),
      "architectures=['MistralForCausalLM']; msjax converts GPT2LMHeadModel and LlamaForCausalLM"),
     ("llama", dict(config={"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}),
-     "rope_parameters.rope_type / rope_scaling='llama3'"),
+     "rope type 'llama3' needs rope_parameters.low_freq_factor; it is missing"),
+    ("llama", dict(config={"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0}}),
+     "rope_parameters.rope_type / rope_scaling='yarn': msjax's RoPE scales frequencies as 'default', 'linear', "
+     "'llama3'"),
     ("llama", dict(config={"hidden_act": "gelu"}), "hidden_act='gelu' cannot be represented in msjax; allowed: "
                                                     "'silu'"),
     ("llama", dict(config={"attention_bias": True}), "attention_bias=True and mlp_bias=False"),

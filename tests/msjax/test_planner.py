@@ -588,7 +588,8 @@ def test_stash_bytes_are_the_steps_residuals(scan_layers, block, dtype, llama, m
             cfg, lay, scanned) == stash, (remat, layers)
 
 
-@pytest.mark.parametrize("preset, params", [("llama3_8b", 8_030_261_248), ("llama3_70b", 70_553_706_496),
+@pytest.mark.parametrize("preset, params", [("llama3_8b", 8_030_261_248), ("llama3_1_8b", 8_030_261_248),
+                                            ("llama3_70b", 70_553_706_496),
                                             ("gpt175b", 174_770_774_016)])
 def test_parameter_inventory_is_the_models_own(preset, params):
     """The planner's parameters come from the model (`nnx.eval_shape`): Llama 3's published totals (the Hugging
