@@ -181,6 +181,8 @@ class ModelConfig:
         up x); Shazeer 2020; Llama).
       tie_embeddings: the output projection reuses the token embedding.
       use_bias: biases in linear layers, and LayerNorm's offset (RMSNorm has none).
+      qkv_bias: biases on the query, key and value projections alone (Qwen2, Qwen2.5); use_bias implies them.
+      qk_norm: a norm (model.norm, gain shared by the heads) over each query and key head, before RoPE (Qwen3).
       norm_eps: the norms' epsilon.
       init_std: standard deviation of the normal weight initialisation.
       remat: activation recomputation policy of each block (jax.checkpoint).
@@ -216,6 +218,8 @@ class ModelConfig:
     mlp: Literal["gelu", "swiglu"] = "gelu"
     tie_embeddings: bool = True
     use_bias: bool = True
+    qkv_bias: bool = False
+    qk_norm: bool = False
     norm_eps: float = 1e-5
     init_std: float = 0.02
     remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"

@@ -95,11 +95,13 @@ class Norm(nnx.Module):
     """LayerNorm (Ba et al. 2016) or RMSNorm (Zhang and Sennrich 2019) over the last axis, computed in float32 with
     a hand-written backward (`msjax.ops`). LayerNorm has an offset when `use_bias`; RMSNorm never has one."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, size: int | None = None, axis: str = ax.NORM):
+        """size: the normalised axis (default d_model; a head's K for query/key norms); axis: its logical name."""
         dt = jnp.dtype(cfg.param_dtype)
+        size = size or cfg.d_model
         self.rms = cfg.norm == "rmsnorm"
-        self.scale = _param(rngs, (cfg.d_model,), (ax.NORM,), None, dt)
-        self.bias = _param(rngs, (cfg.d_model,), (ax.NORM,), 0.0, dt) if cfg.use_bias and not self.rms else None
+        self.scale = _param(rngs, (size,), (axis,), None, dt)
+        self.bias = _param(rngs, (size,), (axis,), 0.0, dt) if cfg.use_bias and not self.rms else None
         self.eps = cfg.norm_eps
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
@@ -136,11 +138,17 @@ class Attention(nnx.Module):
         self.wk = _param(rngs, (d, g, k), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), std, dt)
         self.wv = _param(rngs, (d, g, k), (ax.EMBED, ax.KV_HEADS, ax.HEAD_DIM), std, dt)
         self.wo = _param(rngs, (h, k, d), (ax.HEADS, ax.HEAD_DIM, ax.EMBED), out_std, dt)
-        if cfg.use_bias:
+        self.qkv_bias = cfg.use_bias or cfg.qkv_bias
+        if self.qkv_bias:
             self.bq = _param(rngs, (h, k), (ax.HEADS, ax.HEAD_DIM), 0.0, dt)
             self.bk = _param(rngs, (g, k), (ax.KV_HEADS, ax.HEAD_DIM), 0.0, dt)
             self.bv = _param(rngs, (g, k), (ax.KV_HEADS, ax.HEAD_DIM), 0.0, dt)
+        if cfg.use_bias:
             self.bo = _param(rngs, (d,), (ax.NORM,), 0.0, dt)
+        if cfg.qk_norm:  # one gain per head dimension, shared by the heads (Qwen3)
+            self.q_norm = Norm(cfg, rngs, size=k, axis=ax.HEAD_DIM)
+            self.k_norm = Norm(cfg, rngs, size=k, axis=ax.HEAD_DIM)
+        self.qk_norm = cfg.qk_norm
         self.use_bias = cfg.use_bias
         self.rope_base = cfg.rope_base if cfg.position == "rope" else None
         self.rope_scaling = cfg.rope_scaling
@@ -151,13 +159,15 @@ class Attention(nnx.Module):
 
     def finish_qkv(self, q_bthk: jax.Array, k_btgk: jax.Array, v_btgk: jax.Array, positions_bt: jax.Array
                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Biases and rotary embeddings on projected queries, keys and values (also called by
-        `msjax.parallel.collective_matmul` on its own projections). positions_bt: int32 (B or 1, T)."""
+        """Biases, query/key norms and rotary embeddings on projected queries, keys and values, in that order (also
+        called by `msjax.parallel.collective_matmul` on its own projections). positions_bt: int32 (B or 1, T)."""
         dt = self.dtype
-        if self.use_bias:
+        if self.qkv_bias:
             q_bthk = q_bthk + self.bq[...].astype(dt)
             k_btgk = k_btgk + self.bk[...].astype(dt)
             v_btgk = v_btgk + self.bv[...].astype(dt)
+        if self.qk_norm:  # over each head's K, before RoPE (Qwen3's order)
+            q_bthk, k_btgk = self.q_norm(q_bthk), self.k_norm(k_btgk)
         if self.rope_base is not None:
             q_bthk = rope(q_bthk, positions_bt, self.rope_base, self.rope_scaling)  # msjax/ops/rope.py
             k_btgk = rope(k_btgk, positions_bt, self.rope_base, self.rope_scaling)

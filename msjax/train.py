@@ -337,7 +337,8 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
                                  rolling=True)[0]
         summary.sample = tok.decode(ids)
         _log("---- sample ----\n" + summary.sample + "\n----------------")
-    summary.goodput = goodput.finish(ckpt_close_s)
+    # every rank's ledger is in goodput.json; the summary (printed, returned) keeps the job's figures
+    summary.goodput = {k: v for k, v in goodput.finish(ckpt_close_s).items() if k != "ranks"}
     summary.state = state
     return summary
 

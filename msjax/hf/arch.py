@@ -1,4 +1,4 @@
-"""The two architectures msjax reads and writes in Hugging Face format: their config fields and their tensors.
+"""The architectures msjax reads and writes in Hugging Face format: their config fields and their tensors.
 
 GPT-2 (`GPT2LMHeadModel`, `transformers/models/gpt2/modeling_gpt2.py`): learned positions, LayerNorm, tanh-GeLU MLP
 (`gelu_new`), biases everywhere, serial blocks, one fused Q/K/V projection `c_attn`, weights stored (in, out)
@@ -6,6 +6,9 @@ GPT-2 (`GPT2LMHeadModel`, `transformers/models/gpt2/modeling_gpt2.py`): learned 
 Llama (`LlamaForCausalLM`, `transformers/models/llama/modeling_llama.py`): RoPE in the half-split layout, RMSNorm,
 SwiGLU MLP (`gate_proj`, `up_proj`, `down_proj`), grouped-query heads, optional biases (`attention_bias`,
 `mlp_bias`), untied output projection unless `tie_word_embeddings`; weights stored (out, in) (`nn.Linear`).
+Qwen2/Qwen2.5 (`Qwen2ForCausalLM`) is Llama with biases on the q, k and v projections alone (no attention_bias
+field); Qwen3 (`Qwen3ForCausalLM`) is Llama with `q_norm` and `k_norm`, RMSNorms over each query and key head
+applied before RoPE. Their sliding-window options (`use_sliding_window`) are refused.
 
 A `Rule` maps one HF tensor onto one or more msjax parameters of a layer (GPT-2's fused `c_attn` is three) and
 back; `rules(arch, cfg)` lists them in the order they are read. Every transform is a reshape, a transpose or a
@@ -24,8 +27,13 @@ from msjax.config import ConfigError, ModelConfig
 
 GPT2 = "GPT2LMHeadModel"
 LLAMA = "LlamaForCausalLM"
-ARCHITECTURES = (GPT2, LLAMA)
-MODEL_TYPES = {"gpt2": GPT2, "llama": LLAMA}
+QWEN2 = "Qwen2ForCausalLM"
+QWEN3 = "Qwen3ForCausalLM"
+ARCHITECTURES = (GPT2, LLAMA, QWEN2, QWEN3)
+MODEL_TYPES = {"gpt2": GPT2, "llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3}
+# Llama's layout, tensor names and config fields, with (Qwen2, Qwen2.5) biases on q, k and v only, or (Qwen3) an
+# RMSNorm over each query and key head before RoPE; `transformers/models/qwen2`, `qwen3`.
+LLAMA_FAMILY = (LLAMA, QWEN2, QWEN3)
 
 
 class HFConversionError(ConfigError):
@@ -99,6 +107,8 @@ def model_overrides_from_hf(hf: dict, where: str) -> tuple[str, dict[str, Any]]:
                "model.tie_embeddings": bool(_get(hf, "tie_word_embeddings", True))}
     else:
         _require(where, hf, "hidden_act", ("silu",), "silu")
+        if arch in (QWEN2, QWEN3):
+            _require(where, hf, "use_sliding_window", (False,), False)
         rope = dict(hf.get("rope_parameters") or {})
         scaling = hf.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
@@ -107,7 +117,10 @@ def model_overrides_from_hf(hf: dict, where: str) -> tuple[str, dict[str, Any]]:
                                     f"RoPE scales frequencies as {', '.join(map(repr, ROPE_TYPES))}; allowed: those")
         base = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
         params = {**scaling, **rope}  # transformers >= 5 writes rope_parameters, earlier releases rope_scaling
-        if _get(hf, "attention_bias", False) != _get(hf, "mlp_bias", False):
+        if arch == QWEN3 and _get(hf, "attention_bias", False):
+            raise HFConversionError(f"{where}: attention_bias=True: Qwen3's attention biases without MLP biases "
+                                    "cannot be represented in msjax; allowed: false")
+        if arch != QWEN2 and _get(hf, "attention_bias", False) != _get(hf, "mlp_bias", False):
             raise HFConversionError(f"{where}: attention_bias={hf.get('attention_bias')!r} and mlp_bias="
                                     f"{hf.get('mlp_bias')!r}: msjax has one switch for biases (model.use_bias); "
                                     "allowed: both true or both false")
@@ -118,7 +131,8 @@ def model_overrides_from_hf(hf: dict, where: str) -> tuple[str, dict[str, Any]]:
                                     "and there is no head_dim")
         kv = _get(hf, "num_key_value_heads", heads)
         out = {"model.position": "rope", "model.rope_base": float(base), "model.norm": "rmsnorm",
-               "model.mlp": "swiglu", "model.use_bias": bool(_get(hf, "attention_bias", False)),
+               "model.mlp": "swiglu", "model.use_bias": arch == LLAMA and bool(_get(hf, "attention_bias", False)),
+               "model.qkv_bias": arch == QWEN2, "model.qk_norm": arch == QWEN3,
                "model.num_layers": _positive_int(where, hf, "num_hidden_layers"), "model.d_model": d,
                "model.num_heads": heads, "model.num_kv_heads": 0 if kv == heads else int(kv),
                "model.head_dim": 0 if head_dim is None or head_dim * heads == d else int(head_dim),
@@ -148,12 +162,21 @@ def architecture_for(cfg: ModelConfig) -> str:
     llama = {"model.position": (cfg.position, "rope"), "model.norm": (cfg.norm, "rmsnorm"),
              "model.mlp": (cfg.mlp, "swiglu")}
     common = {"model.block": (cfg.block, "serial"), "model.attention.window": (cfg.attention.window, None)}
-    target = GPT2 if cfg.position == "learned" else LLAMA
+    # The Llama family member: Qwen3 for query/key norms, Qwen2 for biases on q/k/v alone, else Llama.
+    target = GPT2 if cfg.position == "learned" else QWEN3 if cfg.qk_norm else QWEN2 if cfg.qkv_bias else LLAMA
+    if target == GPT2:
+        llama = {}
+        gpt2.update({"model.qkv_bias": (cfg.qkv_bias, False), "model.qk_norm": (cfg.qk_norm, False)})
+    elif target != LLAMA:
+        llama.update({"model.use_bias": (cfg.use_bias, False)})  # both have no MLP biases
+        if target == QWEN3:
+            llama["model.qkv_bias"] = (cfg.qkv_bias, False)
     wants = {**(gpt2 if target == GPT2 else llama), **common}
     bad = [f"{k}={have!r} (needs {want!r})" for k, (have, want) in wants.items() if have != want]
     if bad:
         raise HFConversionError(f"this model cannot be written as {target} (chosen by model.position="
-                                f"{cfg.position!r}): " + "; ".join(bad).replace("model.head_dim=", "model.head_dim x "
+                                f"{cfg.position!r}, qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}): "
+                                + "; ".join(bad).replace("model.head_dim=", "model.head_dim x "
                                                                                   "num_heads="))
     return target
 
@@ -200,7 +223,10 @@ def hf_config_for(arch: str, cfg: ModelConfig, special: dict[str, int | None]) -
                 "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True,
                 "dtype": "float32", **tokens}
-    return {"architectures": [LLAMA], "model_type": "llama", "vocab_size": cfg.vocab_size,
+    model_type = {v: k for k, v in MODEL_TYPES.items()}[arch]
+    family = {} if arch == LLAMA else {"use_sliding_window": False, "sliding_window": None,
+                                       "max_window_layers": cfg.num_layers}
+    return {"architectures": [arch], "model_type": model_type, **family, "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.d_model, "intermediate_size": cfg.ff_size, "num_hidden_layers": cfg.num_layers,
             "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_size,
             "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
@@ -301,7 +327,7 @@ def rules(arch: str, cfg: ModelConfig) -> list[Rule]:
             Rule(pre + "mlp.up_proj.weight", ("mlp.w_in",), i, _one(lambda x: x.T), lambda p: p[0].T),
             Rule(pre + "mlp.down_proj.weight", ("mlp.w_out",), i, _one(lambda x: x.T), lambda p: p[0].T),
         ]
-        if cfg.use_bias:
+        if cfg.use_bias or cfg.qkv_bias:
             out += [
                 Rule(pre + "self_attn.q_proj.bias", ("attn.bq",), i, _one(lambda x: x.reshape(h, k)),
                      lambda p: p[0].reshape(h * k)),
@@ -309,6 +335,14 @@ def rules(arch: str, cfg: ModelConfig) -> list[Rule]:
                      lambda p: p[0].reshape(g * k)),
                 Rule(pre + "self_attn.v_proj.bias", ("attn.bv",), i, _one(lambda x: x.reshape(g, k)),
                      lambda p: p[0].reshape(g * k)),
+            ]
+        if cfg.qk_norm:
+            out += [Rule(pre + "self_attn.q_norm.weight", ("attn.q_norm.scale",), i, _one(lambda x: x),
+                         lambda p: p[0]),
+                    Rule(pre + "self_attn.k_norm.weight", ("attn.k_norm.scale",), i, _one(lambda x: x),
+                         lambda p: p[0])]
+        if cfg.use_bias:
+            out += [
                 Rule(pre + "self_attn.o_proj.bias", ("attn.bo",), i, _one(lambda x: x), lambda p: p[0]),
                 Rule(pre + "mlp.gate_proj.bias", ("mlp.b_gate",), i, _one(lambda x: x), lambda p: p[0]),
                 Rule(pre + "mlp.up_proj.bias", ("mlp.b_in",), i, _one(lambda x: x), lambda p: p[0]),
