@@ -1,6 +1,7 @@
-"""Hugging Face checkpoints in and out: GPT-2 (`GPT2LMHeadModel`) and Llama (`LlamaForCausalLM`).
+"""Hugging Face checkpoints in and out: GPT-2 (`GPT2LMHeadModel`), Llama (`LlamaForCausalLM`, Llama 3.1's RoPE
+scaling included), Qwen2/Qwen2.5 (`Qwen2ForCausalLM`) and Qwen3 (`Qwen3ForCausalLM`).
 
-- `arch`: the two architectures' config fields and tensors, mapped onto msjax's model (`msjax.model`), and the
+- `arch`: the architectures' config fields and tensors, mapped onto msjax's model (`msjax.model`), and the
   errors for what msjax cannot represent.
 - `convert`: a local HF model directory -> an msjax run directory with a verified checkpoint (`import_hf`), and a
   run's newest verified checkpoint -> a HF model directory that `transformers` loads (`export_hf`).
