@@ -1,5 +1,6 @@
 """Hugging Face checkpoints in and out: GPT-2 (`GPT2LMHeadModel`), Llama (`LlamaForCausalLM`, Llama 3.1's RoPE
-scaling included), Qwen2/Qwen2.5 (`Qwen2ForCausalLM`) and Qwen3 (`Qwen3ForCausalLM`).
+scaling included), Qwen2/Qwen2.5 (`Qwen2ForCausalLM`), Qwen3 (`Qwen3ForCausalLM`) and Mistral
+(`MistralForCausalLM`).
 
 - `arch`: the architectures' config fields and tensors, mapped onto msjax's model (`msjax.model`), and the
   errors for what msjax cannot represent.

@@ -8,7 +8,9 @@ SwiGLU MLP (`gate_proj`, `up_proj`, `down_proj`), grouped-query heads, optional 
 `mlp_bias`), untied output projection unless `tie_word_embeddings`; weights stored (out, in) (`nn.Linear`).
 Qwen2/Qwen2.5 (`Qwen2ForCausalLM`) is Llama with biases on the q, k and v projections alone (no attention_bias
 field); Qwen3 (`Qwen3ForCausalLM`) is Llama with `q_norm` and `k_norm`, RMSNorms over each query and key head
-applied before RoPE. Their sliding-window options (`use_sliding_window`) are refused.
+applied before RoPE. Their sliding-window options (`use_sliding_window`) are refused. Mistral
+(`MistralForCausalLM`) is Llama without biases, with an optional sliding window (`sliding_window` W: each query
+sees itself and the W-1 tokens before it, msjax's `model.attention.window`).
 
 A `Rule` maps one HF tensor onto one or more msjax parameters of a layer (GPT-2's fused `c_attn` is three) and
 back; `rules(arch, cfg)` lists them in the order they are read. Every transform is a reshape, a transpose or a
@@ -29,11 +31,9 @@ GPT2 = "GPT2LMHeadModel"
 LLAMA = "LlamaForCausalLM"
 QWEN2 = "Qwen2ForCausalLM"
 QWEN3 = "Qwen3ForCausalLM"
-ARCHITECTURES = (GPT2, LLAMA, QWEN2, QWEN3)
-MODEL_TYPES = {"gpt2": GPT2, "llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3}
-# Llama's layout, tensor names and config fields, with (Qwen2, Qwen2.5) biases on q, k and v only, or (Qwen3) an
-# RMSNorm over each query and key head before RoPE; `transformers/models/qwen2`, `qwen3`.
-LLAMA_FAMILY = (LLAMA, QWEN2, QWEN3)
+MISTRAL = "MistralForCausalLM"
+ARCHITECTURES = (GPT2, LLAMA, QWEN2, QWEN3, MISTRAL)
+MODEL_TYPES = {"gpt2": GPT2, "llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "mistral": MISTRAL}
 
 
 class HFConversionError(ConfigError):
@@ -52,18 +52,18 @@ def architecture_of(hf: dict, where: str) -> str:
     """The architecture a HF config.json describes (`architectures[0]`, else `model_type`).
 
     Raises:
-      HFConversionError: anything but GPT2LMHeadModel or LlamaForCausalLM (naming the field and what is allowed).
+      HFConversionError: an architecture not in ARCHITECTURES (naming the field and what is allowed).
     """
     archs = hf.get("architectures") or []
     if archs:
         if archs[0] not in ARCHITECTURES:
             raise HFConversionError(f"{where}: architectures={archs!r}; msjax converts "
-                                    f"{' and '.join(ARCHITECTURES)}")
+                                    f"{', '.join(ARCHITECTURES)}")
         return archs[0]
     model_type = hf.get("model_type")
     if model_type not in MODEL_TYPES:
         raise HFConversionError(f"{where}: model_type={model_type!r} (and no architectures); msjax converts "
-                                f"model_type {' and '.join(repr(m) for m in MODEL_TYPES)}")
+                                f"model_type {', '.join(repr(m) for m in MODEL_TYPES)}")
     return MODEL_TYPES[model_type]
 
 
@@ -104,11 +104,14 @@ def model_overrides_from_hf(hf: dict, where: str) -> tuple[str, dict[str, Any]]:
                "model.d_ff": 0 if inner is None or inner == 4 * d else int(inner),
                "model.max_seq_len": _positive_int(where, hf, "n_positions"),
                "model.norm_eps": float(_get(hf, "layer_norm_epsilon", 1e-5)),
-               "model.tie_embeddings": bool(_get(hf, "tie_word_embeddings", True))}
+               "model.tie_embeddings": bool(_get(hf, "tie_word_embeddings", True)), "model.attention.window": None}
     else:
         _require(where, hf, "hidden_act", ("silu",), "silu")
         if arch in (QWEN2, QWEN3):
             _require(where, hf, "use_sliding_window", (False,), False)
+        window = _get(hf, "sliding_window") if arch == MISTRAL else None
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise HFConversionError(f"{where}: sliding_window={window!r}; a positive integer or null is needed")
         rope = dict(hf.get("rope_parameters") or {})
         scaling = hf.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
@@ -141,19 +144,20 @@ def model_overrides_from_hf(hf: dict, where: str) -> tuple[str, dict[str, Any]]:
                "model.norm_eps": float(_get(hf, "rms_norm_eps", 1e-6)),
                "model.tie_embeddings": bool(_get(hf, "tie_word_embeddings", False)),
                **_rope_scaling_from_hf(where, rope_type, params)}
+        out["model.attention.window"] = window
     out["model.vocab_size"] = _positive_int(where, hf, "vocab_size")
     out["model.block"] = "serial"
-    out["model.attention.window"] = None
     return arch, out
 
 
 def architecture_for(cfg: ModelConfig) -> str:
-    """The HF architecture an msjax model exports to: GPT-2 for (learned, layernorm, gelu), Llama for (rope,
-    rmsnorm, swiglu).
+    """The HF architecture an msjax model exports to: GPT-2 for (learned, layernorm, gelu); for (rope, rmsnorm,
+    swiglu) Qwen3 with query/key norms, Qwen2 with biases on q/k/v alone, Mistral with a sliding window, else Llama.
 
     Raises:
-      HFConversionError: a model neither architecture can hold (mixed blocks, parallel blocks, a sliding window,
-        GPT-2 without biases or with grouped-query heads, ...), naming every field that does not fit.
+      HFConversionError: a model the chosen architecture cannot hold (parallel blocks, GPT-2 without biases or
+        with grouped-query heads, a sliding window outside Mistral, MLP biases outside Llama, ...), naming every
+        field that does not fit.
     """
     gpt2 = {"model.position": (cfg.position, "learned"), "model.norm": (cfg.norm, "layernorm"),
             "model.mlp": (cfg.mlp, "gelu"), "model.use_bias": (cfg.use_bias, True),
@@ -161,21 +165,27 @@ def architecture_for(cfg: ModelConfig) -> str:
             "model.head_dim": (cfg.head_size * cfg.num_heads, cfg.d_model)}
     llama = {"model.position": (cfg.position, "rope"), "model.norm": (cfg.norm, "rmsnorm"),
              "model.mlp": (cfg.mlp, "swiglu")}
-    common = {"model.block": (cfg.block, "serial"), "model.attention.window": (cfg.attention.window, None)}
-    # The Llama family member: Qwen3 for query/key norms, Qwen2 for biases on q/k/v alone, else Llama.
-    target = GPT2 if cfg.position == "learned" else QWEN3 if cfg.qk_norm else QWEN2 if cfg.qkv_bias else LLAMA
+    common = {"model.block": (cfg.block, "serial")}
+    # The Llama family member: Qwen3 for query/key norms, Qwen2 for biases on q/k/v alone, Mistral for a sliding
+    # window, else Llama.
+    window = cfg.attention.window
+    target = (GPT2 if cfg.position == "learned" else QWEN3 if cfg.qk_norm else QWEN2 if cfg.qkv_bias
+              else MISTRAL if window is not None else LLAMA)
     if target == GPT2:
         llama = {}
         gpt2.update({"model.qkv_bias": (cfg.qkv_bias, False), "model.qk_norm": (cfg.qk_norm, False)})
     elif target != LLAMA:
-        llama.update({"model.use_bias": (cfg.use_bias, False)})  # both have no MLP biases
+        llama.update({"model.use_bias": (cfg.use_bias, False)})  # none of them has MLP biases
         if target == QWEN3:
             llama["model.qkv_bias"] = (cfg.qkv_bias, False)
+    if target != MISTRAL:
+        common["model.attention.window"] = (window, None)
     wants = {**(gpt2 if target == GPT2 else llama), **common}
     bad = [f"{k}={have!r} (needs {want!r})" for k, (have, want) in wants.items() if have != want]
     if bad:
         raise HFConversionError(f"this model cannot be written as {target} (chosen by model.position="
-                                f"{cfg.position!r}, qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}): "
+                                f"{cfg.position!r}, qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm}, "
+                                f"attention.window={window}): "
                                 + "; ".join(bad).replace("model.head_dim=", "model.head_dim x "
                                                                                   "num_heads="))
     return target
@@ -224,8 +234,8 @@ def hf_config_for(arch: str, cfg: ModelConfig, special: dict[str, int | None]) -
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True,
                 "dtype": "float32", **tokens}
     model_type = {v: k for k, v in MODEL_TYPES.items()}[arch]
-    family = {} if arch == LLAMA else {"use_sliding_window": False, "sliding_window": None,
-                                       "max_window_layers": cfg.num_layers}
+    family = ({} if arch == LLAMA else {"sliding_window": cfg.attention.window} if arch == MISTRAL
+              else {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.num_layers})
     return {"architectures": [arch], "model_type": model_type, **family, "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.d_model, "intermediate_size": cfg.ff_size, "num_hidden_layers": cfg.num_layers,
             "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_size,

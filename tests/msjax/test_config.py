@@ -11,7 +11,7 @@ from msjax.mesh import make_mesh, resolve_axis_sizes
 
 EXPECTED_PRESETS = {"gpt_tiny", "shakespeare_char", "gpt_125m", "gpt_1_3b", "gpt_13b", "gpt175b", "gpt530b",
                     "llama_tiny", "llama3_8b", "llama3_70b", "llama3_1_8b",
-                    "qwen2_5_7b", "qwen3_8b"}
+                    "qwen2_5_7b", "qwen3_8b", "mistral_7b"}
 
 
 @pytest.mark.parametrize("name", preset_names())

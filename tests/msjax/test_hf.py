@@ -79,13 +79,19 @@ MODELS = {
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                   max_position_embeddings=64, rope_theta=1e6, rms_norm_eps=1e-6,
                                   tie_word_embeddings=False)),
+    # Mistral 7B v0.1's family: a sliding window (7 here: each query sees itself and the 6 tokens before it),
+    # compared over 64 positions, so most queries see a window, not the whole prefix.
+    "mistral": ("MistralConfig", dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
+                                      sliding_window=7, rope_theta=10000.0, rms_norm_eps=1e-5)),
 }
 # A layout per model that splits what it can over 8 devices (GPT-2's 3 heads do not split over tensor); the third
 # keeps one parameter set per layer (`layers.i`) instead of stacked `blocks`.
 LAYOUTS = {"gpt2": {"mesh.data": 2, "mesh.fsdp": 4}, "llama": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
            "llama-bias-tied": {"mesh.data": 4, "mesh.fsdp": 2, "model.scan_layers": False},
            "llama31": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
-           "qwen2": {"mesh.data": 4, "mesh.tensor": 2}, "qwen3": {"mesh.fsdp": 4, "mesh.tensor": 2}}
+           "qwen2": {"mesh.data": 4, "mesh.tensor": 2}, "qwen3": {"mesh.fsdp": 4, "mesh.tensor": 2},
+           "mistral": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}}
 
 
 def _random_hf_model(kind: str, seed: int = 0):
@@ -110,7 +116,7 @@ def hf_dirs(tmp_path_factory, tokenizer_file) -> dict:
         model = _random_hf_model(kind)
         model.save_pretrained(d)
         tok = Tokenizer.from_file(str(tokenizer_file))
-        if kind.startswith(("llama", "qwen")):  # a begin-of-text token the tokenizer's post-processor adds, as Llama's does
+        if kind.startswith(("llama", "qwen", "mistral")):  # a begin-of-text token the tokenizer's post-processor adds, as Llama's does
             tok.add_special_tokens(["<|begin_of_text|>"])
             bos = tok.token_to_id("<|begin_of_text|>")
             tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
@@ -202,9 +208,9 @@ def test_export_gives_the_original_tensors_bit_for_bit(hf_dirs, imported, kind, 
 
 def test_greedy_generation_equals_transformers_generate(hf_dirs, imported):
     """Same prompt ids, `generate(do_sample=False)` against msjax's cached greedy decoding, for both
-    architectures, Llama 3.1's scaled RoPE, Qwen2's biases and Qwen3's query/key norms (HF stops at no eos here:
-    eos_token_id None)."""
-    for kind in ("gpt2", "llama", "llama31", "qwen2", "qwen3"):
+    architectures, Llama 3.1's scaled RoPE, Qwen2's biases, Qwen3's query/key norms and Mistral's sliding window
+    (21 tokens through a window of 7; HF stops at no eos here: eos_token_id None)."""
+    for kind in ("gpt2", "llama", "llama31", "qwen2", "qwen3", "mistral"):
         _, model = hf_dirs[kind]
         run = load_run(imported[kind].run_dir, overrides=ONE_DEVICE, devices=jax.devices()[:1])
         prompts = [[5, 17, 250, 3, 42], [7, 8]]
@@ -343,8 +349,10 @@ def _edited(hf_dirs, tmp_path, kind: str, config=None, drop=None, add=None, rena
 
 
 @pytest.mark.parametrize("kind, edit, needle", [
-    ("llama", dict(config={"architectures": ["MistralForCausalLM"]}),
-     "architectures=['MistralForCausalLM']; msjax converts GPT2LMHeadModel and LlamaForCausalLM"),
+    ("llama", dict(config={"architectures": ["GemmaForCausalLM"]}),
+     "architectures=['GemmaForCausalLM']; msjax converts GPT2LMHeadModel, LlamaForCausalLM, Qwen2ForCausalLM, "
+     "Qwen3ForCausalLM, MistralForCausalLM"),
+    ("mistral", dict(config={"sliding_window": 0}), "sliding_window=0; a positive integer or null is needed"),
     ("llama", dict(config={"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}),
      "rope type 'llama3' needs rope_parameters.low_freq_factor; it is missing"),
     ("llama", dict(config={"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0}}),
@@ -428,18 +436,22 @@ def test_command_line_errors(hf_dirs, imported, tmp_path):
 
 
 @pytest.mark.parametrize("change, needle", [
-    ({"model.block": "parallel"}, "LlamaForCausalLM (chosen by model.position='rope', qkv_bias=False, qk_norm=False): "
-                                  "model.block='parallel' (needs 'serial')"),
-    ({"model.attention.window": 8}, "LlamaForCausalLM (chosen by model.position='rope', qkv_bias=False, "
-                                    "qk_norm=False): model.attention.window=8 (needs None)"),
-    ({"model.mlp": "gelu"}, "LlamaForCausalLM (chosen by model.position='rope', qkv_bias=False, qk_norm=False): "
-                            "model.mlp='gelu' (needs 'swiglu')"),
+    ({"model.block": "parallel"}, "LlamaForCausalLM (chosen by model.position='rope', qkv_bias=False, qk_norm=False, "
+                                  "attention.window=None): model.block='parallel' (needs 'serial')"),
+    ({"model.mlp": "gelu"}, "LlamaForCausalLM (chosen by model.position='rope', qkv_bias=False, qk_norm=False, "
+                            "attention.window=None): model.mlp='gelu' (needs 'swiglu')"),
     ({"model.qkv_bias": True, "model.use_bias": True}, "Qwen2ForCausalLM (chosen by model.position='rope', "
-                                                       "qkv_bias=True, qk_norm=False): model.use_bias=True "
-                                                       "(needs False)"),
+                                                       "qkv_bias=True, qk_norm=False, attention.window=None): "
+                                                       "model.use_bias=True (needs False)"),
     ({"model.qk_norm": True, "model.qkv_bias": True}, "Qwen3ForCausalLM (chosen by model.position='rope', "
-                                                      "qkv_bias=True, qk_norm=True): model.qkv_bias=True (needs "
-                                                      "False)"),
+                                                      "qkv_bias=True, qk_norm=True, attention.window=None): "
+                                                      "model.qkv_bias=True (needs False)"),
+    ({"model.qk_norm": True, "model.attention.window": 8}, "Qwen3ForCausalLM (chosen by model.position='rope', "
+                                                           "qkv_bias=False, qk_norm=True, attention.window=8): "
+                                                           "model.attention.window=8 (needs None)"),
+    ({"model.attention.window": 8, "model.use_bias": True}, "MistralForCausalLM (chosen by model.position='rope', "
+                                                            "qkv_bias=False, qk_norm=False, attention.window=8): "
+                                                            "model.use_bias=True (needs False)"),
 ])
 def test_models_no_hf_architecture_holds_are_refused_on_export(trained, tmp_path, change, needle):
     from msjax.hf.arch import architecture_for

@@ -590,11 +590,11 @@ def test_stash_bytes_are_the_steps_residuals(scan_layers, block, dtype, llama, m
 
 @pytest.mark.parametrize("preset, params", [("llama3_8b", 8_030_261_248), ("llama3_1_8b", 8_030_261_248),
                                             ("llama3_70b", 70_553_706_496), ("qwen2_5_7b", 7_615_616_512),
-                                            ("qwen3_8b", 8_190_735_360),
+                                            ("qwen3_8b", 8_190_735_360), ("mistral_7b", 7_241_732_096),
                                             ("gpt175b", 174_770_774_016)])
 def test_parameter_inventory_is_the_models_own(preset, params):
-    """The planner's parameters come from the model (`nnx.eval_shape`): Llama 3's, Qwen2.5 7B's and Qwen3 8B's
-    published totals (the Hugging Face checkpoints' parameter counts: no position table under RoPE, SwiGLU's gate, RMSNorm without offsets, an
+    """The planner's parameters come from the model (`nnx.eval_shape`): Llama 3's, Qwen2.5 7B's, Qwen3 8B's and
+    Mistral 7B's published totals (the Hugging Face checkpoints' parameter counts: no position table under RoPE, SwiGLU's gate, RMSNorm without offsets, an
     untied head), and GPT-3 175B by hand: 96 parallel blocks of 12 h^2 weights and 11 h of biases and LayerNorm
     (one per block), the 64,000-row token and 2048-row position tables, the final LayerNorm."""
     cfg = load_preset(preset)
@@ -604,7 +604,7 @@ def test_parameter_inventory_is_the_models_own(preset, params):
         h = 12288
         assert params == 96 * (12 * h * h + 11 * h) + (64000 + 2048) * h + 2 * h
     names = {leaf.name for leaf in mem.param_leaves(cfg.model, vocab)}
-    llama = preset.startswith(("llama", "qwen"))  # the Llama family
+    llama = preset.startswith(("llama", "qwen", "mistral"))  # the Llama family
     assert ("wpe" in names) != llama and ("mlp.w_gate" in names) == llama and ("lm_head" in names) == llama
     assert ("ln1.bias" in names) != llama
     assert ("attn.bq" in names) == (preset in ("qwen2_5_7b", "gpt175b"))  # Qwen2's biases: on q, k and v alone
