@@ -16,6 +16,7 @@ Cross-field checks that do not need devices live in `Config.validate()`; checks 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import json
@@ -506,38 +507,13 @@ class StorageConfig:
           ConfigError: an entry without settings, a prefix that is not a gs:// or s3:// URL with a bucket, a key
             not in PREFIX_SETTINGS or not `key=value`, a bad timeout, a prefix given twice.
         """
-        out: dict[str, dict[str, Any]] = {}
-        for entry in self.prefixes:
-            prefix, *pairs = entry.split() or [""]
-            where = f"storage.prefixes entry {entry!r}"
-            if not pairs:
-                raise ConfigError(f"{where} binds no settings; allowed: '<prefix> <key>=<value> ...' with keys "
-                                  f"{', '.join(PREFIX_SETTINGS)}")
-            check_path_value(prefix, "storage.prefixes")
-            if url_scheme(prefix) not in OBJECT_STORE_SCHEMES:
-                raise ConfigError(f"{where}: the prefix {prefix!r} is not an object-storage URL; allowed: "
-                                  "gs://bucket[/path] or s3://bucket[/path]")
-            prefix = prefix.rstrip("/")
-            if prefix in out:
-                raise ConfigError(f"{where}: the prefix {prefix!r} is given settings twice")
-            settings: dict[str, Any] = {}
-            for pair in pairs:
-                key, eq, value = pair.partition("=")
-                if not eq or key not in PREFIX_SETTINGS:
-                    raise ConfigError(f"{where}: {pair!r} is not a setting; allowed: <key>=<value> with keys "
-                                      f"{', '.join(PREFIX_SETTINGS)}")
-                settings[key] = coerce(f"{where}: {key}", _field_type(StorageConfig, key), value)
-            if not (math.isfinite(settings.get("timeout_s", 1.0)) and settings.get("timeout_s", 1.0) > 0):
-                raise ConfigError(f"{where}: timeout_s={settings['timeout_s']}: allowed is a finite number of "
-                                  "seconds > 0")
-            out[prefix] = settings
-        return sorted(out.items(), key=lambda item: -len(item[0]))
+        return [(prefix, dict(settings)) for prefix, settings in _parse_prefixes(self.prefixes)]
 
     def for_path(self, url: str) -> "StorageConfig":
         """The settings that reach `url` (see `prefixes`), with no prefixes of their own. Raises ConfigError as
         prefix_settings."""
         merged: dict[str, Any] = {}
-        for prefix, settings in reversed(self.prefix_settings()):  # shortest first: the longer prefix wins
+        for prefix, settings in reversed(_parse_prefixes(self.prefixes)):  # shortest first: the longer prefix wins
             if url == prefix or url.startswith(prefix + "/"):
                 merged.update(settings)
         return dataclasses.replace(self, prefixes=(), **merged)
@@ -545,6 +521,38 @@ class StorageConfig:
 
 # The StorageConfig fields a storage.prefixes entry may set.
 PREFIX_SETTINGS = ("s3_endpoint", "s3_region", "s3_profile", "gcs_endpoint", "gcs_credentials", "timeout_s")
+
+
+@functools.lru_cache(maxsize=32)
+def _parse_prefixes(prefixes: tuple[str, ...]) -> tuple[tuple[str, dict[str, Any]], ...]:
+    """StorageConfig.prefix_settings, parsed once per tuple of entries: msjax.paths asks at every object operation.
+    Callers must not change the dicts (prefix_settings hands out copies)."""
+    out: dict[str, dict[str, Any]] = {}
+    for entry in prefixes:
+        prefix, *pairs = entry.split() or [""]
+        where = f"storage.prefixes entry {entry!r}"
+        if not pairs:
+            raise ConfigError(f"{where} binds no settings; allowed: '<prefix> <key>=<value> ...' with keys "
+                              f"{', '.join(PREFIX_SETTINGS)}")
+        check_path_value(prefix, "storage.prefixes")
+        if url_scheme(prefix) not in OBJECT_STORE_SCHEMES:
+            raise ConfigError(f"{where}: the prefix {prefix!r} is not an object-storage URL; allowed: "
+                              "gs://bucket[/path] or s3://bucket[/path]")
+        prefix = prefix.rstrip("/")
+        if prefix in out:
+            raise ConfigError(f"{where}: the prefix {prefix!r} is given settings twice")
+        settings: dict[str, Any] = {}
+        for pair in pairs:
+            key, eq, value = pair.partition("=")
+            if not eq or key not in PREFIX_SETTINGS:
+                raise ConfigError(f"{where}: {pair!r} is not a setting; allowed: <key>=<value> with keys "
+                                  f"{', '.join(PREFIX_SETTINGS)}")
+            settings[key] = coerce(f"{where}: {key}", _field_type(StorageConfig, key), value)
+        if not (math.isfinite(settings.get("timeout_s", 1.0)) and settings.get("timeout_s", 1.0) > 0):
+            raise ConfigError(f"{where}: timeout_s={settings['timeout_s']}: allowed is a finite number of "
+                              "seconds > 0")
+        out[prefix] = settings
+    return tuple(sorted(out.items(), key=lambda item: -len(item[0])))
 
 
 @dataclass(frozen=True)
