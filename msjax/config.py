@@ -507,13 +507,13 @@ class StorageConfig:
           ConfigError: an entry without settings, a prefix that is not a gs:// or s3:// URL with a bucket, a key
             not in PREFIX_SETTINGS or not `key=value`, a bad timeout, a prefix given twice.
         """
-        return [(prefix, dict(settings)) for prefix, settings in _parse_prefixes(self.prefixes)]
+        return [(prefix, dict(settings)) for prefix, settings in _parse_prefixes(tuple(self.prefixes))]
 
     def for_path(self, url: str) -> "StorageConfig":
         """The settings that reach `url` (see `prefixes`), with no prefixes of their own. Raises ConfigError as
         prefix_settings."""
         merged: dict[str, Any] = {}
-        for prefix, settings in reversed(_parse_prefixes(self.prefixes)):  # shortest first: the longer prefix wins
+        for prefix, settings in reversed(_parse_prefixes(tuple(self.prefixes))):  # shortest first: the longer prefix wins
             if url == prefix or url.startswith(prefix + "/"):
                 merged.update(settings)
         return dataclasses.replace(self, prefixes=(), **merged)

@@ -435,6 +435,11 @@ def test_prefix_settings_layer_shortest_first_on_whole_path_components():
     assert storage.for_path("s3://corpus") == StorageConfig(s3_endpoint="http://a:1", s3_profile="data")
     assert storage.for_path("s3://corpus2/x") == StorageConfig(s3_endpoint="http://default:1")
     assert storage.for_path("gs://corpus/x") == StorageConfig(s3_endpoint="http://default:1")
+    # the same entries as a list, as a StorageConfig rebuilt from JSON (`StorageConfig(**json.loads(...))`) has them
+    listed = StorageConfig(**json.loads(json.dumps(dataclasses.asdict(storage))))
+    assert isinstance(listed.prefixes, list)
+    assert listed.for_path("s3://corpus/eval/x") == storage.for_path("s3://corpus/eval/x")
+    assert listed.prefix_settings() == storage.prefix_settings()
 
 
 @pytest.mark.parametrize("entry, message", [
