@@ -3,8 +3,9 @@
 Definitions (wall-clock seconds; every event's `time`):
   detection latency  fault_injected -> detected.
   recovery time      fault_injected -> first_step of the next attempt (the first kept step after restart).
-  recomputed steps   the furthest step seen in the faulted attempt minus the step the next attempt restored
-                     (heartbeats lag by up to a period, so this is a lower bound).
+  recomputed steps   the furthest step seen in the faulted attempt (its workers' heartbeats, rank 0's goodput
+                     ledger) minus the step the next attempt restored (a lower bound: a heartbeat lags its
+                     worker by up to a period, and a killed worker reports nothing after its last beat).
 Where the run's whole wall time went (productive steps, start-up, restarts, recomputed steps, ...) and the
 effective training time ratio are the goodput ledger's (msjax.goodput).
 """
@@ -31,9 +32,10 @@ def fault_figures(events: Iterable[dict]) -> list[dict]:
     """Per injected fault: {kind, rank, step, attempt, detection_s, recovery_s, recomputed_steps}.
 
     detection_s is fault_injected -> the next `detected`; recovery_s is fault_injected -> the next attempt's
-    `first_step`; recomputed_steps is the step seen at the fault minus the next attempt's restore step. A figure
-    is None when the run ended before it happened (e.g. no restart after the last fault).
-    """
+    `first_step`; recomputed_steps is the furthest step seen in the attempt (module docstring) minus the next
+    attempt's restore step. A figure is None when the run ended before it happened (e.g. no restart after the last
+    fault)."""
+    events = list(events)
     out = []
     for e, rest, nxt in _faults(events):
         detected = next((x for x in rest if x["kind"] == "detected"), None)
@@ -46,9 +48,14 @@ def fault_figures(events: Iterable[dict]) -> list[dict]:
         restored = worker_start["start_step"] if worker_start else None
         # Heartbeats lag the host-side step by up to a period, and a stopped worker reports no more: the furthest
         # step any worker of the attempt reported (its attempt_end) bounds the work lost better than the step seen
-        # when the fault went in.
+        # when the fault went in. Rank 0's goodput ledger, written at logging steps and when its loop ends (a lost
+        # peer ends it), records the step it had dispatched then, which may be past its last beat.
         end = next((x for x in rest if x["kind"] == "attempt_end" and x["attempt"] == e["attempt"]), None)
-        reached = max(e["step"], (end or {}).get("last_step") or 0)
+        launched = next((x["time"] for x in events if x["kind"] == "launch" and x["attempt"] == e["attempt"]), 0.0)
+        until = nxt["time"] if nxt is not None else float("inf")
+        ledgered = [x["step"] for x in events if x["kind"] == "goodput" and x.get("step") is not None
+                    and launched <= x["time"] <= until]
+        reached = max(e["step"], (end or {}).get("last_step") or 0, *ledgered)
         out.append({
             "kind": e["fault"], "rank": e["rank"], "step": e["step"], "attempt": e["attempt"],
             "detection_s": detected["time"] - e["time"] if detected else None,
@@ -82,6 +89,7 @@ def recovery_phases(events: Iterable[dict]) -> list[dict]:
     The phases sum to the fault's recovery_s, or to more when the supervisor saw a fast worker's first step (a
     host-side dispatch) before the slowest worker had compiled its own: the job's first step runs only then.
     """
+    events = list(events)
     out = []
     for e, rest, nxt in _faults(events):
         ends: dict[str, float] = {}

@@ -159,6 +159,28 @@ def test_figures_from_an_event_log(tmp_path):
     assert f["restored_step"] == 30 and f["recomputed_steps"] == 1
 
 
+def test_recomputed_steps_count_the_steps_rank_0_ledgered_past_the_last_heartbeat(tmp_path):
+    """The survivor of a kill dispatched steps 32 and 33 after the beat the supervisor last saw (step 31); its
+    goodput ledger, written as its loop ended, says so. A later attempt's ledger is not this fault's."""
+    events = _log(tmp_path, [
+        ("run_start", 0.0, {}),
+        ("launch", 0.0, {"attempt": 0}),
+        ("worker_start", 5.0, {"attempt": 0, "rank": 0, "start_step": 0}),
+        ("goodput", 30.0, {"rank": 0, "step": 20}),
+        ("fault_injected", 40.0, {"fault": "kill", "rank": 1, "step": 31, "attempt": 0}),
+        ("goodput", 40.2, {"rank": 0, "step": 33}),
+        ("goodput", 40.3, {"rank": 0, "step": 32}),  # out of order: the largest counts
+        ("detected", 40.5, {"attempt": 0, "failures": []}),
+        ("attempt_end", 40.5, {"attempt": 0, "start_step": 0, "last_step": 31, "step_s": 1.0}),
+        ("launch", 45.0, {"attempt": 1}),
+        ("worker_start", 50.0, {"attempt": 1, "rank": 0, "start_step": 30}),
+        ("goodput", 80.0, {"rank": 0, "step": 60}),
+        ("run_end", 125.0, {"status": "finished"}),
+    ])
+    (f,) = fault_figures(events)
+    assert f["reached_step"] == 33 and f["restored_step"] == 30 and f["recomputed_steps"] == 3
+
+
 def test_event_log_is_json_lines_and_feeds_a_sink(tmp_path):
     got = []
     log = EventLog(tmp_path / "run" / "events.jsonl", sink=got.append)
