@@ -8,9 +8,10 @@ Decoding with the cache (default) runs the prompts once (prefill: a batch of pro
 right-padded, in one forward pass that also fills the cache), then one token per step against the cache
 (`msjax.model.GPT.decode`), every step of a chunk inside one compiled `lax.while_loop`, as T5X's and the Flax
 lm1b example's `temperature_sample` decode: one call and one host sync per chunk instead of per token, and the
-loop ends on the device once every row has produced a stop id. The cache holds model.max_seq_len positions per
-layer (so one compiled decode loop serves every prompt length); with a sliding window it is a ring of W slots per
-layer, so its memory is O(W), not O(sequence). `cache=False` recomputes the whole sequence for every new token
+loop ends on the device once every row has produced a stop id. The cache holds the longest prompt plus the new
+tokens, rounded up to CACHE_BLOCK positions (`cache_length`; one compiled decode loop per multiple), so a decode
+step attends over what the generation needs, not model.max_seq_len; with a sliding window it is a ring of at most
+W slots per layer, so its memory is O(W), not O(sequence). `cache=False` recomputes the whole sequence for every new token
 (the reference the cached path is tested against, and the baseline of scripts/bench_generate.py).
 
 Layouts: the parameters keep the sharding they were restored with (any mesh: `load_run` takes mesh overrides) and
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -37,7 +38,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from msjax.config import Config, ModelConfig, apply_overrides
-from msjax.model import apply, apply_decode, init_cache
+from msjax.model import abstract_model, apply, apply_decode, init_cache
 from msjax.sample import check_sampling, sample_logits
 from msjax.sharding import use_rules
 from msjax.sharding_rules import Rules
@@ -45,6 +46,17 @@ from msjax.sharding_rules import axes as ax
 
 # Token buffers are padded to a multiple of this many positions (fewer distinct shapes to compile).
 PAD_TO = 16
+# The KV cache holds a chunk's longest context plus its new tokens, rounded up to a multiple of this many slots
+# (capped at model.max_seq_len): each decode step attends over those slots, not over max_seq_len, and the decode
+# loop compiles once per multiple reached.
+CACHE_BLOCK = 128
+
+
+def cache_length(longest: int, new: int, max_seq_len: int) -> int:
+    """Positions the KV cache of a chunk holds: `longest` context tokens + `new` tokens rounded up to a multiple of
+    CACHE_BLOCK, at most `max_seq_len` (with a sliding window the cache is a ring of at most W of them:
+    `msjax.model.cache_slots`)."""
+    return min(_round_up(longest + new, CACHE_BLOCK), max_seq_len)
 
 
 def decode_rules(rules: Rules) -> Rules:
@@ -215,8 +227,8 @@ class Generator:
             buf[r, :len(c)] = c
         if cache:
             token, kv = self._prefill(self.params, self._put(buf), self._put(lengths),
-                                      jax.random.fold_in(key, first_step), max_len=self.cfg.max_seq_len,
-                                      **settings)
+                                      jax.random.fold_in(key, first_step),
+                                      max_len=cache_length(int(lengths.max()), new, self.cfg.max_seq_len), **settings)
             decoded = None
             if new > 1:  # dispatched before the first token is read back, so the device goes straight on
                 done = stopped | (np.arange(rows) >= real_rows)  # dummy rows never hold the loop up
@@ -293,8 +305,9 @@ class LoadedRun:
 
 
 def load_run(run_dir: str | Path, overrides: dict[str, Any] | None = None, config: Config | None = None,
-             devices: Sequence[jax.Device] | None = None) -> LoadedRun:
-    """Restores a run's newest verified checkpoint onto a mesh, for generation.
+             devices: Sequence[jax.Device] | None = None, dtype: str | None = None) -> LoadedRun:
+    """Restores the parameters of a run's newest verified checkpoint onto a mesh, for generation (only the
+    parameters are read: `msjax.runs.restore_params`).
 
     Args:
       run_dir: a run directory (config.json, checkpoints/, tokenizer.json), from training or
@@ -303,8 +316,10 @@ def load_run(run_dir: str | Path, overrides: dict[str, Any] | None = None, confi
         parameters are restored onto that mesh (any mesh the devices allow).
       config: the config to use instead of `<run_dir>/config.json` (+ overrides).
       devices: the devices of the mesh (default: all).
+      dtype: "float32" or "bfloat16": the parameters, activations and KV cache in that dtype (model.param_dtype
+        and model.dtype of the returned config); None: as the run trained.
     Raises:
-      ConfigError: no config.json, a config or mesh that does not fit the devices.
+      ConfigError: no config.json, a config or mesh that does not fit the devices, a dtype not allowed.
       msjax.checkpoint.CheckpointError: no checkpoint passes verification.
     """
     from msjax.data import load_tokenizer
@@ -312,11 +327,15 @@ def load_run(run_dir: str | Path, overrides: dict[str, Any] | None = None, confi
 
     run_dir = Path(run_dir)
     cfg = run_config(run_dir, overrides) if config is None else apply_overrides(config, overrides or {}).validate()
-    program, step, params = restore_params(run_dir, cfg, devices)
+    program, step, params = restore_params(run_dir, cfg, devices, dtype)
+    config, graphdef = program.config, program.graphdef
+    if dtype is not None and (config.model.param_dtype, config.model.dtype) != (dtype, dtype):
+        config = replace(config, model=replace(config.model, param_dtype=dtype, dtype=dtype))
+        graphdef = abstract_model(config.model)[0]
     tok_path = run_dir / "tokenizer.json"
     tokenizer = load_tokenizer(tok_path) if tok_path.is_file() else None
-    generator = Generator(program.config.model, program.graphdef, params, program.mesh, program.layout.rules)
-    return LoadedRun(program.config, step, generator, tokenizer, run_dir)
+    generator = Generator(config.model, graphdef, params, program.mesh, program.layout.rules)
+    return LoadedRun(config, step, generator, tokenizer, run_dir)
 
 
 @dataclass

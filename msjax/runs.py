@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 
 from msjax.checkpoint import CheckpointError, Checkpointer, checkpoint_dir
 from msjax.config import Config, ConfigError, apply_overrides, load_preset
@@ -30,23 +31,52 @@ def run_config(run_dir: str | Path, overrides: dict[str, Any] | None = None) -> 
     return cfg
 
 
-def restore_params(run_dir: str | Path, cfg: Config, devices: Sequence[jax.Device] | None = None
-                   ) -> tuple[Any, int, dict]:
+def restore_params(run_dir: str | Path, cfg: Config, devices: Sequence[jax.Device] | None = None,
+                   dtype: str | None = None) -> tuple[Any, int, dict]:
     """(train program, step, parameters) of a run's newest verified checkpoint, restored onto the mesh of `cfg`
-    (any mesh: Orbax reshards). The whole train state is read and verified (the checkpoint's checksums cover it);
-    the optimizer state is dropped before returning.
+    (any mesh: Orbax reshards). Only the parameters are read (`Checkpointer.restore(partial=True)`: the optimizer
+    state, twice the parameters' bytes under Adam, never reaches memory) and verified against the checkpoint's
+    record.
 
+    Args:
+      run_dir, cfg: the run directory and its config (`run_config`).
+      devices: the devices of the mesh (default: all).
+      dtype: "float32" or "bfloat16" to cast the parameters to, one array at a time (each stored array is freed
+        once its cast exists, so the peak is the stored parameters plus one array); None keeps the stored dtype.
     Raises:
-      ConfigError: a mesh that does not fit the devices.
-      msjax.checkpoint.CheckpointError: no checkpoint, or none passes verification.
+      ConfigError: a mesh that does not fit the devices, or a dtype not allowed.
+      msjax.checkpoint.CheckpointError: no checkpoint, or none passes verification (a checkpoint without
+        parameters among them).
     """
+    if dtype not in (None, "float32", "bfloat16"):
+        raise ConfigError(f"--dtype={dtype!r}: allowed: 'float32', 'bfloat16' (or none: as stored)")
     program = build_train_program(resolve_layout(cfg, devices, strict=False))
     # Read-only: the run may still be training, and its newest step may be between Orbax's commit and its record.
     ckpt = Checkpointer(cfg.checkpoint, checkpoint_dir(cfg.checkpoint, str(run_dir)), read_only=True)
     try:
         if ckpt.latest_step() is None:
             raise CheckpointError(f"no complete checkpoint in {ckpt.directory}")
-        step, state, _ = ckpt.restore(program.abstract_state)
+        step, state, _ = ckpt.restore({"params": program.abstract_state["params"]}, partial=True)
     finally:
         ckpt.close()
-    return program, step, state["params"]
+    params = state["params"]
+    if dtype is not None:
+        params = cast_params(params, dtype)
+    return program, step, params
+
+
+def cast_params(params: Any, dtype: str) -> Any:
+    """`params` with every floating-point array cast to `dtype` on its own sharding, one array at a time: each
+    original is deleted once its cast exists (the caller must hold no other reference to them), so the peak is
+    the original parameters plus the largest cast array, never both trees."""
+    target = jnp.dtype(dtype)
+
+    def cast(x: jax.Array) -> jax.Array:
+        if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == target:
+            return x
+        y = jax.jit(lambda a: a.astype(target), out_shardings=x.sharding)(x)
+        y.block_until_ready()
+        x.delete()
+        return y
+
+    return jax.tree.map(cast, params)

@@ -62,7 +62,7 @@ def main(argv: list[str]) -> int:
         cli.setup_logging(common)
         if opts.json:
             cli.check_writable(opts.json, "--json")
-        from msjax.generate import Generator
+        from msjax.generate import Generator, cache_length
         from msjax.model import abstract_model, cache_slots, init_params
 
         prompt_len, new_tokens, batches = opts.prompt_len, opts.new_tokens, [int(b) for b in opts.batch.split(",")]
@@ -91,7 +91,8 @@ def main(argv: list[str]) -> int:
                     seconds.append(time.perf_counter() - t0)
                 timing[cached] = statistics.median(seconds)
             same &= outputs[True] == outputs[False]
-            slots = cache_slots(model, model.max_seq_len)  # msjax.generate's cache: the whole context, or the ring
+            # msjax.generate's cache: prompt + new tokens rounded up to a block, or the window's ring
+            slots = cache_slots(model, cache_length(prompt_len, new_tokens, model.max_seq_len))
             cache_bytes = 2 * model.num_layers * b * slots * model.kv_heads * model.head_size * np.dtype(
                 model.dtype).itemsize
             for cached in (True, False):

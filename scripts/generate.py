@@ -1,9 +1,11 @@
 """Generate text from a run: `python scripts/generate.py --run_dir=RUN --prompt="To be" --max_new_tokens=50`.
 
 The run's newest verified checkpoint, its config and tokenizer (from training, or `scripts/convert.py --from_hf`),
-decoded with a KV cache (msjax.generate). `--prompt` may be given several times (a batch), or `--prompt_file`
-(one prompt per line); `--temperature=0` is greedy; `--json=PATH` also writes each prompt's token ids, the
-generated ids and the text. Config flags lay the model out on another mesh (`--mesh.tensor=2 --mesh.data=1`).
+decoded with a KV cache (msjax.generate). Only the parameters are read from the checkpoint, in their stored dtype
+or `--dtype=bfloat16`. `--prompt` may be given several times (a batch of prompts of any lengths, each ending at its
+own end-of-text), or `--prompt_file` (one prompt per line, or JSON Lines: a string or {"prompt": ...} per line);
+`--temperature=0` is greedy; `--json=PATH` also writes each prompt's token ids, the generated ids and the text.
+Config flags lay the model out on another mesh (`--mesh.tensor=2 --mesh.data=1`).
 """
 
 import dataclasses
@@ -25,7 +27,9 @@ class GenerateOptions:
 
     Attributes:
       run_dir: the run directory (config.json, checkpoints/, tokenizer.json).
-      prompt_file: a text file with one prompt per line (added after the --prompt flags).
+      prompt_file: prompts added after the --prompt flags: a text file with one prompt per line, or a `.jsonl`
+        file with one JSON string or {"prompt": string} object per line (prompts with line breaks).
+      dtype: the parameters, activations and KV cache in "float32" or "bfloat16"; empty: as the run trained.
       max_new_tokens: tokens to generate per prompt.
       temperature: softmax temperature; 0 is greedy (the most likely token every step).
       top_k: sample among the k most likely tokens only; 0: all.
@@ -39,6 +43,7 @@ class GenerateOptions:
 
     run_dir: str = ""
     prompt_file: str = ""
+    dtype: str = ""
     max_new_tokens: int = 64
     temperature: float = 0.8
     top_k: int = 0
@@ -66,6 +71,35 @@ def _take_prompts(argv: list[str]) -> tuple[list[str], list[str]]:
     return prompts, rest
 
 
+def read_prompts(path: str) -> list[str]:
+    """The prompts of a --prompt_file (GenerateOptions.prompt_file): empty lines are skipped.
+
+    Raises:
+      ConfigError: the file cannot be read, or (`.jsonl`) a line is not JSON, or not a string or an object with a
+        string "prompt"; the error names the file and the line.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--prompt_file={path!r}: {e}") from None
+    if not path.endswith(".jsonl"):
+        return [line for line in text.splitlines() if line]
+    prompts = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--prompt_file={path!r} line {n}: not JSON ({e.msg})") from None
+        prompt = item.get("prompt") if isinstance(item, dict) else item
+        if not isinstance(prompt, str):
+            raise ConfigError(f"--prompt_file={path!r} line {n}: allowed is a JSON string or an object with a "
+                              f"string \"prompt\"; got {line[:80]!r}")
+        prompts.append(prompt)
+    return prompts
+
+
 def _flag(argv: list[str], name: str) -> str:
     for i, arg in enumerate(argv):
         if arg.startswith(f"--{name}="):
@@ -87,7 +121,9 @@ def main(argv: list[str]) -> int:
                                         default_preset=default)
         cli.setup_logging(common)
         if opts.prompt_file:
-            prompts += [line for line in Path(opts.prompt_file).read_text().splitlines() if line]
+            prompts += read_prompts(opts.prompt_file)
+        if opts.dtype not in ("", "float32", "bfloat16"):
+            raise ConfigError(f"--dtype={opts.dtype!r}: allowed: 'float32', 'bfloat16' (or empty: as stored)")
         if not prompts:
             raise ConfigError("give at least one --prompt (or --prompt_file)")
         if opts.json:
@@ -96,7 +132,7 @@ def main(argv: list[str]) -> int:
         from msjax.generate import generate_text, load_run
 
         try:
-            run = load_run(opts.run_dir, config=cfg)
+            run = load_run(opts.run_dir, config=cfg, dtype=opts.dtype or None)
         except CheckpointError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
@@ -112,6 +148,7 @@ def main(argv: list[str]) -> int:
             print("-" * 40)
         if opts.json:
             doc = {"run_dir": str(run.run_dir), "step": run.step, "mesh": dict(run.generator.mesh.shape),
+                   "dtype": run.config.model.param_dtype,
                    **settings, "results": [{"prompt": r.prompt, "prompt_ids": r.prompt_ids,
                                             "generated_ids": r.generated_ids, "text": r.text} for r in results]}
             Path(opts.json).write_text(json.dumps(doc, indent=1, ensure_ascii=False))

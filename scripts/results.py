@@ -66,6 +66,7 @@ ROW_FIGURES: dict[str, tuple[str, str, str, str]] = {
     "bench_init.py": ("rows", "{store} {what} at {ranks} ranks", "seconds", "{:.4f} s"),
     "bench_attention.py": ("rows", "{impl} T={seq_len} W={window} fwd+bwd", "fwd_bwd_s", "{:.4f} s"),
     "bench_generate.py": ("rows", "batch {batch} {mode}", "tokens_per_s", "{:,.0f} tokens/s"),
+    "bench_generate_memory.py": ("rows", "{mode}: peak over baseline / parameters", "ratio_to_params", "{:.2f}x"),
     "bench_parallel.py": ("rows", "{layout} {mode} ({tree})", "step_s", "{:.4f} s"),
     "bench_recovery.py": ("faults", "{kind} fault: detected in {detection_s:.2f} s, recovered in", "recovery_s",
                           "{:.1f} s"),

@@ -639,7 +639,7 @@ class Checkpointer:
 
     # ---- restoring --------------------------------------------------------------------------------------------
 
-    def restore(self, abstract_state: Any, verify: bool = True) -> tuple[int, Any, dict]:
+    def restore(self, abstract_state: Any, verify: bool = True, partial: bool = False) -> tuple[int, Any, dict]:
         """Restores (step, state, loader_state) from the newest checkpoint that passes verification, in either
         tier, onto the shardings in `abstract_state` (jax.ShapeDtypeStruct leaves with `.sharding`, possibly
         another mesh). Every checkpoint that fails is reported in one warning line and moved aside to
@@ -651,13 +651,20 @@ class Checkpointer:
           verify: compare every array's checksum with the record (default). False skips only that comparison
             (a record and readable files are still required): for scripts/bench_checkpoint.py, which measures
             what verifying costs; a run always verifies.
+          partial: `abstract_state` is a part of the saved state (a dict holding some of its top-level keys,
+            e.g. {"params": ...} for generation): only those arrays are read (Orbax's partial restore: the
+            optimizer state's bytes never reach memory), only their checksums are compared, and the loader
+            position is neither read nor compared (returned as {}).
 
         Raises:
           CheckpointError: no checkpoint in either tier passes verification (lists what was tried).
         """
         tried = self.skipped = self._interrupted  # the interrupted writes deleted when this checkpointer opened
         self._interrupted = []
-        replica_plan, why = replica.plan(abstract_state) if self.cfg.replica_restore else (None, "off")
+        # A partial restore reads each process's own shards: the broadcast of single-replica restore moves whole
+        # train states, and a reader of parameters alone (generation, export) is not on the training's mesh.
+        replica_plan, why = (replica.plan(abstract_state) if self.cfg.replica_restore and not partial
+                             else (None, "partial restore" if partial else "off"))
         self.replica_restore = replica_plan is not None
         if self.cfg.replica_restore and replica_plan is None and why not in _REPLICA_NOTES_LOGGED:
             _REPLICA_NOTES_LOGGED.add(why)  # once per process and reason: bench_checkpoint restores many times
@@ -694,7 +701,7 @@ class Checkpointer:
             if reason is None:
                 try:
                     t_read = time.perf_counter()
-                    state, loader = self._read(fetched, abstract_state, replica_plan)
+                    state, loader = self._read(fetched, abstract_state, replica_plan, partial)
                 except Exception as e:  # noqa: BLE001 - any unreadable file: report one line, try the next
                     root = _os_error(e)
                     text = str(root).strip().splitlines()[0] if str(root).strip() else ""
@@ -703,14 +710,17 @@ class Checkpointer:
                     reason = "another process could not read it"
             if reason is None:  # outside the try: a fault of ours must not pass for a damaged checkpoint
                 t_verify = time.perf_counter()
-                bad = (mismatches(record["checksums"], checksum_state(state, check_finite=False)()[0]) if verify
-                       else [])
+                expected = record["checksums"]
+                if partial:  # the record's arrays under the keys read: a key missing from the state still counts
+                    heads = tuple(f"[{k!r}]" for k in abstract_state)
+                    expected = {k: v for k, v in expected.items() if k.startswith(heads)}
+                bad = mismatches(expected, checksum_state(state, check_finite=False)()[0]) if verify else []
                 self.last_restore_timing = {"fetch_s": t_read - t_fetch, "read_s": t_verify - t_read,
                                             "verify_s": time.perf_counter() - t_verify}
                 if bad:
                     reason = (f"checksum mismatch in {len(bad)} array(s): {', '.join(bad[:3])}"
                               + (" ..." if len(bad) > 3 else ""))
-                elif loader != record.get("loader"):
+                elif not partial and loader != record.get("loader"):
                     reason = f"loader position {loader} differs from the recorded {record.get('loader')}"
                 if _any_process(reason is not None) and reason is None:
                     reason = "another process found it does not verify"
@@ -748,14 +758,24 @@ class Checkpointer:
             return None, error or "process 0 could not download it"
         return dest, None
 
-    def _read(self, path: Path, abstract_state: Any, replica_plan: replica.ReplicaPlan | None) -> tuple[Any, dict]:
+    def _read(self, path: Path, abstract_state: Any, replica_plan: replica.ReplicaPlan | None,
+              partial: bool = False) -> tuple[Any, dict]:
         """Reads (state, loader position) of one checkpoint: every process its own shards, or, with a replica
-        plan, the processes of data-parallel replica 0 read and broadcast (msjax.checkpoint.replica).
+        plan, the processes of data-parallel replica 0 read and broadcast (msjax.checkpoint.replica). `partial`:
+        only the arrays of `abstract_state`, a part of the saved state (`restore`), and no loader position.
 
         Raises:
           Exception: whatever Orbax raises for an unreadable checkpoint (on any process: with a replica plan the
             processes first agree that every read succeeded, so none enters the broadcast alone).
         """
+        if partial:
+            # PyTreeRestore reads what StandardSave wrote (the standard handler is a PyTree handler underneath);
+            # partial_restore leaves every array not named in `item` unread.
+            restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, dtype=a.dtype),
+                                        abstract_state)
+            restored = self._reader.restore(path, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                item=abstract_state, restore_args=restore_args, partial_restore=True)))
+            return restored["state"], {}
         if replica_plan is None:
             restored = self._reader.restore(path, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state), loader=ocp.args.JsonRestore()))

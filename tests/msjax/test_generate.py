@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from msjax.config import AttentionConfig, ModelConfig, apply_overrides, Config
-from msjax.generate import Generator, decode_rules, generate_text, load_run
+from msjax import generate as generate_module
+from msjax.generate import CACHE_BLOCK, Generator, cache_length, decode_rules, generate_text, load_run
 from msjax.mesh import make_mesh
 from msjax.model import abstract_model, init_params
 from msjax.layout import pipeline_rules
@@ -61,6 +62,25 @@ def test_cached_decoding_equals_recomputing_token_for_token(model):
     rolled = gen.generate(PROMPTS, 40, temperature=0, rolling=True)
     assert rolled == gen.generate(PROMPTS, 40, temperature=0, rolling=True, cache=False)
     assert [r[:14] for r in rolled] == greedy  # the same up to the first roll (prompt 6 + 14 < 24)
+
+
+def test_the_cache_holds_what_the_generation_needs(monkeypatch):
+    """The KV cache is the longest prompt plus the new tokens rounded up to CACHE_BLOCK, not model.max_seq_len, and
+    decoding against it gives what recomputing gives; a ring (window) is never larger than the window."""
+    made = []
+    real = generate_module.init_cache
+    monkeypatch.setattr(generate_module, "init_cache",
+                        lambda cfg, batch, max_len: made.append(max_len) or real(cfg, batch, max_len))
+    gen = _generator(tiny(**LLAMA, max_seq_len=3 * CACHE_BLOCK))
+    rng = np.random.default_rng(0)
+    long = rng.integers(1, 50, CACHE_BLOCK - 5).tolist()  # + 14 new tokens: past the first block
+    for prompts, want in ((PROMPTS, CACHE_BLOCK), ([long, [4]], 2 * CACHE_BLOCK)):
+        made.clear()
+        got = gen.generate(prompts, 14, temperature=0)
+        assert made == [want], made
+        assert got == gen.generate(prompts, 14, temperature=0, cache=False)
+    assert cache_length(5, 14, 100) == 100  # never past the model's context
+    assert cache_length(CACHE_BLOCK, 0, 10 * CACHE_BLOCK) == CACHE_BLOCK
 
 
 def test_a_prompt_in_a_batch_gets_what_it_gets_alone():
@@ -215,11 +235,88 @@ def test_generate_script_writes_json_and_any_mesh_agrees(trained_run, tmp_path):
     assert json.loads(two.read_text())["mesh"]["tensor"] == 2
 
 
+def _tampered(run: Path, tmp_path: Path, part: str) -> Path:
+    """A copy of `run` whose newest checkpoint's record holds a wrong checksum for the first array under `part`."""
+    import shutil
+
+    from msjax.checkpoint.integrity import RECORD_NAME
+
+    copy = tmp_path / f"run_{part}"
+    shutil.copytree(run, copy)
+    newest = max((d for d in (copy / "checkpoints").iterdir() if d.name.isdigit()), key=lambda d: int(d.name))
+    record = json.loads((newest / RECORD_NAME).read_text())
+    key = next(k for k in sorted(record["checksums"]) if k.startswith(f"['{part}']"))
+    record["checksums"][key] = "0" * 16
+    (newest / RECORD_NAME).write_text(json.dumps(record))
+    for older in (copy / "checkpoints").iterdir():  # no older checkpoint to fall back to
+        if older.name.isdigit() and older != newest:
+            shutil.rmtree(older)
+    return copy
+
+
+@pytest.mark.slow
+def test_generation_reads_and_verifies_only_the_parameters(trained_run, tmp_path):
+    """load_run restores {"params"} alone (Orbax partial restore): the optimizer state is neither read nor compared,
+    so a wrong optimizer checksum does not stop it (a whole restore refuses that checkpoint), while a wrong
+    parameter checksum does; --dtype=bfloat16 gives the stored parameters rounded, and a generator in bfloat16."""
+    from msjax.checkpoint import CheckpointError, Checkpointer, checkpoint_dir
+    from msjax.runs import run_config
+
+    mesh = {}  # the run's own mesh (8 devices)
+    stored = load_run(trained_run, mesh)
+    assert stored.step == 12 and set(stored.generator.params) == set(abstract_model(stored.config.model)[1])
+    assert {x.dtype for x in jax.tree.leaves(stored.generator.params)} == {np.dtype("float32")}
+
+    opt_bad = _tampered(trained_run, tmp_path, "opt_state")
+    assert load_run(opt_bad, mesh).step == 12
+    cfg = run_config(opt_bad, mesh)
+    program = build_train_program(cfg)
+    ckpt = Checkpointer(cfg.checkpoint, checkpoint_dir(cfg.checkpoint, str(opt_bad)), read_only=True)
+    try:
+        with pytest.raises(CheckpointError, match=r"checksum mismatch in 1 array\(s\): \['opt_state'\]"):
+            ckpt.restore(program.abstract_state)
+    finally:
+        ckpt.close()
+    with pytest.raises(CheckpointError, match=r"checksum mismatch in 1 array\(s\): \['params'\]"):
+        load_run(_tampered(trained_run, tmp_path, "params"), mesh)
+
+    half = load_run(trained_run, mesh, dtype="bfloat16")
+    assert (half.config.model.param_dtype, half.config.model.dtype) == ("bfloat16", "bfloat16")
+    for a, b in zip(jax.tree.leaves(stored.generator.params), jax.tree.leaves(half.generator.params)):
+        assert b.dtype == jax.numpy.bfloat16
+        np.testing.assert_array_equal(np.asarray(a.astype(jax.numpy.bfloat16)), np.asarray(b))
+    by_hand = Generator(half.config.model, abstract_model(half.config.model)[0],
+                        jax.tree.map(lambda x: x.astype(jax.numpy.bfloat16), stored.generator.params))
+    ids = [[5, 6, 7], [8]]
+    assert half.generator.generate(ids, 8, temperature=0) == by_hand.generate(ids, 8, temperature=0)
+
+
+@pytest.mark.slow
+def test_generate_script_takes_jsonl_prompts_and_a_dtype(trained_run, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('"def f(x):\\n    return"\n\n{"prompt": "import os"}\n')
+    out = tmp_path / "out.json"
+    proc = _script(f"--run_dir={trained_run}", f"--prompt_file={prompts}", "--max_new_tokens=6", "--temperature=0",
+                   "--dtype=bfloat16", f"--json={out}", "--mesh.data=1", "--mesh.fsdp=1", "--mesh.tensor=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["dtype"] == "bfloat16" and [r["prompt"] for r in doc["results"]] == ["def f(x):\n    return",
+                                                                                    "import os"]
+    bad = tmp_path / "bad.jsonl"
+    for text, needle in (('"ok"\n{"prompt": 3}\n', "line 2: allowed is a JSON string or an object"),
+                         ('"ok"\n\n{oops\n', "line 3: not JSON")):
+        bad.write_text(text)
+        proc = _script(f"--run_dir={trained_run}", f"--prompt_file={bad}")
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: "), proc.stderr
+        assert needle in proc.stderr, proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("flags, needle", [
     ([], "--run_dir is required"),
     (["--run_dir={run}"], "give at least one --prompt"),
     (["--run_dir={run}", "--prompt=x", "--max_new_tokens=100"], "is longer than the model's context"),
     (["--run_dir={run}", "--prompt=x", "--top_p=2"], "--top_p=2.0: allowed is 0 < top_p <= 1"),
+    (["--run_dir={run}", "--prompt=x", "--dtype=float16"], "--dtype='float16': allowed: 'float32', 'bfloat16'"),
     (["--run_dir=/nonexistent/run", "--prompt=x"], "no such file"),
 ])
 def test_generate_script_errors_are_one_line(trained_run, flags, needle):
@@ -227,6 +324,23 @@ def test_generate_script_errors_are_one_line(trained_run, flags, needle):
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]  # (after the checkpoint restore's INFO lines, when it got there)
     assert last.startswith("error: ") and needle in last, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_generation_memory_benchmark_measures_every_mode(trained_run, tmp_path):
+    """scripts/bench_generate_memory.py: the three modes, each in its own process, with their table and JSON; the
+    bfloat16 parameters are half the float32 ones, every mode generates every token."""
+    out = tmp_path / "memory.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    proc = subprocess.run([sys.executable, "scripts/bench_generate_memory.py", f"--run_dir={trained_run}",
+                           "--batch=2", "--new_tokens=4", f"--json={out}"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"train_state", "params", "params_bf16"} and "peak-base MiB" in proc.stdout
+    assert rows["params"]["param_bytes"] == rows["train_state"]["param_bytes"] == 2 * rows["params_bf16"]["param_bytes"]
+    assert all(r["generated"] == 8 and r["peak_bytes"] >= r["baseline_bytes"] for r in rows.values())
 
 
 def test_generation_benchmark_runs_and_both_modes_agree(tmp_path):
