@@ -141,6 +141,17 @@ def _tiers(directory: Path | str, local_directory: Path | None) -> list[LocalTie
     return local + [make_tier("persistent", directory)]
 
 
+# A partial restore reads its arrays in this many groups of about equal bytes (Checkpointer._read_in_groups).
+PARTIAL_READ_GROUPS = 32
+
+
+def _path_key(entry: Any) -> Any:
+    """The dict key of one entry of a jax key path; a partial restore's state is nested dicts (its parameters)."""
+    if not isinstance(entry, jax.tree_util.DictKey):
+        raise TypeError(f"a partial restore takes nested dicts of arrays; found the key path entry {entry!r}")
+    return entry.key
+
+
 def _candidates(tiers: list[LocalTier | ObjectTier]) -> list[tuple[int, LocalTier | ObjectTier]]:
     """Every committed step of the tiers as (step, tier), newest first, the local tier first at equal steps (it
     restores faster). Includes steps without an integrity record."""
@@ -769,13 +780,7 @@ class Checkpointer:
             processes first agree that every read succeeded, so none enters the broadcast alone).
         """
         if partial:
-            # PyTreeRestore reads what StandardSave wrote (the standard handler is a PyTree handler underneath);
-            # partial_restore leaves every array not named in `item` unread.
-            restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, dtype=a.dtype),
-                                        abstract_state)
-            restored = self._reader.restore(path, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-                item=abstract_state, restore_args=restore_args, partial_restore=True)))
-            return restored["state"], {}
+            return self._read_in_groups(path, abstract_state), {}
         if replica_plan is None:
             restored = self._reader.restore(path, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state), loader=ocp.args.JsonRestore()))
@@ -805,6 +810,42 @@ class Checkpointer:
         if error is not None:
             raise error
         return replica.broadcast(local, abstract_state, replica_plan), loader
+
+    def _read_in_groups(self, path: Path, abstract_state: Any) -> Any:
+        """The arrays of `abstract_state` (a part of the saved state) read from checkpoint `path`, in groups of
+        about 1/PARTIAL_READ_GROUPS of their bytes (whole arrays): Orbax holds each array's read buffers beside
+        the array it builds, so one call for all of them peaks near twice their bytes; in groups the peak is the
+        arrays plus one group's buffers (measured on a 298M-parameter model, 1.14 GiB of float32: 1.80x in one
+        call, 1.10x in 32 groups, 1.08x one array at a time; each call also reads the checkpoint's metadata,
+        about 0.08 s there)."""
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
+        sizes = [int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for _, a in leaves]
+        budget = sum(sizes) / PARTIAL_READ_GROUPS
+        groups: list[list[int]] = [[]]
+        for i, size in enumerate(sizes):
+            if groups[-1] and sum(sizes[j] for j in groups[-1]) + size > budget:
+                groups.append([])
+            groups[-1].append(i)
+        out: list[Any] = [None] * len(leaves)
+        for group in groups:
+            item: dict = {}
+            for i in group:  # a nested dict holding this group's arrays alone, under their own key paths
+                keys = [_path_key(k) for k in leaves[i][0]]
+                node = item
+                for k in keys[:-1]:
+                    node = node.setdefault(k, {})
+                node[keys[-1]] = leaves[i][1]
+            # PyTreeRestore reads what StandardSave wrote (the standard handler is a PyTree handler underneath);
+            # partial_restore leaves every array not named in `item` unread.
+            restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, dtype=a.dtype), item)
+            got = self._reader.restore(path, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                item=item, restore_args=restore_args, partial_restore=True)))["state"]
+            for i in group:
+                node = got
+                for k in leaves[i][0]:
+                    node = node[_path_key(k)]
+                out[i] = node
+        return jax.tree_util.tree_unflatten(treedef, out)
 
     def _discard(self, tier: LocalTier | ObjectTier, step: int, reason: str | None) -> None:
         """Moves a failed checkpoint to `<tier>/rejected/<step>-<time>` (kept for inspection), or deletes an
