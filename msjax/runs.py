@@ -74,9 +74,13 @@ def cast_params(params: Any, dtype: str) -> Any:
     def cast(x: jax.Array) -> jax.Array:
         if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == target:
             return x
-        y = jax.jit(lambda a: a.astype(target), out_shardings=x.sharding)(x)
+        y = _cast(x, target)  # elementwise: the result keeps the input's sharding
         y.block_until_ready()
         x.delete()
         return y
 
     return jax.tree.map(cast, params)
+
+
+# One compiled cast per shape and sharding (a model's layers share a few), not one per array.
+_cast = jax.jit(lambda x, dtype: x.astype(dtype), static_argnums=1)
