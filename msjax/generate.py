@@ -27,6 +27,7 @@ last max_seq_len / 2 tokens become the new prompt (their positions start again a
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from msjax.chat import ChatFormat, load_chat_format
 from msjax.config import Config, ModelConfig, apply_overrides
 from msjax.model import abstract_model, apply, apply_decode, init_cache
 from msjax.sample import check_sampling, sample_logits
@@ -295,6 +297,7 @@ class LoadedRun:
       generator: a Generator on the config's mesh.
       tokenizer: the run's tokenizer (`<run_dir>/tokenizer.json`), or None when the run has none.
       run_dir: the run directory.
+      chat: its chat template, stop ids and sampling defaults (`msjax.chat.load_chat_format`).
     """
 
     config: Config
@@ -302,6 +305,7 @@ class LoadedRun:
     generator: Generator
     tokenizer: Any
     run_dir: Path
+    chat: ChatFormat = ChatFormat()
 
 
 def load_run(run_dir: str | Path, overrides: dict[str, Any] | None = None, config: Config | None = None,
@@ -334,8 +338,9 @@ def load_run(run_dir: str | Path, overrides: dict[str, Any] | None = None, confi
         graphdef = abstract_model(config.model)[0]
     tok_path = run_dir / "tokenizer.json"
     tokenizer = load_tokenizer(tok_path) if tok_path.is_file() else None
+    chat = load_chat_format(run_dir, tokenizer) if tokenizer is not None else ChatFormat()
     generator = Generator(config.model, graphdef, params, program.mesh, program.layout.rules)
-    return LoadedRun(config, step, generator, tokenizer, run_dir)
+    return LoadedRun(config, step, generator, tokenizer, run_dir, chat)
 
 
 @dataclass
@@ -358,26 +363,53 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     return tokenizer.encode(text).tolist()
 
 
-def generate_text(run: LoadedRun, prompts: Sequence[str], max_new_tokens: int, *, temperature: float = 0.8,
-                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, cache: bool = True,
-                  stop_at_eot: bool = True, rolling: bool = False) -> list[Completion]:
-    """Encodes `prompts` with the run's tokenizer, generates (`Generator.generate`; stopping a row at the
-    tokenizer's end-of-text token unless `stop_at_eot` is False) and decodes.
+# Sampling when neither the caller nor the run's generation_config.json says otherwise.
+DEFAULT_SAMPLING = {"temperature": 0.8, "top_k": 0, "top_p": 1.0}
 
+
+def sampling_settings(run: LoadedRun, temperature: float | None = None, top_k: int | None = None,
+                      top_p: float | None = None) -> dict[str, float]:
+    """{"temperature", "top_k", "top_p"}: each one given, else the run's generation_config.json's
+    (`ChatFormat.sampling`), else DEFAULT_SAMPLING's."""
+    given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    return {k: v if v is not None else run.chat.sampling.get(k, DEFAULT_SAMPLING[k]) for k, v in given.items()}
+
+
+def generate_text(run: LoadedRun, prompts: Sequence[str | Sequence[dict]], max_new_tokens: int, *,
+                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                  seed: int = 0, cache: bool = True, stop_at_eot: bool = True, rolling: bool = False,
+                  chat: bool = False) -> list[Completion]:
+    """Encodes `prompts` with the run's tokenizer, generates (`Generator.generate`) and decodes.
+
+    Args:
+      run: from `load_run`.
+      prompts: texts; with `chat`, a text (one user turn) or a conversation ([{"role", "content"}, ...]) each,
+        rendered by the run's chat template with the assistant's turn opened (`msjax.chat.ChatFormat`).
+      max_new_tokens, seed, cache, rolling: as `Generator.generate`.
+      temperature, top_k, top_p: None takes the run's generation_config.json's (`sampling_settings`).
+      stop_at_eot: end a row at one of the run's stop ids (`ChatFormat.stop_ids`: generation_config.json's
+        eos_token_id, else the tokenizer's end-of-text), kept out of the text.
+      chat: apply the chat template.
     Raises:
       ValueError: the run has no tokenizer, or as `Generator.generate`.
+      ConfigError: `chat` on a run without a chat template, or a conversation `msjax.chat.check_messages` refuses.
     """
     tok = run.tokenizer
     if tok is None:
         raise ValueError(f"{run.run_dir} has no tokenizer.json: give token ids to Generator.generate instead")
-    ids = [encode_prompt(tok, p) for p in prompts]
-    stops = [tok.eot_id] if stop_at_eot and tok.eot_id is not None else []
-    out = run.generator.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+    if chat:
+        ids = [run.chat.encode(tok, [{"role": "user", "content": p}] if isinstance(p, str) else list(p))
+               for p in prompts]
+    else:
+        ids = [encode_prompt(tok, p) for p in prompts]
+    stops = list(run.chat.stop_ids) if stop_at_eot else []
+    out = run.generator.generate(ids, max_new_tokens, **sampling_settings(run, temperature, top_k, top_p),
                                  seed=seed, cache=cache, stop_ids=stops, rolling=rolling)
     results = []
     for prompt, p_ids, g_ids in zip(prompts, ids, out):
         shown = g_ids[:-1] if stops and g_ids and g_ids[-1] in stops else g_ids
-        results.append(Completion(prompt, p_ids, g_ids, tok.decode(shown)))
+        text = prompt if isinstance(prompt, str) else json.dumps(list(prompt), ensure_ascii=False)
+        results.append(Completion(text, p_ids, g_ids, tok.decode(shown)))
     return results
 
 

@@ -5,7 +5,10 @@ decoded with a KV cache (msjax.generate). Only the parameters are read from the 
 or `--dtype=bfloat16`. `--prompt` may be given several times (a batch of prompts of any lengths, each ending at its
 own end-of-text), or `--prompt_file` (one prompt per line, or JSON Lines: a string or {"prompt": ...} per line);
 `--temperature=0` is greedy; `--json=PATH` also writes each prompt's token ids, the generated ids and the text.
-Config flags lay the model out on another mesh (`--mesh.tensor=2 --mesh.data=1`).
+`--chat` renders each prompt as a user turn (or a JSONL line's {"messages": [...]}, a whole conversation) with the
+model's own chat template and ends each reply at its end-of-turn ids (msjax.chat). Sampling flags not given take
+the model's generation_config.json defaults. Config flags lay the model out on another mesh (`--mesh.tensor=2
+--mesh.data=1`).
 """
 
 import dataclasses
@@ -28,12 +31,16 @@ class GenerateOptions:
     Attributes:
       run_dir: the run directory (config.json, checkpoints/, tokenizer.json).
       prompt_file: prompts added after the --prompt flags: a text file with one prompt per line, or a `.jsonl`
-        file with one JSON string or {"prompt": string} object per line (prompts with line breaks).
+        file with one JSON string, {"prompt": string} or (with --chat) {"messages": [{"role", "content"}, ...]}
+        object per line.
+      chat: apply the model's chat template (a prompt is one user turn) and stop at its end-of-turn ids.
       dtype: the parameters, activations and KV cache in "float32" or "bfloat16"; empty: as the run trained.
       max_new_tokens: tokens to generate per prompt.
-      temperature: softmax temperature; 0 is greedy (the most likely token every step).
-      top_k: sample among the k most likely tokens only; 0: all.
-      top_p: sample among the fewest most likely tokens whose probabilities add up to top_p; 1: all.
+      temperature: softmax temperature; 0 is greedy (the most likely token every step). Not given: the model's
+        generation_config.json's (greedy when it has do_sample false), else this default.
+      top_k: sample among the k most likely tokens only; 0: all. Not given: as temperature.
+      top_p: sample among the fewest most likely tokens whose probabilities add up to top_p; 1: all. Not given:
+        as temperature.
       seed: the random seed of the draws.
       cache: decode against a KV cache; false recomputes the whole sequence for every token.
       stop_at_eot: end a prompt's generation at the tokenizer's end-of-text token.
@@ -43,6 +50,7 @@ class GenerateOptions:
 
     run_dir: str = ""
     prompt_file: str = ""
+    chat: bool = False
     dtype: str = ""
     max_new_tokens: int = 64
     temperature: float = 0.8
@@ -71,13 +79,16 @@ def _take_prompts(argv: list[str]) -> tuple[list[str], list[str]]:
     return prompts, rest
 
 
-def read_prompts(path: str) -> list[str]:
-    """The prompts of a --prompt_file (GenerateOptions.prompt_file): empty lines are skipped.
+def read_prompts(path: str, chat: bool = False) -> list:
+    """The prompts of a --prompt_file (GenerateOptions.prompt_file): empty lines are skipped; with `chat`, a
+    `.jsonl` line may hold a conversation ({"messages": [...]}, returned as its list).
 
     Raises:
       ConfigError: the file cannot be read, or (`.jsonl`) a line is not JSON, or not a string or an object with a
-        string "prompt"; the error names the file and the line.
+        string "prompt" (or, with `chat`, valid "messages"); the error names the file and the line.
     """
+    from msjax.chat import check_messages
+
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -92,6 +103,10 @@ def read_prompts(path: str) -> list[str]:
             item = json.loads(line)
         except json.JSONDecodeError as e:
             raise ConfigError(f"--prompt_file={path!r} line {n}: not JSON ({e.msg})") from None
+        if chat and isinstance(item, dict) and "messages" in item:
+            check_messages(item["messages"], f"--prompt_file={path!r} line {n}: messages")
+            prompts.append(item["messages"])
+            continue
         prompt = item.get("prompt") if isinstance(item, dict) else item
         if not isinstance(prompt, str):
             raise ConfigError(f"--prompt_file={path!r} line {n}: allowed is a JSON string or an object with a "
@@ -121,7 +136,7 @@ def main(argv: list[str]) -> int:
                                         default_preset=default)
         cli.setup_logging(common)
         if opts.prompt_file:
-            prompts += read_prompts(opts.prompt_file)
+            prompts += read_prompts(opts.prompt_file, opts.chat)
         if opts.dtype not in ("", "float32", "bfloat16"):
             raise ConfigError(f"--dtype={opts.dtype!r}: allowed: 'float32', 'bfloat16' (or empty: as stored)")
         if not prompts:
@@ -129,16 +144,17 @@ def main(argv: list[str]) -> int:
         if opts.json:
             cli.check_writable(opts.json, "--json")
         from msjax.checkpoint import CheckpointError
-        from msjax.generate import generate_text, load_run
+        from msjax.generate import generate_text, load_run, sampling_settings
 
         try:
             run = load_run(opts.run_dir, config=cfg, dtype=opts.dtype or None)
         except CheckpointError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
-        settings = dict(max_new_tokens=opts.max_new_tokens, temperature=opts.temperature, top_k=opts.top_k,
-                        top_p=opts.top_p, seed=opts.seed, cache=opts.cache, stop_at_eot=opts.stop_at_eot,
-                        rolling=opts.rolling)
+        # A sampling flag given on the command line wins; the others come from the model's generation config.
+        given = {name: getattr(opts, name) for name in ("temperature", "top_k", "top_p") if _flag(rest, name)}
+        settings = dict(max_new_tokens=opts.max_new_tokens, **sampling_settings(run, **given), seed=opts.seed,
+                        cache=opts.cache, stop_at_eot=opts.stop_at_eot, rolling=opts.rolling, chat=opts.chat)
         try:
             results = generate_text(run, prompts, **settings)
         except ValueError as e:
@@ -148,7 +164,8 @@ def main(argv: list[str]) -> int:
             print("-" * 40)
         if opts.json:
             doc = {"run_dir": str(run.run_dir), "step": run.step, "mesh": dict(run.generator.mesh.shape),
-                   "dtype": run.config.model.param_dtype,
+                   "dtype": run.config.model.param_dtype, "stop_ids": list(run.chat.stop_ids),
+                   "stop_source": run.chat.stop_source,
                    **settings, "results": [{"prompt": r.prompt, "prompt_ids": r.prompt_ids,
                                             "generated_ids": r.generated_ids, "text": r.text} for r in results]}
             Path(opts.json).write_text(json.dumps(doc, indent=1, ensure_ascii=False))

@@ -180,6 +180,10 @@ class HFTokenizer:
             raise DataError(f"{path}: not a HF tokenizers tokenizer.json ({e})") from None
         return cls(tok, name)
 
+    def token_to_id(self, token: str) -> int | None:
+        """The id of one token of the vocabulary (a special token's text, e.g. "<|eot_id|>"), or None."""
+        return self._tok.token_to_id(token)
+
     def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
         """Ids of `text`; `add_special_tokens` runs the tokenizer.json's post-processor (e.g. Llama's
         begin-of-text), as `transformers`' tokenizer(text) does for a prompt (msjax.generate)."""

@@ -37,13 +37,14 @@ import numpy as np
 from msjax.config import Config, apply_overrides, to_dict
 from msjax.hf.arch import (IGNORED_SUFFIXES, HFConversionError, architecture_for, canonical_name, hf_config_for,
                            hf_name_in_file, model_overrides_from_hf, rules)
+from msjax.chat import HF_DIR
 from msjax.hf.tokenizer import KEPT_FILES, special_token_ids, write_tokenizer
 
 log = logging.getLogger(__name__)
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 2 << 30
-KEPT_DIR = "hf"  # <run_dir>/hf/: the imported model's tokenizer_config.json & co, written back on export
+KEPT_DIR = HF_DIR  # <run_dir>/hf/: the imported model's tokenizer_config.json & co, written back on export
 
 
 # ---------------------------------------------------------------------------------------------------------------

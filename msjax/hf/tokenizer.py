@@ -21,7 +21,7 @@ from msjax.data.tokenizer import EOT_TOKEN
 
 # Files kept from an imported model's directory (in `<run_dir>/hf/`), written back on export: the tokenizer's
 # settings (chat template, special tokens) with the tokenizer, and the generation defaults.
-TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 KEPT_FILES = TOKENIZER_FILES + ("generation_config.json",)
 
 
