@@ -8,10 +8,11 @@ Decoding with the cache (default) runs the prompts once (prefill: a batch of pro
 right-padded, in one forward pass that also fills the cache), then one token per step against the cache
 (`msjax.model.GPT.decode`), every step of a chunk inside one compiled `lax.while_loop`, as T5X's and the Flax
 lm1b example's `temperature_sample` decode: one call and one host sync per chunk instead of per token, and the
-loop ends on the device once every row has produced a stop id. The cache holds the longest prompt plus the new
-tokens, rounded up to CACHE_BLOCK positions (`cache_length`; one compiled decode loop per multiple), so a decode
-step attends over what the generation needs, not model.max_seq_len; with a sliding window it is a ring of at most
-W slots per layer, so its memory is O(W), not O(sequence). `cache=False` recomputes the whole sequence for every new token
+loop ends on the device once every row has produced a stop id. The cache grows a block of CACHE_BLOCK positions
+at a time as the longest row reaches it, up to the longest prompt plus the new tokens (`cache_length`), so a
+decode step attends over the filled slots rounded up to a block, never model.max_seq_len (one compiled decode
+loop per cache size, reused by every later call); with a sliding window it is a ring of at most W slots per layer,
+so its memory is O(W), not O(sequence). `cache=False` recomputes the whole sequence for every new token
 (the reference the cached path is tested against, and the baseline of scripts/bench_generate.py).
 
 Layouts: the parameters keep the sharding they were restored with (any mesh: `load_run` takes mesh overrides) and
@@ -40,9 +41,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from msjax.chat import ChatFormat, load_chat_format
 from msjax.config import Config, ModelConfig, apply_overrides
-from msjax.model import abstract_model, apply, apply_decode, init_cache
+from msjax.model import KV_NAMES, KVCache, abstract_model, apply, apply_decode, cache_slots, init_cache
 from msjax.sample import check_sampling, sample_logits
-from msjax.sharding import use_rules
+from msjax.sharding import constrain, use_rules
 from msjax.sharding_rules import Rules
 from msjax.sharding_rules import axes as ax
 
@@ -90,7 +91,7 @@ class Generator:
         self._replicated = None if mesh is None else NamedSharding(mesh, P())
         sampling = ("temperature", "top_k", "top_p")
         self._prefill = jax.jit(self._prefill_fn, static_argnames=("max_len",) + sampling)
-        self._decode = jax.jit(self._decode_fn, static_argnames=sampling)
+        self._decode = jax.jit(self._decode_fn, static_argnames=("slots",) + sampling)
         self._full_step = jax.jit(self._full_step_fn, static_argnames=sampling, donate_argnames=("buf_bt",))
 
     # ---- the compiled pieces --------------------------------------------------------------------------------
@@ -106,13 +107,22 @@ class Generator:
             last_bv = jnp.take_along_axis(logits_btv, (count_b - 1)[:, None, None], axis=1)[:, 0]
             return self._replicate(sample_logits(last_bv, key, temperature, top_k, top_p)), cache
 
-    def _decode_fn(self, params, token_b, pos_b, cache, key, first_step, count, stops_s, done_b, *, temperature,
-                   top_k, top_p):
+    def _decode_fn(self, params, token_b, pos_b, cache, key, first_step, count, stops_s, done_b, *, slots,
+                   temperature, top_k, top_p):
         """Up to `count` tokens after `token_b` (rows at positions `pos_b`), one decode step per iteration of a
-        while loop; draw i uses fold_in(key, first_step + i). The loop ends early once every row is `done_b` or
-        has produced one of `stops_s`. Returns ((B, max_seq_len) int32 tokens, of which the first `made` columns
-        are the decoded ones; made)."""
+        while loop, against `cache` grown first to `slots` slots (empty ones at its end: every position cached so
+        far is below its old size, so each keeps its slot); draw i uses fold_in(key, first_step + i). The loop
+        ends early once every row is `done_b` or has produced one of `stops_s`. Returns ((B, max_seq_len) int32
+        tokens, of which the first `made` columns are the decoded ones; made; the cache; the last token of each
+        row; which rows are done)."""
         rows = token_b.shape[0]
+        grow = slots - cache.slots
+        if grow:
+            with self._in_rules(None if self.rules is None else decode_rules(self.rules)):
+                pad = ((0, 0), (0, 0), (0, grow), (0, 0), (0, 0))
+                names = (None, *KV_NAMES)
+                cache = KVCache(constrain(jnp.pad(cache.k, pad), names), constrain(jnp.pad(cache.v, pad), names),
+                                jnp.pad(cache.pos, ((0, 0), (0, grow)), constant_values=-1))
 
         def more(carry):
             i, _, _, _, _, done_b = carry
@@ -130,9 +140,9 @@ class Generator:
 
         out_bt = jnp.zeros((rows, self.cfg.max_seq_len), jnp.int32)  # a chunk never holds more tokens
         done_b = done_b | jnp.isin(token_b, stops_s)
-        made, _, _, _, out_bt, _ = jax.lax.while_loop(more, decode_one, (jnp.int32(0), token_b, pos_b, cache,
-                                                                         out_bt, done_b))
-        return self._replicate(out_bt), made
+        made, token_b, _, cache, out_bt, done_b = jax.lax.while_loop(more, decode_one, (jnp.int32(0), token_b, pos_b,
+                                                                                     cache, out_bt, done_b))
+        return self._replicate(out_bt), made, cache, token_b, done_b
 
     def _full_step_fn(self, params, buf_bt, pos_b, key, *, temperature, top_k, top_p):
         """Uncached: the whole (padded) sequence again; the token at each row's `pos_b` is sampled and written."""
@@ -228,19 +238,29 @@ class Generator:
         for r, c in enumerate(contexts):
             buf[r, :len(c)] = c
         if cache:
+            # The cache grows a block at a time as the longest row's position crosses into it (`_decode`'s
+            # `slots`), up to `cache_length`, so every decode step attends over the filled slots rounded up to
+            # CACHE_BLOCK; a sliding window's ring stops growing at W slots.
+            longest = int(lengths.max())
+            final = cache_length(longest, new, self.cfg.max_seq_len)
+            size = min(_round_up(longest + 1, CACHE_BLOCK), final)
             token, kv = self._prefill(self.params, self._put(buf), self._put(lengths),
-                                      jax.random.fold_in(key, first_step),
-                                      max_len=cache_length(int(lengths.max()), new, self.cfg.max_seq_len), **settings)
-            decoded = None
-            if new > 1:  # dispatched before the first token is read back, so the device goes straight on
-                done = stopped | (np.arange(rows) >= real_rows)  # dummy rows never hold the loop up
-                decoded = self._decode(self.params, token, self._put(lengths), kv, key, np.int32(first_step + 1),
-                                       np.int32(new - 1), self._put(stops.astype(np.int32)), self._put(done),
-                                       **settings)
-            ids = _host(token)[:, None]  # (rows, 1): the prefill's token, then the loop's
-            if decoded is not None:
-                out, made = decoded
-                ids = np.concatenate([ids, _host(out)[:, :int(_host(made))]], axis=1)
+                                      jax.random.fold_in(key, first_step), max_len=size, **settings)
+            parts = [_host(token)[:, None]]  # (rows, 1): the prefill's token, then the loop's
+            done = self._put(stopped | (np.arange(rows) >= real_rows))  # dummy rows never hold the loop up
+            stops_dev, pos, step = self._put(stops.astype(np.int32)), lengths.copy(), 1
+            while step < new:  # each segment dispatched before the previous one's tokens are read back
+                count = min(new - step, size - (longest + step - 1))  # the longest row's positions stay < size
+                out, made, kv, token, done = self._decode(
+                    self.params, token, self._put(pos), kv, key, np.int32(first_step + step), np.int32(count),
+                    stops_dev, done, slots=cache_slots(self.cfg, size), **settings)
+                made = int(_host(made))
+                parts.append(_host(out)[:, :made])
+                step, pos = step + made, pos + made
+                if made < count:  # every row has stopped
+                    break
+                size = min(size + CACHE_BLOCK, final)
+            ids = np.concatenate(parts, axis=1)
         else:
             tokens: list[jax.Array] = []
             buf_dev, pos = self._put(buf), self._put(lengths)

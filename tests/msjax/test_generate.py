@@ -64,21 +64,31 @@ def test_cached_decoding_equals_recomputing_token_for_token(model):
     assert [r[:14] for r in rolled] == greedy  # the same up to the first roll (prompt 6 + 14 < 24)
 
 
-def test_the_cache_holds_what_the_generation_needs(monkeypatch):
-    """The KV cache is the longest prompt plus the new tokens rounded up to CACHE_BLOCK, not model.max_seq_len, and
-    decoding against it gives what recomputing gives; a ring (window) is never larger than the window."""
-    made = []
-    real = generate_module.init_cache
+@pytest.mark.parametrize("window", [None, 100])
+def test_the_cache_grows_a_block_at_a_time_as_the_rows_fill_it(monkeypatch, window):
+    """The KV cache starts at the longest prompt (+1) rounded up to CACHE_BLOCK and grows a block at a time as the
+    longest row reaches its end, up to prompt + new tokens, never model.max_seq_len: each decode step attends over
+    the filled slots rounded up to a block (a ring of W slots stays W). Decoding against it gives what recomputing
+    gives, greedy and sampled."""
+    made, slots = [], []
+    real_init = generate_module.init_cache
     monkeypatch.setattr(generate_module, "init_cache",
-                        lambda cfg, batch, max_len: made.append(max_len) or real(cfg, batch, max_len))
-    gen = _generator(tiny(**LLAMA, max_seq_len=3 * CACHE_BLOCK))
-    rng = np.random.default_rng(0)
-    long = rng.integers(1, 50, CACHE_BLOCK - 5).tolist()  # + 14 new tokens: past the first block
-    for prompts, want in ((PROMPTS, CACHE_BLOCK), ([long, [4]], 2 * CACHE_BLOCK)):
-        made.clear()
-        got = gen.generate(prompts, 14, temperature=0)
-        assert made == [want], made
-        assert got == gen.generate(prompts, 14, temperature=0, cache=False)
+                        lambda cfg, batch, max_len: made.append(max_len) or real_init(cfg, batch, max_len))
+    gen = _generator(tiny(**LLAMA, max_seq_len=4 * CACHE_BLOCK, attention=AttentionConfig(window=window)))
+    real_decode = gen._decode
+    monkeypatch.setattr(gen, "_decode", lambda *a, **kw: slots.append(kw["slots"]) or real_decode(*a, **kw))
+    ring = (lambda n: min(n, window)) if window else (lambda n: n)
+    long = np.random.default_rng(0).integers(1, 50, CACHE_BLOCK - 5).tolist()
+    cases = ((PROMPTS, 14, [CACHE_BLOCK], [CACHE_BLOCK]),  # 10 + 14 tokens: one block, never 4
+             ([long, [4]], 14, [CACHE_BLOCK], [CACHE_BLOCK, 2 * CACHE_BLOCK]),  # crosses into the second block
+             ([[1, 2, 3]], 2 * CACHE_BLOCK + 20, [CACHE_BLOCK], [CACHE_BLOCK, 2 * CACHE_BLOCK, 3 * CACHE_BLOCK]))
+    for prompts, new, prefill, decodes in cases:
+        made.clear(), slots.clear()
+        got = gen.generate(prompts, new, temperature=0)
+        assert made == prefill and slots == [ring(s) for s in decodes], (made, slots)
+        assert got == gen.generate(prompts, new, temperature=0, cache=False)
+    sampled = dict(temperature=1.3, top_k=7, seed=3)
+    assert gen.generate([long, [4]], 14, **sampled) == gen.generate([long, [4]], 14, cache=False, **sampled)
     assert cache_length(5, 14, 100) == 100  # never past the model's context
     assert cache_length(CACHE_BLOCK, 0, 10 * CACHE_BLOCK) == CACHE_BLOCK
 
