@@ -44,7 +44,8 @@ def restore_params(run_dir: str | Path, cfg: Config, devices: Sequence[jax.Devic
       dtype: "float32" or "bfloat16" to cast the parameters to, one array at a time (each stored array is freed
         once its cast exists, so the peak is the stored parameters plus one array); None keeps the stored dtype.
     Raises:
-      ConfigError: a mesh that does not fit the devices, or a dtype not allowed.
+      ConfigError: a mesh that does not fit the devices, a dtype not allowed, or a newest checkpoint that holds no
+        parameters.
       msjax.checkpoint.CheckpointError: no checkpoint, or none passes verification (a checkpoint without
         parameters among them).
     """
@@ -56,6 +57,12 @@ def restore_params(run_dir: str | Path, cfg: Config, devices: Sequence[jax.Devic
     try:
         if ckpt.latest_step() is None:
             raise CheckpointError(f"no complete checkpoint in {ckpt.directory}")
+        record = ckpt.newest_record()
+        if record is not None and not any(k.startswith("['params']") for k in record.get("checksums", {})):
+            held = sorted({k.split("]")[0] + "]" for k in record.get("checksums", {})})
+            raise ConfigError(f"{ckpt.directory}: the newest checkpoint (step {ckpt.latest_step()}) holds no "
+                              f"parameters (its arrays are under {', '.join(held) or 'nothing'}); generation and "
+                              "export read a checkpoint that training or convert.py --from_hf wrote")
         step, state, _ = ckpt.restore({"params": program.abstract_state["params"]}, partial=True)
     finally:
         ckpt.close()

@@ -302,6 +302,29 @@ def test_generation_reads_and_verifies_only_the_parameters(trained_run, tmp_path
 
 
 @pytest.mark.slow
+def test_a_checkpoint_without_parameters_is_one_error(trained_run, tmp_path):
+    """A real checkpoint (Checkpointer.save) of a state with no "params": generate.py says so in one line, exit 2."""
+    import shutil
+
+    from msjax.checkpoint import Checkpointer, checkpoint_dir
+    from msjax.runs import run_config
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    cfg = run_config(run)
+    ckpt = Checkpointer(cfg.checkpoint, checkpoint_dir(cfg.checkpoint, str(run)))
+    try:
+        ckpt.save(20, {"opt_state": {"mu": jax.numpy.ones((4, 4))}}, {"step": 20}, force=True)
+        ckpt.wait()
+    finally:
+        ckpt.close()
+    proc = _script(f"--run_dir={run}", "--prompt=x", "--mesh.data=1", "--mesh.fsdp=1", "--mesh.tensor=1")
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and last.startswith("error: "), proc.stderr[-2000:]
+    assert "the newest checkpoint (step 20) holds no parameters (its arrays are under ['opt_state'])" in last, last
+
+
+@pytest.mark.slow
 def test_generate_script_takes_jsonl_prompts_and_a_dtype(trained_run, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('"def f(x):\\n    return"\n\n{"prompt": "import os"}\n')
