@@ -384,9 +384,15 @@ def run_ledger(events: Iterable[dict]) -> dict[str, Any]:
             b["startup" if finished else "restart"] += hi - lo
         else:
             b["startup"] += snap["loop_start"] - lo
-            for k in ("compilation", "data_wait", "checkpoint", "evaluation", "straggler", "productive",
-                      "teardown"):
+            # The attempt's timeline is rank 0's: its loop ran from loop_start to until. The job's badput buckets
+            # are each the largest rank's (a synchronous step waits for the slowest); productive is the rest of
+            # rank 0's loop time, not the job's, whose wall is the longest rank's (a warm standby started long
+            # before the launch has the longest) and would count time outside this window twice.
+            badput = 0.0
+            for k in ("compilation", "data_wait", "checkpoint", "evaluation", "straggler", "teardown"):
                 b[k] += snap["buckets"].get(k, 0.0)
+                badput += snap["buckets"].get(k, 0.0)
+            b["productive"] += max(0.0, snap["until"] - snap["loop_start"] - badput)
             if nxt is not None and restored.get(nxt) is not None and snap["steps"]:
                 lost = max(0, min(snap["step"] - restored[nxt], snap["steps"]))
                 per_step = b["productive"] / snap["steps"]

@@ -65,6 +65,13 @@ def test_a_supervised_runs_ledger_splits_every_second_of_its_wall_time():
     ledger = run_ledger([e for e in events if not (e["kind"] == "goodput" and e["time"] < t + 35)])
     assert ledger["attempts"][0]["buckets"]["restart"] == pytest.approx(32 + 2)
     assert sum(ledger["buckets"].values()) == pytest.approx(62)
+    # a job snapshot whose productive comes from a longer-lived rank's wall (a warm standby started before the
+    # launch): the attempt's productive is rank 0's loop time less the job's badput, and the wall still adds up
+    job = [dict(e, buckets={**e["buckets"], "productive": 40.0}) if e["kind"] == "goodput" and e["time"] == t + 60
+           else e for e in events]
+    ledger = run_ledger(job)
+    assert ledger["buckets"]["productive"] == pytest.approx(want["productive"])
+    assert sum(ledger["buckets"].values()) == pytest.approx(62)
     with pytest.raises(ValueError, match="no run_start event"):
         run_ledger(events[1:])
 
