@@ -74,6 +74,10 @@ MODELS = {
     "qwen2": ("Qwen2Config", dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
                                   rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    # Qwen2.5 7B's and larger: untied embeddings, its own output projection.
+    "qwen2-untied": ("Qwen2Config", dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                         rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)),
     # Qwen3's: an RMSNorm over each query and key head, head_dim 16 wider than hidden / heads = 12.
     "qwen3": ("Qwen3Config", dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -90,7 +94,9 @@ MODELS = {
 LAYOUTS = {"gpt2": {"mesh.data": 2, "mesh.fsdp": 4}, "llama": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
            "llama-bias-tied": {"mesh.data": 4, "mesh.fsdp": 2, "model.scan_layers": False},
            "llama31": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
-           "qwen2": {"mesh.data": 4, "mesh.tensor": 2}, "qwen3": {"mesh.fsdp": 4, "mesh.tensor": 2},
+           "qwen2": {"mesh.data": 4, "mesh.tensor": 2},
+           "qwen2-untied": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
+           "qwen3": {"mesh.fsdp": 4, "mesh.tensor": 2},
            "mistral": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}}
 
 
@@ -210,7 +216,7 @@ def test_greedy_generation_equals_transformers_generate(hf_dirs, imported):
     """Same prompt ids, `generate(do_sample=False)` against msjax's cached greedy decoding, for both
     architectures, Llama 3.1's scaled RoPE, Qwen2's biases, Qwen3's query/key norms and Mistral's sliding window
     (21 tokens through a window of 7; HF stops at no eos here: eos_token_id None)."""
-    for kind in ("gpt2", "llama", "llama31", "qwen2", "qwen3", "mistral"):
+    for kind in ("gpt2", "llama", "llama31", "qwen2", "qwen2-untied", "qwen3", "mistral"):
         _, model = hf_dirs[kind]
         run = load_run(imported[kind].run_dir, overrides=ONE_DEVICE, devices=jax.devices()[:1])
         prompts = [[5, 17, 250, 3, 42], [7, 8]]
