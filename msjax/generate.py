@@ -246,21 +246,23 @@ class Generator:
             size = min(_round_up(longest + 1, CACHE_BLOCK), final)
             token, kv = self._prefill(self.params, self._put(buf), self._put(lengths),
                                       jax.random.fold_in(key, first_step), max_len=size, **settings)
-            parts = [_host(token)[:, None]]  # (rows, 1): the prefill's token, then the loop's
+            first, parts = token, []  # (rows, 1) the prefill's token, then each segment's
             done = self._put(stopped | (np.arange(rows) >= real_rows))  # dummy rows never hold the loop up
             stops_dev, pos, step = self._put(stops.astype(np.int32)), lengths.copy(), 1
-            while step < new:  # each segment dispatched before the previous one's tokens are read back
+            while step < new:  # one host sync per segment: its count of tokens decides the next one's start
                 count = min(new - step, size - (longest + step - 1))  # the longest row's positions stay < size
                 out, made, kv, token, done = self._decode(
                     self.params, token, self._put(pos), kv, key, np.int32(first_step + step), np.int32(count),
                     stops_dev, done, slots=cache_slots(self.cfg, size), **settings)
+                if not parts:  # read once the first segment is queued behind it: the device goes straight on
+                    parts.append(_host(first)[:, None])
                 made = int(_host(made))
                 parts.append(_host(out)[:, :made])
                 step, pos = step + made, pos + made
                 if made < count:  # every row has stopped
                     break
                 size = min(size + CACHE_BLOCK, final)
-            ids = np.concatenate(parts, axis=1)
+            ids = np.concatenate(parts or [_host(first)[:, None]], axis=1)
         else:
             tokens: list[jax.Array] = []
             buf_dev, pos = self._put(buf), self._put(lengths)
