@@ -364,6 +364,14 @@ class DataConfig:
       cache_dir: token cache directory (local: the loader memory-maps it); empty: $XDG_CACHE_HOME/msjax/tokens.
       prefetch: batches prepared ahead by the loader thread.
       seed: seed of the batch sampler.
+      format: text (a corpus, sampled as random windows of its token stream) or chat (supervised fine-tuning:
+        JSONL files of {"messages": [{"role", "content"}, ...]}, rendered with the chat template, the loss on the
+        assistant's tokens only; `msjax.data.sft`). Chat needs a Hugging Face tokenizer (data.tokenizer_path).
+      pack: chat: pack several examples into each sequence (segment ids keep them apart; positions restart per
+        example), or one example per sequence, padded.
+      too_long: chat: an example longer than train.seq_len + 1 tokens is an error naming it, or truncated.
+      chat_template: chat: a Jinja template file (.jinja); empty: the template beside data.tokenizer_path (the
+        `hf/` directory `convert.py --from_hf` writes into a run).
     """
 
     paths: tuple[str, ...] = ()
@@ -376,6 +384,10 @@ class DataConfig:
     cache_dir: str = ""
     prefetch: int = 2
     seed: int = 0
+    format: Literal["text", "chat"] = "text"
+    pack: bool = True
+    too_long: Literal["error", "truncate"] = "error"
+    chat_template: str = ""
 
 
 @dataclass(frozen=True)
@@ -694,6 +706,28 @@ class Config:
         p = self.mesh.pipeline if stages is None else stages
         return (self.pipeline.microbatches or p) if p > 1 else 1
 
+    def _check_chat(self) -> None:
+        """data.format=chat: what supervised fine-tuning needs and the layouts its packed, weighted batches run on."""
+        if self.data.format != "chat":
+            return
+        if not self.data.tokenizer_path:
+            raise ConfigError("data.format=chat needs a Hugging Face tokenizer and its chat template: set "
+                              "data.tokenizer_path (an imported run's tokenizer.json: `convert.py --from_hf`)")
+        from msjax.sharding_rules import OPTIMIZER_STATE_RULES  # local import: sharding_rules must not import msjax
+
+        refused = [(self.mesh.pipeline > 1, f"mesh.pipeline={self.mesh.pipeline} (the pipeline's microbatches "
+                                            "carry no segment ids yet)"),
+                   (self.mesh.tp_overlap == "collective_matmul", "mesh.tp_overlap=collective_matmul (its block "
+                                                                 "computes positions from the shard, not the batch)"),
+                   (self.mesh.rules in OPTIMIZER_STATE_RULES, f"mesh.rules={self.mesh.rules} (ZeRO-2 averages the "
+                                                              "devices' means; a weighted loss is no mean of them)"),
+                   (self.model.attention.impl == "cudnn", "model.attention.impl=cudnn (takes no segment ids here)")]
+        for bad, what in refused:
+            if bad:
+                raise ConfigError(f"data.format=chat does not run with {what}; allowed: mesh.pipeline=1, "
+                                  "mesh.tp_overlap other than collective_matmul, a rule set without ZeRO-2, "
+                                  "model.attention.impl auto, xla or pallas")
+
     def validate(self) -> "Config":
         """Cross-field checks that need no devices. Returns self; raises ConfigError naming the key."""
         m, a, t = self.model, self.model.attention, self.train
@@ -774,6 +808,7 @@ class Config:
         if o.exclude_stragglers and not o.window:
             raise ConfigError("observe.exclude_stragglers=true needs observe.window >= 1 (stragglers are found at "
                               "window ends)")
+        self._check_chat()
         _check_pipeline(self)
         # The model over the configured axes (data aside: -1 until the devices are known); the rule set's fit to
         # them is checked where the devices are (msjax.layout), as the equivalence tests run any rule set anywhere.

@@ -125,6 +125,22 @@ def default_positions(t: int) -> jax.Array:
     return jnp.arange(t, dtype=jnp.int32)[None]
 
 
+@jax.tree_util.register_dataclass
+@dataclass
+class Packing:
+    """Several examples packed into each row of a batch (supervised fine-tuning, `msjax.data.sft`).
+
+    Attributes:
+      segments_bt: int32 (B, T): which example of its row a token belongs to; a query attends only keys of its
+        own segment (and, as always, causally). Padding has a segment of its own (0 by convention).
+      positions_bt: int32 (B, T): each token's position inside its example (0 at the example's first token), what
+        rotary or learned position embeddings see, so a packed example is computed as if it stood alone.
+    """
+
+    segments_bt: jax.Array
+    positions_bt: jax.Array
+
+
 class Attention(nnx.Module):
     """Multi-head causal self-attention with grouped-query heads, an optional sliding window and optional RoPE.
     `matmuls`: its weight matmuls' (operand dtype, own backward), the block's `_matmul_setting`."""
@@ -189,13 +205,16 @@ class Attention(nnx.Module):
             y_btd = y_btd + self.bo[...].astype(self.dtype)
         return y_btd
 
-    def __call__(self, x_btd: jax.Array) -> jax.Array:
-        q_bthk, k_btgk, v_btgk = self.project(x_btd, default_positions(x_btd.shape[1]))
+    def __call__(self, x_btd: jax.Array, packing: "Packing | None" = None) -> jax.Array:
+        positions_bt = default_positions(x_btd.shape[1]) if packing is None else packing.positions_bt
+        q_bthk, k_btgk, v_btgk = self.project(x_btd, positions_bt)
         # Queries keep their sequence split (context parallelism); keys and values are gathered whole.
         q_bthk = constrain(q_bthk, (ax.ACT_BATCH, ax.ACT_SEQ_INNER, ax.ACT_HEADS, ax.ACT_HEAD_DIM))
         k_btgk = constrain(k_btgk, (ax.ACT_BATCH, None, ax.ACT_KV_HEADS, ax.ACT_HEAD_DIM))
         v_btgk = constrain(v_btgk, (ax.ACT_BATCH, None, ax.ACT_KV_HEADS, ax.ACT_HEAD_DIM))
-        return self.output(attention(q_bthk, k_btgk, v_btgk, window=self.window, impl=self.impl))
+        segments_bt = None if packing is None else packing.segments_bt
+        return self.output(attention(q_bthk, k_btgk, v_btgk, window=self.window, impl=self.impl,
+                                     segments_bt=segments_bt))
 
     def decode(self, x_btd: jax.Array, positions_bt: jax.Array, cache: "LayerCache", write: "CacheWrite"
                ) -> tuple[jax.Array, "LayerCache"]:
@@ -280,12 +299,15 @@ class Block(nnx.Module):
         x_btd = constrain(x_btd + y_btd, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED))
         return x_btd + self.mlp(self.ln2(x_btd)), aux
 
-    def __call__(self, x_btd: jax.Array) -> jax.Array:
+    def __call__(self, x_btd: jax.Array, packing: "Packing | None" = None) -> jax.Array:
         x_btd = constrain(x_btd, (ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED))
         run_block = applied().block  # e.g. the same math with tensor-parallel rings by hand (msjax.parallel)
         if run_block is not None:
+            if packing is not None:  # the config refuses this pairing first (Config.validate)
+                raise ValueError("packed sequences (segment ids) do not run through a block transform "
+                                 "(mesh.tp_overlap=collective_matmul)")
             return run_block(self, x_btd)
-        return self._residual(x_btd, lambda h_btd: (self.attn(h_btd), None))[0]
+        return self._residual(x_btd, lambda h_btd: (self.attn(h_btd, packing), None))[0]
 
     def decode(self, x_btd: jax.Array, positions_bt: jax.Array, cache: "LayerCache", write: "CacheWrite"
                ) -> tuple[jax.Array, "LayerCache"]:
@@ -383,11 +405,12 @@ class GPT(nnx.Module):
         self.ln_f = Norm(cfg, rngs)
         self.lm_head = None if cfg.tie_embeddings else _vocab_param(rngs, cfg, (d, v), (ax.EMBED, ax.VOCAB), axis=1)
 
-    def __call__(self, tokens_bt: jax.Array) -> jax.Array:
-        """Logits (B, T, V) in float32 for int32 tokens (B, T) at positions 0 .. T-1; V is the padded vocabulary,
-        and logits of the padding entries are -1e9 so they take no probability."""
+    def __call__(self, tokens_bt: jax.Array, packing: "Packing | None" = None) -> jax.Array:
+        """Logits (B, T, V) in float32 for int32 tokens (B, T) at positions 0 .. T-1, or, with `packing`, of several
+        examples packed into each row (attention stays inside an example, positions restart at each: `Packing`);
+        V is the padded vocabulary, and logits of the padding entries are -1e9 so they take no probability."""
         cfg = self.cfg
-        x_btd = self.embed(tokens_bt)
+        x_btd = self.embed(tokens_bt, None if packing is None else packing.positions_bt)
 
         def remat(f):
             if cfg.remat == "none":
@@ -396,7 +419,7 @@ class GPT(nnx.Module):
 
         if cfg.scan_layers:
             graphdef, stacked = nnx.split(self.blocks)
-            layer = remat(lambda x, state: (nnx.merge(graphdef, state)(x), None))
+            layer = remat(lambda x, state: (nnx.merge(graphdef, state)(x, packing), None))
             scan = applied().scan_layers  # e.g. layer i+1's FSDP all-gather carried ahead of layer i
             if scan is not None:
                 x_btd = scan(layer, x_btd, stacked, cfg.scan_unroll)
@@ -405,7 +428,7 @@ class GPT(nnx.Module):
         else:
             for block in self.layers:
                 graphdef, state = nnx.split(block)
-                x_btd = remat(lambda state, x, gd=graphdef: nnx.merge(gd, state)(x))(state, x_btd)
+                x_btd = remat(lambda state, x, gd=graphdef: nnx.merge(gd, state)(x, packing))(state, x_btd)
         return self.head(x_btd)
 
     def embed(self, tokens_bt: jax.Array, positions_bt: jax.Array | None = None) -> jax.Array:
@@ -542,9 +565,10 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
     return nnx.to_pure_dict(nnx.state(model))
 
 
-def apply(graphdef: nnx.GraphDef, params: dict, tokens_bt: jax.Array) -> jax.Array:
-    """Pure function of the parameters: logits (B, T, V) float32. Merging happens at trace time only."""
-    return nnx.merge(graphdef, params)(tokens_bt)
+def apply(graphdef: nnx.GraphDef, params: dict, tokens_bt: jax.Array, packing: Packing | None = None) -> jax.Array:
+    """Pure function of the parameters: logits (B, T, V) float32 (`GPT.__call__`). Merging happens at trace time
+    only."""
+    return nnx.merge(graphdef, params)(tokens_bt, packing)
 
 
 def apply_decode(graphdef: nnx.GraphDef, params: dict, tokens_bt: jax.Array, start_b: jax.Array,

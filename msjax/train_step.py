@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from msjax.config import Config
 from msjax.layout import Layout, resolve as resolve_layout
-from msjax.model import abstract_model, apply, init_params
+from msjax.model import Packing, abstract_model, apply, init_params
 from msjax.optim import learning_rates, make_optimizer, skipped_steps
 from msjax.parallel.arrival import step_start, use_arrival_marks
 from msjax.parallel.options import use_overlap
@@ -49,7 +49,7 @@ class TrainProgram:
       optimizer: the optax transformation.
       abstract_state: train state as jax.ShapeDtypeStruct leaves with `.sharding` set.
       state_shardings: NamedSharding pytree matching the state.
-      abstract_batch: {"inputs", "targets"}: ShapeDtypeStruct (B, T) int32 with the batch sharding.
+      abstract_batch: {key: ShapeDtypeStruct (B, T) with the batch sharding} for `batch_keys(config.data.format)`.
       batch_sharding: NamedSharding of a (B, T) batch array.
       init_fn: jitted `key -> state`, creating the state already sharded.
       step_fn: jitted `(state, batch) -> (state, metrics)`; `state` is donated.
@@ -87,12 +87,17 @@ class TrainProgram:
     layout: Layout | None = None
 
     def evaluate(self, params: Any, batches: Sequence[dict]) -> float:
-        """Mean loss (nats per token) of `params` over `batches` (each like `abstract_batch`), each batch weighing
-        the same: the validation loss. NaN when there are no batches."""
+        """Mean loss (nats per token) of `params` over `batches` (each like `abstract_batch`): the validation loss.
+        Batches of windows weigh the same (each holds B*T tokens); batches with weights (chat) weigh by the tokens
+        they train on, so the loss is the mean over every such token. NaN when there are no batches."""
         if not batches:
             return float("nan")
-        losses = [self.eval_fn(params, b) for b in batches]
-        return float(sum(float(x) for x in losses) / len(losses))
+        losses = [float(self.eval_fn(params, b)) for b in batches]
+        if "weights" not in batches[0]:
+            return sum(losses) / len(losses)
+        counts = [float(np.asarray(jax.device_get(b["weights"])).sum()) if b["weights"].is_fully_addressable
+                  else float(jax.jit(jnp.sum)(b["weights"])) for b in batches]
+        return sum(x * n for x, n in zip(losses, counts)) / max(sum(counts), 1.0)
 
     @functools.cached_property
     def learning_rates(self) -> np.ndarray:
@@ -105,10 +110,30 @@ def _nbytes(tree: Any) -> int:
     return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy in float32 over all B*T positions (nats)."""
+def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array, weights_bt: jax.Array | None = None,
+                  total: jax.Array | None = None) -> jax.Array:
+    """Next-token cross-entropy in float32 (nats): the mean over all B*T positions, or, with `weights_bt`
+    (float32 (B, T): 1 on the tokens trained on, e.g. an assistant's, 0 elsewhere), the weighted sum over `total`
+    (a float32 scalar; default the weights' sum, at least 1). A step split into microbatches passes the whole
+    step's total, so each token weighs the same whichever microbatch holds it (a mean of microbatch means would
+    weigh the tokens of a microbatch with few of them more)."""
     losses = optax.softmax_cross_entropy_with_integer_labels(logits_btv.astype(jnp.float32), targets_bt)
-    return losses.mean()
+    if weights_bt is None:
+        return losses.mean()
+    if total is None:
+        total = jnp.maximum(weights_bt.sum(), 1.0)
+    return (losses * weights_bt).sum() / total
+
+
+def packing(batch: dict) -> Packing | None:
+    """The `Packing` of a batch of packed examples (keys "segments", "positions"), or None (plain windows)."""
+    return Packing(batch["segments"], batch["positions"]) if "segments" in batch else None
+
+
+def batch_keys(data_format: str) -> tuple[str, ...]:
+    """The keys of a batch (each (B, T)): inputs and targets int32; chat adds weights float32, segments and
+    positions int32 (msjax.data.sft)."""
+    return ("inputs", "targets") + (("weights", "segments", "positions") if data_format == "chat" else ())
 
 
 def build_train_program(cfg: Config | Layout, mesh: Mesh | None = None, vocab_size: int | None = None
@@ -159,8 +184,9 @@ def build_train_program(cfg: Config | Layout, mesh: Mesh | None = None, vocab_si
         with use_rules(mesh, rules), use_overlap(cfg.mesh):
             yield
 
-    def loss_fn(params: dict, inputs_bt: jax.Array, targets_bt: jax.Array) -> jax.Array:
-        return cross_entropy(apply(graphdef, params, inputs_bt), targets_bt)
+    def loss_fn(params: dict, batch: dict, total: jax.Array | None = None) -> jax.Array:
+        logits_btv = apply(graphdef, params, batch["inputs"], packing(batch))
+        return cross_entropy(logits_btv, batch["targets"], batch.get("weights"), total)
 
     grad_fn = jax.value_and_grad(loss_fn)
     pipelined = None
@@ -170,10 +196,13 @@ def build_train_program(cfg: Config | Layout, mesh: Mesh | None = None, vocab_si
             layer_specs = jax.tree.map(lambda s: P(*tuple(s)[1:]), layer_specs, is_leaf=lambda x: isinstance(x, P))
         pipelined = PipelinedGrads(cfg, mesh, rules, param_shardings, layer_specs, t.microbatches)
 
-    def local_grads(params: dict, inputs_bt: jax.Array, targets_bt: jax.Array) -> tuple[jax.Array, dict]:
-        """Mean loss and gradients over the rows given (the global batch, or one device's rows under ZeRO-2)."""
+    def local_grads(params: dict, batch: dict) -> tuple[jax.Array, dict]:
+        """Loss and gradients over the rows given (the global batch, or one device's rows under ZeRO-2): the mean
+        loss, or with weights the weighted sum over the weights' total (`cross_entropy`)."""
         if t.microbatches == 1:
-            return grad_fn(params, inputs_bt, targets_bt)
+            return grad_fn(params, batch)
+        weights = batch.get("weights")
+        total = None if weights is None else jnp.maximum(weights.sum(), 1.0)  # the whole step's, see cross_entropy
 
         # Gradient accumulation: microbatch m takes rows m, m + M, m + 2M, ... so every microbatch still spans
         # all data-parallel devices (each holds contiguous rows).
@@ -183,12 +212,14 @@ def build_train_program(cfg: Config | Layout, mesh: Mesh | None = None, vocab_si
 
         def accumulate(carry, mb):
             loss_sum, grad_sum = carry
-            loss, grads = grad_fn(params, mb[0], mb[1])
+            loss, grads = grad_fn(params, mb, total)
             return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros),
-                                        (split(inputs_bt), split(targets_bt)))
+                                        jax.tree.map(split, batch))
+        if weights is not None:
+            return loss, grads  # the microbatches' sums over the step's total are the step's
         return loss / t.microbatches, jax.tree.map(lambda g: g / t.microbatches, grads)
 
     if cfg.mesh.rules in OPTIMIZER_STATE_RULES:  # ZeRO-2: reduce-scatter the gradients over fsdp by hand
@@ -204,7 +235,7 @@ def build_train_program(cfg: Config | Layout, mesh: Mesh | None = None, vocab_si
             if stages > 1:
                 loss, grads = pipelined(params, batch["inputs"], batch["targets"])
             else:
-                loss, grads = local_grads(params, step_start(batch["inputs"]), batch["targets"])
+                loss, grads = local_grads(params, {**batch, "inputs": step_start(batch["inputs"])})
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
@@ -215,13 +246,13 @@ def build_train_program(cfg: Config | Layout, mesh: Mesh | None = None, vocab_si
 
     def eval_step(params: dict, batch: dict) -> jax.Array:
         with tracing():
-            return loss_fn(params, batch["inputs"], batch["targets"])
+            return loss_fn(params, batch)
 
     def batch_grads(params: dict, batch: dict) -> tuple[jax.Array, dict]:
         if stages > 1:
             return pipelined(params, batch["inputs"], batch["targets"])
         with tracing():
-            return grad_fn(params, batch["inputs"], batch["targets"])
+            return grad_fn(params, batch)
 
     init_fn = jax.jit(init, out_shardings=state_shardings)
     abstract_state = jax.eval_shape(init_fn, jax.random.key(0))
@@ -241,10 +272,13 @@ def build_train_program(cfg: Config | Layout, mesh: Mesh | None = None, vocab_si
     eval_fn = jax.jit(eval_step, in_shardings=(param_shardings, batch_sharding), out_shardings=replicated)
     grads_fn = jax.jit(batch_grads, in_shardings=(param_shardings, batch_sharding),
                        out_shardings=(replicated, param_shardings))
-    batch_shape = jax.ShapeDtypeStruct((t.global_batch, t.seq_len), jnp.int32, sharding=batch_sharding)
+    abstract_batch = {key: jax.ShapeDtypeStruct((t.global_batch, t.seq_len),
+                                                jnp.float32 if key == "weights" else jnp.int32,
+                                                sharding=batch_sharding)
+                      for key in batch_keys(cfg.data.format)}
     return TrainProgram(
         config=cfg, mesh=mesh, graphdef=graphdef, optimizer=tx, abstract_state=abstract_state,
-        state_shardings=state_shardings, abstract_batch={"inputs": batch_shape, "targets": batch_shape},
+        state_shardings=state_shardings, abstract_batch=abstract_batch,
         batch_sharding=batch_sharding, init_fn=init_fn, step_fn=step_fn, eval_fn=eval_fn, grad_fn=grads_fn,
         param_count=sum(x.size for x in jax.tree.leaves(abs_params)), param_bytes=_nbytes(abs_params),
         opt_state_bytes=_nbytes(abs_opt), pipeline=pipelined,

@@ -25,11 +25,12 @@ from msjax.sharding_rules import logical_to_mesh_spec
 IMPLS = ("auto", "xla", "pallas", "cudnn")
 
 
-def resolve_impl(impl: str, dtype=jnp.float32, backend: str | None = None) -> str:
+def resolve_impl(impl: str, dtype=jnp.float32, backend: str | None = None, packed: bool = False) -> str:
     """The concrete implementation `auto` stands for.
 
     CPU: `xla` (the Pallas kernel only runs interpreted there). GPU: `cudnn` for 16-bit inputs, else `xla`
-    (cuDNN takes no float32). TPU: `pallas` (splash attention with a local mask).
+    (cuDNN takes no float32); with packed sequences (segment ids) `pallas` for 16-bit inputs, as `cudnn` here
+    takes no segment ids. TPU: `pallas` (splash attention with a local mask).
     """
     if impl not in IMPLS:
         raise ValueError(f"model.attention.impl={impl!r}; allowed: {', '.join(IMPLS)}")
@@ -37,31 +38,35 @@ def resolve_impl(impl: str, dtype=jnp.float32, backend: str | None = None) -> st
         return impl
     backend = backend or jax.default_backend()
     if backend == "gpu":
-        return "cudnn" if jnp.dtype(dtype).itemsize == 2 else "xla"
+        if jnp.dtype(dtype).itemsize != 2:
+            return "xla"
+        return "pallas" if packed else "cudnn"
     if backend == "tpu":
         return "pallas"
     return "xla"
 
 
 def attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array, *, window: int | None,
-              impl: str = "auto") -> jax.Array:
-    """Causal self-attention with an optional sliding window.
+              impl: str = "auto", segments_bt: jax.Array | None = None) -> jax.Array:
+    """Causal self-attention with an optional sliding window, optionally inside packed segments.
 
-    Query i attends keys j with i - window < j <= i (window None: all j <= i), scaled by 1/sqrt(K).
+    Query i attends keys j with i - window < j <= i (window None: all j <= i) and, with segment ids,
+    segments[b, i] == segments[b, j] (examples packed into one row do not see each other); scaled by 1/sqrt(K).
 
     Args:
       q_bthk: queries (B, T, H, K).
       k_bshk, v_bshk: keys and values (B, S=T, Hkv, K), H a multiple of Hkv (grouped-query attention).
       window: sliding-window size W >= 1, or None.
       impl: one of IMPLS.
+      segments_bt: int32 (B, T) segment ids, or None (one sequence per row).
     Returns:
       (B, T, H, K) in the dtype of q.
     Raises:
-      ValueError: unknown impl, or window < 1.
+      ValueError: unknown impl, window < 1, or segment ids with impl `cudnn` (which takes none here).
     """
     if window is not None and window < 1:
         raise ValueError(f"attention window={window}: allowed is an integer >= 1, or None")
-    impl = resolve_impl(impl, q_bthk.dtype)
+    impl = resolve_impl(impl, q_bthk.dtype, packed=segments_bt is not None)
     active = active_rules()
     if impl == "xla" and active is not None and active[0].shape[ax.SEQUENCE] > 1:
         # Context parallelism: keys/values gathered by hand so the backward reduce-scatters dK/dV.
@@ -69,34 +74,42 @@ def attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array, *, window
         q_spec = logical_to_mesh_spec((ax.ACT_BATCH, ax.ACT_SEQ_INNER, ax.ACT_HEADS, None), rules)
         kv_spec = logical_to_mesh_spec((ax.ACT_BATCH, ax.ACT_SEQ_INNER, ax.ACT_KV_HEADS, None), rules)
         return sequence_sharded_attention(
-            lambda q, k, v, offset: xla_attention(q, k, v, window=window, q_offset=offset), mesh,
-            q_bthk, k_bshk, v_bshk, q_spec=q_spec, kv_spec=kv_spec)
+            lambda q, k, v, offset, q_seg=None, k_seg=None: xla_attention(
+                q, k, v, window=window, q_offset=offset, q_segments_bt=q_seg, k_segments_bs=k_seg),
+            mesh, q_bthk, k_bshk, v_bshk, q_spec=q_spec, kv_spec=kv_spec, segments_bt=segments_bt)
     if impl == "pallas":
         from msjax.pallas_kernels.sliding_window_attention import sliding_window_attention
 
-        return _per_shard(lambda q, k, v: sliding_window_attention(q, k, v, window=window), q_bthk, k_bshk, v_bshk)
+        return _per_shard(lambda q, k, v, seg=None: sliding_window_attention(q, k, v, window=window, segment_ids=seg),
+                          q_bthk, k_bshk, v_bshk, segments_bt)
     if impl == "cudnn":
+        if segments_bt is not None:
+            raise ValueError("model.attention.impl='cudnn' takes no segment ids (packed sequences); allowed with "
+                             "packing: xla, pallas, auto")
         local = None if window is None else (window - 1, 0)
         return jax.nn.dot_product_attention(q_bthk, k_bshk, v_bshk, is_causal=True, local_window_size=local,
                                             implementation="cudnn")
-    return xla_attention(q_bthk, k_bshk, v_bshk, window=window)
+    return xla_attention(q_bthk, k_bshk, v_bshk, window=window, q_segments_bt=segments_bt, k_segments_bs=segments_bt)
 
 
-def _per_shard(fn, q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array) -> jax.Array:
-    """Runs a kernel on each device's (batch, heads) shard under the active mesh.
+def _per_shard(fn, q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array,
+               segments_bt: jax.Array | None = None) -> jax.Array:
+    """Runs a kernel `fn(q, k, v[, segments])` on each device's (batch, heads) shard under the active mesh.
 
     GSPMD cannot partition a `pallas_call`, so the kernel runs inside `jax.shard_map` over the batch and head
     axes (attention is independent across both). The sequence stays whole on each device: the kernel has no
     query-offset input yet, so under context parallelism (mesh.sequence > 1) queries are gathered first.
     """
+    args = (q_bthk, k_bshk, v_bshk) + (() if segments_bt is None else (segments_bt,))
     active = active_rules()
     if active is None:
-        return fn(q_bthk, k_bshk, v_bshk)
+        return fn(*args)
     mesh, rules = active
     q_spec = logical_to_mesh_spec((ax.ACT_BATCH, None, ax.ACT_HEADS, None), rules)
     kv_spec = logical_to_mesh_spec((ax.ACT_BATCH, None, ax.ACT_KV_HEADS, None), rules)
-    return nested_shard_map(fn, mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
-                            check_vma=False)(q_bthk, k_bshk, v_bshk)
+    specs = (q_spec, kv_spec, kv_spec) + (() if segments_bt is None else
+                                          (logical_to_mesh_spec((ax.ACT_BATCH, None), rules),))
+    return nested_shard_map(fn, mesh, in_specs=specs, out_specs=q_spec, check_vma=False)(*args)
 
 
 def local_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array, *, window: int | None,
@@ -130,10 +143,12 @@ def local_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array, *, 
 
 
 def xla_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array, *, window: int | None,
-                  q_offset: jax.Array | int = 0) -> jax.Array:
+                  q_offset: jax.Array | int = 0, q_segments_bt: jax.Array | None = None,
+                  k_segments_bs: jax.Array | None = None) -> jax.Array:
     """Masked-softmax attention in plain JAX: matmuls in the input dtype accumulating in float32, softmax in
     float32. Shapes as `attention` (S may exceed T: query t sits at key position `q_offset + t`); materialises
-    (B, G, H/G, T, S) logits with grouped heads, (B, H, T, S) without."""
+    (B, G, H/G, T, S) logits with grouped heads, (B, H, T, S) without. With segment ids (int32 (B, T) for the
+    queries and (B, S) for the keys, both or neither) a query sees only keys of its own segment."""
     b, t, h, k = q_bthk.shape
     s, g = k_bshk.shape[1], k_bshk.shape[2]
     # Query heads grouped by the key/value head they share; without grouping (g == h) the plain 4-D products,
@@ -146,6 +161,9 @@ def xla_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array, *, wi
     logits = logits * (1.0 / k**0.5)
     i, j = q_offset + jnp.arange(t)[:, None], jnp.arange(s)[None, :]
     visible = (j <= i) if window is None else (j <= i) & (j > i - window)  # (T, S); the diagonal always is
+    if q_segments_bt is not None:  # (B, T, S), then a unit axis per head axis of the logits
+        visible = visible[None] & (q_segments_bt[:, :, None] == k_segments_bs[:, None, :])
+        visible = visible[:, None, None] if g != h else visible[:, None]
     weights = softmax(jnp.where(visible, logits, -jnp.inf)).astype(v_bshk.dtype)
     out = jnp.einsum(spec_pv, weights, v_bshk, preferred_element_type=jnp.float32)
     return out.reshape(b, t, h, k).astype(q_bthk.dtype)

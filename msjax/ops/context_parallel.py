@@ -25,16 +25,19 @@ from msjax.sharding_rules import axes as ax
 
 
 def sequence_sharded_attention(attend: Callable[..., jax.Array], mesh: Mesh, q_bthk: jax.Array,
-                               k_bshk: jax.Array, v_bshk: jax.Array, *, q_spec: P, kv_spec: P) -> jax.Array:
+                               k_bshk: jax.Array, v_bshk: jax.Array, *, q_spec: P, kv_spec: P,
+                               segments_bt: jax.Array | None = None) -> jax.Array:
     """Causal attention with T split over mesh axis `sequence`; keys/values gathered, dK/dV reduce-scattered.
 
     Args:
-      attend: `(q, k, v, q_offset) -> out`, attention on one shard's queries against all keys, q_offset the
-        first query's position (int32 scalar); e.g. `msjax.ops.attention.local_attention` with its window bound.
+      attend: `(q, k, v, q_offset[, q_segments, k_segments]) -> out`, attention on one shard's queries against
+        all keys, q_offset the first query's position (int32 scalar), the segment ids (B, T/n) of this shard's
+        queries and (B, S) of all keys when `segments_bt` is given; e.g. `msjax.ops.attention.xla_attention`.
       mesh: the active mesh; every axis is manual in the body.
       q_bthk: queries (B, T, H, K), T split over `sequence`.
       k_bshk, v_bshk: keys and values (B, S=T, G, K), S split over `sequence` like T.
       q_spec, kv_spec: their PartitionSpecs; dimension 1 must be exactly `sequence`.
+      segments_bt: int32 (B, T) segment ids of packed examples, split like the queries' (B, T), or None.
     Returns:
       (B, T, H, K), laid out as `q_spec`.
     Raises:
@@ -44,10 +47,16 @@ def sequence_sharded_attention(attend: Callable[..., jax.Array], mesh: Mesh, q_b
         if len(spec) < 2 or spec[1] != ax.SEQUENCE:
             raise ValueError(f"{name}={spec}: context parallelism needs dimension 1 split over {ax.SEQUENCE!r}")
 
-    def body(q, k, v):
+    def body(q, k, v, *segments):
         k = jax.lax.all_gather(k, ax.SEQUENCE, axis=1, tiled=True)
         v = jax.lax.all_gather(v, ax.SEQUENCE, axis=1, tiled=True)
-        return attend(q, k, v, jax.lax.axis_index(ax.SEQUENCE) * q.shape[1])
+        offset = jax.lax.axis_index(ax.SEQUENCE) * q.shape[1]
+        if not segments:
+            return attend(q, k, v, offset)
+        (q_seg,) = segments  # the keys' ids: every shard's, as the keys themselves
+        return attend(q, k, v, offset, q_seg, jax.lax.all_gather(q_seg, ax.SEQUENCE, axis=1, tiled=True))
 
-    return nested_shard_map(body, mesh, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
-                            check_vma=True)(q_bthk, k_bshk, v_bshk)
+    args, specs = (q_bthk, k_bshk, v_bshk), (q_spec, kv_spec, kv_spec)
+    if segments_bt is not None:
+        args, specs = args + (segments_bt,), specs + (P(*tuple(q_spec)[:2]),)
+    return nested_shard_map(body, mesh, in_specs=specs, out_specs=q_spec, check_vma=True)(*args)

@@ -31,7 +31,7 @@ from msjax.sharding_rules import axes as ax
 
 BATCH_AXES = (ax.DATA, ax.FSDP)
 
-LocalGrads = Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
+LocalGrads = Callable[[Any, dict], tuple[jax.Array, Any]]
 
 
 def fsdp_dim(spec: P) -> int:
@@ -46,17 +46,18 @@ def reduce_scattered_grads(local_grads: LocalGrads, mesh: Mesh, grad_shardings: 
     """Wraps a per-device gradient function so that its gradients are reduce-scattered over `fsdp`.
 
     Args:
-      local_grads: `(params, inputs_bt, targets_bt) -> (loss, grads)`: the mean loss (float32 scalar) and its
-        gradients (float32, like `params`) over the rows it is given. Called on one device's rows, inside a
+      local_grads: `(params, batch) -> (loss, grads)`: the mean loss (float32 scalar) and its gradients
+        (float32, like `params`) over the rows of `batch` it is given (a dict of (B, T) arrays). Called on one device's rows, inside a
         region manual over `data` and `fsdp`.
       mesh: the train step's mesh (no axis manual around the call).
       grad_shardings: NamedSharding pytree like `params`: the layout the optimizer keeps the gradients in.
         A dimension split over `fsdp` must be split over `fsdp` alone, and never over `data`.
     Returns:
-      `(params, inputs_bt, targets_bt) -> (loss, grads)` for the global batch: the loss is the mean over every
-      row, the gradients are its gradients, laid out over `fsdp` as `grad_shardings` says (other mesh axes as
-      the compiler propagates them; the caller constrains them to `grad_shardings`). Inputs and targets are
-      (B, T) int32 with B split over `data` x `fsdp`; `params` must be replicated over both.
+      `(params, batch) -> (loss, grads)` for the global batch: the loss is the mean over every row, the
+      gradients are its gradients, laid out over `fsdp` as `grad_shardings` says (other mesh axes as the
+      compiler propagates them; the caller constrains them to `grad_shardings`). The batch's arrays are (B, T)
+      with B split over `data` x `fsdp`; `params` must be replicated over both. A weighted loss (a batch with
+      "weights") is not a mean of the devices' means: the config refuses it with ZeRO-2.
     Raises:
       ValueError: a gradient layout that splits a dimension over `data`, or over `fsdp` together with another
         axis.
@@ -77,20 +78,19 @@ def reduce_scattered_grads(local_grads: LocalGrads, mesh: Mesh, grad_shardings: 
         grad = jax.lax.psum_scatter(grad, ax.FSDP, scatter_dimension=dim, tiled=True)
         return jax.lax.psum(grad, ax.DATA) / shards
 
-    def per_device(params, inputs_bt, targets_bt):
-        loss, grads = local_grads(params, inputs_bt, targets_bt)
+    def per_device(params, batch):
+        loss, grads = local_grads(params, batch)
         grads = jax.tree.map(reduce, grads, specs, is_leaf=lambda s: isinstance(s, P))
         return jax.lax.psum(loss, BATCH_AXES) / shards, grads
 
     out_grads = jax.tree.map(lambda s: P(*[ax.FSDP if d == fsdp_dim(s) else None for d in range(len(s))]), specs,
                              is_leaf=lambda s: isinstance(s, P))
-    batch = P(BATCH_AXES)
-
-    def run(params, inputs_bt, targets_bt):
+    def run(params, batch):
         replicated = jax.tree.map(lambda _: P(), params)
         # check_vma=False: the per-device gradients are varying over the batch axes by construction, and the
         # loops inside (gradient accumulation) start from zeros that check_vma would ask to be cast varying.
-        return jax.shard_map(per_device, mesh=mesh, in_specs=(replicated, batch, batch), out_specs=(P(), out_grads),
-                             axis_names=set(BATCH_AXES), check_vma=False)(params, inputs_bt, targets_bt)
+        rows = jax.tree.map(lambda _: P(BATCH_AXES), batch)
+        return jax.shard_map(per_device, mesh=mesh, in_specs=(replicated, rows), out_specs=(P(), out_grads),
+                             axis_names=set(BATCH_AXES), check_vma=False)(params, batch)
 
     return run
