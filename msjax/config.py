@@ -707,12 +707,10 @@ class Config:
         return (self.pipeline.microbatches or p) if p > 1 else 1
 
     def _check_chat(self) -> None:
-        """data.format=chat: what supervised fine-tuning needs and the layouts its packed, weighted batches run on."""
+        """data.format=chat: the layouts its packed, weighted batches run on (its tokenizer and template are checked
+        where the data is read, `msjax.data.sft`)."""
         if self.data.format != "chat":
             return
-        if not self.data.tokenizer_path:
-            raise ConfigError("data.format=chat needs a Hugging Face tokenizer and its chat template: set "
-                              "data.tokenizer_path (an imported run's tokenizer.json: `convert.py --from_hf`)")
         from msjax.sharding_rules import OPTIMIZER_STATE_RULES  # local import: sharding_rules must not import msjax
 
         refused = [(self.mesh.pipeline > 1, f"mesh.pipeline={self.mesh.pipeline} (the pipeline's microbatches "
@@ -1078,12 +1076,23 @@ def load_preset(name: str) -> Config:
       .json, .yaml/.yml: a mapping of keys, as nested sections (`{"model": {"d_model": 64}}`) or dotted keys
         (`{"model.d_model": 64}`), applied to the defaults; `name` names the run (else the file's name). A run
         directory's `config.json` (every key, written by the run) reproduces that run exactly.
+    Several, comma-separated (`runs/llama,chat_sft`): each later one's keys applied on top of the first (a preset's
+    OVERRIDES, a file's keys), the run keeping the first one's name: a run or model with a recipe laid over it.
     Not validated (flags may still change it; `Config.validate` comes after).
 
     Raises:
       ConfigError: an unknown preset name (naming the allowed ones), a missing or unreadable file, a file that is
         not a mapping of keys, or an unknown key or bad value in it (naming the file and the key).
     """
+    if "," in name:
+        first, *more = [part.strip() for part in name.split(",")]
+        cfg = load_preset(first)
+        for part in more:
+            try:
+                cfg = apply_overrides(cfg, _preset_overrides(part))
+            except ConfigError as e:
+                raise ConfigError(f"--config={name!r}: {e}") from None
+        return cfg
     path = Path(name).expanduser()
     is_file = path.suffix in CONFIG_FILE_SUFFIXES or "/" in name or os.sep in name or path.is_dir()
     if not is_file:
@@ -1106,6 +1115,24 @@ def load_preset(name: str) -> Config:
         return apply_overrides(Config(name=str(run_name)), overrides)
     except ConfigError as e:
         raise ConfigError(f"--config={name!r}: {e}") from None
+
+
+def _preset_overrides(name: str) -> dict[str, Any]:
+    """The dotted keys one preset name or config file of `load_preset` sets (without the name a file may hold)."""
+    if not name:
+        raise ConfigError("an empty name between commas")
+    path = Path(name).expanduser()
+    if path.suffix in CONFIG_FILE_SUFFIXES or "/" in name or os.sep in name or path.is_dir():
+        if path.is_dir() and (path / "config.json").is_file():
+            path = path / "config.json"
+        if not path.is_file() or path.suffix not in CONFIG_FILE_SUFFIXES:
+            raise ConfigError(f"{name!r}: no such file (allowed: {', '.join(CONFIG_FILE_SUFFIXES)})")
+        overrides = _read_config_file(path)
+        overrides.pop("name", None)
+        return overrides
+    if name not in preset_names():
+        raise ConfigError(f"unknown preset {name!r}; allowed: {', '.join(preset_names())}")
+    return dict(importlib.import_module(f"msjax.configs.{name}").OVERRIDES)
 
 
 def _read_config_file(path: Path) -> dict[str, Any]:

@@ -183,7 +183,7 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
         saved_cfg, where = (record or {}).get("config"), f"step {latest} in {ckpt.directory}"
         if saved_cfg is None and (run_dir / "config.json").exists():
             saved_cfg, where = json.loads((run_dir / "config.json").read_text()), str(run_dir / "config.json")
-        check_resume_config(saved_cfg, cfg, where)
+        check_resume_config(saved_cfg, cfg, where, step=latest)
 
     data = prepare_data(cfg.data)
     layout = layout.with_vocab(data.tokenizer.vocab_size)

@@ -29,6 +29,10 @@ MAY_DIFFER = (
     # how many steps one call of the compiled program runs: the same steps on the same batches
     "train.steps_per_execution",
 )
+# What may also differ when the checkpoint is of step 0 (an imported model, `convert.py --from_hf`): no batch has
+# been drawn from its data stream yet, so another corpus, format or batch shape starts that stream afresh (the
+# loader's state at step 0 is its seed alone). Fine-tuning an imported model on one's own data is this case.
+UNTRAINED_MAY_DIFFER = ("data.", "train.global_batch", "train.seq_len")
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -41,13 +45,15 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _may_differ(key: str) -> bool:
-    return any(key == m or (m.endswith(".") and key.startswith(m)) for m in MAY_DIFFER)
+def _may_differ(key: str, untrained: bool = False) -> bool:
+    allowed = MAY_DIFFER + (UNTRAINED_MAY_DIFFER if untrained else ())
+    return any(key == m or (m.endswith(".") and key.startswith(m)) for m in allowed)
 
 
-def config_differences(saved: dict, current: Config) -> list[str]:
+def config_differences(saved: dict, current: Config, step: int | None = None) -> list[str]:
     """Keys that differ between a saved config (as `to_dict` wrote it) and `current` but must not, sorted,
-    each as "key: saved -> current".
+    each as "key: saved -> current". `step`: the checkpoint's; at 0 the data keys may differ too
+    (`UNTRAINED_MAY_DIFFER`).
 
     `model.vocab_size` 0 in the current config means "take the tokenizer's" and is not compared.
     `optimizer.grad_clip` may change its value but not switch clipping on or off (that changes the optimizer
@@ -66,25 +72,26 @@ def config_differences(saved: dict, current: Config) -> list[str]:
             continue
         if key == "optimizer.grad_clip" and isinstance(a, (int, float)) and (a > 0) == (b > 0):
             continue
-        if key != "optimizer.grad_clip" and _may_differ(key):
+        if key != "optimizer.grad_clip" and _may_differ(key, untrained=step == 0):
             continue
         diffs.append(f"{key}: {a!r} -> {b!r}")
     return diffs
 
 
-def check_resume_config(saved: dict | None, current: Config, where: str) -> None:
+def check_resume_config(saved: dict | None, current: Config, where: str, step: int | None = None) -> None:
     """Raises ConfigError listing every key that must match but differs; does nothing when `saved` is None.
 
     Args:
       saved: the config stored with the newest checkpoint (or the run's config.json), as a nested dict.
       current: the config of the run that wants to resume.
       where: where `saved` came from (named in the error).
+      step: the checkpoint's step (0: untrained, its data keys may differ), or None.
     Raises:
       ConfigError: one message listing the differing keys and the keys that may differ.
     """
     if saved is None:
         return
-    diffs = config_differences(saved, current)
+    diffs = config_differences(saved, current, step)
     if diffs:
         allowed = ", ".join(m + ("*" if m.endswith(".") else "") for m in MAY_DIFFER)
         raise ConfigError(

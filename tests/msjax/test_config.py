@@ -67,7 +67,7 @@ def test_dotted_overrides_parse_types():
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--config=nope"], "unknown preset --config='nope'; allowed: gpt175b"),
+    (["--config=nope"], "unknown preset --config='nope'; allowed: chat_sft, gpt175b"),
     (["--train.stepz=3"], "unknown config key 'train.stepz'; allowed at this level: train.eval_batches"),
     (["--trian.steps=3"], "unknown config key 'trian.steps'; allowed at this level: checkpoint, data"),
     (["--train.steps=ten"], "train.steps='ten': allowed is int"),
@@ -226,3 +226,30 @@ def test_resume_check_reads_configs_saved_before_the_new_keys():
     assert config_differences(saved, apply_overrides(cfg, {"train.loggers": ("wandb",)})) == []
     saved["model"]["mlp"] = "swiglu"
     assert config_differences(saved, cfg) == ["model.mlp: 'swiglu' -> 'gelu'"]
+
+
+def test_an_untrained_checkpoint_resumes_on_other_data():
+    """A checkpoint of step 0 (an imported model) resumes with another corpus, data format and batch shape: no
+    batch of its stream was drawn; from step 1 on the same changes are refused, and at step 0 the model's keys
+    still must match."""
+    from msjax.checkpoint.resume import config_differences
+    from msjax.config import to_dict
+
+    cfg = load_preset("gpt_tiny")
+    saved = json.loads(json.dumps(to_dict(cfg)))
+    sft = apply_overrides(cfg, {"data.format": "chat", "data.paths": ("chats.jsonl",), "train.global_batch": 4})
+    assert config_differences(saved, sft, step=0) == []
+    assert config_differences(saved, sft, step=1) == ["data.format: 'text' -> 'chat'",
+                                                      "data.paths: [] -> ['chats.jsonl']",
+                                                      "train.global_batch: 16 -> 4"]
+    assert config_differences(saved, apply_overrides(sft, {"model.d_model": 64}), step=0) == [
+        "model.d_model: 192 -> 64"]
+
+
+def test_presets_compose_left_to_right():
+    """`--config=A,B`: B's keys over A's, the run named after A; an unknown part is one error naming it."""
+    cfg = load_preset("llama_tiny,chat_sft")
+    assert cfg.name == "llama_tiny" and cfg.data.format == "chat" and cfg.optimizer.lr == 2e-5
+    assert cfg.model.mlp == "swiglu" and cfg.train.run_dir == "runs/llama_tiny"
+    with pytest.raises(ConfigError, match="unknown preset 'nope'"):
+        load_preset("llama_tiny,nope")
