@@ -19,12 +19,13 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 
 import jax
+import numpy as np
 from tqdm import tqdm
 
 from msjax.checkpoint import Checkpointer, check_resume_config, checkpoint_dir, ensure_writable, local_checkpoint_dir
 from msjax import distributed, paths, runtime
 from msjax.config import Config, ConfigError, to_dict
-from msjax.data import BatchLoader, check_data_paths, eval_batches, prepare_data
+from msjax.data import BatchLoader, check_data_paths, eval_batches, prepare_chat_data, prepare_data
 from msjax.faults import NonFiniteStop, StopOnSignal
 from msjax.hooks import Hook, Hooks, LoopControl, RunContext
 from msjax.layout import resolve as resolve_layout
@@ -121,6 +122,16 @@ class RunSummary:
 _ONLY_WHEN_SET = ("tokens_per_s", "mfu", "sample", "stop_reason", "stop_signal")
 
 
+def _describe_data(data) -> str:
+    """The start-up line's account of the data: token counts of a corpus, or of packed chat examples."""
+    if isinstance(data.train, np.ndarray):
+        return f"train {len(data.train):,} / val {len(data.val):,} tokens"
+    tr, va = data.train, data.val
+    return (f"chat: train {tr.num_examples:,} examples in {tr.num_rows:,} rows ({tr.num_tokens:,} tokens, "
+            f"{tr.num_loss_tokens:,} trained on; {tr.num_tokens / tr.arrays['inputs'].size:.0%} of the rows' slots) / val "
+            f"{va.num_examples:,} examples")
+
+
 def summary_json(summary: RunSummary) -> dict[str, Any]:
     """The JSON-friendly fields of `run`'s summary (no state), as the train command prints them."""
     out = {f.name: getattr(summary, f.name) for f in fields(summary) if f.name != "state"}
@@ -185,7 +196,8 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
             saved_cfg, where = json.loads((run_dir / "config.json").read_text()), str(run_dir / "config.json")
         check_resume_config(saved_cfg, cfg, where, step=latest)
 
-    data = prepare_data(cfg.data)
+    # Chat (supervised fine-tuning): conversations rendered, masked and packed into rows (msjax.data.sft).
+    data = prepare_chat_data(cfg.data, t.seq_len) if cfg.data.format == "chat" else prepare_data(cfg.data)
     layout = layout.with_vocab(data.tokenizer.vocab_size)
     program = build_train_program(layout)
     cfg, mesh = layout.config, layout.mesh
@@ -218,7 +230,7 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
     tokens_per_step = layout.tokens_per_step
     _log(f"msjax: {cfg.name} | {program.param_count / 1e6:.2f}M params | mesh "
          f"{dict(mesh.shape)} | {layout.num_devices} x {jax.devices()[0].device_kind} | MFU against "
-         f"{peak / 1e12:.3g} TFLOP/s ({peak_label}) | train {len(data.train):,} / val {len(data.val):,} tokens")
+         f"{peak / 1e12:.3g} TFLOP/s ({peak_label}) | {_describe_data(data)}")
     if program.pipeline is not None:
         _log(program.pipeline.describe())
     _log(xla_flags.describe())

@@ -1,9 +1,16 @@
-"""Batches of random token windows, assembled as global jax.Arrays, prefetched off the critical path.
+"""Batches of random token windows or of packed rows, assembled as global jax.Arrays, prefetched off the critical
+path.
 
-Sampling is nanoGPT's `get_batch`: each of the B rows of a step is a window of T+1 consecutive tokens starting
-at a uniformly random position; inputs are its first T tokens and targets its last T (the next-token shift).
-The B start positions of step s are drawn from `np.random.default_rng([seed, s])`, so a batch is a pure
-function of (seed, step): resuming at step s needs nothing but s, and every process draws the same positions.
+Token windows (a 1-D token array, data.format=text): sampling is nanoGPT's `get_batch`: each of the B rows of a
+step is a window of T+1 consecutive tokens starting at a uniformly random position; inputs are its first T tokens
+and targets its last T (the next-token shift). The B start positions of step s are drawn from
+`np.random.default_rng([seed, s])`, so a batch is a pure function of (seed, step): resuming at step s needs
+nothing but s, and every process draws the same positions.
+
+Packed rows (`msjax.data.sft.PackedRows`, data.format=chat): the N rows are read in epochs, epoch e in the order
+`np.random.default_rng([seed, e]).permutation(N)`, one epoch after another without end; step s takes positions
+s*B .. s*B+B-1 of that sequence (`row_indices`). Each row is seen once per epoch, and a batch is again a pure
+function of (seed, step). A batch has the rows' five keys (inputs, targets, weights, segments, positions).
 
 Multi-host: each process gathers only the rows (and, under sequence sharding, the columns) that its addressable
 devices hold, in the order `jax.make_array_from_process_local_data` expects (per dimension, the sorted distinct
@@ -16,7 +23,7 @@ background thread with a bounded queue (`prefetch` batches), stops and joins tha
 a producer's exception in the consumer, and `grain.experimental.set_next_index` repositions it for `restore`.
 Grain's own checkpoint state is not needed: the next step alone is the loader's state.
 
-Dims: B global batch, T sequence length.
+Dims: B global batch, T sequence length, N packed rows.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import jax
 import numpy as np
 
 from msjax.data.corpus import DataError
+from msjax.data.sft import PackedRows
 
 # Upper end of the step range Grain indexes (a MapDataset needs a length): far beyond any run.
 _MAX_STEPS = 1 << 62
@@ -67,6 +75,15 @@ def _check_tokens(tokens: np.ndarray, seq_len: int) -> np.ndarray:
     return tokens
 
 
+def _check_rows(rows: PackedRows, seq_len: int) -> PackedRows:
+    if rows.num_rows < 1:
+        raise DataError("the packed rows are empty: no example to batch")
+    if seq_len != rows.seq_len:
+        raise DataError(f"seq_len={seq_len}, but the rows were packed to {rows.seq_len} positions; pack them with "
+                        "train.seq_len")
+    return rows
+
+
 def _local_indices(sharding: jax.sharding.Sharding | None, shape: tuple[int, int]) -> tuple[np.ndarray, ...]:
     """Per dimension, the global indices this process holds, in `make_array_from_process_local_data` order."""
     if sharding is None:
@@ -93,18 +110,57 @@ class _Assembler:
         idx = starts_b[self.rows][:, None] + self.cols[None, :]  # (B_local, T_local) token positions
         inputs = self.tokens[idx].astype(np.int32)
         targets = self.tokens[idx + 1].astype(np.int32)
-        if self.sharding is None:
-            return {"inputs": jax.device_put(inputs), "targets": jax.device_put(targets)}
-        return {
-            "inputs": jax.make_array_from_process_local_data(self.sharding, inputs, self.shape),
-            "targets": jax.make_array_from_process_local_data(self.sharding, targets, self.shape),
-        }
+        return _global({"inputs": inputs, "targets": targets}, self.sharding, self.shape)
+
+
+class _RowAssembler:
+    """Builds the (process-local part of the) batch of given packed rows and makes each key a global array."""
+
+    def __init__(self, rows: PackedRows, batch: int, sharding: jax.sharding.Sharding | None):
+        self.arrays = rows.arrays
+        self.num_rows = rows.num_rows
+        self.shape = (batch, rows.seq_len)
+        self.sharding = sharding
+        self.rows, self.cols = _local_indices(sharding, self.shape)
+
+    def __call__(self, rows_b: np.ndarray) -> dict[str, jax.Array]:
+        idx = np.ix_(rows_b[self.rows], self.cols)  # (B_local, T_local) of the (N, T) arrays
+        return _global({k: v[idx] for k, v in self.arrays.items()}, self.sharding, self.shape)
+
+
+def _global(local: dict[str, np.ndarray], sharding: jax.sharding.Sharding | None, shape: tuple[int, int]
+            ) -> dict[str, jax.Array]:
+    """Each process-local (B_local, T_local) array as the global (B, T) array; on one device without sharding."""
+    if sharding is None:
+        return {k: jax.device_put(v) for k, v in local.items()}
+    return {k: jax.make_array_from_process_local_data(sharding, v, shape) for k, v in local.items()}
 
 
 def window_starts(num_tokens: int, seq_len: int, batch: int, seed: int, step: int) -> np.ndarray:
     """Start positions (B,) int64 of the windows of `step`: uniform in [0, num_tokens - seq_len - 1], drawn from
     `np.random.default_rng([seed, step])` (nanoGPT's `torch.randint(len(data) - block_size, (B,))`)."""
     return np.random.default_rng([seed, step]).integers(0, num_tokens - seq_len, size=batch, dtype=np.int64)
+
+
+def row_indices(num_rows: int, batch: int, seed: int, step: int) -> np.ndarray:
+    """The packed rows (B,) int64 of `step`: positions step*B .. step*B+B-1 of the endless sequence of epochs,
+    epoch e being `np.random.default_rng([seed, e]).permutation(num_rows)` (module docstring). B may exceed N:
+    the batch then spans several epochs."""
+    pos = step * batch + np.arange(batch, dtype=np.int64)
+    epochs, at = np.divmod(pos, num_rows)
+    out = np.empty(batch, dtype=np.int64)
+    for e in np.unique(epochs).tolist():
+        here = epochs == e
+        out[here] = np.random.default_rng([seed, e]).permutation(num_rows)[at[here]]
+    return out
+
+
+class _RowsOfStep:
+    def __init__(self, assemble: _RowAssembler, seed: int):
+        self.assemble, self.seed = assemble, seed
+
+    def __call__(self, step: int) -> dict[str, jax.Array]:
+        return self.assemble(row_indices(self.assemble.num_rows, self.assemble.shape[0], self.seed, step))
 
 
 class _BatchOfStep:
@@ -117,14 +173,17 @@ class _BatchOfStep:
 
 
 class BatchLoader:
-    """Iterator of training batches {"inputs": (B, T) int32, "targets": (B, T) int32} of random windows.
+    """Iterator of training batches: {"inputs": (B, T) int32, "targets": (B, T) int32} of random windows of a
+    token array, or, from packed rows, those and {"weights": float32, "segments": int32, "positions": int32}, each
+    (B, T), of the rows of the step (module docstring).
 
     Deterministic: batch s depends only on (tokens, seq_len, global_batch, seed, s), not on the number of
     processes or devices, nor on restarts. Prefetches `prefetch` batches in a background thread (0: none).
 
     Args:
-      tokens: 1-D token ids (the train split's np.memmap).
-      seq_len: T.
+      tokens: 1-D token ids (the train split's np.memmap), or the train split's `PackedRows` (N may be below
+        global_batch: a batch then spans epochs).
+      seq_len: T (the rows' T for packed rows).
       global_batch: B, across all processes.
       seed: non-negative int.
       sharding: sharding of the (B, T) batch (e.g. NamedSharding(mesh, P(('data', 'fsdp'), 'sequence'))); None
@@ -132,17 +191,24 @@ class BatchLoader:
       prefetch: batches assembled ahead.
       step: the first step to yield (to resume).
     Raises:
-      DataError: fewer than seq_len + 1 tokens (names the split and its size); bad seq_len/global_batch/seed.
+      DataError: fewer than seq_len + 1 tokens (names the split and its size); packed rows that are empty or of
+        another T than seq_len; bad seq_len/global_batch/seed.
     """
 
-    def __init__(self, tokens: np.ndarray, *, seq_len: int, global_batch: int, seed: int,
+    def __init__(self, tokens: np.ndarray | PackedRows, *, seq_len: int, global_batch: int, seed: int,
                  sharding: jax.sharding.Sharding | None = None, prefetch: int = 2, step: int = 0):
-        _check_tokens(tokens, seq_len)
+        if isinstance(tokens, PackedRows):
+            _check_rows(tokens, seq_len)
+        else:
+            _check_tokens(tokens, seq_len)
         if global_batch < 1 or seed < 0 or prefetch < 0 or step < 0:
             raise DataError(f"BatchLoader: global_batch={global_batch} must be >= 1, seed={seed}, "
                             f"prefetch={prefetch} and step={step} >= 0")
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
-        self._batch_at = _BatchOfStep(_Assembler(tokens, seq_len, global_batch, sharding), seed)
+        if isinstance(tokens, PackedRows):
+            self._batch_at = _RowsOfStep(_RowAssembler(tokens, global_batch, sharding), seed)
+        else:
+            self._batch_at = _BatchOfStep(_Assembler(tokens, seq_len, global_batch, sharding), seed)
         # The pipeline holds `_batch_at`, not `self`, so dropping the loader frees it (and closes the thread).
         dataset = (grain.MapDataset.range(0, _MAX_STEPS)
                    .map(self._batch_at)
@@ -213,19 +279,33 @@ class BatchLoader:
             pass
 
 
-def eval_batches(tokens: np.ndarray, *, seq_len: int, batch: int, num_batches: int, seed: int = 0,
+def eval_batches(tokens: np.ndarray | PackedRows, *, seq_len: int, batch: int, num_batches: int, seed: int = 0,
                  sharding: jax.sharding.Sharding | None = None) -> list[dict[str, jax.Array]]:
-    """A fixed set of `num_batches` validation batches {"inputs", "targets"} of shape (batch, seq_len) int32.
+    """A fixed set of `num_batches` validation batches of shape (batch, seq_len): {"inputs", "targets"} int32 of
+    a token array, or the five keys of packed rows (`BatchLoader`).
 
-    The batch * num_batches windows start at evenly spaced positions across the split, so they cover it as
-    well as that many windows can (their mean loss estimates the whole split's with less error than random
-    windows), in an order shuffled by `seed` so each batch mixes the whole split. Same result on every call.
+    Token array: the batch * num_batches windows start at evenly spaced positions across the split, so they
+    cover it as well as that many windows can (their mean loss estimates the whole split's with less error than
+    random windows), in an order shuffled by `seed` so each batch mixes the whole split. Packed rows: the first
+    batch * num_batches rows of one permutation of them drawn from `seed`, cycled when there are fewer, so every
+    row is evaluated before any repeats; shuffled, because best-fit decreasing packing (msjax.data.sft) fills its
+    first rows with the split's longest examples, which alone would not estimate the split's loss. Same result on
+    every call.
 
-    Raises DataError if the split holds fewer than seq_len + 1 tokens (naming it and its size).
+    Raises DataError if the split holds fewer than seq_len + 1 tokens (naming it and its size), or its packed
+    rows are empty or of another T than seq_len.
     """
-    _check_tokens(tokens, seq_len)
+    if isinstance(tokens, PackedRows):
+        _check_rows(tokens, seq_len)
+    else:
+        _check_tokens(tokens, seq_len)
     if batch < 1 or num_batches < 0:
         raise DataError(f"eval_batches: batch={batch} must be >= 1 and num_batches={num_batches} >= 0")
+    if isinstance(tokens, PackedRows):
+        order = np.random.default_rng([seed, _EVAL_STREAM]).permutation(tokens.num_rows)
+        rows = order[np.arange(batch * num_batches) % tokens.num_rows].reshape(num_batches, batch)
+        assemble_rows = _RowAssembler(tokens, batch, sharding)
+        return [assemble_rows(r) for r in rows]
     n = batch * num_batches
     starts = np.linspace(0, tokens.shape[0] - seq_len - 1, n).round().astype(np.int64)
     starts = starts[np.random.default_rng([seed, _EVAL_STREAM]).permutation(n)].reshape(num_batches, batch)
