@@ -86,7 +86,7 @@ HELP_FLAGS = {"train.py": "--train.steps", "bench.py": "--reference_cmd", "plan.
               "bench_parallel.py": "--layouts", "bench_recovery.py": "--faults_per_kind",
               "launch.py": "--num_processes", "convert.py": "--from_hf", "generate.py": "--max_new_tokens",
               "bench_generate.py": "--new_tokens", "bench_generate_memory.py": "--run_dir",
-              "bench_convert.py": "--width", "results.py": "--record"}
+              "bench_convert.py": "--width", "results.py": "--record", "bench_sft.py": "--examples"}
 
 
 # Scripts that run another command, as `nice` does: no flags of their own, so no msjax flags either; their
