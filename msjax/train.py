@@ -36,7 +36,7 @@ from msjax.parallel import xla_flags
 from msjax.generate import Generator
 from msjax.goodput import LoopLedger
 from msjax.log import ensure_visible
-from msjax.train_step import build_train_program
+from msjax.train_step import TrainProgram, build_train_program
 
 
 if TYPE_CHECKING:
@@ -120,6 +120,20 @@ class RunSummary:
 # Present in the JSON only when the run produced them (a stopped run has no sample, a run that never logged no
 # throughput), as the train command has always printed it.
 _ONLY_WHEN_SET = ("tokens_per_s", "mfu", "sample", "stop_reason", "stop_signal")
+
+
+def _restore(ckpt: Checkpointer, program: TrainProgram) -> tuple[int, Any, dict | None]:
+    """(step, train state, loader state) of the newest verified checkpoint. One without optimizer state (an imported
+    model's: `convert.py --from_hf` writes the parameters only) is read partially, and gets the optimizer state a
+    new run makes (`optimizer.init`, AdamW's zero moments) on the mesh, and no loader state (its data stream starts
+    afresh)."""
+    held = ckpt.newest_holds()
+    if not held or "opt_state" in held:
+        return ckpt.restore(program.abstract_state)
+    part = {key: program.abstract_state[key] for key in ("step", "params", "rng")}
+    step, state, _ = ckpt.restore(part, partial=True)
+    init = jax.jit(program.optimizer.init, out_shardings=program.state_shardings["opt_state"])
+    return step, {**state, "opt_state": init(state["params"])}, None
 
 
 def _describe_data(data) -> str:
@@ -210,7 +224,7 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
 
     loader_state = None
     if latest is not None:
-        start_step, state, loader_state = ckpt.restore(program.abstract_state)
+        start_step, state, loader_state = _restore(ckpt, program)
         _log(f"resumed from step {start_step} ({ckpt.directory}"
              + ("; read by one data-parallel replica, broadcast to the others)" if ckpt.replica_restore else ")"))
     else:

@@ -414,6 +414,12 @@ class Checkpointer:
         """Steps with a verified (recorded) checkpoint in either tier, oldest first."""
         return sorted({s for s, tier in _candidates(self._tier_list) if _recorded(tier, s) is not None})
 
+    def newest_holds(self) -> set[str]:
+        """The top-level keys of the state the newest verified checkpoint holds ("step", "params", "opt_state",
+        "rng"; an imported model's has no "opt_state"), from its record's checksums; empty when there is none."""
+        record = self.newest_record() or {}
+        return {key[2:].split("'")[0] for key in record.get("checksums", {}) if key.startswith("['")}
+
     def newest_record(self) -> dict | None:
         """The integrity record of the newest verified checkpoint (holds the saved config), or None."""
         for step, tier in _candidates(self._tier_list):

@@ -2,9 +2,12 @@
 
 Import (`import_hf`): config.json -> an msjax Config; the safetensors are read one tensor at a time
 (`safetensors.safe_open`, memory-mapped; the flax backend because NumPy has no bfloat16) and each tensor is
-placed straight onto its shards of the mesh, so the host holds one tensor beyond the model's own shards; a fresh
-optimizer state is made on the mesh; and the train state is written as a verified msjax checkpoint of step 0
-(`msjax.checkpoint.Checkpointer`, the one training writes), with config.json and tokenizer.json beside it. The run
+placed straight onto its shards of the mesh, so the host holds one tensor beyond the model's own shards; and the
+parameters (with the step and the run's random key) are written as a verified msjax checkpoint of step 0
+(`msjax.checkpoint.Checkpointer`, the one training writes), with config.json and tokenizer.json beside it. No
+optimizer state is made or written: under AdamW it is twice the parameters' bytes of zeros, which training makes
+itself when it resumes from a checkpoint without one (`msjax.train`), and which generation and export never
+read. The run
 directory is built under a temporary name and renamed into place at the end: a failed conversion leaves nothing
 that looks like a run.
 
@@ -297,12 +300,11 @@ def import_hf(hf_dir: str | Path, run_dir: str | Path, base: Config | None = Non
     shardings = program.state_shardings
     params = load_hf_params(reader, arch, cfg, jax.tree.map(lambda a: a, program.abstract_state["params"]),
                             shardings["params"])
-    # The rest of a fresh state, exactly as a new run makes it (msjax.train_step: init), on the mesh.
+    # The step and random key of a fresh state, exactly as a new run makes them (msjax.train_step: init).
     params_key, run_key = jax.random.split(jax.random.key(cfg.train.seed))
     del params_key
-    opt_state = jax.jit(program.optimizer.init, out_shardings=shardings["opt_state"])(params)
     state = {"step": jax.device_put(jnp.zeros((), jnp.int32), shardings["step"]), "params": params,
-             "opt_state": opt_state, "rng": jax.device_put(jax.random.key_data(run_key), shardings["rng"])}
+             "rng": jax.device_put(jax.random.key_data(run_key), shardings["rng"])}
 
     tmp = _fresh_target(run_dir, "--run_dir")
     try:
