@@ -68,10 +68,15 @@ def _check_rope_scaling(m: "ModelConfig") -> None:
                           f"{m.position!r} has none (set model.position=rope, or model.rope_scaling.type=none)")
     if not (math.isfinite(rs.factor) and rs.factor >= 1.0):
         raise ConfigError(f"model.rope_scaling.factor={rs.factor}: allowed is a finite number >= 1 (Llama 3.1: 8)")
+    if rs.type in ("llama3", "yarn") and rs.original_max_seq_len <= 0:
+        raise ConfigError(f"model.rope_scaling.original_max_seq_len={rs.original_max_seq_len}: {rs.type} scaling "
+                          "needs the context before scaling, an integer > 0 (Llama 3.1: 8192, Qwen2.5: 32768)")
+    if rs.type == "yarn" and not (0 < rs.beta_slow < rs.beta_fast and math.isfinite(rs.beta_fast)
+                                  and rs.attention_factor >= 0 and rs.mscale >= 0 and rs.mscale_all_dim >= 0):
+        raise ConfigError(f"model.rope_scaling: beta_fast={rs.beta_fast}, beta_slow={rs.beta_slow}, "
+                          f"attention_factor={rs.attention_factor}, mscale={rs.mscale}, mscale_all_dim="
+                          f"{rs.mscale_all_dim}: yarn needs 0 < beta_slow < beta_fast (32, 1) and factors >= 0")
     if rs.type == "llama3":
-        if rs.original_max_seq_len <= 0:
-            raise ConfigError(f"model.rope_scaling.original_max_seq_len={rs.original_max_seq_len}: llama3 scaling "
-                              "needs the context before scaling, an integer > 0 (Llama 3.1: 8192)")
         if not (0 < rs.low_freq_factor < rs.high_freq_factor and math.isfinite(rs.high_freq_factor)):
             raise ConfigError(f"model.rope_scaling.low_freq_factor={rs.low_freq_factor}, high_freq_factor="
                               f"{rs.high_freq_factor}: allowed are finite numbers 0 < low < high (Llama 3.1: 1, 4)")
@@ -133,18 +138,32 @@ class RopeScalingConfig:
       type: none; linear (every frequency divided by `factor`: positions interpolated, Chen et al. 2023); llama3
         (Llama 3.1's: wavelengths longer than original_max_seq_len / low_freq_factor divided by `factor`, shorter
         than original_max_seq_len / high_freq_factor kept, those between interpolated smoothly; Meta's reference
-        code and `transformers`' `_compute_llama3_parameters`).
-      factor: the scaling factor (Llama 3.1: 8).
+        code and `transformers`' `_compute_llama3_parameters`); yarn (YaRN, Peng et al. 2023, as Qwen2.5's long
+        context uses it: dimensions turning fewer than beta_slow times over original_max_seq_len interpolated by
+        `factor`, more than beta_fast times kept, a linear ramp between; cos and sin scaled by the attention
+        factor; `transformers`' `_compute_yarn_parameters`).
+      factor: the scaling factor (Llama 3.1: 8; Qwen2.5 at 128K: 4).
       low_freq_factor: llama3's low-frequency bound (Llama 3.1: 1).
       high_freq_factor: llama3's high-frequency bound (Llama 3.1: 4).
-      original_max_seq_len: llama3's context before scaling (Llama 3.1: 8192).
+      original_max_seq_len: llama3's and yarn's context before scaling (Llama 3.1: 8192; Qwen2.5: 32768).
+      beta_fast, beta_slow: yarn's ramp bounds, in rotations over original_max_seq_len (the paper's 32 and 1).
+      attention_factor: yarn's scale of cos and sin; 0 derives it from `factor` (0.1 ln(factor) + 1), or from
+        mscale and mscale_all_dim when both are set (DeepSeek's ratio).
+      mscale, mscale_all_dim: yarn's DeepSeek-style attention factor terms; 0: unset.
+      truncate: yarn rounds its ramp's bounds to whole dimensions (floor, ceil), as the paper's code does.
     """
 
-    type: Literal["none", "linear", "llama3"] = "none"
+    type: Literal["none", "linear", "llama3", "yarn"] = "none"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_seq_len: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 0.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True
 
 
 @dataclass(frozen=True)

@@ -192,11 +192,19 @@ def architecture_for(cfg: ModelConfig) -> str:
 
 
 # HF's rope types msjax computes (msjax.ops.rope.inverse_frequencies), with the fields each one reads:
-# (HF field, msjax key under model.rope_scaling).
+# (HF field, msjax key under model.rope_scaling). A field in OPTIONAL_ROPE_FIELDS may be absent: msjax's default
+# stands for it, and an export leaves out the ones whose default means "absent" (an attention factor of 0).
 ROPE_TYPES = {"default": (), "linear": (("factor", "factor"),),
               "llama3": (("factor", "factor"), ("low_freq_factor", "low_freq_factor"),
                          ("high_freq_factor", "high_freq_factor"),
-                         ("original_max_position_embeddings", "original_max_seq_len"))}
+                         ("original_max_position_embeddings", "original_max_seq_len")),
+              "yarn": (("factor", "factor"), ("original_max_position_embeddings", "original_max_seq_len"),
+                       ("beta_fast", "beta_fast"), ("beta_slow", "beta_slow"),
+                       ("attention_factor", "attention_factor"), ("mscale", "mscale"),
+                       ("mscale_all_dim", "mscale_all_dim"), ("truncate", "truncate"))}
+# (msjax key: its value when HF's field is absent; True when an export writes it even at that value)
+OPTIONAL_ROPE_FIELDS = {"beta_fast": (32.0, True), "beta_slow": (1.0, True), "attention_factor": (0.0, False),
+                        "mscale": (0.0, False), "mscale_all_dim": (0.0, False), "truncate": (True, False)}
 
 
 def _rope_scaling_from_hf(where: str, rope_type: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -205,6 +213,8 @@ def _rope_scaling_from_hf(where: str, rope_type: str, params: dict[str, Any]) ->
     out: dict[str, Any] = {"model.rope_scaling.type": rope_type}
     for hf_key, key in ROPE_TYPES[rope_type]:
         if params.get(hf_key) is None:
+            if key in OPTIONAL_ROPE_FIELDS:
+                continue  # the config's default is the reference's
             raise HFConversionError(f"{where}: rope type {rope_type!r} needs rope_parameters.{hf_key}; it is missing")
         out[f"model.rope_scaling.{key}"] = params[hf_key]
     return out
@@ -215,10 +225,13 @@ def _rope_parameters_for(cfg: ModelConfig) -> dict[str, Any]:
     rs = cfg.rope_scaling
     if rs.type == "none":
         return {"rope_type": "default", "rope_theta": cfg.rope_base}
-    fields = {"factor": rs.factor, "low_freq_factor": rs.low_freq_factor, "high_freq_factor": rs.high_freq_factor,
-              "original_max_position_embeddings": rs.original_max_seq_len}
-    return {"rope_type": rs.type, "rope_theta": cfg.rope_base,
-            **{hf_key: fields[hf_key] for hf_key, _ in ROPE_TYPES[rs.type]}}
+    written = {}
+    for hf_key, key in ROPE_TYPES[rs.type]:
+        value = getattr(rs, key)
+        default, always = OPTIONAL_ROPE_FIELDS.get(key, (None, True))
+        if always or value != default:
+            written[hf_key] = value
+    return {"rope_type": rs.type, "rope_theta": cfg.rope_base, **written}
 
 
 def hf_config_for(arch: str, cfg: ModelConfig, special: dict[str, int | None]) -> dict[str, Any]:

@@ -27,12 +27,30 @@ def inverse_frequencies(head_dim: int, base: float, scaling: RopeScalingConfig |
     with wavelength w_i = 2 pi / theta_i and the original context C, a frequency with w_i > C / low_freq_factor is
     divided by `factor`, one with w_i < C / high_freq_factor is kept, and between them
     s = (C / w_i - low) / (high - low) mixes the two: (1 - s) theta_i / factor + s theta_i.
+    yarn (Peng et al. 2023, "YaRN", sec. 3.2 "NTK-by-parts"; `transformers`' `_compute_yarn_parameters`): the
+    dimension that turns r times over C is d(r) = K ln(C / (2 pi r)) / (2 ln base); below d(beta_fast) frequencies
+    are kept, above d(beta_slow) divided by `factor`, with a linear ramp over pair index i between (the bounds
+    floored and ceiled when `truncate`).
     """
-    inv_freq = 1.0 / (base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))  # (K/2,)
+    pos_freqs = base ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    inv_freq = 1.0 / pos_freqs  # (K/2,)
     if scaling is None or scaling.type == "none":
         return inv_freq
     if scaling.type == "linear":
         return inv_freq / scaling.factor
+    if scaling.type == "yarn":
+        def dim_of(rotations: float) -> float:
+            return head_dim * math.log(scaling.original_max_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = dim_of(scaling.beta_fast), dim_of(scaling.beta_slow)
+        if scaling.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:
+            high += 0.001  # the reference's guard against a zero-width ramp
+        ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+        kept = 1 - ramp  # the share of each frequency left as it was (extrapolated)
+        return 1.0 / (scaling.factor * pos_freqs) * (1 - kept) + inv_freq * kept
     context, low, high = scaling.original_max_seq_len, scaling.low_freq_factor, scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     smooth = (context / wavelen - low) / (high - low)
@@ -41,11 +59,32 @@ def inverse_frequencies(head_dim: int, base: float, scaling: RopeScalingConfig |
                      jnp.where(wavelen < context / high, inv_freq, mixed))
 
 
+def attention_factor(scaling: RopeScalingConfig | None) -> float:
+    """The factor yarn scales cos and sin by (YaRN sec. 3.4: sqrt(1/t) = 0.1 ln(s) + 1 for scale s), 1.0 for the
+    other scalings: `scaling.attention_factor` when set, else mscale(factor, mscale) / mscale(factor,
+    mscale_all_dim) when both are set (DeepSeek-V2/V3), else 0.1 ln(factor) + 1 (`transformers`' rule)."""
+    if scaling is None or scaling.type != "yarn":
+        return 1.0
+    if scaling.attention_factor:
+        return scaling.attention_factor
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return mscale(scaling.factor, scaling.mscale) / mscale(scaling.factor, scaling.mscale_all_dim)
+    return mscale(scaling.factor)
+
+
 def rope_angles(positions: jax.Array, head_dim: int, base: float,
                 scaling: RopeScalingConfig | None = None) -> tuple[jax.Array, jax.Array]:
-    """cos and sin of the rotation angles, each (..., K/2) float32, for integer `positions` (...)."""
+    """cos and sin of the rotation angles, each (..., K/2) float32, for integer `positions` (...), both times yarn's
+    attention factor (`attention_factor`; 1 otherwise)."""
     angles = positions.astype(jnp.float32)[..., None] * inverse_frequencies(head_dim, base, scaling)
-    return jnp.cos(angles), jnp.sin(angles)
+    scale = attention_factor(scaling)
+    if scale == 1.0:
+        return jnp.cos(angles), jnp.sin(angles)
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
 def rope(x_bthk: jax.Array, positions_bt: jax.Array, base: float,

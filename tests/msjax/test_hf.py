@@ -70,6 +70,13 @@ MODELS = {
                                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                      "original_max_position_embeddings": 64},
                                     rms_norm_eps=1e-5)),
+    # Qwen2.5 with its long-context recipe (YaRN, factor 4 over an original context of 32 here, so that the ramp
+    # between kept and interpolated frequencies falls inside head_dim 16): cos and sin scaled by 0.1 ln 4 + 1.
+    "qwen2-yarn": ("Qwen2Config", dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                       rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                        "original_max_position_embeddings": 32},
+                                       rms_norm_eps=1e-6, tie_word_embeddings=False)),
     # Qwen2.5's family: biases on q, k and v alone, tied embeddings (as its 0.5B-3B models), RoPE base 1e6.
     "qwen2": ("Qwen2Config", dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
@@ -95,6 +102,7 @@ LAYOUTS = {"gpt2": {"mesh.data": 2, "mesh.fsdp": 4}, "llama": {"mesh.data": 2, "
            "llama-bias-tied": {"mesh.data": 4, "mesh.fsdp": 2, "model.scan_layers": False},
            "llama31": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
            "qwen2": {"mesh.data": 4, "mesh.tensor": 2},
+           "qwen2-yarn": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
            "qwen2-untied": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
            "qwen3": {"mesh.fsdp": 4, "mesh.tensor": 2},
            "mistral": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}}
@@ -161,22 +169,30 @@ def _msjax_logits(run, tokens: np.ndarray) -> np.ndarray:
                 "original_max_position_embeddings": 8192}),  # Llama 3.1's own
     ("llama3", {"factor": 32.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
                 "original_max_position_embeddings": 256}),
+    ("yarn", {"factor": 4.0, "original_max_position_embeddings": 32768}),  # Qwen2.5's 128K recipe
+    ("yarn", {"factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 0.707,
+              "beta_fast": 24.0, "beta_slow": 2.0}),  # DeepSeek's attention factor, other ramp bounds
+    ("yarn", {"factor": 8.0, "original_max_position_embeddings": 2048, "truncate": False,
+              "attention_factor": 1.25}),
 ])
 def test_scaled_rope_frequencies_equal_transformers(rope_type, fields):
-    """msjax.ops.rope.inverse_frequencies against `transformers`' own rope initialisation, head_dim 128 and Llama 3's
-    base: every one of the 64 frequencies within 1e-6 relative (both in float32)."""
+    """msjax.ops.rope.inverse_frequencies and attention_factor against `transformers`' own rope initialisation,
+    head_dim 128 and Llama 3's base: every one of the 64 frequencies within 1e-6 relative (both in float32); the
+    factor on cos and sin equal (1 but for yarn)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from msjax.config import RopeScalingConfig
     from msjax.hf.arch import ROPE_TYPES
-    from msjax.ops.rope import inverse_frequencies
+    from msjax.ops.rope import attention_factor, inverse_frequencies
 
-    config = transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32, rope_parameters={
-        "rope_type": rope_type, "rope_theta": 500000.0, **fields})
-    want, attention_factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-    scaling = RopeScalingConfig(type=rope_type, **{key: fields[hf_key] for hf_key, key in ROPE_TYPES[rope_type]})
+    config = transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072,
+                                      rope_parameters={"rope_type": rope_type, "rope_theta": 500000.0, **fields})
+    want, want_factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    scaling = RopeScalingConfig(type=rope_type, **{key: fields[hf_key] for hf_key, key in ROPE_TYPES[rope_type]
+                                                   if hf_key in fields})
     got = np.asarray(inverse_frequencies(128, 500000.0, scaling))
-    assert attention_factor == 1.0  # no rescaling of cos and sin for these types
+    assert attention_factor(scaling) == pytest.approx(want_factor, rel=1e-12)
+    assert (want_factor == 1.0) == (rope_type != "yarn")
     np.testing.assert_allclose(got, want.numpy(), rtol=1e-6, atol=0)
     assert not np.allclose(got, np.asarray(inverse_frequencies(128, 500000.0)))  # the scaling changed something
 
@@ -246,6 +262,7 @@ def test_imported_run_resumes_on_another_mesh_and_generates(hf_dirs, tmp_path, s
     proc = subprocess.run([sys.executable, "scripts/convert.py", f"--from_hf={d}", f"--run_dir={run}", *setup],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    _check_parameters_only_import(run)
     proc = subprocess.run([sys.executable, "scripts/train.py", f"--config={run}", "--resume", "--train.steps=2",
                            "--train.log_every=1", "--train.eval_every=0", "--train.eval_batches=1",
                            "--train.sample_tokens=0", "--train.progress=false", "--mesh.data=4", "--mesh.tensor=2"],
@@ -270,6 +287,32 @@ def test_imported_run_resumes_on_another_mesh_and_generates(hf_dirs, tmp_path, s
     want = transformers.AutoTokenizer.from_pretrained(d)(prompt)["input_ids"]
     assert result.prompt_ids == want and want[0] == 300  # the begin-of-text token leads, as transformers puts it
     assert loaded.step == 2 and len(result.generated_ids) == 8
+
+
+def _check_parameters_only_import(run: Path) -> None:
+    """The import wrote the parameters, step and random key, no optimizer state; training's restore of it gives the
+    optimizer state a new run makes (AdamW's zero moments, count 0) on the run's shardings, and the parameters."""
+    from msjax.checkpoint import Checkpointer, checkpoint_dir
+    from msjax.config import load_preset
+    from msjax.layout import resolve
+    from msjax.train import _restore
+    from msjax.train_step import build_train_program
+
+    cfg = load_preset(str(run))
+    program = build_train_program(resolve(cfg, jax.devices(), strict=False))
+    ckpt = Checkpointer(cfg.checkpoint, checkpoint_dir(cfg.checkpoint, str(run)), read_only=True)
+    try:
+        assert ckpt.newest_holds() == {"step", "params", "rng"}
+        step, state, loader = _restore(ckpt, program)
+    finally:
+        ckpt.close()
+    fresh = jax.jit(program.optimizer.init)(state["params"])
+    assert step == 0 and loader is None
+    assert jax.tree.structure(state["opt_state"]) == jax.tree.structure(fresh)
+    for got, want, sharding in zip(jax.tree.leaves(state["opt_state"]), jax.tree.leaves(fresh),
+                                   jax.tree.leaves(program.state_shardings["opt_state"])):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert got.sharding == sharding
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -361,9 +404,11 @@ def _edited(hf_dirs, tmp_path, kind: str, config=None, drop=None, add=None, rena
     ("mistral", dict(config={"sliding_window": 0}), "sliding_window=0; a positive integer or null is needed"),
     ("llama", dict(config={"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}),
      "rope type 'llama3' needs rope_parameters.low_freq_factor; it is missing"),
+    ("llama", dict(config={"rope_parameters": {"rope_type": "longrope", "rope_theta": 5e5, "factor": 4.0}}),
+     "rope_parameters.rope_type / rope_scaling='longrope': msjax's RoPE scales frequencies as 'default', "
+     "'linear', 'llama3', 'yarn'"),
     ("llama", dict(config={"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0}}),
-     "rope_parameters.rope_type / rope_scaling='yarn': msjax's RoPE scales frequencies as 'default', 'linear', "
-     "'llama3'"),
+     "rope type 'yarn' needs rope_parameters.original_max_position_embeddings; it is missing"),
     ("llama", dict(config={"hidden_act": "gelu"}), "hidden_act='gelu' cannot be represented in msjax; allowed: "
                                                     "'silu'"),
     ("llama", dict(config={"attention_bias": True}), "attention_bias=True and mlp_bias=False"),
