@@ -6,8 +6,8 @@ Needs the dev extra (`transformers` + `torch` make the random model, as a user's
 model of the given shape is saved as safetensors in a temporary directory, then `scripts/convert.py --from_hf` and
 `--to_hf` each run as a child process on one CPU device; their peak resident memory is the kernel's count for that
 child (`os.wait4` -> ru_maxrss). For scale the table gives the bytes of the safetensors, of the parameters in
-float32, and of the train state the import writes (parameters + AdamW's two moments), and the peak of a child that
-only imports msjax and starts jax (the fixed cost of the libraries).
+float32, and of a run's train state (parameters + AdamW's two moments; the import writes the parameters alone),
+and the peak of a child that only imports msjax and starts jax (the fixed cost of the libraries).
 """
 
 from __future__ import annotations
