@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -24,6 +23,7 @@ from msjax.data import (BatchLoader, ByteTokenizer, CharTokenizer, DataError, Da
 from msjax.data import loader as loader_mod
 from msjax.data import tokens as tokens_mod
 from msjax.data.corpus import is_validation
+from tests.msjax.tiny_runs import run_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -518,22 +518,7 @@ def test_sharded_batches_equal_single_device_batches(token_file):
 
 
 def test_multiprocess_global_batch_equals_reference(token_file):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(_MULTIPROCESS), str(i), str(port),
-                               token_file.filename], env=_env(2), cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(2)]
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=120))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-    for p, (stdout, stderr) in zip(procs, outs):
-        assert p.returncode == 0, stderr[-3000:]
+    for stdout in run_ranks(_MULTIPROCESS, [token_file.filename], _env(2), REPO):
         assert "OK" in stdout and " 2 4" in stdout
 
 

@@ -19,11 +19,7 @@ import dataclasses
 import json
 import logging
 import os
-import socket
-import subprocess
-import sys
 import sysconfig
-import textwrap
 from pathlib import Path
 
 import jax
@@ -38,6 +34,7 @@ from msjax.config import DataConfig  # noqa: E402
 from msjax.data import (BatchLoader, ChatExample, DataError, HFTokenizer, PackedRows, assistant_tokens,  # noqa: E402
                         eval_batches, pack_examples, prepare_chat_data, read_chat_file, row_indices)
 from msjax.data import sft  # noqa: E402
+from tests.msjax.tiny_runs import run_ranks  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SPECIAL = ["<|im_start|>", "<|im_end|>"]
@@ -539,22 +536,7 @@ def test_multiprocess_row_batches_equal_the_rows(rows, tmp_path):
     np.savez(path, **rows.arrays)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(_MULTIPROCESS), str(i), str(port), str(path)],
-                              env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=120))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-    for p, (stdout, stderr) in zip(procs, outs):
-        assert p.returncode == 0, stderr[-3000:]
+    for stdout in run_ranks(_MULTIPROCESS, [str(path)], env, REPO):
         assert "OK" in stdout and " 2 4" in stdout
 
 
