@@ -141,9 +141,9 @@ def _describe_data(data) -> str:
     if isinstance(data.train, np.ndarray):
         return f"train {len(data.train):,} / val {len(data.val):,} tokens"
     tr, va = data.train, data.val
+    used = tr.num_tokens / tr.arrays["inputs"].size
     return (f"chat: train {tr.num_examples:,} examples in {tr.num_rows:,} rows ({tr.num_tokens:,} tokens, "
-            f"{tr.num_loss_tokens:,} trained on; {tr.num_tokens / tr.arrays['inputs'].size:.0%} of the rows' slots) / val "
-            f"{va.num_examples:,} examples")
+            f"{tr.num_loss_tokens:,} trained on; {used:.0%} of the rows' slots) / val {va.num_examples:,} examples")
 
 
 def summary_json(summary: RunSummary) -> dict[str, Any]:

@@ -47,8 +47,8 @@ def reduce_scattered_grads(local_grads: LocalGrads, mesh: Mesh, grad_shardings: 
 
     Args:
       local_grads: `(params, batch) -> (loss, grads)`: the mean loss (float32 scalar) and its gradients
-        (float32, like `params`) over the rows of `batch` it is given (a dict of (B, T) arrays). Called on one device's rows, inside a
-        region manual over `data` and `fsdp`.
+        (float32, like `params`) over the rows of `batch` it is given (a dict of (B, T) arrays). Called on one
+        device's rows, inside a region manual over `data` and `fsdp`.
       mesh: the train step's mesh (no axis manual around the call).
       grad_shardings: NamedSharding pytree like `params`: the layout the optimizer keeps the gradients in.
         A dimension split over `fsdp` must be split over `fsdp` alone, and never over `data`.
