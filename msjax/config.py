@@ -146,10 +146,13 @@ class RopeScalingConfig:
       low_freq_factor: llama3's low-frequency bound (Llama 3.1: 1).
       high_freq_factor: llama3's high-frequency bound (Llama 3.1: 4).
       original_max_seq_len: llama3's and yarn's context before scaling (Llama 3.1: 8192; Qwen2.5: 32768).
-      beta_fast, beta_slow: yarn's ramp bounds, in rotations over original_max_seq_len (the paper's 32 and 1).
+      beta_fast: yarn's ramp bound where frequencies stay as they were, in rotations over original_max_seq_len
+        (the paper's 32).
+      beta_slow: yarn's ramp bound where frequencies are divided by `factor`, in rotations (the paper's 1).
       attention_factor: yarn's scale of cos and sin; 0 derives it from `factor` (0.1 ln(factor) + 1), or from
         mscale and mscale_all_dim when both are set (DeepSeek's ratio).
-      mscale, mscale_all_dim: yarn's DeepSeek-style attention factor terms; 0: unset.
+      mscale: yarn's DeepSeek-style attention factor numerator term; 0: unset.
+      mscale_all_dim: yarn's DeepSeek-style attention factor denominator term; 0: unset.
       truncate: yarn rounds its ramp's bounds to whole dimensions (floor, ceil), as the paper's code does.
     """
 

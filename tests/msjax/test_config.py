@@ -90,8 +90,10 @@ def test_dotted_overrides_parse_types():
     (["--train.steps_per_execution=2", "--observe.own_compute=true"], "needs train.steps_per_execution=1"),
     (["--model.rope_scaling.type=llama3"], "model.rope_scaling.type='llama3' scales RoPE's frequencies; "
                                            "model.position='learned' has none"),
-    (["--model.position=rope", "--model.rope_scaling.type=yarn"],
-     "model.rope_scaling.type='yarn': allowed is one of 'none', 'linear', 'llama3'"),
+    (["--model.position=rope", "--model.rope_scaling.type=longrope"],
+     "model.rope_scaling.type='longrope': allowed is one of 'none', 'linear', 'llama3', 'yarn'"),
+    (["--model.position=rope", "--model.rope_scaling.type=yarn", "--model.rope_scaling.factor=4"],
+     "model.rope_scaling.original_max_seq_len=0: yarn scaling needs the context before scaling"),
     (["--model.position=rope", "--model.rope_scaling.type=linear", "--model.rope_scaling.factor=0.5"],
      "model.rope_scaling.factor=0.5: allowed is a finite number >= 1"),
     (["--model.position=rope", "--model.rope_scaling.type=llama3", "--model.rope_scaling.factor=8"],
