@@ -711,36 +711,17 @@ class Checkpointer:
                     tried.append(f"{path}: interrupted write")
                     continue
                 reason = reason or "another process found no valid integrity record"
-            fetched = None
-            if reason is None:
-                t_fetch = time.perf_counter()
-                fetched, reason = self._local_copy(tier, step)
-            if reason is None:
-                try:
-                    t_read = time.perf_counter()
-                    state, loader = self._read(fetched, abstract_state, replica_plan, partial)
-                except Exception as e:  # noqa: BLE001 - any unreadable file: report one line, try the next
-                    root = _os_error(e)
-                    text = str(root).strip().splitlines()[0] if str(root).strip() else ""
-                    reason = f"unreadable: {type(root).__name__}: {text[:300]}"
-                if _any_process(reason is not None) and reason is None:
-                    reason = "another process could not read it"
-            if reason is None:  # outside the try: a fault of ours must not pass for a damaged checkpoint
-                t_verify = time.perf_counter()
-                expected = record["checksums"]
-                if partial:  # the record's arrays under the keys read: a key missing from the state still counts
-                    heads = tuple(f"[{k!r}]" for k in abstract_state)
-                    expected = {k: v for k, v in expected.items() if k.startswith(heads)}
-                bad = mismatches(expected, checksum_state(state, check_finite=False)()[0]) if verify else []
-                self.last_restore_timing = {"fetch_s": t_read - t_fetch, "read_s": t_verify - t_read,
-                                            "verify_s": time.perf_counter() - t_verify}
-                if bad:
-                    reason = (f"checksum mismatch in {len(bad)} array(s): {', '.join(bad[:3])}"
-                              + (" ..." if len(bad) > 3 else ""))
-                elif not partial and loader != record.get("loader"):
-                    reason = f"loader position {loader} differs from the recorded {record.get('loader')}"
-                if _any_process(reason is not None) and reason is None:
-                    reason = "another process found it does not verify"
+            # A copy downloaded from object storage that does not read or verify is downloaded once more before
+            # the checkpoint is set aside: a transfer cut or garbled on its way must not cost a good checkpoint.
+            # Every process agrees on `reason` at each stage below, so all take the same number of rounds.
+            for download in range(2 if tier.remote and reason is None else 1):
+                if download:
+                    _warn(f"checkpoint {path}: the downloaded copy failed ({reason}); downloading it again")
+                    reason = None
+                fetched, reason, state, loader = self._fetch_and_verify(tier, step, record, abstract_state,
+                                                                        replica_plan, partial, verify, reason)
+                if reason is None:
+                    break
             if reason is None:
                 if verify:
                     self.verified_step = step
@@ -753,6 +734,46 @@ class Checkpointer:
             tried.append(f"{path}: {reason}")
         raise CheckpointError("no checkpoint passes verification"
                               + (": " + "; ".join(tried) if tried else f" (none in {self.directory})"))
+
+    def _fetch_and_verify(self, tier: LocalTier | ObjectTier, step: int, record: dict | None, abstract_state: Any,
+                          replica_plan: replica.ReplicaPlan | None, partial: bool, verify: bool, reason: str | None
+                          ) -> tuple[Path | None, str | None, Any, dict | None]:
+        """(local copy, None, state, loader position) of one checkpoint that reads and verifies against `record`,
+        or (copy or None, why not, None, None); `reason` already set skips it all. Collective: every process
+        agrees on the verdict of each stage (fetch, read, verify) before the next (`restore`)."""
+        fetched, state, loader = None, None, None
+        if reason is None:
+            t_fetch = time.perf_counter()
+            fetched, reason = self._local_copy(tier, step)
+        if reason is None:
+            try:
+                t_read = time.perf_counter()
+                state, loader = self._read(fetched, abstract_state, replica_plan, partial)
+            except Exception as e:  # noqa: BLE001 - any unreadable file: report one line, try the next
+                root = _os_error(e)
+                text = str(root).strip().splitlines()[0] if str(root).strip() else ""
+                reason = f"unreadable: {type(root).__name__}: {text[:300]}"
+            if _any_process(reason is not None) and reason is None:
+                reason = "another process could not read it"
+        if reason is None:  # outside the try: a fault of ours must not pass for a damaged checkpoint
+            t_verify = time.perf_counter()
+            expected = record["checksums"]
+            if partial:  # the record's arrays under the keys read: a key missing from the state still counts
+                heads = tuple(f"[{k!r}]" for k in abstract_state)
+                expected = {k: v for k, v in expected.items() if k.startswith(heads)}
+            bad = mismatches(expected, checksum_state(state, check_finite=False)()[0]) if verify else []
+            self.last_restore_timing = {"fetch_s": t_read - t_fetch, "read_s": t_verify - t_read,
+                                        "verify_s": time.perf_counter() - t_verify}
+            if bad:
+                reason = (f"checksum mismatch in {len(bad)} array(s): {', '.join(bad[:3])}"
+                          + (" ..." if len(bad) > 3 else ""))
+            elif not partial and loader != record.get("loader"):
+                reason = f"loader position {loader} differs from the recorded {record.get('loader')}"
+            if _any_process(reason is not None) and reason is None:
+                reason = "another process found it does not verify"
+        if reason is not None:
+            state = loader = None
+        return fetched, reason, state, loader
 
     def _local_copy(self, tier: LocalTier | ObjectTier, step: int) -> tuple[Path | None, str | None]:
         """(a local directory holding the step, None), or (None, why it could not be had). A step on object
