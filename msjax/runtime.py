@@ -27,8 +27,9 @@ both):
   collectives can deadlock (`size_cpu_thread_pools`, `order_cpu_collectives`). A value the user set wins.
 - Log noise of a failed asynchronous checkpoint write (`quiet_failed_checkpoint_writes`): a filter on the `absl`
   logger drops the tracebacks Orbax's own files log (msjax.checkpoint reports the failure once, as
-  CheckpointWriteError), and a warnings filter ignores "coroutine ... was never awaited" RuntimeWarnings, which
-  Python prints at exit for the coroutines of the save Orbax abandoned.
+  CheckpointWriteError) and two notes Orbax logs on every per-host save, and a warnings filter ignores "coroutine
+  ... was never awaited" RuntimeWarnings, which Python prints at exit for the coroutines of the save Orbax
+  abandoned.
 """
 
 from __future__ import annotations
@@ -260,13 +261,21 @@ def concurrent_scheduler_on() -> bool:
     return not values or values[-1].lower() not in ("false", "0")
 
 
+# Warnings Orbax logs on every save of a process that writes its own directory (msjax.checkpoint's per-host
+# tier, `primary_host=None`, zarr without OCDBT): they describe that configuration, not a fault.
+ORBAX_PER_HOST_NOTES = ("Global object size logging disabled for `primary_host=None`",
+                        "Skipping merge of OCDBT checkpoints: No per-process OCDBT checkpoint subdirs found")
+
+
 class OrbaxTracebacks(logging.Filter):
     """Drops the log records with a traceback that Orbax's own files log: Orbax logs every failed background write
     with its whole traceback (hundreds of lines) before it re-raises it (and again on every later wait), and
-    msjax.checkpoint reports it once, as CheckpointWriteError."""
+    msjax.checkpoint reports it once, as CheckpointWriteError. Also drops `ORBAX_PER_HOST_NOTES`."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and f"{os.sep}orbax{os.sep}" in record.pathname)
+        if f"{os.sep}orbax{os.sep}" not in record.pathname:
+            return True
+        return not (record.exc_info or any(note in str(record.msg) for note in ORBAX_PER_HOST_NOTES))
 
 
 # The coroutines of a save Orbax abandoned after a failed write are never awaited; Python warns of each at exit.

@@ -16,11 +16,19 @@ Restore with `checkpoint.replica_restore` (default) and a mesh with data > 1 ove
 the processes of data-parallel replica 0 read, and Orbax's broadcast gives every replica its copy, bit for bit
 (msjax.checkpoint.replica).
 
-Tiers (msjax.checkpoint.tiers): with `checkpoint.local_dir` set, Orbax writes there (host RAM such as /dev/shm,
-or a local disk), the local tier keeps `local_keep` checkpoints and the persistent tier (`checkpoint.dir`) the
-last `keep`. Without it, Orbax writes to a local persistent tier directly; a persistent tier on object storage
-(`gs://`, `s3://`) gets a staging directory in the user's cache as its local tier, since Orbax writes only local
-directories (msjax.paths says why). Copies to object storage write the integrity record last.
+Tiers (msjax.checkpoint.tiers): with `checkpoint.local_dir` set, each process writes its own part of every step
+to its own directory `<local_dir>/process-<i>` (host RAM such as /dev/shm, or a local disk; a path that may exist
+separately on every host), uploads its part to the persistent tier (`checkpoint.dir`), and process 0 writes the
+persistent record once every process's part is durable (msjax.checkpoint.shards says which files are whose). The
+local tier keeps `local_keep` checkpoints and the persistent tier the last `keep`. A persistent tier on object
+storage (`gs://`, `s3://`) without `checkpoint.local_dir` gets a staging directory in the user's cache as its local
+tier, since Orbax writes only local directories (msjax.paths says why). Without a local tier, Orbax's multi-host
+writer writes straight into a local persistent directory, which every process must then share.
+
+A restore reads, on each process, its own local copy when it holds every chunk its shards touch, else the
+persistent tier: a local one in place (only the chunks it reads), an object store by downloading only the files
+this process reads (none of the arrays outside a single-replica restore's source replica). The restored state is
+verified against the record either way.
 
 Verified means one thing: a checkpoint's integrity record is durable (fsynced in a local tier, its object written
 in an object store), and the record is written only after everything it describes. `latest_verified(dir,
@@ -38,6 +46,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import json
 import logging
 import os
 import shutil
@@ -56,8 +65,9 @@ from orbax.checkpoint import checkpoint_managers as ocp_policies
 from msjax import paths
 from msjax.compat import orbax_future as ocp_future
 from msjax.compat import orbax_synchronization as ocp_sync
-from msjax.checkpoint import replica
-from msjax.checkpoint.integrity import checksum_programs, checksum_state, combine_partials, mismatches, write_record
+from msjax.checkpoint import replica, shards
+from msjax.checkpoint.integrity import (RECORD_NAME, checksum_programs, checksum_state, combine_partials, mismatches,
+                                       write_record)
 from msjax.checkpoint.tiers import LocalTier, ObjectTier, make_tier
 from msjax.config import CheckpointConfig, ConfigError
 from msjax.runtime import cache_home
@@ -133,11 +143,17 @@ def ensure_writable(path: Path | str, key: str = "checkpoint.dir") -> None:
         raise ConfigError(f"{key}={str(path)!r} is not writable ({e.strerror})") from None
 
 
+def host_dir(local_directory: Path | str, process: int | None = None) -> Path:
+    """This process's part of the local tier, `<local_directory>/process-<i>`: each process writes its own shards
+    there, so the local tier may be a path that exists separately on every host (or one directory they share)."""
+    return Path(local_directory) / f"process-{jax.process_index() if process is None else process}"
+
+
 def _tiers(directory: Path | str, local_directory: Path | None) -> list[LocalTier | ObjectTier]:
-    """The tiers a checkpoint of this persistent `directory` may be in, local first."""
+    """The tiers a checkpoint of this persistent `directory` may be in, local first (this process's part of it)."""
     if local_directory is None and paths.is_remote(directory):
         local_directory = staging_dir(os.fspath(directory))
-    local = [LocalTier("local", Path(local_directory))] if local_directory is not None else []
+    local = [LocalTier("local", host_dir(local_directory))] if local_directory is not None else []
     return local + [make_tier("persistent", directory)]
 
 
@@ -299,6 +315,21 @@ def _release_abandoned_save(operation_id: str, timeout_s: float = 10.0) -> list[
     return [t.name for t in threads if t.is_alive()]
 
 
+def _per_host_handlers(tag: str) -> tuple[ocp.options.MultiprocessingOptions, dict]:
+    """Orbax's options and item handlers for a process that writes its own part of every step into a directory of
+    its own (msjax.checkpoint.shards): this process is the primary of that directory and the only process its
+    barriers wait for; arrays in zarr without OCDBT, every addressable shard written (replicas included), one
+    writer per shard (no replica-parallel split). Orbax's emergency checkpointer configures its local tier so."""
+    multiprocessing = ocp.options.MultiprocessingOptions(primary_host=None, active_processes={jax.process_index()},
+                                                         barrier_sync_key_prefix=tag)
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (jax.Array, ocp.type_handlers.ArrayHandler(primary_host=None, replica_id=None, use_replica_parallel=False)))
+    return multiprocessing, {
+        shards.STATE_ITEM: ocp.PyTreeCheckpointHandler(use_ocdbt=False, multiprocessing_options=multiprocessing,
+                                                       type_handler_registry=registry),
+        "loader": ocp.JsonCheckpointHandler(multiprocessing_options=multiprocessing)}
+
+
 _REPLICA_NOTES_LOGGED: set[str] = set()  # reasons already logged by Checkpointer.restore
 
 
@@ -324,6 +355,7 @@ class Checkpointer:
     def __init__(self, cfg: CheckpointConfig, directory: Path | str, local_directory: Path | None = None,
                  read_only: bool = False):
         local_directory = local_directory or local_checkpoint_dir(cfg)
+        self._instance = next(_instances)
         self._tier_list = _tiers(directory, local_directory)
         self.persistent = self._tier_list[-1]
         self.local = self._tier_list[0] if len(self._tier_list) > 1 else None
@@ -343,21 +375,32 @@ class Checkpointer:
         policies = [ocp_policies.PreemptionCheckpointingPolicy()]
         if cfg.every > 0:
             policies.insert(0, ocp_policies.FixedIntervalPolicy(cfg.every))
+        # With a local tier every process writes its own part of each step into its own directory (per host:
+        # msjax.checkpoint.shards); without one, Orbax's multi-host writer writes one checkpoint into the
+        # persistent directory, which every process must then share.
+        self.per_host = self.local is not None
+        if self.per_host:  # Orbax's `create` would make it on process 0 only (and not at all with active_processes)
+            self.local.root.mkdir(parents=True, exist_ok=True)
+        multiprocessing, handlers = (_per_host_handlers(self._instance_tag()) if self.per_host
+                                     else (ocp.options.MultiprocessingOptions(), {}))
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None,  # rotation is ours: it must count only complete (recorded) checkpoints
-            enable_async_checkpointing=cfg.async_save, create=True, cleanup_tmp_directories=True,
-            save_decision_policy=ocp_policies.AnySavePolicy(policies))
-        self._manager = ocp.CheckpointManager(self.write_directory, options=options)
-        if jax.process_index() == 0 and not read_only:  # copies into a tier cut short by a crash
+            enable_async_checkpointing=cfg.async_save, create=not self.per_host, cleanup_tmp_directories=True,
+            save_decision_policy=ocp_policies.AnySavePolicy(policies), multiprocessing_options=multiprocessing)
+        self._manager = ocp.CheckpointManager(self.write_directory, options=options, **(
+            {"item_handlers": handlers} if handlers else {}))
+        if not read_only:  # copies into a tier cut short by a crash: each process its own local part
             for tier in self._tier_list:
-                tier.remove_leftovers()
-        self._reader = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+                if jax.process_index() == 0 or tier is self.local:
+                    tier.remove_leftovers()
+            _meet("open_leftovers_removed", cfg.timeout_s)
+        self._reader = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers),
+                                        multiprocessing_options=multiprocessing)
         # The step whose write is in flight, the fetch of its checksums, the rest of its record, and Orbax's
         # operation id of the save (to end its threads if it fails).
-        self._pending: tuple[int, Callable[[], tuple[dict, bool]], dict, str] | None = None
+        self._pending: tuple[int, Callable[[], tuple[dict, bool]], dict, str, list | None] | None = None
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="msjax-checkpoint")
         self._compile_thread: threading.Thread | None = None  # `prepare`'s
-        self._instance = next(_instances)
         self._worker_jobs: list[tuple[int, concurrent.futures.Future]] = []
         # Held by the worker while it rotates (deletes step directories) and by the loop while Orbax re-lists the
         # steps: a listing that stats a directory the worker is deleting fails with FileNotFoundError.
@@ -366,8 +409,16 @@ class Checkpointer:
         self.skipped: list[str] = []  # what the last restore passed over, "<path>: <reason>", newest first
         self.last_save_timing: dict[str, float] = {}
         self.last_restore_timing: dict[str, float] = {}
+        # What this process uploaded of the last step it completed (per-host tiers): step, chunk files, files, bytes.
+        self.last_upload: dict[str, int] = {}
+        # What the last restore downloaded from object storage on this process: chunk files (None: a checkpoint
+        # in the OCDBT layout, downloaded whole), bytes, seconds.
+        self.last_download: dict[str, Any] = {"chunks": 0, "bytes": 0, "seconds": 0.0}
         self.verified_step: int | None = None  # the newest step known complete (written, or restored + verified)
         self._closed = False
+
+    def _instance_tag(self) -> str:
+        return f"msjax-ckpt{self._instance}-p{jax.process_index()}"
 
     def _discard_interrupted(self, timeout_s: float) -> list[str]:
         """Deletes every committed step without an integrity record (a write cut short, e.g. by kill -9 between
@@ -391,7 +442,7 @@ class Checkpointer:
         _meet("open_listed", timeout_s)
         for tier, step in found:
             _warn(f"checkpoint {tier.path(step)} has no integrity record (its write was interrupted); deleted")
-            if jax.process_index() == 0:
+            if jax.process_index() == 0 or tier is self.local:  # the local tier: each process its own part
                 tier.delete(step)
         _meet("open_discarded", timeout_s)
         return [f"{tier.path(step)}: interrupted write" for tier, step in found]
@@ -470,7 +521,8 @@ class Checkpointer:
         t0 = time.perf_counter()
         self._finish_pending(block=True)
         t1 = time.perf_counter()
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state), loader=ocp.args.JsonSave(loader_state))
+        save = ocp.args.PyTreeSave if self.per_host else ocp.args.StandardSave
+        args = ocp.args.Composite(state=save(state), loader=ocp.args.JsonSave(loader_state))
         try:
             started = self._manager.save(step, args=args, force=force)  # Orbax re-checks its policy unless forced
         except Exception as e:  # a synchronous failure (e.g. the directory could not be created)
@@ -485,8 +537,11 @@ class Checkpointer:
         self.last_save_timing = {"wait_previous_s": t1 - t0, "orbax_save_s": t2 - t1,
                                  "checksum_dispatch_s": time.perf_counter() - t2}
         if started:
+            # Which of its shards this process uploads is read from the arrays now (metadata only): the next step
+            # may donate them before the write is finished.
             self._pending = (step, fetch, {"loader": loader_state, "config": config},
-                             ocp_sync.OperationIdGenerator.get_current_operation_id())
+                             ocp_sync.OperationIdGenerator.get_current_operation_id(),
+                             shards.shard_indices(state) if self.per_host else None)
         return bool(started)
 
     def _write_error(self, step: int, e: BaseException) -> CheckpointWriteError:
@@ -516,7 +571,7 @@ class Checkpointer:
     def _finish_pending(self, block: bool) -> None:
         if self._pending is None:
             return
-        step, fetch, extra, operation_id = self._pending
+        step, fetch, extra, operation_id, host_shards = self._pending
         self._pending = None
         try:
             _wait(f"the checkpoint write of step {step} to {self.write_directory}",
@@ -531,7 +586,10 @@ class Checkpointer:
             raise self._write_error(step, e) from None
         if jax.process_count() > 1:
             self._publish_partial(step, fetch)
-            if jax.process_index() == 0:
+            if self.per_host:
+                job = self._worker.submit(self._complete_on_host, step, None, host_shards, fetch.keys, extra)
+                self._worker_jobs.append((step, job))
+            elif jax.process_index() == 0:
                 job = self._worker.submit(self._complete_step_of_processes, step, fetch.keys, extra)
                 self._worker_jobs.append((step, job))
             if block:
@@ -547,11 +605,13 @@ class Checkpointer:
                                       f"before completion (the newest complete checkpoint is step "
                                       f"{self.verified_step})")
         record = {"step": step, "checksums": checksums, **extra}
-        self._worker_jobs.append((step, self._worker.submit(self._complete_step, step, record)))
+        job = (self._worker.submit(self._complete_on_host, step, record, host_shards) if self.per_host
+               else self._worker.submit(self._complete_step, step, record))
+        self._worker_jobs.append((step, job))
         if block:
             self._reap_worker(block=True)
 
-    def _kv_key(self, step: int, process: int) -> str:
+    def _kv_key(self, step: int, process: int | str) -> str:
         return f"msjax_checkpoint/{self._instance}/{step}/{process}"
 
     def _publish_partial(self, step: int, fetch) -> None:
@@ -565,19 +625,7 @@ class Checkpointer:
         """Process 0's worker thread in a multi-process run: waits (at most checkpoint.timeout_s) for every
         process's partial checksums, adds them, then completes the step as `_complete_step`. A state with NaN or
         Inf is never made complete (its directory is deleted), and the newest complete checkpoint stays."""
-        from msjax.compat import jax_distributed
-
-        client = jax_distributed.global_state.client
-        every = []
-        for p in range(jax.process_count()):
-            try:
-                raw = client.blocking_key_value_get_bytes(self._kv_key(step, p), int(self.cfg.timeout_s * 1000))
-            except Exception as e:  # the coordination service's deadline error
-                raise CheckpointWriteError(f"the checkpoint of step {step} in {self.write_directory}: process {p} "
-                                           f"did not publish its checksums within {self.cfg.timeout_s:.0f} s "
-                                           f"(checkpoint.timeout_s): {e}") from None
-            every.append(np.frombuffer(raw, np.uint64).reshape(len(keys), 3))
-        checksums, finite = combine_partials(keys, np.stack(every))
+        checksums, finite = self._gather_checksums(step, keys)
         if not finite:
             with self._rotation:
                 shutil.rmtree(self.write_directory / str(step), ignore_errors=True)
@@ -586,9 +634,113 @@ class Checkpointer:
             return
         self._complete_step(step, {"step": step, "checksums": checksums, **extra})
 
+    def _kv_get(self, key: str, what: str, step: int) -> bytes:
+        """A value another process publishes through jax's coordination service, waited for at most
+        checkpoint.timeout_s. Raises CheckpointWriteError naming `what` was awaited."""
+        from msjax.compat import jax_distributed
+
+        try:
+            return jax_distributed.global_state.client.blocking_key_value_get_bytes(
+                key, int(self.cfg.timeout_s * 1000))
+        except Exception as e:  # the coordination service's deadline error
+            raise CheckpointWriteError(f"the checkpoint of step {step} in {self.write_directory}: {what} did not "
+                                       f"arrive within {self.cfg.timeout_s:.0f} s (checkpoint.timeout_s): "
+                                       f"{e}") from None
+
+    def _gather_checksums(self, step: int, keys: list[str]) -> tuple[dict, bool]:
+        """Process 0: every process's partial checksums of `step` added up (integrity.combine_partials)."""
+        every = [np.frombuffer(self._kv_get(self._kv_key(step, p), f"process {p}'s checksums", step),
+                               np.uint64).reshape(len(keys), 3) for p in range(jax.process_count())]
+        return combine_partials(keys, np.stack(every))
+
+    def _complete_on_host(self, step: int, record: dict | None, host_shards: list[shards.ShardIndex],
+                          keys: list[str] | None = None, extra: dict | None = None) -> None:
+        """Every process's worker thread, with a local tier: completes this process's part of `step` and copies it
+        to the persistent tier; process 0 writes the persistent tier's record once every part is there.
+
+        1. The record: given (one process), or, in a multi-process run, made by process 0 from every process's
+           partial checksums and published; the others wait for it (at most checkpoint.timeout_s).
+        2. The record is written into this process's local directory: from here this host's part is complete (a
+           state with NaN or Inf is deleted instead, on every process, never made complete).
+        3. This process uploads its part (msjax.checkpoint.shards: the chunks of its replica-0 shards; process 0
+           also every file that is not a chunk), then says so (or sends its error).
+        4. Process 0 waits until every part has arrived, then writes the persistent record, last, and rotates the
+           persistent tier. Each process rotates its own local part.
+        """
+        multi = jax.process_count() > 1
+        pid = jax.process_index()
+        if record is None:
+            record = self._agreed_record(step, keys, extra)
+        src = self.local.root / str(step)
+        if record is None:  # non-finite: never made complete, on any host
+            with self._rotation:
+                shutil.rmtree(src, ignore_errors=True)
+            if pid == 0:
+                logging.getLogger(__name__).error("the state of step %d holds NaN or Inf; its checkpoint was "
+                                                  "deleted before completion", step)
+            return
+        try:
+            write_record(src, record)
+        except OSError as e:
+            raise CheckpointWriteError(f"the checkpoint of step {step} could not be completed in {src}: "
+                                       f"{type(e).__name__}: {e}") from None
+        self.verified_step = step
+        token = f"{self._instance}-{step}"
+        error = ""
+        try:
+            rels = [r for r in self.local.files(step) if r != RECORD_NAME]
+            arrays = shards.array_dirs_of(rels)
+            owned = shards.owned_chunks(src, host_shards)
+            mine = [r for r in rels if (r in owned if shards.is_chunk(r, arrays) else pid == 0)]
+            self.persistent.put_files(step, src, mine, token)
+            self.last_upload = {"step": step, "chunks": sum(shards.is_chunk(r, arrays) for r in mine),
+                                "files": len(mine), "bytes": sum((src / r).stat().st_size for r in mine)}
+        except Exception as e:  # noqa: BLE001 - OSError, or the object store's own error types
+            error = f"process {pid}: {type(e).__name__}: {str(e)[:300]}"
+        if multi:
+            self._kv_set(self._kv_key(step, f"uploaded-{pid}"), ("error " + error if error else "ok").encode())
+        if error and not (multi and pid == 0):
+            raise CheckpointWriteError(f"the checkpoint of step {step} could not be copied to the persistent tier "
+                                       f"{self.persistent.path(step)}: {error}")
+        if pid == 0:
+            errors = [error] if error else []
+            for p in range(1, jax.process_count()):
+                said = self._kv_get(self._kv_key(step, f"uploaded-{p}"), f"process {p}'s upload", step).decode()
+                if said != "ok":
+                    errors.append(said.removeprefix("error "))
+            if errors:
+                raise CheckpointWriteError(f"the checkpoint of step {step} could not be copied to the persistent "
+                                           f"tier {self.persistent.path(step)}: {'; '.join(errors)}")
+            try:
+                self.persistent.put_record(step, src / RECORD_NAME, token)
+            except Exception as e:  # noqa: BLE001 - as above
+                raise CheckpointWriteError(f"the checkpoint of step {step} could not be completed in the "
+                                           f"persistent tier {self.persistent.path(step)}: {type(e).__name__}: "
+                                           f"{e}") from None
+            with self._rotation:
+                _rotate(self.persistent, self.cfg.keep)
+        with self._rotation:
+            _rotate(self.local, self.cfg.local_keep)
+
+    def _agreed_record(self, step: int, keys: list[str], extra: dict) -> dict | None:
+        """The record of `step` in a multi-process run: process 0 makes it from every process's partial checksums
+        and publishes it ("nonfinite" for a state with NaN or Inf); the others wait for it. None: non-finite."""
+        key = self._kv_key(step, "record")
+        if jax.process_index() == 0:
+            checksums, finite = self._gather_checksums(step, keys)
+            record = {"step": step, "checksums": checksums, **extra} if finite else None
+            self._kv_set(key, json.dumps(record).encode())
+            return record
+        return json.loads(self._kv_get(key, "process 0's integrity record", step))
+
+    def _kv_set(self, key: str, value: bytes) -> None:
+        from msjax.compat import jax_distributed
+
+        jax_distributed.global_state.client.key_value_set_bytes(key, value)
+
     def _complete_step(self, step: int, record: dict) -> None:
-        """Worker thread: writes the record (the checkpoint is complete from here), copies it to the persistent
-        tier when there is a local one, and rotates. Runs on process 0 only; other processes return."""
+        """Worker thread, without a local tier: writes the record into the persistent tier's step directory (the
+        checkpoint is complete from here) and rotates. Runs on process 0 only; other processes return."""
         if jax.process_index() != 0:
             return
         src = self.write_directory / str(step)
@@ -598,14 +750,6 @@ class Checkpointer:
             raise CheckpointWriteError(f"the checkpoint of step {step} could not be completed in {src}: "
                                        f"{type(e).__name__}: {e}") from None
         self.verified_step = step
-        if self.local is not None:
-            try:
-                self.persistent.put(step, src)
-            except Exception as e:  # noqa: BLE001 - OSError, or the object store's own error types
-                raise CheckpointWriteError(f"the checkpoint of step {step} could not be copied to the persistent "
-                                           f"tier {self.persistent.path(step)}: {type(e).__name__}: {e}") from None
-            with self._rotation:
-                _rotate(self.local, self.cfg.local_keep)
         with self._rotation:
             _rotate(self.persistent, self.cfg.keep)
 
@@ -694,57 +838,84 @@ class Checkpointer:
             # and meet the others in a different collective (seen in a supervised restart: the processes reached
             # the barriers of different discards, and the restart failed).
             multihost_utils.sync_global_devices("msjax-checkpoint-restore-list")
-        for step, tier in _candidates(self._tier_list):
-            path = tier.path(step)
+        # What this process reads: its own shards, or, outside the source replica of a single-replica restore,
+        # no array at all (the broadcast brings them).
+        needs = shards.shard_indices(abstract_state) if replica_plan is None or replica_plan.is_source else []
+        local = self._usable_local_steps(needs)
+        in_persistent = set(self.persistent.steps())
+        self.last_download = {"chunks": 0, "bytes": 0, "seconds": 0.0}
+        for step in self._agreed_steps(in_persistent | set(local)):
+            path = self.persistent.path(step)
             reason = None
             try:
-                record = tier.record(step)
+                precord = self.persistent.record(step) if step in in_persistent else None
             except ValueError as e:
-                record, reason = None, str(e)
+                precord, reason = None, str(e)
+            lrecord = local.get(step)
+            everywhere_local = not _any_process(lrecord is None)
             # Each verdict below is agreed by every process before it acts on it: they read the same files, but
             # a write still landing or a slow filesystem can show them different states, and a process that goes
             # on alone enters the next collective alone.
-            if _any_process(record is None):
-                if record is None and reason is None:
+            if _any_process(precord is None) and not everywhere_local:
+                if not _any_process(step in in_persistent):
+                    tried.append(f"step {step}: in the local tier of some processes only")
+                    continue
+                if precord is None and reason is None:
                     _warn(f"checkpoint {path} has no integrity record (its write was interrupted); skipped")
-                    self._discard(tier, step, None)
+                    self._discard(self.persistent, step, None)
                     tried.append(f"{path}: interrupted write")
                     continue
                 reason = reason or "another process found no valid integrity record"
-            # A copy downloaded from object storage that does not read or verify is downloaded once more before
-            # the checkpoint is set aside: a transfer cut or garbled on its way must not cost a good checkpoint.
-            # Every process agrees on `reason` at each stage below, so all take the same number of rounds.
-            for download in range(2 if tier.remote and reason is None else 1):
-                if download:
-                    _warn(f"checkpoint {path}: the downloaded copy failed ({reason}); downloading it again")
+                _warn(f"checkpoint {path} failed verification ({reason}); trying the next older one")
+                self._discard(self.persistent, step, reason)
+                tried.append(f"{path}: {reason}")
+                continue
+            # Round 1 reads this process's local copy when it has one, else the persistent tier's. A local copy or
+            # a download that does not read or verify is followed by a second round from the persistent tier, a
+            # fresh download: a copy damaged on one host, or a transfer garbled on its way, must not cost a good
+            # checkpoint. Every process agrees on `reason` at each stage, so all take the same rounds.
+            rounds = ["local" if lrecord is not None else "persistent"]
+            if not _any_process(precord is None) and (_any_process(rounds[0] == "local") or self.persistent.remote):
+                rounds.append("persistent")
+            for i, source in enumerate(rounds):
+                if i:
+                    _warn(f"checkpoint {self.local.path(step)} failed verification ({reason}); reading {path}"
+                          if rounds[0] == "local" else
+                          f"checkpoint {path}: the downloaded copy failed ({reason}); downloading it again")
                     reason = None
-                fetched, reason, state, loader = self._fetch_and_verify(tier, step, record, abstract_state,
-                                                                        replica_plan, partial, verify, reason)
+                fetched, reason, state, loader = self._fetch_and_verify(
+                    lambda: self._fetch(step, source, needs), lrecord if source == "local" else precord,
+                    abstract_state, replica_plan, partial, verify, reason)
                 if reason is None:
                     break
+                self._set_aside_copy(step, source, fetched)
             if reason is None:
+                self._keep_download(step, fetched)
                 if verify:
                     self.verified_step = step
                 self._manager.reload()
                 return step, state, loader
-            _warn(f"checkpoint {path} failed verification ({reason}); trying the next older one")
-            if fetched is not None and tier.remote and jax.process_index() == 0:
-                self.local.delete(step)  # the downloaded copy of a damaged checkpoint
-            self._discard(tier, step, reason)
-            tried.append(f"{path}: {reason}")
+            failed = path if source == "persistent" else self.local.path(step)
+            _warn(f"checkpoint {failed} failed verification ({reason}); trying the next older one")
+            if source == "persistent":
+                self._discard(self.persistent, step, reason)
+            tried.append(f"{failed}: {reason}")
         raise CheckpointError("no checkpoint passes verification"
                               + (": " + "; ".join(tried) if tried else f" (none in {self.directory})"))
 
-    def _fetch_and_verify(self, tier: LocalTier | ObjectTier, step: int, record: dict | None, abstract_state: Any,
-                          replica_plan: replica.ReplicaPlan | None, partial: bool, verify: bool, reason: str | None
-                          ) -> tuple[Path | None, str | None, Any, dict | None]:
-        """(local copy, None, state, loader position) of one checkpoint that reads and verifies against `record`,
-        or (copy or None, why not, None, None); `reason` already set skips it all. Collective: every process
-        agrees on the verdict of each stage (fetch, read, verify) before the next (`restore`)."""
+    def _fetch_and_verify(self, fetch: Callable[[], tuple[Path | None, str | None]], record: dict | None,
+                          abstract_state: Any, replica_plan: replica.ReplicaPlan | None, partial: bool, verify: bool,
+                          reason: str | None) -> tuple[Path | None, str | None, Any, dict | None]:
+        """(local copy, None, state, loader position) of one checkpoint that `fetch` makes readable here (a local
+        directory, or why not) and that reads and verifies against `record`, or (copy or None, why not, None,
+        None); `reason` already set skips it all. Collective: every process agrees on the verdict of each stage
+        (fetch, read, verify) before the next (`restore`)."""
         fetched, state, loader = None, None, None
         if reason is None:
             t_fetch = time.perf_counter()
-            fetched, reason = self._local_copy(tier, step)
+            fetched, reason = fetch()
+            if _any_process(reason is not None) and reason is None:
+                reason = "another process could not fetch it"
         if reason is None:
             try:
                 t_read = time.perf_counter()
@@ -775,26 +946,90 @@ class Checkpointer:
             state = loader = None
         return fetched, reason, state, loader
 
-    def _local_copy(self, tier: LocalTier | ObjectTier, step: int) -> tuple[Path | None, str | None]:
-        """(a local directory holding the step, None), or (None, why it could not be had). A step on object
-        storage is downloaded by process 0 into the local tier (a complete local checkpoint from then on: its
-        record arrives last); the others wait for it (the local tier is shared by the processes, as Orbax's
-        write directory must be)."""
-        if not tier.remote:
-            return Path(tier.path(step)), None
-        dest = self.local.root / str(step)
-        error = None
-        if jax.process_index() == 0:
+    def _usable_local_steps(self, needs: list[shards.ShardIndex]) -> dict[int, dict]:
+        """{step: record} of this process's local copies that are complete (recorded) and hold every chunk that
+        reading `needs` touches: the steps this process can restore without the persistent tier."""
+        if self.local is None:
+            return {}
+        out = {}
+        for step in self.local.steps():
+            record = _recorded(self.local, step)
+            if record is None:
+                continue
+            step_dir = self.local.root / str(step)
             try:
-                if dest.exists():
-                    self.local.delete(step)
-                tier.local_copy(step, dest)
-            except Exception as e:  # noqa: BLE001 - the object store's error types vary by backend
-                error = f"could not be downloaded to {dest}: {type(e).__name__}: {str(e)[:300]}"
-        _meet(f"download_{step}", self.cfg.timeout_s)
-        if _any_process(error is not None):
-            return None, error or "process 0 could not download it"
+                wanted = shards.needed_chunks(step_dir, needs)
+            except (OSError, ValueError, KeyError):
+                continue  # not a per-host copy, or one without this array
+            if all((step_dir / rel).is_file() for rel in wanted):
+                out[step] = record
+        return out
+
+    def _agreed_steps(self, mine: set[int]) -> list[int]:
+        """The union of every process's candidate steps, newest first (this process's newest 64 at most)."""
+        steps = sorted(mine, reverse=True)[:64]
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            padded = np.full(64, -1, np.int64)
+            padded[:len(steps)] = steps
+            every = np.asarray(multihost_utils.process_allgather(padded)).reshape(-1)
+            steps = sorted({int(s) for s in every if s >= 0}, reverse=True)
+        return steps
+
+    def _fetch(self, step: int, source: str, needs: list[shards.ShardIndex]) -> tuple[Path | None, str | None]:
+        """(a local directory this process reads the step from, None), or (None, why it could not be had).
+
+        "local": this process's local copy. "persistent": the persistent tier's directory itself when it is local
+        (each process reads only its shards' chunks there); for object storage a download of only what this
+        process reads: every file that is not a chunk (metadata, a few KiB), then the chunks its shards touch
+        (msjax.checkpoint.shards), the record last. A step in Orbax's OCDBT layout (written without a local tier)
+        is downloaded whole."""
+        if source == "local":
+            return self.local.root / str(step), None
+        if not self.persistent.remote:
+            return Path(self.persistent.path(step)), None
+        dest = self.local.scratch(step, "restore")
+        t0 = time.perf_counter()
+        try:
+            shutil.rmtree(dest, ignore_errors=True)
+            body = [r for r in self.persistent.files(step) if r != RECORD_NAME]
+            chunks = None
+            if shards.is_zarr_layout(body):
+                arrays = shards.array_dirs_of(body)
+                self.persistent.fetch_files(step, [r for r in body if not shards.is_chunk(r, arrays)], dest)
+                wanted = shards.needed_chunks(dest, needs)
+                missing = sorted(wanted - set(body))
+                if missing:
+                    return None, f"{len(missing)} chunk file(s) missing, e.g. {missing[0]}"
+                body = chunks = sorted(wanted)
+            self.persistent.fetch_files(step, body, dest)
+            self.persistent.fetch_files(step, [RECORD_NAME], dest)
+        except Exception as e:  # noqa: BLE001 - the object store's error types vary by backend
+            shutil.rmtree(dest, ignore_errors=True)
+            return None, f"could not be downloaded to {dest}: {type(e).__name__}: {str(e)[:300]}"
+        self.last_download = {"chunks": None if chunks is None else len(chunks),
+                              "bytes": sum(p.stat().st_size for p in dest.rglob("*") if p.is_file()),
+                              "seconds": time.perf_counter() - t0}
         return dest, None
+
+    def _set_aside_copy(self, step: int, source: str, fetched: Path | None) -> None:
+        """After a round that failed: this process's local copy is moved to `<local>/rejected/` (a read-only
+        checkpointer leaves it), a download is deleted."""
+        if source == "local" and not self.read_only:
+            self.local.reject(step)
+        elif fetched is not None and self.persistent.remote:
+            shutil.rmtree(fetched, ignore_errors=True)
+
+    def _keep_download(self, step: int, fetched: Path | None) -> None:
+        """A download that restored becomes this process's local copy of the step (complete for this layout: its
+        record came last), unless the local tier has one already."""
+        if fetched is None or self.local is None or fetched.parent != self.local.root or fetched.name.isdigit():
+            return
+        if (self.local.root / str(step)).exists():
+            shutil.rmtree(fetched, ignore_errors=True)
+        else:
+            os.replace(fetched, self.local.root / str(step))
 
     def _read(self, path: Path, abstract_state: Any, replica_plan: replica.ReplicaPlan | None,
               partial: bool = False) -> tuple[Any, dict]:
@@ -810,14 +1045,14 @@ class Checkpointer:
             return self._read_in_groups(path, abstract_state), {}
         if replica_plan is None:
             restored = self._reader.restore(path, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), loader=ocp.args.JsonRestore()))
+                state=self._restore_args(abstract_state), loader=ocp.args.JsonRestore()))
             return restored["state"], dict(restored["loader"])
         error: BaseException | None = None
         local = replica.replica_abstract(abstract_state, replica_plan)
         try:
             if replica_plan.is_source:
                 restored = self._reader.restore(path, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(local), loader=ocp.args.JsonRestore()))
+                    state=self._restore_args(local), loader=ocp.args.JsonRestore()))
                 local = restored["state"]
             else:
                 # Reads nothing of the state (it comes from the broadcast), as Orbax's SingleReplicaArrayHandler:
@@ -837,6 +1072,14 @@ class Checkpointer:
         if error is not None:
             raise error
         return replica.broadcast(local, abstract_state, replica_plan), loader
+
+    def _restore_args(self, abstract_state: Any) -> Any:
+        """Orbax's restore arguments for the train state onto `abstract_state`'s shardings: the standard handler's,
+        or, with the per-host handlers, the PyTree handler's (the standard one is a PyTree handler underneath)."""
+        if not self.per_host:
+            return ocp.args.StandardRestore(abstract_state)
+        return ocp.args.PyTreeRestore(item=abstract_state, restore_args=jax.tree.map(
+            lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, dtype=a.dtype), abstract_state))
 
     def _read_in_groups(self, path: Path, abstract_state: Any) -> Any:
         """The arrays of `abstract_state` (a part of the saved state) read from checkpoint `path`, in groups of

@@ -1,19 +1,20 @@
 """Checkpoint tiers: a local directory or an object-store prefix holding step checkpoints `<root>/<step>/`.
 
-Orbax reads and writes only local directories (msjax.paths explains why); a tier on object storage receives
-complete checkpoints from the local tier and gives them back as local copies. Every tier keeps one invariant:
-a step's integrity record (`msjax_integrity.json`, msjax.checkpoint.integrity) is the last thing to appear and
-the first thing to go.
+Orbax reads and writes only local directories (msjax.paths explains why); a tier on object storage receives each
+process's part of a checkpoint from its local tier and gives back the parts a process reads. Every tier keeps one
+invariant: a step's integrity record (`msjax_integrity.json`, msjax.checkpoint.integrity) is the last thing to
+appear and the first thing to go.
 
-- `put` (copy in): a local tier copies to a temporary name, fsyncs every file and renames (the record arrives
-  with the rest, atomically); an object store receives every other object first, then the record object. An
-  object-store PUT is atomic (an object appears whole or not at all), so a record object exists only after
+- `put_files` then `put_record` (copy in, by one process or several, each its own files): a local tier copies into
+  a temporary name, fsyncs, and `put_record` writes the record there and renames it into place (the record
+  arrives with the rest, atomically); an object store receives every other object first, then the record object.
+  An object-store PUT is atomic (an object appears whole or not at all), so a record object exists only after
   every object before it was written: a copy cut short leaves a prefix without a record, which is never taken
   for a checkpoint and is deleted when the next Checkpointer opens.
 - `delete` and `reject` (move aside) remove the record first, so a deletion cut short never leaves a
   checkpoint that looks complete but lacks files.
-- `local_copy` gives a local directory holding the step: the step's own directory for a local tier; for an
-  object store a download into `dest`, the record last, then a rename onto `dest`.
+- `files` and `fetch_files` (object store): a step's objects, and a download of some of them (what one process
+  reads, msjax.checkpoint.shards).
 """
 
 from __future__ import annotations
@@ -35,16 +36,16 @@ def _fsync_tree(root: Path) -> None:
     """fsyncs every file and directory under `root`, then `root` itself: the copy is on disk before its rename."""
     for dirpath, _, filenames in os.walk(root):
         for name in filenames:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fd = os.open(dirpath, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            _fsync_path(Path(dirpath) / name)
+        _fsync_path(Path(dirpath))
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class LocalTier:
@@ -84,22 +85,41 @@ class LocalTier:
         os.replace(self.root / str(step), dest)
         return str(dest)
 
-    def put(self, step: int, src: Path) -> None:
-        """Copies the complete checkpoint `src` (record included) in as `<root>/<step>`: temporary name, fsync,
-        rename. Raises OSError."""
-        dst = self.root / str(step)
-        tmp = self.root / f"{step}{_TMP_COPY}{uuid.uuid4().hex[:8]}"
-        try:
-            shutil.copytree(src, tmp)
-            _fsync_tree(tmp)
-            if dst.exists():  # an interrupted write of the same step (no record): replaced
-                self.delete(step)
-            os.replace(tmp, dst)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    def scratch(self, step: int, token: str) -> Path:
+        """A directory beside the steps for a copy of `step` in the making (`remove_leftovers` deletes it after a
+        crash; never listed as a step)."""
+        return self.root / f"{step}{_TMP_COPY}{token}"
 
-    def local_copy(self, step: int, dest: Path) -> Path:
-        return self.root / str(step)
+    def files(self, step: int) -> list[str]:
+        """The step's files as POSIX paths relative to its directory, sorted."""
+        step_dir = self.root / str(step)
+        return sorted(p.relative_to(step_dir).as_posix() for p in step_dir.rglob("*") if p.is_file())
+
+    def put_files(self, step: int, src: Path, rels: list[str], token: str) -> None:
+        """Copies the files `rels` of the step directory `src` into `<root>/<step><tmp><token>/` and fsyncs them:
+        one process's part of a step that several processes copy in (`token` is the same for all of them);
+        `put_record` completes it. Raises OSError."""
+        tmp = self.scratch(step, token)
+        for rel in rels:
+            dst = tmp / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src / rel, dst)
+            _fsync_path(dst)
+        for d in {(tmp / rel).parent for rel in rels}:
+            _fsync_path(d)
+
+    def put_record(self, step: int, record: Path, token: str) -> None:
+        """Completes a step copied in by `put_files` (every part durable): writes the record into it, fsyncs and
+        renames it onto `<root>/<step>` (replacing an interrupted write of the same step). Raises OSError."""
+        tmp = self.scratch(step, token)
+        tmp.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(record, tmp / RECORD_NAME)
+        _fsync_path(tmp / RECORD_NAME)
+        _fsync_path(tmp)
+        if (self.root / str(step)).exists():
+            self.delete(step)
+        os.replace(tmp, self.root / str(step))
+        _fsync_path(self.root)
 
     def remove_leftovers(self) -> None:
         """Copies into this tier cut short by a crash (`<step>.msjax-copy-tmp-*`)."""
@@ -155,30 +175,26 @@ class ObjectTier:
         paths.remove_tree(src)
         return dest
 
-    def put(self, step: int, src: Path) -> None:
-        """Uploads the complete checkpoint `src` as `<root>/<step>/`: what an earlier copy of the step left is
-        deleted first, then every file but the record is written, then the record. Raises OSError."""
-        self.delete(step)
-        files = sorted(p for p in src.rglob("*") if p.is_file())
-        dst = self.path(step)
-        body = [(p, paths.join(dst, p.relative_to(src).as_posix())) for p in files if p.name != RECORD_NAME]
-        paths.upload(body)
-        paths.upload([(src / RECORD_NAME, paths.join(dst, RECORD_NAME))])
-
-    def local_copy(self, step: int, dest: Path) -> Path:
-        """Downloads the step into the local directory `dest` (which must not exist): every other object first,
-        the record last, into a temporary name renamed onto `dest` at the end. Raises OSError."""
+    def files(self, step: int) -> list[str]:
+        """The step's objects as paths relative to its prefix, sorted."""
         src = self.path(step)
-        tmp = dest.with_name(f"{dest.name}{_TMP_COPY}{uuid.uuid4().hex[:8]}")
-        try:
-            objects = list(paths.walk_files(src))
-            rel = [(o.path, tmp / o.path[len(src):].lstrip("/")) for o in objects]
-            paths.download([r for r in rel if r[1].name != RECORD_NAME])
-            paths.download([r for r in rel if r[1].name == RECORD_NAME])
-            os.replace(tmp, dest)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return dest
+        return sorted(o.path[len(src):].lstrip("/") for o in paths.walk_files(src))
+
+    def put_files(self, step: int, src: Path, rels: list[str], token: str) -> None:
+        """Uploads the files `rels` of the step directory `src` to `<root>/<step>/`: one process's part of a step
+        that several processes upload (`token` is unused: an object appears whole or not at all); `put_record`
+        completes it. Raises OSError (or the object store's error)."""
+        dst = self.path(step)
+        paths.upload([(src / rel, paths.join(dst, rel)) for rel in rels])
+
+    def put_record(self, step: int, record: Path, token: str) -> None:
+        """Completes a step uploaded by `put_files` (every part durable): uploads its record object, last."""
+        paths.upload([(record, paths.join(self.path(step), RECORD_NAME))])
+
+    def fetch_files(self, step: int, rels: list[str], dest: Path) -> None:
+        """Downloads the objects `rels` of the step into the local directory `dest`. Raises OSError."""
+        src = self.path(step)
+        paths.download([(paths.join(src, rel), dest / rel) for rel in rels])
 
     def remove_leftovers(self) -> None:
         """Nothing: an object-store copy has no temporary name (a copy cut short is a step without a record)."""

@@ -55,7 +55,7 @@ def _live_data(step_dir: Path, state) -> list[tuple[Path, int]]:
     Randomly initialised float32 chunks do not compress, so zstd stores them raw and their bytes appear
     verbatim. Orbax's OCDBT files can hold a chunk more than once (only one copy is read back), so damage meant
     to hit "the parameter on disk" is applied to every copy; norm scales and biases (constant) are skipped."""
-    files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file()]  # OCDBT's d/ files or zarr's chunks
     contents = {f: f.read_bytes() for f in files}
     for leaf in jax.tree.leaves(state["params"]):
         for shard in leaf.addressable_shards:
@@ -366,12 +366,13 @@ def test_local_tier_restores_first_and_persistent_tier_backs_it_up(tmp_path, sma
                                                       "checkpoint.local_keep": 1})
     straight = run(cfg)
     persistent = tmp_path / "run" / "checkpoints"
-    assert sorted(p.name for p in local.iterdir() if p.name.isdigit()) == ["8"]
+    mine = local / "process-0"  # each process writes its own part of the local tier
+    assert sorted(p.name for p in mine.iterdir() if p.name.isdigit()) == ["8"]
     assert sorted(p.name for p in persistent.iterdir() if p.name.isdigit()) == ["4", "8"]
     # The local copy of 8 is damaged: the persistent copy of the same step is restored, nothing retrained.
-    _corrupt(local / "8", "bitflip", straight.state)
+    _corrupt(mine / "8", "bitflip", straight.state)
     resumed = run(apply_overrides(cfg, {"checkpoint.resume": True}))
-    assert resumed.start_step == 8 and "local/8 failed verification" in caplog.text
+    assert resumed.start_step == 8 and "process-0/8 failed verification" in caplog.text
     for x, y in zip(_leaves(straight.state), _leaves(resumed.state)):
         np.testing.assert_array_equal(x, y)
 

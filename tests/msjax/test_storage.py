@@ -239,7 +239,7 @@ def test_train_save_to_bucket_resume_bit_identical_from_it(cache, s3, tmp_path_f
     empty local tier) resumes from the bucket's step 4 and ends bit-identical to the straight run."""
     ref = straight(cache, s3, tmp_path_factory, small_corpus, make_tiny_config)
     names = {paths.basename(o.path) for o in paths.walk_files(f"{s3.scheme}://ckpt/straight/8")}
-    assert RECORD_NAME in names and "manifest.ocdbt" in names
+    assert RECORD_NAME in names and ".zarray" in names  # each process's chunks, in zarr
     assert latest_verified(f"{s3.scheme}://ckpt/straight") == 8 == ref.final_step
     # The run's config and tokenizer beside its checkpoints: the bucket alone describes and decodes them.
     saved = json.loads(paths.read_bytes(f"{s3.scheme}://ckpt/straight/config.json"))
@@ -255,7 +255,7 @@ def test_train_save_to_bucket_resume_bit_identical_from_it(cache, s3, tmp_path_f
     assert resumed.start_step == 4 and f"resumed from step 4 ({s3.scheme}://ckpt/cut" in caplog.text
     _same(ref.state, resumed.state)
     assert latest_verified(f"{s3.scheme}://ckpt/cut", local) == 8
-    assert sorted(int(p.name) for p in local.iterdir() if p.name.isdigit()) == [8]  # local_keep=1
+    assert sorted(int(p.name) for p in (local / "process-0").iterdir() if p.name.isdigit()) == [8]  # local_keep=1
 
 
 @pytest.mark.slow
@@ -308,20 +308,21 @@ def test_a_copy_garbled_in_transit_is_downloaded_again_not_set_aside(cache, s3, 
     ref = straight(cache, s3, tmp_path_factory, small_corpus, make_tiny_config)
     prefix = f"{s3.scheme}://ckpt/transient"
     _copy_prefix(f"{s3.scheme}://ckpt/straight", prefix)
-    real, garbled = ObjectTier.local_copy, []
+    real, garbled = ObjectTier.fetch_files, []
 
-    def garbling_copy(self, step, dest):
-        out = real(self, step, dest)
-        if step == 8 and not garbled:
-            for f in sorted(Path(dest).rglob("*")):
-                if f.is_file() and "/state/" in str(f) and "/d/" in str(f) and f.stat().st_size > 64:
+    def garbling_fetch(self, step, rels, dest):
+        real(self, step, rels, dest)
+        chunks = [r for r in rels if r.startswith("state/") and "/" in r[6:] and not r.endswith("/.zarray")]
+        if step == 8 and chunks and not garbled:  # the first download of step 8's chunks; the next is intact
+            for rel in chunks:
+                f = Path(dest) / rel
+                if f.stat().st_size > 64:
                     data = bytearray(f.read_bytes())
                     data[len(data) // 2] ^= 0x10
                     f.write_bytes(bytes(data))
                     garbled.append(f)
-        return out
 
-    monkeypatch.setattr(ObjectTier, "local_copy", garbling_copy)
+    monkeypatch.setattr(ObjectTier, "fetch_files", garbling_fetch)
     resumed = run(make_tiny_config(tmp_path, small_corpus, **_on(s3, **{
         "checkpoint.dir": prefix, "checkpoint.local_dir": str(tmp_path / "local"), "checkpoint.resume": True})))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
@@ -336,7 +337,7 @@ def _flip_parameter_bit(step_url: str, state) -> None:
     """Flips one bit of one float32 of a saved parameter in every object of `step_url` that holds its bytes
     (randomly initialised float32 chunks do not compress, so they appear verbatim; see test_checkpoint)."""
     objects = {o.path: paths.read_bytes(o.path) for o in paths.walk_files(step_url)
-               if "/state/" in o.path and "/d/" in o.path}
+               if "/state/" in o.path and not o.path.endswith("/.zarray")}
     for leaf in jax.tree.leaves(state["params"]):
         for shard in leaf.addressable_shards:
             values = np.asarray(shard.data).reshape(-1)[:16]
@@ -366,7 +367,7 @@ def test_without_local_dir_a_staging_tier_in_the_cache_fronts_the_bucket(s3, tmp
     assert out.checkpoints == [6, 8]
     staged = staging_dir(f"{s3.scheme}://ckpt/staged")
     assert staged.is_relative_to(tmp_path / "msjax-cache")
-    assert sorted(p.name for p in staged.iterdir() if p.name.isdigit()) == ["8"]
+    assert sorted(p.name for p in (staged / "process-0").iterdir() if p.name.isdigit()) == ["8"]
     assert [n for n in paths.listdir(f"{s3.scheme}://ckpt/staged") if n.isdigit()] == ["6", "8"]
     assert json.loads(paths.read_bytes(f"{s3.scheme}://ckpt/staged/8/{RECORD_NAME}"))["step"] == 8
 
@@ -544,9 +545,11 @@ def test_a_corpus_on_one_store_and_checkpoints_on_another_in_one_run(tmp_path, s
 
 # ---- several processes: each reads only its own rows ----------------------------------------------------------
 
-def _two_processes(script: str, args: list[str], timeout: float) -> list:
+def _two_processes(script: str, args: list[str], timeout: float, private_tmpfs: Path | None = None) -> list:
     """Runs `script` (python -c) as processes 0 and 1 of one jax job (a free loopback port as the coordinator's),
-    each given `args`; returns the JSON object each printed last. A process still running at the end is killed."""
+    each given `args`; returns the JSON object each printed last. A process still running at the end is killed.
+    `private_tmpfs`: each process runs in a mount namespace of its own with a fresh tmpfs mounted there, as two
+    hosts whose local disks are their own (gone with the process)."""
     import socket
     import subprocess
     import sys
@@ -555,7 +558,10 @@ def _two_processes(script: str, args: list[str], timeout: float) -> list:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     repo = Path(__file__).resolve().parents[2]
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(i), str(port), *args], cwd=repo,
+    private = ([] if private_tmpfs is None else  # unshare(1): util-linux, and root, as the SLURM tests need
+               ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+                'mount -t tmpfs msjax-host "$0" && exec "$@"', str(private_tmpfs)])
+    procs = [subprocess.Popen([*private, sys.executable, "-c", script, str(i), str(port), *args], cwd=repo,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     try:
         outs = []
@@ -696,3 +702,80 @@ def test_two_processes_save_to_a_bucket_and_restore_from_it(s3, tmp_path):
     outs = _two_processes(_TWO_PROCESS_BUCKET, args, timeout=180)
     assert outs == [{"step": 2, "answer": 2, "pos": 2, "error": 0.0}] * 2, outs
     assert [n for n in paths.listdir(url) if n.isdigit()] == ["2"]  # the cut upload was deleted
+
+
+_TWO_HOSTS = r"""
+import json, os, shutil, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+from pathlib import Path
+import jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from msjax import paths
+from msjax.checkpoint import Checkpointer
+from msjax.config import CheckpointConfig, StorageConfig
+pid, port, url, local, storage = int(sys.argv[1]), sys.argv[2], sys.argv[3], Path(sys.argv[4]), sys.argv[5]
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid, initialization_timeout=120)
+paths.configure(StorageConfig(**json.loads(storage)))
+assert not any(local.iterdir()), "the local tier must start empty on its own tmpfs"
+mesh = jax.make_mesh((2, 2), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+rng = np.random.default_rng(0)
+full = {"w": rng.normal(size=(8, 6)).astype(np.float32), "b": rng.normal(size=(16,)).astype(np.float32),
+        "n": np.int32(7)}
+specs = {"w": P("fsdp", None), "b": P(("data", "fsdp")), "n": P()}  # w replicated over data, b split over all
+def state(k):
+    return {name: jax.make_array_from_callback(x.shape, NamedSharding(mesh, specs[name]),
+                                               lambda i, x=x: (k * x)[i] if x.ndim else k * x)
+            for name, x in full.items()}
+abstract = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, specs[name]))
+            for name, x in full.items()}
+cfg = CheckpointConfig(every=0, async_save=False, timeout_s=60, local_keep=2)
+ckpt = Checkpointer(cfg, url, local / "tier")
+for step in (2, 4):
+    ckpt.save(step, state(step), {"pos": step}, force=True)
+ckpt.wait()
+ckpt.close()
+uploaded = ckpt.last_upload
+def restore(where, note):
+    r = Checkpointer(cfg, url, where)
+    step, got, loader = r.restore(abstract)
+    exact = all(np.array_equal(np.asarray(s.data), (step * full[k])[s.index] if full[k].ndim else step * full[k])
+                for k in got for s in got[k].addressable_shards)
+    return {"case": note, "step": step, "exact": exact, "pos": loader["pos"], "replica": r.replica_restore,
+            "chunks": r.last_download["chunks"], "bytes": r.last_download["bytes"]}
+out = [restore(local / "tier", "own local tiers")]
+if pid == 1:  # this host lost its local copy of step 4 (a replaced host): it reads the bucket, process 0 its tier
+    shutil.rmtree(local / "tier" / f"process-{pid}" / "4")
+out.append(restore(local / "tier", "process 1 from the bucket"))
+out.append(restore(local / "fresh", "new hosts"))
+print(json.dumps([uploaded, *out]), flush=True)
+jax.distributed.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_two_hosts_that_share_no_disk_save_to_the_bucket_and_restore_from_their_own_tiers_or_its_shards(s3, tmp_path):
+    """Two processes, each in its own mount namespace with its own tmpfs at the same local-tier path (two hosts
+    that share no disk; the bucket is all they share), save steps 2 and 4. Each writes its own shards locally and
+    uploads its part; the bucket holds one complete checkpoint per step, its record last. Restores, all exact:
+    from each host's own tier (nothing downloaded); with process 1's copy of step 4 gone (process 1 downloads only
+    what its shards touch, process 0 reads its tier); on new hosts (both download their part only)."""
+    url = f"{s3.scheme}://ckpt/two-hosts"
+    local = tmp_path / "local"
+    local.mkdir()
+    outs = _two_processes(_TWO_HOSTS, [url, str(local), json.dumps(dataclasses.asdict(s3.storage))], timeout=240,
+                          private_tmpfs=local)
+    assert not any(local.iterdir())  # every write went to the processes' own tmpfs, none to this machine's disk
+    for step in (2, 4):
+        names = sorted(o.path[len(f"{url}/{step}/"):] for o in paths.walk_files(f"{url}/{step}"))
+        chunks = [n for n in names if n.startswith("state/") and n.count("/") == 2 and not n.endswith(".zarray")]
+        assert chunks == ["state/b/0", "state/b/1", "state/b/2", "state/b/3", "state/n/0", "state/w/0.0",
+                          "state/w/1.0"] and RECORD_NAME in names, names
+    # Each chunk uploaded by one process: process 0 holds data-parallel replica 0 of w and n, and b's first half.
+    assert [out[0]["chunks"] for out in outs] == [5, 2] and all(out[0]["step"] == 4 for out in outs), outs
+    for pid, (_, *out) in enumerate(outs):
+        own, bucket, fresh = out
+        assert all(o["step"] == 4 and o["pos"] == 4 and o["exact"] and not o["replica"] for o in out), out
+        assert own["chunks"] == own["bytes"] == 0, out
+        # Of the bucket's 7 chunks a process reads 5: both halves of w (each process holds a whole data-parallel
+        # replica of it), its 2 quarters of b, and n; with step 4 in its own tier, process 0 downloads nothing.
+        assert bucket["chunks"] == (5 if pid == 1 else 0) and fresh["chunks"] == 5, out
