@@ -322,8 +322,12 @@ def _per_host_handlers(tag: str) -> tuple[ocp.options.MultiprocessingOptions, di
     writer per shard (no replica-parallel split). Orbax's emergency checkpointer configures its local tier so."""
     multiprocessing = ocp.options.MultiprocessingOptions(primary_host=None, active_processes={jax.process_index()},
                                                          barrier_sync_key_prefix=tag)
-    registry = ocp.type_handlers.create_type_handler_registry(
-        (jax.Array, ocp.type_handlers.ArrayHandler(primary_host=None, replica_id=None, use_replica_parallel=False)))
+    th = ocp.type_handlers
+    # Orbax's default handlers (its _DEFAULT_TYPE_HANDLERS, which it does not export), jax.Array's replaced.
+    registry = th.create_type_handler_registry(
+        (int, th.ScalarHandler()), (float, th.ScalarHandler()), (bytes, th.ScalarHandler()),
+        (np.number, th.ScalarHandler()), (np.ndarray, th.NumpyHandler()), (str, th.StringHandler()),
+        (jax.Array, th.ArrayHandler(primary_host=None, replica_id=None, use_replica_parallel=False)))
     return multiprocessing, {
         shards.STATE_ITEM: ocp.PyTreeCheckpointHandler(use_ocdbt=False, multiprocessing_options=multiprocessing,
                                                        type_handler_registry=registry),
@@ -509,8 +513,8 @@ class Checkpointer:
              config: dict | None = None) -> bool:
         """Starts a checkpoint of `step` if Orbax decides one is due (or `force`); returns whether it started.
 
-        Blocks only for stage 1 (device -> host copy) and for a previous write still in flight (Orbax allows one
-        at a time). `config` (the run's config as a dict) is stored in the record for `--resume` checks.
+        Blocks only for stage 1 (device -> host copy) and for a previous checkpoint still in flight, its write or
+        its copy to the persistent tier (one at a time). `config` (the run's config as a dict) is stored in the record for `--resume` checks.
 
         Raises:
           CheckpointWriteError: the previous write failed (path and OS error in the message).
@@ -519,7 +523,10 @@ class Checkpointer:
         if not force and not self._manager.should_save(step):
             return False
         t0 = time.perf_counter()
+        # One checkpoint in flight, its copy to the persistent tier included: a copy slower than the save interval
+        # shows up here, as the loop's wait, rather than as a queue of steps no tier has completed.
         self._finish_pending(block=True)
+        self._reap_worker(block=True)
         t1 = time.perf_counter()
         save = ocp.args.PyTreeSave if self.per_host else ocp.args.StandardSave
         args = ocp.args.Composite(state=save(state), loader=ocp.args.JsonSave(loader_state))
@@ -679,12 +686,7 @@ class Checkpointer:
                 logging.getLogger(__name__).error("the state of step %d holds NaN or Inf; its checkpoint was "
                                                   "deleted before completion", step)
             return
-        try:
-            write_record(src, record)
-        except OSError as e:
-            raise CheckpointWriteError(f"the checkpoint of step {step} could not be completed in {src}: "
-                                       f"{type(e).__name__}: {e}") from None
-        self.verified_step = step
+        self._write_record(step, src, record)
         token = f"{self._instance}-{step}"
         error = ""
         try:
@@ -738,18 +740,22 @@ class Checkpointer:
 
         jax_distributed.global_state.client.key_value_set_bytes(key, value)
 
-    def _complete_step(self, step: int, record: dict) -> None:
-        """Worker thread, without a local tier: writes the record into the persistent tier's step directory (the
-        checkpoint is complete from here) and rotates. Runs on process 0 only; other processes return."""
-        if jax.process_index() != 0:
-            return
-        src = self.write_directory / str(step)
+    def _write_record(self, step: int, src: Path, record: dict) -> None:
+        """Writes `record` into the step directory `src` (fsynced): the step is complete there from here."""
         try:
             write_record(src, record)
         except OSError as e:
             raise CheckpointWriteError(f"the checkpoint of step {step} could not be completed in {src}: "
                                        f"{type(e).__name__}: {e}") from None
         self.verified_step = step
+
+    def _complete_step(self, step: int, record: dict) -> None:
+        """Worker thread, without a local tier: writes the record into the persistent tier's step directory (the
+        checkpoint is complete from here) and rotates. Runs on process 0 only; other processes return."""
+        if jax.process_index() != 0:
+            return
+        src = self.write_directory / str(step)
+        self._write_record(step, src, record)
         with self._rotation:
             _rotate(self.persistent, self.cfg.keep)
 
@@ -891,6 +897,7 @@ class Checkpointer:
                 self._set_aside_copy(step, source, fetched)
             if reason is None:
                 self._keep_download(step, fetched)
+                self._drop_newer_local(step)
                 if verify:
                     self.verified_step = step
                 self._manager.reload()
@@ -1021,6 +1028,18 @@ class Checkpointer:
         elif fetched is not None and self.persistent.remote:
             shutil.rmtree(fetched, ignore_errors=True)
 
+    def _drop_newer_local(self, step: int) -> None:
+        """Deletes this process's local copies of steps after the restored `step`: a copy complete on this host
+        but not on every host (an upload the job did not finish) belongs to a timeline the run abandoned, and left
+        in place it would keep Orbax from saving that step again on this host alone, while the others do (their
+        checkpoints would then wait for a part that never comes)."""
+        if self.local is None or self.read_only:
+            return
+        for s in self.local.steps():
+            if s > step:
+                _warn(f"checkpoint {self.local.path(s)}: newer than the step resumed from; deleted")
+                self.local.delete(s)
+
     def _keep_download(self, step: int, fetched: Path | None) -> None:
         """A download that restored becomes this process's local copy of the step (complete for this layout: its
         record came last), unless the local tier has one already."""
@@ -1078,8 +1097,8 @@ class Checkpointer:
         or, with the per-host handlers, the PyTree handler's (the standard one is a PyTree handler underneath)."""
         if not self.per_host:
             return ocp.args.StandardRestore(abstract_state)
-        return ocp.args.PyTreeRestore(item=abstract_state, restore_args=jax.tree.map(
-            lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, dtype=a.dtype), abstract_state))
+        return ocp.args.PyTreeRestore(item=abstract_state,
+                                      restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state))
 
     def _read_in_groups(self, path: Path, abstract_state: Any) -> Any:
         """The arrays of `abstract_state` (a part of the saved state) read from checkpoint `path`, in groups of

@@ -72,12 +72,17 @@ class ShardIndex:
 def shard_indices(state: Any) -> list[ShardIndex]:
     """This process's shards of every array of `state`, one entry per distinct block (the lowest replica id among
     this process's copies of it). Leaves are jax Arrays (replica ids from their shards' metadata; no device data is
-    read) or ShapeDtypeStructs with a sharding (replica id 0: what a restore reads does not depend on it)."""
+    read), host values (NumPy arrays, scalars: uploaded by process 0), or ShapeDtypeStructs with a sharding (replica
+    id 0: what a restore reads does not depend on it) or without one (the whole array)."""
     out: list[ShardIndex] = []
     for d, leaf in zip(param_dirs(state), jax.tree.leaves(state), strict=True):
-        shape = tuple(leaf.shape)
+        shape = tuple(getattr(leaf, "shape", ()))  # a Python scalar has none
         if isinstance(leaf, jax.Array):
             pairs = [(s.index, s.replica_id) for s in leaf.addressable_shards]
+        elif not isinstance(leaf, jax.ShapeDtypeStruct):  # a host value (NumPy, a scalar): process 0's to upload
+            pairs = [(tuple(slice(0, n) for n in shape), 0 if jax.process_index() == 0 else 1)]
+        elif leaf.sharding is None:  # restored whole, onto one device or as a NumPy array
+            pairs = [(tuple(slice(0, n) for n in shape), 0)]
         else:
             pairs = [(i, 0) for i in leaf.sharding.addressable_devices_indices_map(shape).values()]
         blocks: dict[tuple, tuple[tuple, int]] = {}

@@ -747,6 +747,23 @@ if pid == 1:  # this host lost its local copy of step 4 (a replaced host): it re
     shutil.rmtree(local / "tier" / f"process-{pid}" / "4")
 out.append(restore(local / "tier", "process 1 from the bucket"))
 out.append(restore(local / "fresh", "new hosts"))
+# Step 4 survives only in process 0's tier (process 1's copy and the bucket's record are gone): both resume from
+# step 2, and saving step 4 again completes on both (process 0's stale copy must not keep its Orbax from saving).
+from jax.experimental import multihost_utils
+from msjax.checkpoint import latest_verified
+from msjax.checkpoint.integrity import RECORD_NAME
+if pid == 1:
+    shutil.rmtree(local / "tier" / f"process-{pid}" / "4")
+elif pid == 0:
+    paths.remove(f"{url}/4/{RECORD_NAME}")
+multihost_utils.sync_global_devices("step 4 lost")
+again = Checkpointer(cfg, url, local / "tier")
+step, _, _ = again.restore(abstract)
+again.save(4, state(4), {"pos": 4}, force=True)
+again.wait()
+again.close()
+multihost_utils.sync_global_devices("step 4 saved again")  # process 0 writes the record after both uploads
+out.append({"case": "resumed before a step one host kept", "step": step, "latest": latest_verified(url)})
 print(json.dumps([uploaded, *out]), flush=True)
 jax.distributed.shutdown()
 """
@@ -758,7 +775,8 @@ def test_two_hosts_that_share_no_disk_save_to_the_bucket_and_restore_from_their_
     that share no disk; the bucket is all they share), save steps 2 and 4. Each writes its own shards locally and
     uploads its part; the bucket holds one complete checkpoint per step, its record last. Restores, all exact:
     from each host's own tier (nothing downloaded); with process 1's copy of step 4 gone (process 1 downloads only
-    what its shards touch, process 0 reads its tier); on new hosts (both download their part only)."""
+    what its shards touch, process 0 reads its tier); on new hosts (both download their part only). Then step 4
+    is left only in process 0's tier: both resume from step 2 and save step 4 again."""
     url = f"{s3.scheme}://ckpt/two-hosts"
     local = tmp_path / "local"
     local.mkdir()
@@ -772,7 +790,8 @@ def test_two_hosts_that_share_no_disk_save_to_the_bucket_and_restore_from_their_
                           "state/w/1.0"] and RECORD_NAME in names, names
     # Each chunk uploaded by one process: process 0 holds data-parallel replica 0 of w and n, and b's first half.
     assert [out[0]["chunks"] for out in outs] == [5, 2] and all(out[0]["step"] == 4 for out in outs), outs
-    for pid, (_, *out) in enumerate(outs):
+    assert all(out[-1]["step"] == 2 and out[-1]["latest"] == 4 for out in outs), outs
+    for pid, (_, *out, _) in enumerate(outs):
         own, bucket, fresh = out
         assert all(o["step"] == 4 and o["pos"] == 4 and o["exact"] and not o["replica"] for o in out), out
         assert own["chunks"] == own["bytes"] == 0, out
