@@ -470,12 +470,13 @@ class TrainConfig:
 class CheckpointConfig:
     """Verified two-stage Orbax checkpoints (msjax.checkpoint) every `every` steps (0: only at the end and on a
     stop), written asynchronously. The persistent tier `dir` (default `<run_dir>/checkpoints`) keeps the last
-    `keep`; the optional local tier `local_dir` (host RAM such as /dev/shm, or a local disk; "" = none) takes
-    each write first and keeps the newest `local_keep` for fast restore, and a background copy moves each
-    checkpoint on to `dir`. `dir` may be object storage (`gs://bucket/run1`, `s3://bucket/run1`; see `storage`):
-    checkpoints are then written to `local_dir` (or, without one, a staging directory in the user's cache) and
-    copied up with their integrity record last. `resume` restores the newest verified checkpoint of either tier.
-    `timeout_s` bounds every wait on a checkpoint write (seconds).
+    `keep`; the optional local tier `local_dir` (host RAM such as /dev/shm, or a local disk, a path that may exist
+    separately on every host; "" = none) takes each process's own shards first and keeps the newest `local_keep`
+    for fast restore, and each process's background copy moves its part on to `dir`. `dir` may be object storage
+    (`gs://bucket/run1`, `s3://bucket/run1`; see `storage`): checkpoints are then written to `local_dir` (or,
+    without one, a staging directory in the user's cache) and copied up with their integrity record last.
+    `resume` restores the newest verified checkpoint of either tier. `timeout_s` bounds every wait on a checkpoint
+    write (seconds).
 
     Attributes:
       dir: persistent-tier checkpoint directory (local, gs:// or s3://); empty: <train.run_dir>/checkpoints.
@@ -483,7 +484,7 @@ class CheckpointConfig:
       keep: checkpoints kept in the persistent tier.
       async_save: write in the background while training goes on.
       resume: continue from the newest verified checkpoint (also --resume).
-      local_dir: local tier (host RAM such as /dev/shm, or a local disk; local paths only); empty: none.
+      local_dir: local tier (host RAM such as /dev/shm, or a local disk; per host; local paths only); empty: none.
       local_keep: checkpoints kept in the local tier.
       timeout_s: bound on every wait for a checkpoint write, seconds.
       replica_restore: on restore, state replicated over the `data` axis (> 1) is read by one data-parallel

@@ -11,7 +11,10 @@ project's .ci/run installs them). What it starts:
   - per node NAME (node1, node2, ...): a network namespace joined to the bridge by a veth pair, with its own
     address (10.77.K.1I), and a slurmd started in it with `nsenter --net=/run/netns/NS unshare --uts --mount`:
     its own host name (NAME) and its own /etc/hosts (bind-mounted, naming every node and the controller), so
-    every task SLURM starts on the node lives in the node's network, host name and name resolution. (`ip netns
+    every task SLURM starts on the node lives in the node's network, host name and name resolution. Each node also
+    mounts a tmpfs of its own at `node_local` (DIR/node-local): one path, a separate disk per node, as a host's
+    /dev/shm or local NVMe; it starts empty whenever the node's slurmd is started, and the machine's own directory
+    at that path stays empty. (`ip netns
     exec` is not used: it remounts /sys, and slurmd 22.05 then fails to find its cgroup filesystem.)
   - no cgroups (ProctrackType=proctrack/linuxproc, TaskPlugin=task/none): this sandbox's cgroup mode is not one
     slurmd's cgroup plugins accept, and nothing here needs confinement.
@@ -68,6 +71,7 @@ class SlurmCluster:
         self.bridge = f"msjb{tag}"
         self.controller_addr = f"{self.subnet}.1"
         self.conf = self.root / "slurm.conf"
+        self.node_local = self.root / "node-local"
         self.procs: dict[str, subprocess.Popen] = {}
 
     # -- names ---------------------------------------------------------------------------------------------------
@@ -104,7 +108,7 @@ class SlurmCluster:
         return self
 
     def _write_files(self) -> None:
-        for d in ("state", "spool", "log"):
+        for d in ("state", "spool", "log", "node-local"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         (self.root / "tag").write_text(self.tag)
         key = self.root / "munge.key"
@@ -180,7 +184,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
     def start_node(self, node: str) -> None:
         """Starts `node`'s slurmd in its namespace (again, after `kill_node`)."""
         script = (f"hostname {node} && mount --bind {self.root / 'hosts'} /etc/hosts && "
-                  f"exec slurmd -D -N {node} -f {self.conf}")
+                  f"mount -t tmpfs msjax-{node}-local {self.node_local} && exec slurmd -D -N {node} -f {self.conf}")
         self._start(f"slurmd-{node}", ["nsenter", f"--net=/run/netns/{self.netns(node)}", "unshare", "--uts",
                                        "--mount", "sh", "-c", script])
 

@@ -301,10 +301,12 @@ class Supervisor:
         arrive). None: no verified checkpoint (they start from step 0), or the directory could not be read (said in
         one line). A local tier (`checkpoint.local_dir`) is read as this host sees it: where it is node-local
         storage on other nodes, the persistent tier's answer is what this host can know."""
+        from msjax import paths
         from msjax.checkpoint import checkpoint_dir, latest_verified, local_checkpoint_dir
 
         c = self.cfg.checkpoint
         try:
+            paths.configure(self.cfg.storage)  # the run's endpoint and credentials, as its workers use them
             return latest_verified(checkpoint_dir(c, str(self.run_dir)), local_checkpoint_dir(c))
         except Exception as e:  # noqa: BLE001 - an unreachable bucket must not end the supervisor; the restart says
             self._print(f"could not read the checkpoint directory ({type(e).__name__}: {e})")

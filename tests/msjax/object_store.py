@@ -40,9 +40,10 @@ class _Server:
     scheme = ""
     name = ""
 
-    def __init__(self, start_timeout_s: float = 60.0):
+    def __init__(self, start_timeout_s: float = 60.0, host: str = "127.0.0.1"):
         self.port = _free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.host = host
+        self.endpoint = f"http://{host}:{self.port}"
         self.start_timeout_s = start_timeout_s
         self._proc: subprocess.Popen | None = None
         self._env: dict[str, str] = {}
@@ -72,12 +73,12 @@ class _Server:
                 self.__exit__()
                 raise RuntimeError(f"{self.name} exited with status {self._proc.returncode}: {err[-2000:]}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1.0):
+                with socket.create_connection((self.host, self.port), timeout=1.0):
                     break
             except OSError:
                 if time.monotonic() > deadline:
                     self.__exit__()
-                    raise TimeoutError(f"{self.name} did not accept connections on 127.0.0.1:{self.port} within "
+                    raise TimeoutError(f"{self.name} did not accept connections on {self.host}:{self.port} within "
                                        f"{self.start_timeout_s:.0f} s")
                 time.sleep(0.1)
         paths.configure(self.storage)
@@ -109,17 +110,18 @@ class _Server:
 
 
 class S3Server(_Server):
-    """moto's server; `storage` reaches it (endpoint and region)."""
+    """moto's server; `storage` reaches it (endpoint and region). `host`: the address it listens on (another
+    network namespace's processes reach it there, e.g. the SLURM test cluster's controller address)."""
 
     scheme, name = "s3", "moto_server"
 
-    def __init__(self, start_timeout_s: float = 60.0):
-        super().__init__(start_timeout_s)
+    def __init__(self, start_timeout_s: float = 60.0, host: str = "127.0.0.1"):
+        super().__init__(start_timeout_s, host)
         self.storage = StorageConfig(s3_endpoint=self.endpoint, s3_region=S3_REGION, timeout_s=30.0)
         self._env = dict(S3_CREDENTIALS)
 
     def _command(self) -> list[str]:
-        return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+        return [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(self.port)]
 
 
 class GCSServer(_Server):

@@ -18,6 +18,9 @@ killed (its slurmd included, so SLURM marks the node down), a site health check 
 - supervised, node failure: everything on node2 killed; the job survives (--no-kill), node2 (not the survivor) is
   blamed, found unreachable by its self-checks and excluded, the spare takes its place within 60 s of detection,
   and the run ends with the uninterrupted run's final loss.
+- nodes that share only a bucket: each node's local tier is its own tmpfs at one path; a supervised job saves
+  to the bucket (each process uploads its own part), node2 dies, the spare resumes from what survives (node1's
+  own tier, the bucket for the rest), and the run ends with the uninterrupted run's parameters.
 - scancel of a supervised job ends every process of it on every node.
 """
 
@@ -97,14 +100,14 @@ class Job:
     """A job submitted with `msjax-launch --backend=slurm --submit`, and what the test reads of it."""
 
     def __init__(self, cluster: SlurmCluster, tmp: Path, flags: list[str], cache: Path, *launch: str,
-                 password: str = PASSWORD):
+                 password: str = PASSWORD, env: dict | None = None):
         self.cluster, self.tmp, self.password = cluster, tmp, password
         self.run_id = f"t{time.monotonic_ns() % 10**8}"
         env = {k: v for k, v in cluster.env.items() if not k.startswith(("XLA_", "JAX_", "MSJAX_"))}
         # msjax's commands first on PATH, as an activated virtualenv has them (sbatch passes the environment on)
         env["PATH"] = f"{sysconfig.get_paths()['scripts']}{os.pathsep}{env['PATH']}"
         env = {**env, "MSJAX_REDIS_PASSWORD": password, "JAX_COMPILATION_CACHE_DIR": str(cache),
-               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1", "PYTHONUNBUFFERED": "1"}
+               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1", "PYTHONUNBUFFERED": "1", **(env or {})}
         done = subprocess.run([sys.executable, "-m", "msjax.launch", "--backend=slurm", "--num_processes=2",
                                "--devices_per_process=2", "--accelerator=none", "--cpus_per_process=1",
                                "--time_limit=15:00", f"--run_id={self.run_id}", "--submit",
@@ -194,8 +197,9 @@ def reference(tmp_path_factory, corpus, compile_cache) -> Path:
     return run_dir
 
 
-def _final_params(run_dir: Path) -> list[np.ndarray]:
-    """The parameters of the run's newest checkpoint (which must be the last step), restored onto one device."""
+def _final_params(run_dir: Path, directory: str | None = None) -> list[np.ndarray]:
+    """The parameters of the run's newest checkpoint (which must be the last step), restored onto one device, from
+    `<run_dir>/checkpoints` or the checkpoint directory `directory` (a bucket's URL)."""
     from msjax.checkpoint import Checkpointer
     from msjax.config import config_from_flags
     from msjax.mesh import make_mesh
@@ -208,7 +212,7 @@ def _final_params(run_dir: Path) -> list[np.ndarray]:
                              ("optimizer.decay_steps", str(STEPS)), ("mesh.data", "1"),
                              ("model.vocab_size", str(saved["model"]["vocab_size"]))])
     program = build_train_program(cfg, make_mesh(cfg.mesh, jax.devices()[:1]))
-    ckpt = Checkpointer(cfg.checkpoint, run_dir / "checkpoints")
+    ckpt = Checkpointer(cfg.checkpoint, directory or run_dir / "checkpoints")
     try:
         step, state, _ = ckpt.restore(program.abstract_state)
     finally:
@@ -375,6 +379,54 @@ def test_supervised_job_survives_a_node_failure_on_the_spare_within_a_minute(clu
         want, got = _losses(reference), _losses(run_dir)
         assert abs(got[STEPS] - want[STEPS]) < TOL, (got[STEPS], want[STEPS])
         for x, y in zip(_final_params(reference), _final_params(run_dir)):
+            np.testing.assert_allclose(y, x, atol=TOL, rtol=0)
+    finally:
+        cluster.start_node("node2")
+        cluster._wait(lambda: cluster.node_state("node2") == "idle", 60, "node2 idle again")
+
+
+@pytest.fixture(scope="module")
+def bucket(cluster):
+    """moto's S3-compatible server on the controller's address, which every node reaches: the only storage the
+    nodes share in the test below."""
+    from tests.msjax.object_store import S3Server
+
+    with S3Server(host=cluster.controller_addr) as server:
+        server.make_bucket("ckpt")
+        yield server
+
+
+def test_nodes_that_share_only_a_bucket_checkpoint_there_and_a_node_failure_resumes_from_what_survives(
+        cluster, tmp_path, corpus, compile_cache, reference, bucket):
+    """Each node's local tier is its own tmpfs at one path (cluster.node_local); checkpoints reach the bucket only
+    as each process's upload of its own part. Everything on node2 is killed after step 6: node2's local tier is
+    gone with it; the spare node3 (an empty local tier) reads its part from the bucket, node1 its own tier, and
+    the run ends with the uninterrupted run's parameters (read back from the bucket). Nothing is written to the
+    machine's own directory at the local tier's path."""
+    from msjax import paths
+    from msjax.checkpoint import latest_verified
+    from tests.msjax.object_store import S3_CREDENTIALS
+
+    run_dir, url = tmp_path / "run", f"s3://ckpt/{tmp_path.name}"
+    flags = _flags(corpus, run_dir, **{"supervisor.spares": 1, "checkpoint.dir": url,
+                                       "checkpoint.local_dir": cluster.node_local / "tier", **bucket.overrides()})
+    job = Job(cluster, tmp_path, flags, compile_cache, "--supervise", env=S3_CREDENTIALS)
+    try:
+        beat = job.wait_step(1, 6)
+        assert beat["host"] == "node2", beat
+        job.wait(lambda: (latest_verified(url) or 0) >= 4, 120, "step 4 complete in the bucket")
+        killed = cluster.kill_node("node2")
+        assert beat["pid"] in killed
+        survived = latest_verified(url)
+        assert job.finish() == "COMPLETED", job.output()[-5000:]
+        assert job.info("NodeList") == "node[1,3]"
+        assert [e["hosts"] for e in _events(run_dir, "launch")] == [["node1", "node2"], ["node1", "node3"]]
+        resumed = [int(s) for s in re.findall(r"resumed from step (\d+)", job.output())]
+        assert resumed and resumed[-1] >= survived, (resumed, survived)
+        assert latest_verified(url) == STEPS and not any(cluster.node_local.iterdir())
+        names = {paths.basename(o.path) for o in paths.walk_files(f"{url}/{STEPS}")}
+        assert ".zarray" in names, names  # every process's chunks, uploaded by each
+        for x, y in zip(_final_params(reference), _final_params(run_dir, url)):
             np.testing.assert_allclose(y, x, atol=TOL, rtol=0)
     finally:
         cluster.start_node("node2")
