@@ -101,16 +101,9 @@ def chunk_shape(step_dir: Path, param_dir: str) -> tuple[int, ...]:
 
 
 def owned_chunks(step_dir: Path, shards: list[ShardIndex]) -> set[str]:
-    """The chunk files (paths relative to the step) this process uploads: those of its replica-0 shards."""
-    out: set[str] = set()
-    chunks: dict[str, tuple[int, ...]] = {}
-    for s in shards:
-        if s.replica_id != 0:
-            continue
-        if s.param_dir not in chunks:
-            chunks[s.param_dir] = chunk_shape(step_dir, s.param_dir)
-        out.update(f"{s.param_dir}/{k}" for k in chunk_keys(s.index, s.shape, chunks[s.param_dir]))
-    return out
+    """The chunk files (paths relative to the step) this process uploads: those of its replica-0 shards, so that
+    every chunk is uploaded by exactly one process."""
+    return needed_chunks(step_dir, [s for s in shards if s.replica_id == 0])
 
 
 def needed_chunks(step_dir: Path, shards: list[ShardIndex]) -> set[str]:

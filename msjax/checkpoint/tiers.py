@@ -27,6 +27,7 @@ from pathlib import Path
 
 from msjax import paths
 from msjax.checkpoint.integrity import RECORD_NAME, parse_record, read_record
+from msjax.checkpoint.shards import relative_files
 
 REJECTED_DIR = "rejected"
 _TMP_COPY = ".msjax-copy-tmp-"
@@ -92,8 +93,7 @@ class LocalTier:
 
     def files(self, step: int) -> list[str]:
         """The step's files as POSIX paths relative to its directory, sorted."""
-        step_dir = self.root / str(step)
-        return sorted(p.relative_to(step_dir).as_posix() for p in step_dir.rglob("*") if p.is_file())
+        return relative_files(self.root / str(step))
 
     def put_files(self, step: int, src: Path, rels: list[str], token: str) -> None:
         """Copies the files `rels` of the step directory `src` into `<root>/<step><tmp><token>/` and fsyncs them:
