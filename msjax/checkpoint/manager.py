@@ -143,10 +143,10 @@ def ensure_writable(path: Path | str, key: str = "checkpoint.dir") -> None:
         raise ConfigError(f"{key}={str(path)!r} is not writable ({e.strerror})") from None
 
 
-def host_dir(local_directory: Path | str, process: int | None = None) -> Path:
+def host_dir(local_directory: Path | str) -> Path:
     """This process's part of the local tier, `<local_directory>/process-<i>`: each process writes its own shards
     there, so the local tier may be a path that exists separately on every host (or one directory they share)."""
-    return Path(local_directory) / f"process-{jax.process_index() if process is None else process}"
+    return Path(local_directory) / f"process-{jax.process_index()}"
 
 
 def _tiers(directory: Path | str, local_directory: Path | None) -> list[LocalTier | ObjectTier]:
@@ -623,10 +623,7 @@ class Checkpointer:
 
     def _publish_partial(self, step: int, fetch) -> None:
         """This process's partial checksums of `step`, to jax's coordination service (no collective)."""
-        from msjax.compat import jax_distributed  # jax has no public key-value store
-
-        jax_distributed.global_state.client.key_value_set_bytes(self._kv_key(step, jax.process_index()),
-                                                                fetch.local().astype(np.uint64).tobytes())
+        self._kv_set(self._kv_key(step, jax.process_index()), fetch.local().astype(np.uint64).tobytes())
 
     def _complete_step_of_processes(self, step: int, keys: list[str], extra: dict) -> None:
         """Process 0's worker thread in a multi-process run: waits (at most checkpoint.timeout_s) for every
@@ -736,6 +733,7 @@ class Checkpointer:
         return json.loads(self._kv_get(key, "process 0's integrity record", step))
 
     def _kv_set(self, key: str, value: bytes) -> None:
+        """Publishes `value` under `key` in jax's coordination service (jax has no public key-value store)."""
         from msjax.compat import jax_distributed
 
         jax_distributed.global_state.client.key_value_set_bytes(key, value)
