@@ -486,6 +486,12 @@ class CheckpointConfig:
       resume: continue from the newest verified checkpoint (also --resume).
       local_dir: local tier (host RAM such as /dev/shm, or a local disk; per host; local paths only); empty: none.
       local_keep: checkpoints kept in the local tier.
+      local_replicas: other hosts that also keep each process's local part (peer replicas,
+        msjax.checkpoint.peers): with 1, a job that loses one host still resumes from its newest local step.
+        Needs a local tier and several processes (the local tier then keeps at least 2 checkpoints); 0: none.
+      persistent_every: steps between the checkpoints that also go on to the persistent tier, a multiple of
+        `every` (0: every checkpoint); the others stay in the local tier and its peer replicas. The last step, a
+        stop, a requested checkpoint and a preemption always go on. Needs a local tier.
       timeout_s: bound on every wait for a checkpoint write, seconds.
       replica_restore: on restore, state replicated over the `data` axis (> 1) is read by one data-parallel
         replica and broadcast to the others, bit for bit (msjax.checkpoint.replica); off, or where it does not
@@ -499,6 +505,8 @@ class CheckpointConfig:
     resume: bool = False
     local_dir: str = ""
     local_keep: int = 1
+    local_replicas: int = 0
+    persistent_every: int = 0
     timeout_s: float = 600.0
     replica_restore: bool = True
 
@@ -548,7 +556,8 @@ class StorageConfig:
         """The settings that reach `url` (see `prefixes`), with no prefixes of their own. Raises ConfigError as
         prefix_settings."""
         merged: dict[str, Any] = {}
-        for prefix, settings in reversed(_parse_prefixes(tuple(self.prefixes))):  # shortest first: the longer prefix wins
+        # Shortest first: the longer prefix wins.
+        for prefix, settings in reversed(_parse_prefixes(tuple(self.prefixes))):
             if url == prefix or url.startswith(prefix + "/"):
                 merged.update(settings)
         return dataclasses.replace(self, prefixes=(), **merged)
@@ -760,6 +769,17 @@ class Config:
         if self.checkpoint.every < 0:
             raise ConfigError(f"checkpoint.every={self.checkpoint.every}: allowed is an integer >= 0 (0: save "
                               "only at the end and on a stop)")
+        c = self.checkpoint
+        local_tier = bool(c.local_dir) or url_scheme(c.dir) in OBJECT_STORE_SCHEMES
+        if c.local_replicas < 0 or (c.local_replicas and not local_tier):
+            raise ConfigError(f"checkpoint.local_replicas={c.local_replicas}: allowed is an integer >= 0, above 0 "
+                              "only with a local tier to replicate (checkpoint.local_dir, or checkpoint.dir on "
+                              "object storage)")
+        off_interval = c.every > 0 and c.persistent_every % c.every != 0
+        if c.persistent_every < 0 or (c.persistent_every and (not local_tier or off_interval)):
+            raise ConfigError(f"checkpoint.persistent_every={c.persistent_every}: allowed is 0, or a multiple of "
+                              f"checkpoint.every={c.every} with a local tier to keep the other checkpoints "
+                              "(checkpoint.local_dir, or checkpoint.dir on object storage)")
         if not (math.isfinite(self.checkpoint.timeout_s) and self.checkpoint.timeout_s > 0):
             raise ConfigError(f"checkpoint.timeout_s={self.checkpoint.timeout_s}: allowed is a finite number of "
                               "seconds > 0")

@@ -199,7 +199,7 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
     if jax.process_index() == 0:
         ensure_writable(run_dir, "train.run_dir")
     ckpt = Checkpointer(cfg.checkpoint, ckpt_dir)
-    latest = ckpt.latest_step()
+    latest = ckpt.job_latest_step()  # the job's: a new host's local tier is empty
     if latest is not None and not cfg.checkpoint.resume:
         raise ConfigError(f"{ckpt.directory} already holds checkpoints (latest step {latest}); pass --resume to "
                           "continue from it, or set checkpoint.dir / train.run_dir to start a new run")

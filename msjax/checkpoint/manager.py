@@ -23,9 +23,12 @@ persistent record once every process's part is durable (msjax.checkpoint.shards 
 local tier keeps `local_keep` checkpoints and the persistent tier the last `keep`. A persistent tier on object
 storage (`gs://`, `s3://`) without `checkpoint.local_dir` gets a staging directory in the user's cache as its local
 tier, since Orbax writes only local directories (msjax.paths says why). Without a local tier, Orbax's multi-host
-writer writes straight into a local persistent directory, which every process must then share.
+writer writes straight into a local persistent directory, which every process must then share. With
+`checkpoint.local_replicas` each process's local part is also copied to the next processes' hosts (peer replicas,
+msjax.checkpoint.peers); with `checkpoint.persistent_every` only every so many steps go on to the persistent tier.
 
-A restore reads, on each process, its own local copy when it holds every chunk its shards touch, else the
+A restore reads, on each process, its own local copy when it holds every chunk its shards touch; else, with peer
+replicas, the copies on the job's hosts when they hold every part of the step (only the chunks it reads); else the
 persistent tier: a local one in place (only the chunks it reads), an object store by downloading only the files
 this process reads (none of the arrays outside a single-replica restore's source replica). The restored state is
 verified against the record either way.
@@ -65,9 +68,9 @@ from orbax.checkpoint import checkpoint_managers as ocp_policies
 from msjax import paths
 from msjax.compat import orbax_future as ocp_future
 from msjax.compat import orbax_synchronization as ocp_sync
-from msjax.checkpoint import replica, shards
+from msjax.checkpoint import peers, replica, shards
 from msjax.checkpoint.integrity import (RECORD_NAME, checksum_programs, checksum_state, combine_partials, mismatches,
-                                       write_record)
+                                       read_record, write_record)
 from msjax.checkpoint.tiers import LocalTier, ObjectTier, make_tier
 from msjax.config import CheckpointConfig, ConfigError
 from msjax.runtime import cache_home
@@ -400,9 +403,19 @@ class Checkpointer:
             _meet("open_leftovers_removed", cfg.timeout_s)
         self._reader = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers),
                                         multiprocessing_options=multiprocessing)
-        # The step whose write is in flight, the fetch of its checksums, the rest of its record, and Orbax's
-        # operation id of the save (to end its threads if it fails).
-        self._pending: tuple[int, Callable[[], tuple[dict, bool]], dict, str, list | None] | None = None
+        # Peer replicas (msjax.checkpoint.peers): the processes whose local parts this one keeps a copy of, and the
+        # server through which the others read this host's local tier. None: no peer replicas.
+        self._replica_sources: list[int] | None = None
+        self._server: peers.PeerServer | None = None
+        self._servers: dict[int, tuple[str, str]] = {}
+        self._restores = 0
+        self._peer_set: peers.PeerSet | None = None  # the last restore's view of the job's local tiers
+        if self.per_host and cfg.local_replicas > 0 and jax.process_count() > 1 and not read_only:
+            self._start_peer_server()
+        # The step whose write is in flight, the fetch of its checksums, the rest of its record, Orbax's operation
+        # id of the save (to end its threads if it fails), this process's shards (per host) and whether the step
+        # goes on to the persistent tier.
+        self._pending: tuple[int, Callable[[], tuple[dict, bool]], dict, str, list | None, bool] | None = None
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="msjax-checkpoint")
         self._compile_thread: threading.Thread | None = None  # `prepare`'s
         self._worker_jobs: list[tuple[int, concurrent.futures.Future]] = []
@@ -418,8 +431,30 @@ class Checkpointer:
         # What the last restore downloaded from object storage on this process: chunk files (None: a checkpoint
         # in the OCDBT layout, downloaded whole), bytes, seconds.
         self.last_download: dict[str, Any] = {"chunks": 0, "bytes": 0, "seconds": 0.0}
+        # What this process copied from its peers' local parts at the last save it completed: step, bytes, seconds.
+        self.last_replica: dict[str, float] = {}
         self.verified_step: int | None = None  # the newest step known complete (written, or restored + verified)
         self._closed = False
+
+    def _start_peer_server(self) -> None:
+        from msjax.compat import jax_distributed
+
+        pid = jax.process_index()
+        self._replica_sources = peers.sources(pid, jax.process_count(), self.cfg.local_replicas)
+        for w in self._replica_sources:  # copies from other processes cut short by a crash
+            LocalTier("replica", self.local.root.parent / peers.replica_dir(w)).remove_leftovers()
+        host = peers.route_address(jax_distributed.global_state.coordinator_address)
+        self._server = peers.PeerServer(self.local.root.parent, host, self.cfg.timeout_s)
+        self._kv_set(self._kv_key("peers", f"server-{pid}"),
+                     json.dumps([self._server.address, self._server.token]).encode())
+
+    def _peer_servers(self) -> dict[int, tuple[str, str]]:
+        """{process: (address, token)} of every process's peer server, waited for at most checkpoint.timeout_s."""
+        if not self._servers:
+            for p in range(jax.process_count()):
+                said = self._kv_get(self._kv_key("peers", f"server-{p}"), f"process {p}'s peer server")
+                self._servers[p] = tuple(json.loads(said))
+        return self._servers
 
     def _instance_tag(self) -> str:
         return f"msjax-ckpt{self._instance}-p{jax.process_index()}"
@@ -464,6 +499,18 @@ class Checkpointer:
             if _recorded(tier, step) is not None:
                 return step
         return None
+
+    def job_latest_step(self) -> int | None:
+        """The newest `latest_step` of any process of the job: where local tiers are each host's own, a process on a
+        new host (an empty tier) sees none of its own, yet resumes with the others, from their copies (peer
+        replicas) or the persistent tier. Collective in a multi-process run: every process calls it."""
+        mine = self.latest_step()
+        if jax.process_count() == 1:
+            return mine
+        from jax.experimental import multihost_utils
+
+        every = np.asarray(multihost_utils.process_allgather(np.int64(-1 if mine is None else mine)))
+        return int(every.max()) if every.max() >= 0 else None
 
     def all_steps(self) -> list[int]:
         """Steps with a verified (recorded) checkpoint in either tier, oldest first."""
@@ -514,7 +561,8 @@ class Checkpointer:
         """Starts a checkpoint of `step` if Orbax decides one is due (or `force`); returns whether it started.
 
         Blocks only for stage 1 (device -> host copy) and for a previous checkpoint still in flight, its write or
-        its copy to the persistent tier (one at a time). `config` (the run's config as a dict) is stored in the record for `--resume` checks.
+        its copy to the persistent tier (one at a time). `config` (the run's config as a dict) is stored in the
+        record for `--resume` checks.
 
         Raises:
           CheckpointWriteError: the previous write failed (path and OS error in the message).
@@ -546,9 +594,17 @@ class Checkpointer:
         if started:
             # Which of its shards this process uploads is read from the arrays now (metadata only): the next step
             # may donate them before the write is finished.
-            self._pending = (step, fetch, {"loader": loader_state, "config": config},
+            extra = {"loader": loader_state, "config": config}
+            if self.per_host:  # how many parts make the step whole (msjax.checkpoint.peers)
+                extra["writers"] = jax.process_count()
+            # Every `persistent_every` steps, and every checkpoint the loop asked for (the last step, a stop, a
+            # request) or the preemption sync point set off: the same decision on every process.
+            every = self.cfg.persistent_every
+            persist = (not self.per_host or force or not every or step % every == 0
+                       or self._manager.reached_preemption(step))
+            self._pending = (step, fetch, extra,
                              ocp_sync.OperationIdGenerator.get_current_operation_id(),
-                             shards.shard_indices(state) if self.per_host else None)
+                             shards.shard_indices(state) if self.per_host else None, persist)
         return bool(started)
 
     def _write_error(self, step: int, e: BaseException) -> CheckpointWriteError:
@@ -578,7 +634,7 @@ class Checkpointer:
     def _finish_pending(self, block: bool) -> None:
         if self._pending is None:
             return
-        step, fetch, extra, operation_id, host_shards = self._pending
+        step, fetch, extra, operation_id, host_shards, persist = self._pending
         self._pending = None
         try:
             _wait(f"the checkpoint write of step {step} to {self.write_directory}",
@@ -594,7 +650,8 @@ class Checkpointer:
         if jax.process_count() > 1:
             self._publish_partial(step, fetch)
             if self.per_host:
-                job = self._worker.submit(self._complete_on_host, step, None, host_shards, fetch.keys, extra)
+                job = self._worker.submit(self._complete_on_host, step, None, host_shards, persist, fetch.keys,
+                                          extra)
                 self._worker_jobs.append((step, job))
             elif jax.process_index() == 0:
                 job = self._worker.submit(self._complete_step_of_processes, step, fetch.keys, extra)
@@ -612,13 +669,13 @@ class Checkpointer:
                                       f"before completion (the newest complete checkpoint is step "
                                       f"{self.verified_step})")
         record = {"step": step, "checksums": checksums, **extra}
-        job = (self._worker.submit(self._complete_on_host, step, record, host_shards) if self.per_host
+        job = (self._worker.submit(self._complete_on_host, step, record, host_shards, persist) if self.per_host
                else self._worker.submit(self._complete_step, step, record))
         self._worker_jobs.append((step, job))
         if block:
             self._reap_worker(block=True)
 
-    def _kv_key(self, step: int, process: int | str) -> str:
+    def _kv_key(self, step: int | str, process: int | str) -> str:
         return f"msjax_checkpoint/{self._instance}/{step}/{process}"
 
     def _publish_partial(self, step: int, fetch) -> None:
@@ -638,18 +695,18 @@ class Checkpointer:
             return
         self._complete_step(step, {"step": step, "checksums": checksums, **extra})
 
-    def _kv_get(self, key: str, what: str, step: int) -> bytes:
+    def _kv_get(self, key: str, what: str, step: int | None = None) -> bytes:
         """A value another process publishes through jax's coordination service, waited for at most
-        checkpoint.timeout_s. Raises CheckpointWriteError naming `what` was awaited."""
+        checkpoint.timeout_s. Raises CheckpointWriteError naming `what` was awaited (for the checkpoint of `step`)."""
         from msjax.compat import jax_distributed
 
         try:
             return jax_distributed.global_state.client.blocking_key_value_get_bytes(
                 key, int(self.cfg.timeout_s * 1000))
         except Exception as e:  # the coordination service's deadline error
-            raise CheckpointWriteError(f"the checkpoint of step {step} in {self.write_directory}: {what} did not "
-                                       f"arrive within {self.cfg.timeout_s:.0f} s (checkpoint.timeout_s): "
-                                       f"{e}") from None
+            which = f"the checkpoint of step {step} in" if step is not None else "the checkpoints in"
+            raise CheckpointWriteError(f"{which} {self.write_directory}: {what} did not arrive within "
+                                       f"{self.cfg.timeout_s:.0f} s (checkpoint.timeout_s): {e}") from None
 
     def _gather_checksums(self, step: int, keys: list[str]) -> tuple[dict, bool]:
         """Process 0: every process's partial checksums of `step` added up (integrity.combine_partials)."""
@@ -658,14 +715,17 @@ class Checkpointer:
         return combine_partials(keys, np.stack(every))
 
     def _complete_on_host(self, step: int, record: dict | None, host_shards: list[shards.ShardIndex],
-                          keys: list[str] | None = None, extra: dict | None = None) -> None:
-        """Every process's worker thread, with a local tier: completes this process's part of `step` and copies it
-        to the persistent tier; process 0 writes the persistent tier's record once every part is there.
+                          persist: bool, keys: list[str] | None = None, extra: dict | None = None) -> None:
+        """Every process's worker thread, with a local tier: completes this process's part of `step` and, when
+        `persist`, copies it to the persistent tier; process 0 writes the persistent tier's record once every part
+        is there.
 
         1. The record: given (one process), or, in a multi-process run, made by process 0 from every process's
            partial checksums and published; the others wait for it (at most checkpoint.timeout_s).
         2. The record is written into this process's local directory: from here this host's part is complete (a
-           state with NaN or Inf is deleted instead, on every process, never made complete).
+           state with NaN or Inf is deleted instead, on every process, never made complete). With peer replicas,
+           this process then copies the parts it keeps replicas of (`_replicate`). Without `persist`, this is all
+           but the local rotation.
         3. This process uploads its part (msjax.checkpoint.shards: the chunks of its replica-0 shards; process 0
            also every file that is not a chunk), then says so (or sends its error).
         4. Process 0 waits until every part has arrived, then writes the persistent record, last, and rotates the
@@ -683,7 +743,18 @@ class Checkpointer:
                 logging.getLogger(__name__).error("the state of step %d holds NaN or Inf; its checkpoint was "
                                                   "deleted before completion", step)
             return
-        self._write_record(step, src, record)
+        try:
+            self._write_record(step, src, record)
+        except CheckpointWriteError:
+            if self._replica_sources is not None:  # the processes that copy this part wait for word of it
+                self._kv_set(self._kv_key(step, f"local-{pid}"), b"null")
+            raise
+        if self._replica_sources is not None:  # before the upload: a copy on a peer takes seconds, a bucket minutes
+            self._replicate(step)
+        if not persist:
+            with self._rotation:
+                _rotate(self.local, self._local_keep())
+            return
         token = f"{self._instance}-{step}"
         error = ""
         try:
@@ -719,7 +790,48 @@ class Checkpointer:
             with self._rotation:
                 _rotate(self.persistent, self.cfg.keep)
         with self._rotation:
-            _rotate(self.local, self.cfg.local_keep)
+            _rotate(self.local, self._local_keep())
+
+    def _replicate(self, step: int) -> None:
+        """Peer replicas, on the worker thread: says that this process's local part of `step` is complete (its
+        file list, through jax's coordination service), then copies the parts of the processes it keeps replicas of
+        from their hosts into `<local_dir>/replicas/process-<w>/<step>` (msjax.checkpoint.peers: fsynced, the
+        record last, renamed into place) and rotates them as its own part. A copy that fails is logged on this
+        process and left out: the step is still in its writer's local tier and goes on to the persistent tier, so
+        it never fails the checkpoint."""
+        pid = jax.process_index()
+        self._kv_set(self._kv_key(step, f"local-{pid}"), json.dumps(self.local.files(step)).encode())
+        t0, received = time.perf_counter(), 0
+        for w in self._replica_sources:
+            tier = LocalTier("replica", self.local.root.parent / peers.replica_dir(w))
+            token = f"{self._instance}-{step}"
+            tmp = tier.scratch(step, token)
+            try:
+                files = json.loads(self._kv_get(self._kv_key(step, f"local-{w}"), f"process {w}'s local part", step))
+                if files is None:
+                    raise OSError(f"process {w} could not complete its local part")
+                address, secret = self._peer_servers()[w]
+                shutil.rmtree(tmp, ignore_errors=True)
+                received += peers.pull(address, secret, f"{peers.writer_dir(w)}/{step}", files, tmp,
+                                       self.cfg.timeout_s)
+                tier.commit(step, token)
+            except (OSError, CheckpointWriteError) as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                logging.getLogger(__name__).warning("checkpoint of step %d: no peer replica of process %d's local "
+                                                    "part on process %d: %s", step, w, pid, e)
+                continue
+            logging.getLogger(__name__).info("checkpoint of step %d: a copy of process %d's local part is held "
+                                             "here (peer replica)", step, w)
+            with self._rotation:
+                _rotate(tier, self._local_keep())
+        self.last_replica = {"step": step, "bytes": received, "seconds": time.perf_counter() - t0}
+
+    def _local_keep(self) -> int:
+        """Checkpoints the local tier keeps: `local_keep`, at least 2 with peer replicas. A process may go on to
+        complete step s + every while its peer is still copying its part of step s (each process waits only for its
+        own previous checkpoint); had it kept one step, it would delete that part under the copy, and a host lost
+        then would leave no step whole."""
+        return max(self.cfg.local_keep, 2) if self._replica_sources else self.cfg.local_keep
 
     def _agreed_record(self, step: int, keys: list[str], extra: dict) -> dict | None:
         """The record of `step` in a multi-process run: process 0 makes it from every process's partial checksums
@@ -790,6 +902,8 @@ class Checkpointer:
             self._worker.shutdown(wait=False, cancel_futures=True)
             if self._compile_thread is not None:  # compiles of a few seconds: never left running past the run
                 self._compile_thread.join(timeout=self.cfg.timeout_s)
+            if self._server is not None:
+                self._server.close()
             try:
                 _wait(f"Orbax to close the checkpoint manager of {self.write_directory}", self._close_manager,
                       self.cfg.timeout_s)
@@ -847,8 +961,10 @@ class Checkpointer:
         needs = shards.shard_indices(abstract_state) if replica_plan is None or replica_plan.is_source else []
         local = self._usable_local_steps(needs)
         in_persistent = set(self.persistent.steps())
+        self._peer_set = self._survey_peers()
+        on_peers = set(self._peer_set.steps) if self._peer_set is not None else set()  # the same on every process
         self.last_download = {"chunks": 0, "bytes": 0, "seconds": 0.0}
-        for step in self._agreed_steps(in_persistent | set(local)):
+        for step in self._agreed_steps(in_persistent | set(local) | on_peers):
             path = self.persistent.path(step)
             reason = None
             try:
@@ -856,7 +972,7 @@ class Checkpointer:
             except ValueError as e:
                 precord, reason = None, str(e)
             lrecord = local.get(step)
-            everywhere_local = not _any_process(lrecord is None)
+            everywhere_local = step in on_peers or not _any_process(lrecord is None)
             # Each verdict below is agreed by every process before it acts on it: they read the same files, but
             # a write still landing or a slow filesystem can show them different states, and a process that goes
             # on alone enters the next collective alone.
@@ -874,21 +990,25 @@ class Checkpointer:
                 self._discard(self.persistent, step, reason)
                 tried.append(f"{path}: {reason}")
                 continue
-            # Round 1 reads this process's local copy when it has one, else the persistent tier's. A local copy or
-            # a download that does not read or verify is followed by a second round from the persistent tier, a
-            # fresh download: a copy damaged on one host, or a transfer garbled on its way, must not cost a good
-            # checkpoint. Every process agrees on `reason` at each stage, so all take the same rounds.
-            rounds = ["local" if lrecord is not None else "persistent"]
-            if not _any_process(precord is None) and (_any_process(rounds[0] == "local") or self.persistent.remote):
+            # Round 1 reads this process's local copy when it has one, else the copies on the job's hosts (peer
+            # replicas) when they hold the whole step, else the persistent tier's. A copy that does not read or
+            # verify is followed by a second round from the persistent tier, a fresh download: a copy damaged on
+            # one host, or a transfer garbled on its way, must not cost a good checkpoint. Every process agrees on
+            # `reason` at each stage, so all take the same rounds.
+            first = "local" if lrecord is not None else "peers" if step in on_peers else "persistent"
+            rounds = [first]
+            if not _any_process(precord is None) and (_any_process(first != "persistent") or self.persistent.remote):
                 rounds.append("persistent")
             for i, source in enumerate(rounds):
                 if i:
-                    _warn(f"checkpoint {self.local.path(step)} failed verification ({reason}); reading {path}"
-                          if rounds[0] == "local" else
-                          f"checkpoint {path}: the downloaded copy failed ({reason}); downloading it again")
+                    _warn(f"checkpoint {path}: the downloaded copy failed ({reason}); downloading it again"
+                          if first == "persistent" else
+                          f"checkpoint {self._source_path(step, first)} failed verification ({reason}); reading "
+                          f"{path}")
                     reason = None
+                record = lrecord if source == "local" else precord if source == "persistent" else None
                 fetched, reason, state, loader = self._fetch_and_verify(
-                    lambda: self._fetch(step, source, needs), lrecord if source == "local" else precord,
+                    lambda: self._fetch(step, source, needs), record,
                     abstract_state, replica_plan, partial, verify, reason)
                 if reason is None:
                     break
@@ -900,8 +1020,8 @@ class Checkpointer:
                     self.verified_step = step
                 self._manager.reload()
                 return step, state, loader
-            failed = path if source == "persistent" else self.local.path(step)
-            _warn(f"checkpoint {failed} failed verification ({reason}); trying the next older one")
+            _warn(f"checkpoint {self._source_path(step, source)} failed verification ({reason}); trying the next "
+                  "older one")
             if source == "persistent":
                 self._discard(self.persistent, step, reason)
             tried.append(f"{failed}: {reason}")
@@ -919,6 +1039,11 @@ class Checkpointer:
         if reason is None:
             t_fetch = time.perf_counter()
             fetched, reason = fetch()
+            if reason is None and record is None:  # a copy from peers: its record came with it, last
+                try:
+                    record = read_record(fetched)
+                except ValueError as e:
+                    reason = str(e)
             if _any_process(reason is not None) and reason is None:
                 reason = "another process could not fetch it"
         if reason is None:
@@ -970,6 +1095,25 @@ class Checkpointer:
                 out[step] = record
         return out
 
+    def _survey_peers(self) -> peers.PeerSet | None:
+        """With peer replicas: every process publishes what its host's local tier holds (msjax.checkpoint.peers
+        `holdings`) and reads everyone's; the steps the job's hosts hold whole between them, the same on every
+        process. None without peer replicas."""
+        if self._replica_sources is None:
+            return None
+        self._restores += 1
+        pid, root = jax.process_index(), self.local.root.parent
+        key = f"inventory-{self._restores}"
+        self._kv_set(self._kv_key("peers", f"{key}-{pid}"), json.dumps(peers.holdings(root)).encode())
+        inventories = {p: json.loads(self._kv_get(self._kv_key("peers", f"{key}-{p}"), f"process {p}'s inventory"))
+                       for p in range(jax.process_count())}
+        return peers.PeerSet.from_inventories(pid, self._peer_servers(), root, self.cfg.timeout_s, inventories)
+
+    def _source_path(self, step: int, source: str) -> str:
+        """Where a restore read `step` from `source` ("local", "peers", "persistent"), for messages."""
+        tier = {"local": self.local, "peers": self._peer_set}.get(source, self.persistent)
+        return tier.path(step)
+
     def _agreed_steps(self, mine: set[int]) -> list[int]:
         """The union of every process's candidate steps, newest first (this process's newest 64 at most)."""
         steps = sorted(mine, reverse=True)[:64]
@@ -992,28 +1136,29 @@ class Checkpointer:
         is downloaded whole."""
         if source == "local":
             return self.local.root / str(step), None
-        if not self.persistent.remote:
-            return Path(self.persistent.path(step)), None
+        tier = self._peer_set if source == "peers" else self.persistent
+        if not tier.remote:
+            return Path(tier.path(step)), None
         dest = self.local.scratch(step, "restore")
         t0 = time.perf_counter()
         try:
             shutil.rmtree(dest, ignore_errors=True)
-            body = [r for r in self.persistent.files(step) if r != RECORD_NAME]
+            body = [r for r in tier.files(step) if r != RECORD_NAME]
             chunks = None
             if shards.is_zarr_layout(body):
                 arrays = shards.array_dirs_of(body)
-                self.persistent.fetch_files(step, [r for r in body if not shards.is_chunk(r, arrays)], dest)
+                tier.fetch_files(step, [r for r in body if not shards.is_chunk(r, arrays)], dest)
                 wanted = shards.needed_chunks(dest, needs)
                 missing = sorted(wanted - set(body))
                 if missing:
                     return None, f"{len(missing)} chunk file(s) missing, e.g. {missing[0]}"
                 body = chunks = sorted(wanted)
-            self.persistent.fetch_files(step, body, dest)
-            self.persistent.fetch_files(step, [RECORD_NAME], dest)
+            tier.fetch_files(step, body, dest)
+            tier.fetch_files(step, [RECORD_NAME], dest)
         except Exception as e:  # noqa: BLE001 - the object store's error types vary by backend
             shutil.rmtree(dest, ignore_errors=True)
-            return None, f"could not be downloaded to {dest}: {type(e).__name__}: {str(e)[:300]}"
-        self.last_download = {"chunks": None if chunks is None else len(chunks),
+            return None, f"could not be copied to {dest}: {type(e).__name__}: {str(e)[:300]}"
+        self.last_download = {"source": source, "chunks": None if chunks is None else len(chunks),
                               "bytes": sum(p.stat().st_size for p in dest.rglob("*") if p.is_file()),
                               "seconds": time.perf_counter() - t0}
         return dest, None
@@ -1023,7 +1168,7 @@ class Checkpointer:
         checkpointer leaves it), a download is deleted."""
         if source == "local" and not self.read_only:
             self.local.reject(step)
-        elif fetched is not None and self.persistent.remote:
+        elif fetched is not None and (source == "peers" or self.persistent.remote):
             shutil.rmtree(fetched, ignore_errors=True)
 
     def _drop_newer_local(self, step: int) -> None:
@@ -1037,6 +1182,11 @@ class Checkpointer:
             if s > step:
                 _warn(f"checkpoint {self.local.path(s)}: newer than the step resumed from; deleted")
                 self.local.delete(s)
+        for w in self._replica_sources or []:  # copies of other processes' parts: the same abandoned timeline
+            tier = LocalTier("replica", self.local.root.parent / peers.replica_dir(w))
+            for s in tier.steps():
+                if s > step:
+                    tier.delete(s)
 
     def _keep_download(self, step: int, fetched: Path | None) -> None:
         """A download that restored becomes this process's local copy of the step (complete for this layout: its

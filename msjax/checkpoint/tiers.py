@@ -115,6 +115,13 @@ class LocalTier:
         tmp.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(record, tmp / RECORD_NAME)
         _fsync_path(tmp / RECORD_NAME)
+        self.commit(step, token)
+
+    def commit(self, step: int, token: str) -> None:
+        """Renames `scratch(step, token)`, whose files, the record last, are written and fsynced, onto
+        `<root>/<step>` (replacing an interrupted write of the same step), fsyncing the directories. Raises
+        OSError."""
+        tmp = self.scratch(step, token)
         _fsync_path(tmp)
         if (self.root / str(step)).exists():
             self.delete(step)

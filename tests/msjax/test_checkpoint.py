@@ -377,6 +377,29 @@ def test_local_tier_restores_first_and_persistent_tier_backs_it_up(tmp_path, sma
         np.testing.assert_array_equal(x, y)
 
 
+def test_between_persistent_steps_checkpoints_stay_in_the_local_tier_and_restore_from_it(tmp_path, small_corpus,
+                                                                                          make_tiny_config):
+    """checkpoint.every=2, persistent_every=4: steps 2 and 6 stay local, 4 and 8 go on to the persistent tier.
+    With step 8 lost from both tiers, the resume reads the local-only step 6 (newer than the persistent 4) and
+    ends bit-identical to the straight run."""
+    local = tmp_path / "local"
+    cfg = make_tiny_config(tmp_path, small_corpus, **{"checkpoint.local_dir": str(local), "checkpoint.keep": 5,
+                                                      "checkpoint.local_keep": 2, "checkpoint.every": 2,
+                                                      "checkpoint.persistent_every": 4})
+    straight = run(cfg)
+    persistent, mine = tmp_path / "run" / "checkpoints", local / "process-0"
+    assert sorted(int(p.name) for p in persistent.iterdir() if p.name.isdigit()) == [4, 8]
+    assert sorted(int(p.name) for p in mine.iterdir() if p.name.isdigit()) == [6, 8]
+    shutil.rmtree(mine / "8")
+    shutil.rmtree(persistent / "8")
+    resumed = run(apply_overrides(cfg, {"checkpoint.resume": True}))
+    assert resumed.start_step == 6
+    for x, y in zip(_leaves(straight.state), _leaves(resumed.state)):
+        np.testing.assert_array_equal(x, y)
+    with pytest.raises(ConfigError, match="checkpoint.persistent_every=3"):
+        apply_overrides(cfg, {"checkpoint.persistent_every": 3}).validate()
+
+
 # ---- several processes ---------------------------------------------------------------------------------------
 
 _TWO_PROCESS_RESTORE = """

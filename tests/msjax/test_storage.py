@@ -25,6 +25,7 @@ from msjax.config import ConfigError, DataConfig, StorageConfig, apply_overrides
 from msjax.data import BatchLoader, DataError, prepare_data
 from msjax.train import run
 from tests.msjax.object_store import GCSServer, S3Server
+from tests.msjax.processes import two_processes
 
 
 @pytest.fixture(scope="module", params=["s3", "gcs"])
@@ -545,38 +546,6 @@ def test_a_corpus_on_one_store_and_checkpoints_on_another_in_one_run(tmp_path, s
 
 # ---- several processes: each reads only its own rows ----------------------------------------------------------
 
-def _two_processes(script: str, args: list[str], timeout: float, private_tmpfs: Path | None = None) -> list:
-    """Runs `script` (python -c) as processes 0 and 1 of one jax job (a free loopback port as the coordinator's),
-    each given `args`; returns the JSON object each printed last. A process still running at the end is killed.
-    `private_tmpfs`: each process runs in a mount namespace of its own with a fresh tmpfs mounted there, as two
-    hosts whose local disks are their own (gone with the process)."""
-    import socket
-    import subprocess
-    import sys
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    repo = Path(__file__).resolve().parents[2]
-    private = ([] if private_tmpfs is None else  # unshare(1): util-linux, and root, as the SLURM tests need
-               ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
-                'mount -t tmpfs msjax-host "$0" && exec "$@"', str(private_tmpfs)])
-    procs = [subprocess.Popen([*private, sys.executable, "-c", script, str(i), str(port), *args], cwd=repo,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    try:
-        outs = []
-        for p in procs:
-            out, err = p.communicate(timeout=timeout)
-            assert p.returncode == 0, err[-3000:]
-            outs.append(json.loads(out.strip().splitlines()[-1]))
-        return outs
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-
 _SHARED_BUILD = r"""
 import hashlib, json, os, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
@@ -633,7 +602,7 @@ def test_two_processes_each_read_only_their_own_rows_and_build_the_one_process_c
                             hashlib.sha256(ds.val.tobytes()).hexdigest())
         assert ds.meta["processes"] == 1
     storage = json.dumps(dataclasses.asdict(s3.storage))
-    outs = _two_processes(_SHARED_BUILD, [url, str(tmp_path / "c"), storage], timeout=300)
+    outs = two_processes(_SHARED_BUILD, [url, str(tmp_path / "c"), storage], timeout=300)
     sizes = {o.path: o.size for o in paths.walk_files(url) if not paths.basename(o.path).startswith(".")}
     for tokenizer in ("char", "bpe"):
         for pid in range(2):
@@ -699,7 +668,7 @@ def test_two_processes_save_to_a_bucket_and_restore_from_it(s3, tmp_path):
     latest_verified, process 0 downloads it while the other waits, and both restore it exactly."""
     url = f"{s3.scheme}://ckpt/two-processes"
     args = [url, str(tmp_path / "local"), str(tmp_path / "fresh"), json.dumps(dataclasses.asdict(s3.storage))]
-    outs = _two_processes(_TWO_PROCESS_BUCKET, args, timeout=180)
+    outs = two_processes(_TWO_PROCESS_BUCKET, args, timeout=180)
     assert outs == [{"step": 2, "answer": 2, "pos": 2, "error": 0.0}] * 2, outs
     assert [n for n in paths.listdir(url) if n.isdigit()] == ["2"]  # the cut upload was deleted
 
@@ -780,7 +749,7 @@ def test_two_hosts_that_share_no_disk_save_to_the_bucket_and_restore_from_their_
     url = f"{s3.scheme}://ckpt/two-hosts"
     local = tmp_path / "local"
     local.mkdir()
-    outs = _two_processes(_TWO_HOSTS, [url, str(local), json.dumps(dataclasses.asdict(s3.storage))], timeout=240,
+    outs = two_processes(_TWO_HOSTS, [url, str(local), json.dumps(dataclasses.asdict(s3.storage))], timeout=240,
                           private_tmpfs=local)
     assert not any(local.iterdir())  # every write went to the processes' own tmpfs, none to this machine's disk
     for step in (2, 4):
