@@ -433,6 +433,51 @@ def test_nodes_that_share_only_a_bucket_checkpoint_there_and_a_node_failure_resu
         cluster._wait(lambda: cluster.node_state("node2") == "idle", 60, "node2 idle again")
 
 
+def _replicated(run_dir: Path, attempt: int = 0) -> int:
+    """The newest step of which rank 0 of `attempt` holds a complete copy of rank 1's local part (its log's peer
+    replica lines), 0 for none."""
+    log = run_dir / "logs" / f"attempt{attempt}.rank0.log"
+    text = log.read_text() if log.exists() else ""
+    return max([int(s) for s in re.findall(r"step (\d+): a copy of process 1's local part is held", text)],
+               default=0)
+
+
+def test_with_peer_replicas_a_node_failure_resumes_from_the_newest_local_step(cluster, tmp_path, corpus,
+                                                                              compile_cache, reference, bucket):
+    """checkpoint.local_replicas=1 with the bucket taking only the last step (checkpoint.persistent_every=STEPS):
+    every checkpoint stays in the nodes' own tiers, node1 also holding a copy of node2's part. Everything on node2
+    is killed after step 6: the job resumes on node1 and the spare node3 from the newest step whose copy node1
+    completed (node3 copies its part from node1), not from step 0, and ends with the uninterrupted run's
+    parameters."""
+    from msjax.checkpoint import latest_verified
+    from tests.msjax.object_store import S3_CREDENTIALS
+
+    run_dir, url = tmp_path / "run", f"s3://ckpt/{tmp_path.name}"
+    flags = _flags(corpus, run_dir, **{"supervisor.spares": 1, "checkpoint.dir": url,
+                                       "checkpoint.local_dir": cluster.node_local / "tier",
+                                       "checkpoint.local_replicas": 1, "checkpoint.persistent_every": STEPS,
+                                       **bucket.overrides()})
+    job = Job(cluster, tmp_path, flags, compile_cache, "--supervise", env=S3_CREDENTIALS)
+    try:
+        beat = job.wait_step(1, 6)
+        assert beat["host"] == "node2", beat
+        job.wait(lambda: _replicated(run_dir) >= 4, 120, "node1 holding a copy of node2's part of step 4")
+        assert latest_verified(url) is None  # nothing in the bucket before the last step
+        killed = cluster.kill_node("node2")
+        assert beat["pid"] in killed
+        newest_local = _replicated(run_dir)  # node2's part can no longer be copied: this is final
+        assert job.finish() == "COMPLETED", job.output()[-5000:]
+        assert job.info("NodeList") == "node[1,3]"
+        resumed = [int(s) for s in re.findall(r"resumed from step (\d+)", job.output())]
+        assert resumed and set(resumed) == {newest_local}, (resumed, newest_local, job.output()[-3000:])
+        assert latest_verified(url) == STEPS and not any(cluster.node_local.iterdir())
+        for x, y in zip(_final_params(reference), _final_params(run_dir, url)):
+            np.testing.assert_allclose(y, x, atol=TOL, rtol=0)
+    finally:
+        cluster.start_node("node2")
+        cluster._wait(lambda: cluster.node_state("node2") == "idle", 60, "node2 idle again")
+
+
 def test_scancel_ends_every_process_of_a_supervised_job_on_every_node(cluster, tmp_path, corpus, compile_cache):
     job = Job(cluster, tmp_path, _flags(corpus, tmp_path / "run", **{"train.steps": 1000}), compile_cache,
               "--supervise")
