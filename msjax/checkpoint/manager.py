@@ -1020,8 +1020,8 @@ class Checkpointer:
                     self.verified_step = step
                 self._manager.reload()
                 return step, state, loader
-            _warn(f"checkpoint {self._source_path(step, source)} failed verification ({reason}); trying the next "
-                  "older one")
+            failed = self._source_path(step, source)
+            _warn(f"checkpoint {failed} failed verification ({reason}); trying the next older one")
             if source == "persistent":
                 self._discard(self.persistent, step, reason)
             tried.append(f"{failed}: {reason}")

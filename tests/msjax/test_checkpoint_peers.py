@@ -5,7 +5,6 @@ of its own with a fresh tmpfs at the local tier's path, so what one host wrote i
 through the peer transfer under test.
 """
 
-import json
 import threading
 from pathlib import Path
 

@@ -537,7 +537,7 @@ def test_a_corpus_on_one_store_and_checkpoints_on_another_in_one_run(tmp_path, s
             mp.setenv("AWS_CONFIG_FILE", str(config_file))
             paths.configure(dataclasses.replace(ckpt_store.storage, prefixes=(
                 f"s3://corpus s3_endpoint={corpus_store.endpoint} s3_profile=data",
-                f"s3://corpus/other s3_profile=nobody")))
+                "s3://corpus/other s3_profile=nobody")))
             assert paths.exists("s3://corpus/text") and paths.exists("s3://ckpt/run/8")
             with pytest.raises(Exception, match=r"profile \(nobody\) could not be found"):
                 paths.exists("s3://corpus/other/x")
