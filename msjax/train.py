@@ -22,7 +22,8 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from msjax.checkpoint import Checkpointer, check_resume_config, checkpoint_dir, ensure_writable, local_checkpoint_dir
+from msjax.checkpoint import (Checkpointer, NoWholeCheckpointError, check_resume_config, checkpoint_dir,
+                              ensure_writable, local_checkpoint_dir)
 from msjax import distributed, paths, runtime
 from msjax.config import Config, ConfigError, to_dict
 from msjax.data import BatchLoader, check_data_paths, eval_batches, prepare_chat_data, prepare_data
@@ -224,10 +225,14 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
 
     loader_state = None
     if latest is not None:
-        start_step, state, loader_state = _restore(ckpt, program)
-        _log(f"resumed from step {start_step} ({ckpt.directory}"
-             + ("; read by one data-parallel replica, broadcast to the others)" if ckpt.replica_restore else ")"))
-    else:
+        try:
+            start_step, state, loader_state = _restore(ckpt, program)
+            _log(f"resumed from step {start_step} ({ckpt.directory}"
+                 + ("; read by one data-parallel replica, broadcast to the others)" if ckpt.replica_restore else ")"))
+        except NoWholeCheckpointError as e:  # lost with a host: nothing damaged, nothing to resume from
+            logging.getLogger(__name__).warning("%s; starting from step 0", e)
+            latest = None
+    if latest is None:
         if cfg.checkpoint.resume:
             _log(f"--resume: no checkpoint in {ckpt.directory}; starting from step 0")
         start_step, state = 0, program.init_fn(jax.random.key(t.seed))

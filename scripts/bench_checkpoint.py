@@ -32,6 +32,15 @@ For a train-state-like pytree of `--gib` GiB of float32 arrays sharded over `--d
                   verify: a new machine's restore), remote_restore_unverified_s, remote_verify_cost and
                   remote_verify_fraction_of_restore (the integrity check's share of that restore), remote_fetch_s.
 
+Several hosts (`--processes=N`, N > 1, with `--remote`): N processes of one jax job on this machine, `--devices / N`
+devices each, every one a "host" with its local tier on a tmpfs of its own (its own mount namespace: root and
+util-linux's unshare; `--shared_disk` puts them all on one /dev/shm directory instead, as code before per-host
+tiers needs), sharing only the bucket. For two layouts of the state over a (data = N, fsdp) mesh, `sharded` (every
+array split over all devices: each host holds 1/N) and `replicated` (split over fsdp, replicated over data: each
+host holds a whole data-parallel replica), per host: the blocked time and background time per save (mean after the
+first), the bytes it uploaded, and a restore on new hosts (empty local tiers) with single-replica restore on and
+off (median wall time; the bytes each host downloaded). Rows give the slowest host's time and every host's bytes.
+
 Kill -9 during saves (`--kill_trials=N`, N > 0, instead of the timings): N trials, split over three phases of a
 save, each in a fresh directory: a process saves a small state in a loop (`SAVER`), and is killed with SIGKILL as
 soon as this process sees the phase's unfinished directory of a save after the first: `write` (Orbax's temporary
@@ -78,6 +87,8 @@ class CheckpointBenchOptions:
         here) or an s3:// / gs:// prefix (its checkpoints are removed at the end); empty: none.
       s3_endpoint: the S3-compatible server of an s3:// --remote (empty: AWS, or AWS_ENDPOINT_URL).
       kill_trials: run this many kill -9 trials instead of the timings (see the module docstring); 0: none.
+      processes: > 1: the several-hosts benchmark instead (see the module docstring; needs --remote).
+      shared_disk: with --processes: the hosts' local tiers in one shared directory, not a tmpfs each.
       json: also write the results as JSON to this path.
     """
 
@@ -90,6 +101,8 @@ class CheckpointBenchOptions:
     remote: str = ""
     s3_endpoint: str = ""
     kill_trials: int = 0
+    processes: int = 1
+    shared_disk: bool = False
     json: str = ""
 
 
@@ -102,7 +115,11 @@ def main(argv: list[str]) -> int:
                                          ("--saves", args.saves, args.saves >= 2, ">= 2"),
                                          ("--restores", args.restores, args.restores >= 1, ">= 1"),
                                          ("--devices", args.devices, args.devices >= 1, ">= 1"),
-                                         ("--kill_trials", args.kill_trials, args.kill_trials >= 0, ">= 0")):
+                                         ("--kill_trials", args.kill_trials, args.kill_trials >= 0, ">= 0"),
+                                         ("--processes", args.processes, args.processes >= 1
+                                          and args.devices % args.processes == 0 and (args.processes == 1
+                                                                                       or bool(args.remote)),
+                                          "a divisor of --devices, above 1 only with --remote")):
             if not ok:
                 raise ConfigError(f"{flag}={value}: allowed is {allowed}")
         if args.remote and args.remote != "moto":
@@ -113,7 +130,9 @@ def main(argv: list[str]) -> int:
                                   "gs://bucket/prefix")
         if args.json:
             cli.check_writable(args.json, "--json")
-        return run_kill_trials(args) if args.kill_trials else run(args)
+        if args.kill_trials:
+            return run_kill_trials(args)
+        return run_hosts(args) if args.processes > 1 else run(args)
 
     return cli.main_guard(body)
 
@@ -359,6 +378,153 @@ def _object_store(remote: str, s3_endpoint: str):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+# ---- several hosts -----------------------------------------------------------------------------------------------
+
+# One host of the job (argv: process index, processes, coordinator port, devices, GiB, saves, restores, bucket URL,
+# storage settings as JSON, local directory): saves and restores for each layout, prints one JSON object.
+HOST = r"""
+import json, os, shutil, statistics, sys, time
+from pathlib import Path
+pid, n, port, devices = (int(a) for a in sys.argv[1:5])
+gib, saves, restores = float(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7])
+url, storage, local = sys.argv[8], json.loads(sys.argv[9]), Path(sys.argv[10])
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+import jax, jax.numpy as jnp
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
+from msjax import paths
+from msjax.checkpoint import Checkpointer
+from msjax.config import CheckpointConfig, StorageConfig
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n, process_id=pid, initialization_timeout=300)
+paths.configure(StorageConfig(**storage))
+mesh = jax.make_mesh((n, devices), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+n_arrays, cols, total = 8, 8192, n * devices
+rows = max(total, int(gib * 2**30 / 4 / n_arrays / cols) // total * total)
+def size(d):
+    return sum(p.stat().st_size for p in d.rglob("*") if p.is_file()) if d.is_dir() else 0
+out = {"process": pid}
+for layout, spec in (("sharded", P(("data", "fsdp"))), ("replicated", P("fsdp"))):
+    sharding = NamedSharding(mesh, spec)
+    make = jax.jit(lambda k: {f"w{i}": jax.random.normal(jax.random.fold_in(k, i), (rows, cols), jnp.float32)
+                              for i in range(n_arrays)}, out_shardings=sharding)
+    step_fn = jax.jit(lambda s: {"params": jax.tree.map(lambda x: x * 1.0001 + 1e-4, s["params"]),
+                                 "step": s["step"] + 1}, donate_argnums=0)
+    state = {"params": make(jax.random.key(0)), "step": jax.device_put(jnp.zeros((), jnp.int32),
+                                                                      NamedSharding(mesh, P()))}
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    where = f"{url}/{layout}"
+    ckpt = Checkpointer(CheckpointConfig(every=1, keep=2, local_keep=1, timeout_s=900), where, local / layout)
+    blocked, background = [], []
+    for i in range(1, saves + 1):
+        state = step_fn(state)
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        ckpt.save(i, state, {"step": i}, force=True)
+        t1 = time.perf_counter()
+        ckpt.wait()
+        blocked.append(t1 - t0)
+        background.append(time.perf_counter() - t1)
+    ckpt.close()
+    row = {"state_bytes": sum(x.nbytes for x in jax.tree.leaves(state)),
+           "blocked_s": statistics.mean(blocked[1:]), "background_s": statistics.mean(background[1:]),
+           "uploaded_bytes": getattr(ckpt, "last_upload", {}).get("bytes")}
+    for replica in (True, False):
+        times, got = [], []
+        for r in range(restores):
+            fresh = local / f"fresh-{layout}-{replica}-{r}"
+            multihost_utils.sync_global_devices(f"restore {layout} {replica} {r}")
+            c = Checkpointer(CheckpointConfig(keep=2, local_keep=1, replica_restore=replica, timeout_s=900),
+                             where, fresh)
+            t0 = time.perf_counter()
+            _, restored, _ = c.restore(abstract)
+            jax.block_until_ready(restored)
+            times.append(time.perf_counter() - t0)
+            download = getattr(c, "last_download", None)  # code before per-host tiers: process 0 downloads all
+            got.append(download["bytes"] if download is not None else (size(fresh) if pid == 0 else 0))
+            c.close()
+            del restored
+            multihost_utils.sync_global_devices(f"restored {layout} {replica} {r}")
+            shutil.rmtree(fresh, ignore_errors=True)
+        key = "single_replica" if replica else "every_replica"
+        row[f"restore_{key}_s"] = statistics.median(times)
+        row[f"downloaded_{key}_bytes"] = got[-1]
+    out[layout] = row
+    del state
+print(json.dumps(out), flush=True)
+jax.distributed.shutdown()
+"""
+
+
+def run_hosts(args: CheckpointBenchOptions) -> int:
+    """The several-hosts benchmark (see the module docstring): prints the table, writes --json; returns 0."""
+    import socket
+    import subprocess
+
+    devices = args.devices // args.processes
+    root = Path(args.local_dir or tempfile.mkdtemp(prefix="msjax-bench-hosts-", dir="/dev/shm"))
+    with _object_store(args.remote, args.s3_endpoint) as (bucket, storage), _removed(root):
+        url = f"{bucket}/bench-hosts-{os.getpid()}"
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        private = ([] if args.shared_disk else  # a tmpfs of its own in a mount namespace of its own: a host's disk
+                   ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+                    'mount -t tmpfs msjax-bench-host "$0" && exec "$@"', str(root)])
+        common = [str(args.processes), str(port), str(devices), str(args.gib), str(args.saves), str(args.restores),
+                  url, json.dumps(dataclasses.asdict(storage)), str(root)]
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        # Output to files: a pipe read only after another host ends could fill and stall its writer mid-job.
+        logs = [tempfile.TemporaryFile("w+") for _ in range(args.processes)]
+        procs = [subprocess.Popen([*private, sys.executable, "-c", HOST, str(i), *common], env=env, stdout=log,
+                                  stderr=subprocess.STDOUT, text=True) for i, log in enumerate(logs)]
+        outs, failed = [], []
+        try:
+            for i, (proc, log) in enumerate(zip(procs, logs)):
+                proc.wait(timeout=3600)
+                log.seek(0)
+                lines = [line for line in log.read().splitlines() if not line.startswith("    @ ")]  # C++ frames
+                if proc.returncode != 0:
+                    failed.append(f"host {i} failed (exit status {proc.returncode}): " + "\n".join(lines[-40:]))
+                else:
+                    outs.append(json.loads(lines[-1]))
+            if failed:
+                raise RuntimeError("\n".join(failed))
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        from msjax import paths
+
+        paths.remove_tree(url)
+    results: dict = {"processes": args.processes, "devices_per_process": devices, "shared_disk": args.shared_disk,
+                     "hosts": outs}
+    lines = [f"checkpoint benchmark, {args.processes} hosts x {devices} CPU devices, local tiers "
+             f"{'in one shared directory' if args.shared_disk else 'on a tmpfs each'}, bucket {args.remote}, load "
+             f"average {os.getloadavg()[0]:.1f}",
+             f"{'layout':<11} {'GiB':>5} {'blocked s':>9} {'backgr s':>8} {'restore 1-replica s':>19} "
+             f"{'restore all s':>13}  uploaded / downloaded 1-replica / downloaded all (MiB per host)"]
+    for layout in ("sharded", "replicated"):
+        rows = [o[layout] for o in outs]
+        row = {key: max(r[key] for r in rows) for key in ("blocked_s", "background_s", "restore_single_replica_s",
+                                                          "restore_every_replica_s")}
+        for key in ("uploaded_bytes", "downloaded_single_replica_bytes", "downloaded_every_replica_bytes"):
+            row[key] = [r[key] for r in rows]
+        row["state_bytes"] = rows[0]["state_bytes"]
+        results[layout] = row
+
+        def mib(xs):
+            return "/".join("?" if x is None else f"{x / 2**20:.0f}" for x in xs)
+
+        lines.append(f"{layout:<11} {row['state_bytes'] / 2**30:>5.2f} {row['blocked_s']:>9.3f} "
+                     f"{row['background_s']:>8.2f} {row['restore_single_replica_s']:>19.2f} "
+                     f"{row['restore_every_replica_s']:>13.2f}  {mib(row['uploaded_bytes'])} / "
+                     f"{mib(row['downloaded_single_replica_bytes'])} / {mib(row['downloaded_every_replica_bytes'])}")
+    results["load_average_1min"] = os.getloadavg()[0]
+    cli.print_result("\n".join(lines), results, args.json)
+    return 0
 
 
 def run(args: CheckpointBenchOptions) -> int:

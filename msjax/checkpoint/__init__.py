@@ -13,6 +13,7 @@ from msjax.checkpoint.manager import (
     Checkpointer,
     CheckpointWriteError,
     NonFiniteStateError,
+    NoWholeCheckpointError,
     checkpoint_dir,
     ensure_writable,
     latest_verified,
@@ -21,5 +22,6 @@ from msjax.checkpoint.manager import (
 )
 from msjax.checkpoint.resume import check_resume_config
 
-__all__ = ["CheckpointError", "Checkpointer", "CheckpointWriteError", "NonFiniteStateError", "checkpoint_dir",
-           "ensure_writable", "latest_verified", "local_checkpoint_dir", "staging_dir", "check_resume_config"]
+__all__ = ["CheckpointError", "Checkpointer", "CheckpointWriteError", "NonFiniteStateError", "NoWholeCheckpointError",
+           "checkpoint_dir", "ensure_writable", "latest_verified", "local_checkpoint_dir", "staging_dir",
+           "check_resume_config"]

@@ -90,6 +90,15 @@ class NonFiniteStateError(CheckpointError):
     """The state to be saved holds NaN or Inf; it was not made a checkpoint."""
 
 
+class NoWholeCheckpointError(CheckpointError):
+    """Every checkpoint the job holds survives on some hosts only: their other parts were lost with their hosts
+    (node-local tiers), and neither the persistent tier nor a peer replica holds them. None is damaged; there is
+    nothing whole to resume from (the caller may start afresh; `restore` deleted those parts)."""
+
+
+_SOME_HOSTS_ONLY = "in the local tier of some processes only"
+
+
 def checkpoint_dir(cfg: CheckpointConfig, run_dir: str) -> Path | str:
     """The persistent tier: `checkpoint.dir`, or `<run_dir>/checkpoints`; an absolute local `Path`, or a `gs://` /
     `s3://` URL (a str).
@@ -978,7 +987,7 @@ class Checkpointer:
             # on alone enters the next collective alone.
             if _any_process(precord is None) and not everywhere_local:
                 if not _any_process(step in in_persistent):
-                    tried.append(f"step {step}: in the local tier of some processes only")
+                    tried.append(f"step {step}: {_SOME_HOSTS_ONLY}")
                     continue
                 if precord is None and reason is None:
                     _warn(f"checkpoint {path} has no integrity record (its write was interrupted); skipped")
@@ -1025,6 +1034,10 @@ class Checkpointer:
             if source == "persistent":
                 self._discard(self.persistent, step, reason)
             tried.append(f"{failed}: {reason}")
+        if any(t.endswith(_SOME_HOSTS_ONLY) for t in tried) and all(
+                t.endswith((_SOME_HOSTS_ONLY, ": interrupted write")) for t in tried):
+            self._drop_newer_local(-1)  # parts of steps no host can complete: a later save writes those steps again
+            raise NoWholeCheckpointError("no checkpoint is whole on the job's hosts: " + "; ".join(tried))
         raise CheckpointError("no checkpoint passes verification"
                               + (": " + "; ".join(tried) if tried else f" (none in {self.directory})"))
 

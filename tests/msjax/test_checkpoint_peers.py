@@ -22,7 +22,7 @@ from pathlib import Path
 import jax, numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
-from msjax.checkpoint import Checkpointer
+from msjax.checkpoint import Checkpointer, NoWholeCheckpointError
 from msjax.config import CheckpointConfig
 pid, port, local, persistent = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid, initialization_timeout=120)
@@ -74,6 +74,21 @@ for replicas in (1, 0):
     r.close()
     out[replicas] = {"copies": copies, "own": own, "held": held_files, "replica": ckpt.last_replica, **restored,
                      "after": sorted(os.listdir(held)) if held.is_dir() else []}
+    if replicas == 0:  # host 1 lost again, and the persistent tier too: nothing whole is left, nothing damaged
+        multihost_utils.sync_global_devices("lose all")
+        if pid == 1:
+            shutil.rmtree(tier)
+            tier.mkdir()
+        elif pid == 0:
+            shutil.rmtree(bucket)
+        multihost_utils.sync_global_devices("lost all")
+        c = Checkpointer(cfg, bucket, tier)
+        try:
+            c.restore(abstract)
+            out["nothing_whole"] = "restored"
+        except NoWholeCheckpointError as e:
+            out["nothing_whole"] = [str(e), sorted(d for d in os.listdir(tier / f"process-{pid}") if d.isdigit())]
+        c.close()
 print(json.dumps(out), flush=True)
 jax.distributed.shutdown()
 """
@@ -85,7 +100,8 @@ def test_a_lost_hosts_newest_local_step_survives_on_its_peer_and_restores_bit_id
     host also holds the other's local part (the same files), copied over HTTP. Then host 1 is lost (its disk
     emptied) while the persistent tier holds only step 2: with peer replicas the job resumes from step 4, process
     1 copying what it reads from process 0's replica of its part, bit for bit; without, from step 2. Both jobs then
-    checkpoint again, and with replicas the new host holds its peer's part again."""
+    checkpoint again, and with replicas the new host holds its peer's part again. Then, without replicas, host 1
+    is lost once more along with the persistent tier: no step is whole anywhere, and the restore says so."""
     local = tmp_path / "local"
     local.mkdir()
     outs = two_processes(_LOSE_A_HOST, [str(local), str(tmp_path / "persistent")], timeout=300,
@@ -106,6 +122,12 @@ def test_a_lost_hosts_newest_local_step_survives_on_its_peer_and_restores_bit_id
     # part, held there as a replica), not from the persistent tier.
     assert outs[0]["1"]["download"] == {"chunks": 0, "bytes": 0, "seconds": 0.0}, outs[0]
     assert outs[1]["1"]["download"]["source"] == "peers" and outs[1]["1"]["download"]["chunks"] == 5, outs[1]
+    # Without peer replicas and without a persistent step, host 0's parts are all that is left: not a checkpoint.
+    # The restore says so (a NoWholeCheckpointError, which the loop takes as "start from step 0") and deletes them,
+    # so that the steps can be saved again.
+    for out in outs:
+        message, left = out["nothing_whole"]
+        assert "step 6: in the local tier of some processes only" in message and left == [], out["nothing_whole"]
 
 
 def _inventory(step: int, writer: int, digest: str, files: list[str], writers: int = 2) -> dict:
