@@ -399,10 +399,16 @@ class Checkpointer:
             self.local.root.mkdir(parents=True, exist_ok=True)
         multiprocessing, handlers = (_per_host_handlers(self._instance_tag()) if self.per_host
                                      else (ocp.options.MultiprocessingOptions(), {}))
+        # Per host, Orbax creates the step's directories inside `save` rather than on a thread: its threads wait for
+        # a "directories created" signal whose key holds Orbax's operation id but not the process, and the
+        # operation ids run in step on every process, so one host's signal would release another host's threads
+        # into directories that do not exist yet (seen: FileNotFoundError under `<step>.orbax-checkpoint-tmp`).
+        async_options = ocp.AsyncOptions(create_directories_asynchronously=False) if self.per_host else None
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None,  # rotation is ours: it must count only complete (recorded) checkpoints
             enable_async_checkpointing=cfg.async_save, create=not self.per_host, cleanup_tmp_directories=True,
-            save_decision_policy=ocp_policies.AnySavePolicy(policies), multiprocessing_options=multiprocessing)
+            save_decision_policy=ocp_policies.AnySavePolicy(policies), multiprocessing_options=multiprocessing,
+            async_options=async_options)
         self._manager = ocp.CheckpointManager(self.write_directory, options=options, **(
             {"item_handlers": handlers} if handlers else {}))
         if not read_only:  # copies into a tier cut short by a crash: each process its own local part

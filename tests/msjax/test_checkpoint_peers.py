@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from msjax.checkpoint import Checkpointer, NoWholeCheckpointError
 from msjax.config import CheckpointConfig
 pid, port, local, persistent = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
+async_save = sys.argv[5] == "async"
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid, initialization_timeout=120)
 mesh = jax.make_mesh((2, 2), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 rng = np.random.default_rng(0)
@@ -39,7 +40,7 @@ abstract = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
             for name, x in full.items()}
 out = {}
 for replicas in (1, 0):
-    cfg = CheckpointConfig(every=0, async_save=False, timeout_s=60, local_keep=2, local_replicas=replicas)
+    cfg = CheckpointConfig(every=0, async_save=async_save, timeout_s=60, local_keep=2, local_replicas=replicas)
     tier, bucket = local / f"tier{replicas}", persistent / f"r{replicas}"
     ckpt = Checkpointer(cfg, bucket, tier)
     for step in (2, 4):
@@ -95,16 +96,18 @@ jax.distributed.shutdown()
 
 
 @pytest.mark.slow
-def test_a_lost_hosts_newest_local_step_survives_on_its_peer_and_restores_bit_identically(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_lost_hosts_newest_local_step_survives_on_its_peer_and_restores_bit_identically(tmp_path, mode):
     """Two processes on two "hosts" with private local disks save steps 2 and 4. With `local_replicas=1` each
     host also holds the other's local part (the same files), copied over HTTP. Then host 1 is lost (its disk
     emptied) while the persistent tier holds only step 2: with peer replicas the job resumes from step 4, process
     1 copying what it reads from process 0's replica of its part, bit for bit; without, from step 2. Both jobs then
     checkpoint again, and with replicas the new host holds its peer's part again. Then, without replicas, host 1
-    is lost once more along with the persistent tier: no step is whole anywhere, and the restore says so."""
+    is lost once more along with the persistent tier: no step is whole anywhere, and the restore says so. Saved
+    synchronously and asynchronously (Orbax's background threads on each host, writing each its own directory)."""
     local = tmp_path / "local"
     local.mkdir()
-    outs = two_processes(_LOSE_A_HOST, [str(local), str(tmp_path / "persistent")], timeout=300,
+    outs = two_processes(_LOSE_A_HOST, [str(local), str(tmp_path / "persistent"), mode], timeout=300,
                          private_tmpfs=local)
     assert not any(local.iterdir())  # every local write went to the processes' own tmpfs
     for pid, out in enumerate(outs):
