@@ -1043,6 +1043,7 @@ class Checkpointer:
         if any(t.endswith(_SOME_HOSTS_ONLY) for t in tried) and all(
                 t.endswith((_SOME_HOSTS_ONLY, ": interrupted write")) for t in tried):
             self._drop_newer_local(-1)  # parts of steps no host can complete: a later save writes those steps again
+            self._manager.reload()  # else Orbax, still listing them, would not save those steps here, only elsewhere
             raise NoWholeCheckpointError("no checkpoint is whole on the job's hosts: " + "; ".join(tried))
         raise CheckpointError("no checkpoint passes verification"
                               + (": " + "; ".join(tried) if tried else f" (none in {self.directory})"))

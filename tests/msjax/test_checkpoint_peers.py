@@ -88,7 +88,12 @@ for replicas in (1, 0):
             c.restore(abstract)
             out["nothing_whole"] = "restored"
         except NoWholeCheckpointError as e:
-            out["nothing_whole"] = [str(e), sorted(d for d in os.listdir(tier / f"process-{pid}") if d.isdigit())]
+            left = sorted(d for d in os.listdir(tier / f"process-{pid}") if d.isdigit())
+            # The run starts afresh: its first checkpoint is saved again on every host.
+            c.save(6, state(6), {"pos": 6}, force=True)
+            c.wait()
+            again = sorted(d for d in os.listdir(tier / f"process-{pid}") if d.isdigit())
+            out["nothing_whole"] = [str(e), left, again]
         c.close()
 print(json.dumps(out), flush=True)
 jax.distributed.shutdown()
@@ -129,8 +134,9 @@ def test_a_lost_hosts_newest_local_step_survives_on_its_peer_and_restores_bit_id
     # The restore says so (a NoWholeCheckpointError, which the loop takes as "start from step 0") and deletes them,
     # so that the steps can be saved again.
     for out in outs:
-        message, left = out["nothing_whole"]
+        message, left, again = out["nothing_whole"]
         assert "step 6: in the local tier of some processes only" in message and left == [], out["nothing_whole"]
+        assert again == ["6"], out["nothing_whole"]
 
 
 def _inventory(step: int, writer: int, digest: str, files: list[str], writers: int = 2) -> dict:
