@@ -91,7 +91,11 @@ class RecoveryBenchOptions:
       backend: local: worker processes here; slurm: a SLURM cluster of hosts + 1 nodes brought up on this machine
         (tests/slurm_cluster.py; root and Debian's slurmctld, slurmd, slurm-client and munge needed), the job the
         launcher's script, faults from outside it: kill (kill -9), stop (SIGSTOP), node (everything on the node of a
-        rank other than 0 killed, slurmd included), one each; the spare node takes the failed node's place.
+        rank other than 0 killed, slurmd included), one each (--kinds: a subset of kill,stop,node; by default all
+        three); the spare node takes the failed node's place.
+      node_local_tier: (slurm) checkpoint.local_dir on each node's own tmpfs (tests/slurm_cluster.py: one path, a
+        disk per node), so a node failure takes that node's local tier with it (what peer replicas,
+        checkpoint.local_replicas, are for).
       fault_every_s: > 0: faults at a fixed rate instead, one per this many seconds of training on average, until
         the run's steps are done: each attempt's fault comes an exponentially distributed time after the attempt's
         first step was seen (a Poisson process on the training time), of a kind drawn at random from --kinds (on
@@ -112,6 +116,7 @@ class RecoveryBenchOptions:
     seed: int = -1
     backend: Literal["local", "slurm"] = "local"
     fault_every_s: float = 0.0
+    node_local_tier: bool = False
 
 
 # Faults drawn for a run at a fixed rate (--fault_every_s): the restart budget; a run that needs more ends with a
@@ -301,7 +306,15 @@ def run_slurm(cfg: Config, common: cli.CommonOptions, own: RecoveryBenchOptions)
         raise ConfigError(f"--backend=slurm needs root and {', '.join(slurm_cluster.missing_tools())} (apt-get "
                           "install slurmctld slurmd slurm-client munge)")
     rate = own.fault_every_s > 0
-    own = dataclasses.replace(own, faults_per_kind=1, kinds=("kill", "stop"))
+    slurm_kinds = own.kinds if set(own.kinds) <= {"kill", "stop", "node"} else ("kill", "stop", "node")
+    if own.node_local_tier:  # the run's directory fixed first: the nodes' tmpfs is under it (<root>/slurm)
+        preset = load_preset(common.config)
+        root = Path(cfg.train.run_dir if cfg.train.run_dir != preset.train.run_dir
+                    else tempfile.mkdtemp(prefix="bench_recovery_"))
+        cfg = apply_overrides(cfg, {"train.run_dir": str(root),
+                                    "checkpoint.local_dir": str(root / "slurm" / "node-local" / "tier")})
+    own = dataclasses.replace(own, faults_per_kind=1, kinds=("kill", "stop") if rate else
+                              tuple(k for k in slurm_kinds if k != "node"))
     cfg, train_flags, local_faults, seed = supervised_run(cfg, common, own)
     rng = random.Random(seed)
     if rate:  # a node failure takes a spare node: past NODE_SPARES of them, the draw is a kill
@@ -311,7 +324,8 @@ def run_slurm(cfg: Config, common: cli.CommonOptions, own: RecoveryBenchOptions)
                   for f, k in zip(local_faults, kinds)]
         spares = min(NODE_SPARES, kinds.count("node"))
     else:
-        faults = [*local_faults, Fault("node", rng.randrange(1, own.hosts), rng.randint(3, 8), len(local_faults))]
+        node = [Fault("node", rng.randrange(1, own.hosts), rng.randint(3, 8), len(local_faults))]
+        faults = [*local_faults, *(node if "node" in slurm_kinds else [])]
         spares = 1
     cfg = apply_overrides(cfg, {"supervisor.spares": spares})
     train_flags = [*train_flags, f"--supervisor.spares={spares}"]
