@@ -380,17 +380,41 @@ def _object_store(remote: str, s3_endpoint: str):
             proc.wait()
 
 
+def timed_saves(ckpt, state, step_fn, saves: int) -> tuple:
+    """(state, blocked s, background s, Checkpointer.last_save_timing) of each of `saves` asynchronous saves by
+    `ckpt` (closed at the end), `state` advanced by `step_fn` before each."""
+    import jax
+
+    blocked, background, parts = [], [], []
+    for i in range(1, saves + 1):
+        state = step_fn(state)
+        jax.block_until_ready(state)  # the step's own compute is not the checkpoint's cost
+        t0 = time.perf_counter()
+        ckpt.save(i, state, {"step": i}, force=True)
+        t1 = time.perf_counter()
+        ckpt.wait()
+        blocked.append(t1 - t0)
+        background.append(time.perf_counter() - t1)
+        parts.append(ckpt.last_save_timing)
+    ckpt.close()
+    return state, blocked, background, parts
+
+
 # ---- several hosts -----------------------------------------------------------------------------------------------
 
 # One host of the job (argv: process index, processes, coordinator port, devices, GiB, saves, restores, bucket URL,
-# storage settings as JSON, local directory): saves and restores for each layout, prints one JSON object.
+# storage settings as JSON, local directory, this script's path): saves and restores for each layout, prints one
+# JSON object.
 HOST = r"""
-import json, os, shutil, statistics, sys, time
+import importlib.util, json, os, shutil, statistics, sys, time
 from pathlib import Path
 pid, n, port, devices = (int(a) for a in sys.argv[1:5])
 gib, saves, restores = float(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7])
 url, storage, local = sys.argv[8], json.loads(sys.argv[9]), Path(sys.argv[10])
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+spec = importlib.util.spec_from_file_location("bench_checkpoint", sys.argv[11])  # its timed_saves
+bench = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+spec.loader.exec_module(bench)
 import jax, jax.numpy as jnp
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -416,17 +440,7 @@ for layout, spec in (("sharded", P(("data", "fsdp"))), ("replicated", P("fsdp"))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
     where = f"{url}/{layout}"
     ckpt = Checkpointer(CheckpointConfig(every=1, keep=2, local_keep=1, timeout_s=900), where, local / layout)
-    blocked, background = [], []
-    for i in range(1, saves + 1):
-        state = step_fn(state)
-        jax.block_until_ready(state)
-        t0 = time.perf_counter()
-        ckpt.save(i, state, {"step": i}, force=True)
-        t1 = time.perf_counter()
-        ckpt.wait()
-        blocked.append(t1 - t0)
-        background.append(time.perf_counter() - t1)
-    ckpt.close()
+    state, blocked, background, _ = bench.timed_saves(ckpt, state, step_fn, saves)
     row = {"state_bytes": sum(x.nbytes for x in jax.tree.leaves(state)),
            "blocked_s": statistics.mean(blocked[1:]), "background_s": statistics.mean(background[1:]),
            "uploaded_bytes": getattr(ckpt, "last_upload", {}).get("bytes")}
@@ -473,7 +487,7 @@ def run_hosts(args: CheckpointBenchOptions) -> int:
                    ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
                     'mount -t tmpfs msjax-bench-host "$0" && exec "$@"', str(root)])
         common = [str(args.processes), str(port), str(devices), str(args.gib), str(args.saves), str(args.restores),
-                  url, json.dumps(dataclasses.asdict(storage)), str(root)]
+                  url, json.dumps(dataclasses.asdict(storage)), str(root), str(Path(__file__).resolve())]
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
         # Output to files: a pipe read only after another host ends could fill and stall its writer mid-job.
         logs = [tempfile.TemporaryFile("w+") for _ in range(args.processes)]
@@ -562,27 +576,12 @@ def run(args: CheckpointBenchOptions) -> int:
     store = _object_store(args.remote, args.s3_endpoint) if args.remote else contextlib.nullcontext((None, None))
     tiers = ("local", "persistent", "remote") if args.remote else ("local", "persistent")
 
-    def timed_saves(ckpt: Checkpointer, state):
-        """(state, blocked s, background s, Checkpointer.last_save_timing) of each of --saves asynchronous saves."""
-        blocked, background, parts = [], [], []
-        for i in range(1, args.saves + 1):
-            state = step_fn(state)
-            jax.block_until_ready(state)  # the step's own compute is not the checkpoint's cost
-            t0 = time.perf_counter()
-            ckpt.save(i, state, {"step": i}, force=True)
-            t1 = time.perf_counter()
-            ckpt.wait()
-            blocked.append(t1 - t0)
-            background.append(time.perf_counter() - t1)
-            parts.append(ckpt.last_save_timing)
-        ckpt.close()
-        return state, blocked, background, parts
-
     with store as (bucket, _), _removed(local, sync_dir, remote_local, *(() if args.dir else (persistent,))):
         remote = f"{bucket}/bench-{os.getpid()}" if bucket else None
         # Two tiers, asynchronous: what the loop pays per checkpoint.
         state, blocked, background, parts = timed_saves(
-            Checkpointer(CheckpointConfig(every=1, keep=2, local_keep=1), persistent, local), state)
+            Checkpointer(CheckpointConfig(every=1, keep=2, local_keep=1), persistent, local), state, step_fn,
+            args.saves)
         results.update(blocked_first_s=blocked[0], blocked_s=float(np.mean(blocked[1:])),
                        background_s=float(np.mean(background[1:])))
         for key in parts[-1]:  # where the blocked time goes (Checkpointer.last_save_timing)
@@ -591,7 +590,8 @@ def run(args: CheckpointBenchOptions) -> int:
             # The local tier in front of object storage: the upload (record last) runs in the background.
             results["remote_dir"] = remote
             state, blocked, background, _ = timed_saves(
-                Checkpointer(CheckpointConfig(every=1, keep=2, local_keep=1), remote, remote_local), state)
+                Checkpointer(CheckpointConfig(every=1, keep=2, local_keep=1), remote, remote_local), state, step_fn,
+                args.saves)
             results.update(remote_blocked_s=float(np.mean(blocked[1:])),
                            remote_background_s=float(np.mean(background[1:])))
 

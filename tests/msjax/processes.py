@@ -33,3 +33,21 @@ def two_processes(script: str, args: list[str], timeout: float, private_tmpfs: P
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+# A script prelude for `two_processes`: after `jax.distributed.initialize`, a (data 2, fsdp 2) mesh over the two
+# processes' 4 devices and a small state on it, `state(k)` (k times `full`, exactly) and its `abstract` twin:
+# w split over fsdp (so replicated over data), b split over all four devices, n a replicated scalar.
+TWO_HOST_STATE = r"""
+mesh = jax.make_mesh((2, 2), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+rng = np.random.default_rng(0)
+full = {"w": rng.normal(size=(8, 6)).astype(np.float32), "b": rng.normal(size=(16,)).astype(np.float32),
+        "n": np.int32(7)}
+specs = {"w": P("fsdp", None), "b": P(("data", "fsdp")), "n": P()}
+def state(k):
+    return {name: jax.make_array_from_callback(x.shape, NamedSharding(mesh, specs[name]),
+                                               lambda i, x=x: (k * x)[i] if x.ndim else k * x)
+            for name, x in full.items()}
+abstract = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, specs[name]))
+            for name, x in full.items()}
+"""

@@ -13,7 +13,7 @@ import pytest
 from msjax.checkpoint import peers
 from msjax.checkpoint.integrity import RECORD_NAME
 from msjax.config import CheckpointConfig, ConfigError, apply_overrides, load_preset
-from tests.msjax.processes import two_processes
+from tests.msjax.processes import TWO_HOST_STATE, two_processes
 
 _LOSE_A_HOST = r"""
 import hashlib, json, os, shutil, sys
@@ -27,17 +27,7 @@ from msjax.config import CheckpointConfig
 pid, port, local, persistent = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
 async_save = sys.argv[5] == "async"
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid, initialization_timeout=120)
-mesh = jax.make_mesh((2, 2), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-rng = np.random.default_rng(0)
-full = {"w": rng.normal(size=(8, 6)).astype(np.float32), "b": rng.normal(size=(16,)).astype(np.float32),
-        "n": np.int32(7)}
-specs = {"w": P("fsdp", None), "b": P(("data", "fsdp")), "n": P()}
-def state(k):
-    return {name: jax.make_array_from_callback(x.shape, NamedSharding(mesh, specs[name]),
-                                               lambda i, x=x: (k * x)[i] if x.ndim else k * x)
-            for name, x in full.items()}
-abstract = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, specs[name]))
-            for name, x in full.items()}
+""" + TWO_HOST_STATE + r"""
 out = {}
 for replicas in (1, 0):
     cfg = CheckpointConfig(every=0, async_save=async_save, timeout_s=60, local_keep=2, local_replicas=replicas)

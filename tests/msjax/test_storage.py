@@ -25,7 +25,7 @@ from msjax.config import ConfigError, DataConfig, StorageConfig, apply_overrides
 from msjax.data import BatchLoader, DataError, prepare_data
 from msjax.train import run
 from tests.msjax.object_store import GCSServer, S3Server
-from tests.msjax.processes import two_processes
+from tests.msjax.processes import TWO_HOST_STATE, two_processes
 
 
 @pytest.fixture(scope="module", params=["s3", "gcs"])
@@ -686,17 +686,7 @@ pid, port, url, local, storage = int(sys.argv[1]), sys.argv[2], sys.argv[3], Pat
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid, initialization_timeout=120)
 paths.configure(StorageConfig(**json.loads(storage)))
 assert not any(local.iterdir()), "the local tier must start empty on its own tmpfs"
-mesh = jax.make_mesh((2, 2), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-rng = np.random.default_rng(0)
-full = {"w": rng.normal(size=(8, 6)).astype(np.float32), "b": rng.normal(size=(16,)).astype(np.float32),
-        "n": np.int32(7)}
-specs = {"w": P("fsdp", None), "b": P(("data", "fsdp")), "n": P()}  # w replicated over data, b split over all
-def state(k):
-    return {name: jax.make_array_from_callback(x.shape, NamedSharding(mesh, specs[name]),
-                                               lambda i, x=x: (k * x)[i] if x.ndim else k * x)
-            for name, x in full.items()}
-abstract = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, specs[name]))
-            for name, x in full.items()}
+""" + TWO_HOST_STATE + r"""
 cfg = CheckpointConfig(every=0, async_save=False, timeout_s=60, local_keep=2)
 ckpt = Checkpointer(cfg, url, local / "tier")
 for step in (2, 4):
