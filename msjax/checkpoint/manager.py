@@ -741,8 +741,8 @@ class Checkpointer:
            state with NaN or Inf is deleted instead, on every process, never made complete). With peer replicas,
            this process then copies the parts it keeps replicas of (`_replicate`). Without `persist`, this is all
            but the local rotation.
-        3. This process uploads its part (msjax.checkpoint.shards: the chunks of its replica-0 shards; process 0
-           also every file that is not a chunk), then says so (or sends its error).
+        3. This process uploads its part (msjax.checkpoint.shards: its share of the chunks of the blocks it holds;
+           process 0 also every file that is not a chunk), then says so (or sends its error).
         4. Process 0 waits until every part has arrived, then writes the persistent record, last, and rotates the
            persistent tier. Each process rotates its own local part.
         """

@@ -16,15 +16,18 @@ Naming used here (Orbax 0.12's): the train state is the composite item `state`; 
 parameter name (`ocp.tree.get_param_names`: key path entries joined with "."); `.zarray` holds its shape and chunk
 shape; chunk keys join chunk-grid indices with "." ("0" for a scalar).
 
-- `owned_chunks` (at save): the chunks a process uploads: those of its shards with replica id 0, so each chunk is
-  uploaded by exactly one process. Process 0 also uploads every file that is not a chunk (metadata, the loader
-  position).
+- `owned_chunks` (at save): the chunks a process uploads, each chunk by exactly one process: a block held in R
+  replicas (replica ids 0..R-1, one per device) has each of its chunks uploaded by the holder of replica
+  `hash(chunk) mod R`, so a state replicated over data-parallel replicas is uploaded by all of them in parts (what
+  Orbax's `use_replica_parallel` does for its own writes). Process 0 also uploads every file that is not a chunk
+  (metadata, the loader position).
 - `needed_chunks` (at restore): the chunks a process reads for the shardings it restores onto (none for a process
   outside a single-replica restore's source replica).
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 from dataclasses import dataclass
@@ -60,37 +63,49 @@ def chunk_keys(index: tuple, shape: tuple[int, ...], chunks: Iterable[int]) -> l
 
 @dataclass(frozen=True)
 class ShardIndex:
-    """One addressable shard of one array, as a save or restore sees it: the array's directory and shape, the
-    block it covers and its replica id. Taken from shardings only (no device data is read)."""
+    """One block of one array that this process holds, as a save or restore sees it: the array's directory and
+    shape, the block it covers, the replica ids of this process's copies of it (one per device holding it here;
+    empty for a host value another process uploads) and how many replicas of the block the whole job holds. Taken
+    from shardings only (no device data is read)."""
 
     param_dir: str
     shape: tuple[int, ...]
     index: tuple
-    replica_id: int
+    replica_ids: tuple[int, ...] = (0,)
+    replicas: int = 1
+
+
+def _block(index: tuple, shape: tuple[int, ...]) -> tuple:
+    return tuple(sl.indices(n)[:2] for sl, n in zip(index, shape))
 
 
 def shard_indices(state: Any) -> list[ShardIndex]:
-    """This process's shards of every array of `state`, one entry per distinct block (the lowest replica id among
-    this process's copies of it). Leaves are jax Arrays (replica ids from their shards' metadata; no device data is
-    read), host values (NumPy arrays, scalars: uploaded by process 0), or ShapeDtypeStructs with a sharding (replica
-    id 0: what a restore reads does not depend on it) or without one (the whole array)."""
+    """This process's blocks of every array of `state`, one entry per distinct block. Leaves are jax Arrays
+    (replica ids from their shards' metadata, replica counts from their sharding; no device data is read), host
+    values (NumPy arrays, scalars: uploaded by process 0 alone), or ShapeDtypeStructs with a sharding (replica id
+    0 of 1: what a restore reads does not depend on it) or without one (the whole array)."""
     out: list[ShardIndex] = []
     for d, leaf in zip(param_dirs(state), jax.tree.leaves(state), strict=True):
         shape = tuple(getattr(leaf, "shape", ()))  # a Python scalar has none
+        whole = tuple(slice(0, n) for n in shape)
+        counts: dict[tuple, int] = {}
         if isinstance(leaf, jax.Array):
             pairs = [(s.index, s.replica_id) for s in leaf.addressable_shards]
+            for index in leaf.sharding.devices_indices_map(shape).values():  # every device's block, job-wide
+                counts[_block(index, shape)] = counts.get(_block(index, shape), 0) + 1
         elif not isinstance(leaf, jax.ShapeDtypeStruct):  # a host value (NumPy, a scalar): process 0's to upload
-            pairs = [(tuple(slice(0, n) for n in shape), 0 if jax.process_index() == 0 else 1)]
+            pairs = [(whole, 0)] if jax.process_index() == 0 else [(whole, None)]
         elif leaf.sharding is None:  # restored whole, onto one device or as a NumPy array
-            pairs = [(tuple(slice(0, n) for n in shape), 0)]
+            pairs = [(whole, 0)]
         else:
             pairs = [(i, 0) for i in leaf.sharding.addressable_devices_indices_map(shape).values()]
-        blocks: dict[tuple, tuple[tuple, int]] = {}
+        blocks: dict[tuple, tuple[tuple, set]] = {}
         for index, rid in pairs:
-            key = tuple(sl.indices(n)[:2] for sl, n in zip(index, shape))
-            if key not in blocks or rid < blocks[key][1]:
-                blocks[key] = (index, rid)
-        out.extend(ShardIndex(d, shape, index, rid) for index, rid in blocks.values())
+            _, rids = blocks.setdefault(_block(index, shape), (index, set()))
+            if rid is not None:
+                rids.add(rid)
+        out.extend(ShardIndex(d, shape, index, tuple(sorted(rids)), counts.get(key, 1))
+                   for key, (index, rids) in blocks.items())
     return out
 
 
@@ -101,21 +116,32 @@ def chunk_shape(step_dir: Path, param_dir: str) -> tuple[int, ...]:
 
 
 def owned_chunks(step_dir: Path, shards: list[ShardIndex]) -> set[str]:
-    """The chunk files (paths relative to the step) this process uploads: those of its replica-0 shards, so that
-    every chunk is uploaded by exactly one process."""
-    return needed_chunks(step_dir, [s for s in shards if s.replica_id == 0])
+    """The chunk files (paths relative to the step) this process uploads: of each block's chunks, those whose
+    replica `owner(chunk, replicas)` it holds, so that every chunk is uploaded by exactly one process and the
+    replicas of a block share its upload."""
+    return {rel for s, rel in _chunks_of(step_dir, shards) if owner(rel, s.replicas) in s.replica_ids}
+
+
+def owner(rel: str, replicas: int) -> int:
+    """The replica id (0..replicas-1) whose holder uploads the chunk file `rel`: a hash of its name, the same on
+    every process."""
+    return int.from_bytes(hashlib.sha256(rel.encode()).digest()[:8], "big") % replicas
 
 
 def needed_chunks(step_dir: Path, shards: list[ShardIndex]) -> set[str]:
     """The chunk files (relative to the step) that reading `shards` touches, with chunk shapes from the `.zarray`
     files under `step_dir`."""
-    out: set[str] = set()
+    return {rel for _, rel in _chunks_of(step_dir, shards)}
+
+
+def _chunks_of(step_dir: Path, shards: list[ShardIndex]) -> Iterable[tuple[ShardIndex, str]]:
+    """(shard, chunk file relative to the step) for every chunk each of `shards` overlaps."""
     chunks: dict[str, tuple[int, ...]] = {}
     for s in shards:
         if s.param_dir not in chunks:
             chunks[s.param_dir] = chunk_shape(step_dir, s.param_dir)
-        out.update(f"{s.param_dir}/{k}" for k in chunk_keys(s.index, s.shape, chunks[s.param_dir]))
-    return out
+        for k in chunk_keys(s.index, s.shape, chunks[s.param_dir]):
+            yield s, f"{s.param_dir}/{k}"
 
 
 def is_chunk(rel: str, array_dirs: set[str]) -> bool:

@@ -1,6 +1,7 @@
 """Which chunk files of a per-host checkpoint a process writes, uploads and reads (msjax.checkpoint.shards), held
 against brute force and against the files Orbax really writes (8 fake CPU devices)."""
 
+import dataclasses
 import itertools
 import json
 
@@ -99,13 +100,24 @@ def test_a_per_host_save_writes_every_chunk_each_owned_by_one_shard_and_reads_wh
 
 
 @pytest.mark.parametrize("spec", [P(), P("data"), P(("data", "fsdp", "tensor"))])
-def test_replica_ids_pick_one_shard_per_block(spec):
-    """Of the 8 devices' shards, exactly one per distinct block has replica id 0 in shard_indices' answer."""
+def test_each_block_once_with_its_replica_ids_and_the_replicas_share_its_upload(spec, tmp_path):
+    """Of the 8 devices' shards (one process: it holds every replica), shard_indices gives one entry per distinct
+    block with every replica id 0..R-1 and R = 8 / blocks. Split over R processes (each keeping one replica id),
+    the owners of a block's chunks cover every chunk exactly once."""
     mesh = _mesh()
     x = jax.device_put(np.arange(16, dtype=np.float32), NamedSharding(mesh, spec))
     index = shards.shard_indices({"x": x})
     blocks = {tuple(sl.indices(16)[:2] for sl in s.index) for s in index}
-    assert len(index) == len(blocks) and all(s.replica_id == 0 for s in index)
+    r = 8 // len(blocks)
+    assert len(index) == len(blocks) and all(s.replica_ids == tuple(range(r)) and s.replicas == r for s in index)
+    ckpt = Checkpointer(CheckpointConfig(every=0, async_save=False, timeout_s=60), tmp_path / "p", tmp_path / "l")
+    ckpt.save(1, {"x": x}, {}, force=True)
+    ckpt.close()
+    step_dir = tmp_path / "l" / "process-0" / "1"
+    every = shards.needed_chunks(step_dir, index)
+    parts = [shards.owned_chunks(step_dir, [dataclasses.replace(s, replica_ids=(k,)) for s in index])
+             for k in range(r)]
+    assert sorted(c for part in parts for c in part) == sorted(every)  # each chunk once, none left out
 
 
 def test_a_failed_upload_is_one_write_error_and_leaves_no_persistent_record(tmp_path):

@@ -747,8 +747,15 @@ def test_two_hosts_that_share_no_disk_save_to_the_bucket_and_restore_from_their_
         chunks = [n for n in names if n.startswith("state/") and n.count("/") == 2 and not n.endswith(".zarray")]
         assert chunks == ["state/b/0", "state/b/1", "state/b/2", "state/b/3", "state/n/0", "state/w/0.0",
                           "state/w/1.0"] and RECORD_NAME in names, names
-    # Each chunk uploaded by one process: process 0 holds data-parallel replica 0 of w and n, and b's first half.
-    assert [out[0]["chunks"] for out in outs] == [5, 2] and all(out[0]["step"] == 4 for out in outs), outs
+    # Each chunk uploaded by one process (the bucket holds the 7, and the two uploads add up to 7): each its own
+    # half of b, and the chunks of w and n, which both hold, shared by the hash of the chunk's name (w's replica id
+    # is the process's index; n's 4 replicas are ids 0-1 on process 0, 2-3 on process 1).
+    from msjax.checkpoint.shards import owner
+    holder = {"state/w/0.0": owner("state/w/0.0", 2), "state/w/1.0": owner("state/w/1.0", 2),
+              "state/n/0": owner("state/n/0", 4) // 2}
+    mine = [sum(p == pid for p in holder.values()) for pid in (0, 1)]
+    assert [out[0]["chunks"] for out in outs] == [2 + mine[0], 2 + mine[1]], (outs, mine)
+    assert all(out[0]["step"] == 4 for out in outs), outs
     assert all(out[-1]["step"] == 2 and out[-1]["latest"] == 4 for out in outs), outs
     for pid, (_, *out, _) in enumerate(outs):
         own, bucket, fresh = out
