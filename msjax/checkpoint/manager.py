@@ -813,7 +813,9 @@ class Checkpointer:
         from their hosts into `<local_dir>/replicas/process-<w>/<step>` (msjax.checkpoint.peers: fsynced, the
         record last, renamed into place) and rotates them as its own part. A copy that fails is logged on this
         process and left out: the step is still in its writer's local tier and goes on to the persistent tier, so
-        it never fails the checkpoint."""
+        it never fails the checkpoint. Then it waits (at most checkpoint.timeout_s) until the processes that keep
+        copies of its own part say they are done: until then this host must go on serving that part (and not
+        rotate it away), so the step counts as replicated when its save completes."""
         pid = jax.process_index()
         self._kv_set(self._kv_key(step, f"local-{pid}"), json.dumps(self.local.files(step)).encode())
         t0, received = time.perf_counter(), 0
@@ -834,11 +836,18 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
                 logging.getLogger(__name__).warning("checkpoint of step %d: no peer replica of process %d's local "
                                                     "part on process %d: %s", step, w, pid, e)
+                self._kv_set(self._kv_key(step, f"copied-{w}-by-{pid}"), b"failed")
                 continue
+            self._kv_set(self._kv_key(step, f"copied-{w}-by-{pid}"), b"ok")
             logging.getLogger(__name__).info("checkpoint of step %d: a copy of process %d's local part is held "
                                              "here (peer replica)", step, w)
             with self._rotation:
                 _rotate(tier, self._local_keep())
+        for h in peers.holders(pid, jax.process_count(), self.cfg.local_replicas):
+            try:
+                self._kv_get(self._kv_key(step, f"copied-{pid}-by-{h}"), f"process {h}'s copy of this part", step)
+            except CheckpointWriteError as e:  # said in one warning; the step is still local and persistent
+                logging.getLogger(__name__).warning("%s", e)
         self.last_replica = {"step": step, "bytes": received, "seconds": time.perf_counter() - t0}
 
     def _local_keep(self) -> int:

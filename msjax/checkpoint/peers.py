@@ -59,6 +59,11 @@ def sources(process: int, count: int, replicas: int) -> list[int]:
     return [(process - k) % count for k in range(1, min(replicas, count - 1) + 1)]
 
 
+def holders(process: int, count: int, replicas: int) -> list[int]:
+    """The processes that keep copies of `process`'s parts (those whose `sources` include it)."""
+    return [(process + k) % count for k in range(1, min(replicas, count - 1) + 1)]
+
+
 def route_address(coordinator: str) -> str:
     """This host's address on the route to `coordinator` ("host:port", the jax coordinator's): the interface the
     job's other processes reach this host by (a UDP connect sends nothing)."""

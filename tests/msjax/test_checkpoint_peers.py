@@ -155,6 +155,10 @@ def test_replica_sources_wrap_around_and_never_include_the_process_itself():
     assert peers.sources(0, 4, 1) == [3] and peers.sources(2, 4, 2) == [1, 0]
     assert peers.sources(1, 2, 5) == [0]  # at most the others
     assert peers.sources(0, 1, 1) == []
+    for count, replicas in ((2, 1), (4, 1), (4, 2), (5, 3)):  # who copies whom, seen from either end
+        assert all(w in peers.sources(h, count, replicas)
+                   for w in range(count) for h in peers.holders(w, count, replicas))
+        assert sorted(len(peers.holders(w, count, replicas)) for w in range(count)) == [replicas] * count
 
 
 def test_the_peer_server_serves_only_its_tier_and_only_to_the_token(tmp_path):
