@@ -488,7 +488,7 @@ class CheckpointConfig:
       local_keep: checkpoints kept in the local tier.
       local_replicas: other hosts that also keep each process's local part (peer replicas,
         msjax.checkpoint.peers): with 1, a job that loses one host still resumes from its newest local step.
-        Needs a local tier and several processes (the local tier then keeps at least 2 checkpoints); 0: none.
+        Needs a local tier and several processes; 0: none.
       persistent_every: steps between the checkpoints that also go on to the persistent tier, a multiple of
         `every` (0: every checkpoint); the others stay in the local tier and its peer replicas. The last step, a
         stop, a requested checkpoint and a preemption always go on. Needs a local tier.

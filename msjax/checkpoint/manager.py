@@ -768,7 +768,7 @@ class Checkpointer:
             self._replicate(step)
         if not persist:
             with self._rotation:
-                _rotate(self.local, self._local_keep())
+                _rotate(self.local, self.cfg.local_keep)
             return
         token = f"{self._instance}-{step}"
         error = ""
@@ -805,7 +805,7 @@ class Checkpointer:
             with self._rotation:
                 _rotate(self.persistent, self.cfg.keep)
         with self._rotation:
-            _rotate(self.local, self._local_keep())
+            _rotate(self.local, self.cfg.local_keep)
 
     def _replicate(self, step: int) -> None:
         """Peer replicas, on the worker thread: says that this process's local part of `step` is complete (its
@@ -842,20 +842,13 @@ class Checkpointer:
             logging.getLogger(__name__).info("checkpoint of step %d: a copy of process %d's local part is held "
                                              "here (peer replica)", step, w)
             with self._rotation:
-                _rotate(tier, self._local_keep())
+                _rotate(tier, self.cfg.local_keep)
         for h in peers.holders(pid, jax.process_count(), self.cfg.local_replicas):
             try:
                 self._kv_get(self._kv_key(step, f"copied-{pid}-by-{h}"), f"process {h}'s copy of this part", step)
             except CheckpointWriteError as e:  # said in one warning; the step is still local and persistent
                 logging.getLogger(__name__).warning("%s", e)
         self.last_replica = {"step": step, "bytes": received, "seconds": time.perf_counter() - t0}
-
-    def _local_keep(self) -> int:
-        """Checkpoints the local tier keeps: `local_keep`, at least 2 with peer replicas. A process may go on to
-        complete step s + every while its peer is still copying its part of step s (each process waits only for its
-        own previous checkpoint); had it kept one step, it would delete that part under the copy, and a host lost
-        then would leave no step whole."""
-        return max(self.cfg.local_keep, 2) if self._replica_sources else self.cfg.local_keep
 
     def _agreed_record(self, step: int, keys: list[str], extra: dict) -> dict | None:
         """The record of `step` in a multi-process run: process 0 makes it from every process's partial checksums

@@ -409,7 +409,8 @@ def test_nodes_that_share_only_a_bucket_checkpoint_there_and_a_node_failure_resu
 
     run_dir, url = tmp_path / "run", f"s3://ckpt/{tmp_path.name}"
     flags = _flags(corpus, run_dir, **{"supervisor.spares": 1, "checkpoint.dir": url,
-                                       "checkpoint.local_dir": cluster.node_local / "tier", **bucket.overrides()})
+                                       "checkpoint.local_dir": cluster.node_local / tmp_path.name,
+                                       **bucket.overrides()})
     job = Job(cluster, tmp_path, flags, compile_cache, "--supervise", env=S3_CREDENTIALS)
     try:
         beat = job.wait_step(1, 6)
@@ -452,9 +453,11 @@ def test_with_peer_replicas_a_node_failure_resumes_from_the_newest_local_step(cl
     from msjax.checkpoint import latest_verified
     from tests.msjax.object_store import S3_CREDENTIALS
 
+    # A local tier of its own on every node: the cluster (and each node's tmpfs) outlives a test, and another
+    # run's parts in the same tier would be taken for this run's checkpoints.
     run_dir, url = tmp_path / "run", f"s3://ckpt/{tmp_path.name}"
     flags = _flags(corpus, run_dir, **{"supervisor.spares": 1, "checkpoint.dir": url,
-                                       "checkpoint.local_dir": cluster.node_local / "tier",
+                                       "checkpoint.local_dir": cluster.node_local / tmp_path.name,
                                        "checkpoint.local_replicas": 1, "checkpoint.persistent_every": STEPS,
                                        **bucket.overrides()})
     job = Job(cluster, tmp_path, flags, compile_cache, "--supervise", env=S3_CREDENTIALS)
