@@ -6,12 +6,13 @@ its memory with it, so without peers the newest step that survives a host failur
 Orbax's emergency checkpointer and MaxText's `enable_emergency_checkpoint` answer this with peer replication; here:
 
 - Every process of a job with peer replicas serves its host's local tier (`<local_dir>`, read-only) over HTTP on a
-  free port of the address it reaches the jax coordinator by, to requests that carry the job's token (a random
-  secret exchanged through jax's coordination service, never on a command line). Python's `http.server` and
+  free port of the address it reaches the jax coordinator by, to requests that carry its token (a random secret
+  per server, exchanged through jax's coordination service, never on a command line). Python's `http.server` and
   `http.client` are the library: the transfer is whole files between hosts of one job, which needs no more.
 - After process `w` completes its local part of step `s` (`<local_dir>/process-<w>/<s>`, record last), each of
   the `r` processes after it (w+1, ..., w+r modulo the process count) pulls every file of it into its own
-  `<local_dir>/replicas/process-<w>/<s>`, under a temporary name, fsynced, the record last, renamed into place.
+  `<local_dir>/replicas/process-<w>/<s>`, under a temporary name, fsynced, the record last, renamed into place;
+  process `w`'s checkpoint completes once they say they hold it.
 - At restore every process lists what its host holds (its own parts, parts it kept under any earlier process
   index, replicas) and publishes the list; a step whose every writer's part is held by a live host (the same
   record everywhere) is a local step for the whole job: a process that lacks chunks it reads fetches them from
