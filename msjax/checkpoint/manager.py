@@ -457,11 +457,15 @@ class Checkpointer:
         pid = jax.process_index()
         self._replica_sources = peers.sources(pid, jax.process_count(), self.cfg.local_replicas)
         for w in self._replica_sources:  # copies from other processes cut short by a crash
-            LocalTier("replica", self.local.root.parent / peers.replica_dir(w)).remove_leftovers()
+            self._replica_tier(w).remove_leftovers()
         host = peers.route_address(jax_distributed.global_state.coordinator_address)
         self._server = peers.PeerServer(self.local.root.parent, host, self.cfg.timeout_s)
         self._kv_set(self._kv_key("peers", f"server-{pid}"),
                      json.dumps([self._server.address, self._server.token]).encode())
+
+    def _replica_tier(self, writer: int) -> LocalTier:
+        """This host's copies of process `writer`'s local parts (peer replicas)."""
+        return LocalTier("replica", self.local.root.parent / peers.replica_dir(writer))
 
     def _peer_servers(self) -> dict[int, tuple[str, str]]:
         """{process: (address, token)} of every process's peer server, waited for at most checkpoint.timeout_s."""
@@ -820,7 +824,7 @@ class Checkpointer:
         self._kv_set(self._kv_key(step, f"local-{pid}"), json.dumps(self.local.files(step)).encode())
         t0, received = time.perf_counter(), 0
         for w in self._replica_sources:
-            tier = LocalTier("replica", self.local.root.parent / peers.replica_dir(w))
+            tier = self._replica_tier(w)
             token = f"{self._instance}-{step}"
             tmp = tier.scratch(step, token)
             try:
@@ -1205,7 +1209,7 @@ class Checkpointer:
                 _warn(f"checkpoint {self.local.path(s)}: newer than the step resumed from; deleted")
                 self.local.delete(s)
         for w in self._replica_sources or []:  # copies of other processes' parts: the same abandoned timeline
-            tier = LocalTier("replica", self.local.root.parent / peers.replica_dir(w))
+            tier = self._replica_tier(w)
             for s in tier.steps():
                 if s > step:
                     tier.delete(s)

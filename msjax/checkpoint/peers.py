@@ -215,7 +215,6 @@ class PeerSet:
       root: this host's local tier root (files held here are copied, not fetched).
       timeout_s: bound on each HTTP wait, seconds.
       steps: {step: {file relative to the step: [(process, path relative to that host's root), ...]}}.
-      bytes_fetched: bytes this process received from other hosts by the last `fetch_files` calls.
     """
 
     me: int
@@ -223,7 +222,6 @@ class PeerSet:
     root: Path
     timeout_s: float
     steps: dict[int, dict[str, list[tuple[int, str]]]] = field(default_factory=dict)
-    bytes_fetched: int = 0
 
     name = "peers"
     remote = True
@@ -276,7 +274,7 @@ class PeerSet:
                     shutil.copyfile(self.root / src, dst)
             else:
                 address, token = self.servers[process]
-                self.bytes_fetched += fetch(address, token, pairs, self.timeout_s)
+                fetch(address, token, pairs, self.timeout_s)
 
 
 def _spread(rel: str, n: int) -> int:
