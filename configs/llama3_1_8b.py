@@ -2,7 +2,7 @@
 shape with a 128K context, RoPE base 500,000 with Llama 3.1's frequency scaling (factor 8 around the original
 8192-token context; its low/high frequency factors 1 and 4 are msjax's defaults). The same preset serves Llama 3.2 and 3.3 checkpoints of
 this shape. For the planner (`scripts/plan.py --config=llama3_1_8b`) and for fine-tuning a converted checkpoint;
-the batch stays Llama 3 8B's 2048 x 8192 (long-context training is a later stage).
+the batch and layout stay Llama 3 8B's, 2048 x 8192 on 64 H100s (long-context training is a later stage).
 """
 
 from .llama3_8b import OVERRIDES as LLAMA3_8B

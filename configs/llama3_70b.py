@@ -1,7 +1,8 @@
 """Llama 3 70B's shape (Meta, "The Llama 3 Herd of Models", 2024, Table 3): 80 layers, width 8192, FFN 28672
 (SwiGLU), 64 query heads over 8 key/value heads, RoPE base 500,000, vocabulary 128,256 (untied), context 8192,
 peak learning rate 1.5e-4 (AdamW, beta2 0.95). For the planner (`scripts/plan.py --config=llama3_70b`); the batch
-is 2048 sequences of 8192 tokens and the layout tensor 8 x pipeline 4 (20 layers a stage) x FSDP over the rest.
+is 2048 sequences of 8192 tokens and the layout tensor 8 x pipeline 4 (20 layers a stage) x FSDP over the rest
+(planned on 512 H100s: `--devices=512 --hardware=h100 --mesh.tensor=8 --mesh.pipeline=4`).
 """
 
 from .llama3_8b import OVERRIDES as LLAMA3_8B

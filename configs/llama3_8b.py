@@ -2,7 +2,8 @@
 (SwiGLU), 32 query heads over 8 key/value heads, RoPE base 500,000, vocabulary 128,256 (128K BPE + special
 tokens, untied output projection), context 8192, peak learning rate 3e-4 (AdamW, beta2 0.95). For the planner
 (`scripts/plan.py --config=llama3_8b`) and for continuing a converted checkpoint (docs/models.md); the batch is
-2048 sequences of 8192 tokens (16.8M tokens per step) and the layout tensor 8 x FSDP over the rest.
+2048 sequences of 8192 tokens (16.8M tokens per step) and the layout tensor 8 x FSDP over the rest (planned on 64
+H100s: `--devices=64 --hardware=h100 --mesh.tensor=8`).
 """
 
 OVERRIDES = {

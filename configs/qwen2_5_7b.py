@@ -2,7 +2,7 @@
 layers, width 3584, FFN 18944 (SwiGLU), 28 query heads over 4 key/value heads, biases on the q/k/v projections
 alone, RMSNorm (eps 1e-6), RoPE base 1,000,000, vocabulary 152,064 (untied), context 32,768; 7.62B parameters.
 For the planner (`scripts/plan.py --config=qwen2_5_7b`) and for fine-tuning a converted checkpoint; the batch,
-optimizer and layout are Llama 3 8B's (the report does not publish its own).
+optimizer and layout are Llama 3 8B's (the report does not publish its own), planned on 64 H100s.
 """
 
 from .llama3_8b import OVERRIDES as LLAMA3_8B

@@ -2,7 +2,7 @@
 width 4096, FFN 12288 (SwiGLU), 32 query heads over 8 key/value heads of 128, an RMSNorm over each query and key
 head before RoPE, no biases, RMSNorm eps 1e-6, RoPE base 1,000,000, vocabulary 151,936 (untied), context 32,768;
 8.19B parameters. For the planner (`scripts/plan.py --config=qwen3_8b`) and for fine-tuning a converted
-checkpoint; the batch, optimizer and layout are Llama 3 8B's (the report does not publish its own).
+checkpoint; the batch, optimizer and layout are Llama 3 8B's (the report does not publish its own), planned on 64 H100s.
 """
 
 from .llama3_8b import OVERRIDES as LLAMA3_8B

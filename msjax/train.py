@@ -155,7 +155,7 @@ def summary_json(summary: RunSummary) -> dict[str, Any]:
 
 def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = None,
         control_plane: "ControlPlaneHook | None" = None, sinks: Sequence[MetricsSink] = (),
-        preflight: Callable[[Config], Any] | None = None) -> RunSummary:
+        preflight: Callable[[Config], Config] | None = None) -> RunSummary:
     """Trains `cfg` and returns a `RunSummary`: final train/val loss, tokens/s, MFU, step and wall times.
 
     Args:
@@ -167,7 +167,8 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
       preflight: called with the validated config before its layout is resolved, any data read, directory
         written or program compiled, to refuse a run that cannot fit on the devices (scripts/train.py passes the
         planner's check, `msjax.planner.preflight.check_layout`: mesh, split and memory estimate, with overrides
-        that would fit); it raises ConfigError.
+        that would fit); it raises ConfigError, or returns the config to run (the planner's may raise a preset's
+        remat policy to the cheapest that fits).
 
     Raises:
       ConfigError: a config that does not fit the devices or data (mesh size, model and batch split, the
@@ -195,7 +196,7 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
     ckpt_dir = checkpoint_dir(cfg.checkpoint, t.run_dir)
     local_ckpt_dir = local_checkpoint_dir(cfg.checkpoint)
     if preflight is not None:
-        preflight(cfg)
+        cfg = preflight(cfg).validate()
     layout = resolve_layout(cfg)  # mesh and divisibility, before any data, directory or compilation
     if jax.process_index() == 0:
         ensure_writable(run_dir, "train.run_dir")
@@ -409,7 +410,7 @@ def _leave_for_peer(peer: str, error: BaseException) -> NoReturn:
     os._exit(EXIT_REQUESTED)
 
 
-def main(argv: Sequence[str] | None = None, preflight: Callable[[Config], Any] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, preflight: Callable[[Config], Config] | None = None) -> int:
     """The train command: `msjax-train --config=gpt_tiny [--train.steps=200 --mesh.tensor=2 ... --resume]` (also
     `python -m msjax.train` and scripts/train.py). Flags -> config -> `run`; every field of msjax/config.py is a
     dotted flag (`--help` lists them), presets live in configs/. Under a launcher (MSJAX_REDIS_URL set) it

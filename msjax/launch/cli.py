@@ -56,19 +56,24 @@ def _parse(argv: Sequence[str] | None, prog: str) -> tuple[cli.LoggingOptions, L
     if opts.submit and not BACKENDS[opts.backend].submits:
         raise ConfigError(f"--submit: allowed with --backend=slurm only (a Kubernetes manifest is applied with "
                           f"kubectl apply -f), not --backend={opts.backend}")
-    preflight.check(opts, cfg)
-    return common, opts, cfg, train_flags
+    checked = preflight.check(opts, cfg, remat_fixed="model.remat" in cli.explicit_keys(train_flags))
+    if checked.model.remat != cfg.model.remat:  # the planner raised the preset's remat: the workers run it too
+        train_flags = [*train_flags, f"--model.remat={checked.model.remat}"]
+    return common, opts, checked, train_flags
 
 
 def train(argv: Sequence[str] | None = None) -> int:
     """`msjax-train` (and scripts/train.py): the train command, `msjax.train.main`, with the planner's pre-flight
     check (`msjax.planner.preflight.check_layout`: mesh, split and memory estimate against the devices, with
-    overrides that would fit) before anything is read or compiled. The loop itself reads no planner; its entry
-    point above it composes the two. Returns the exit status of `msjax.train.main`."""
+    overrides that would fit; a preset's remat policy that does not fit is raised to the cheapest that does,
+    unless `--model.remat` is given) before anything is read or compiled. The loop itself reads no planner; its
+    entry point above it composes the two. Returns the exit status of `msjax.train.main`."""
     from msjax.planner.preflight import check_layout
     from msjax.train import main as train_main
 
-    return train_main(argv, preflight=check_layout)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    remat_fixed = "model.remat" in cli.explicit_keys(argv)
+    return train_main(argv, preflight=lambda cfg: check_layout(cfg, remat_fixed=remat_fixed).config)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -42,8 +42,10 @@ def planned_devices(opts: LaunchOptions) -> list[PlannedDevice]:
             for _ in range(opts.devices_per_process)]
 
 
-def check(opts: LaunchOptions, cfg: Config) -> None:
-    """Raises the trainer's ConfigError when `cfg` cannot run on the launch's devices (module docstring)."""
+def check(opts: LaunchOptions, cfg: Config, remat_fixed: bool = False) -> Config:
+    """The config the workers are to run: `cfg`, or `cfg` with its remat policy raised to the cheapest that fits
+    when the user did not set it (`remat_fixed`). Raises the trainer's ConfigError when `cfg` cannot run on the
+    launch's devices (module docstring)."""
     from msjax.planner.preflight import check_layout
 
-    check_layout(cfg, planned_devices(opts))
+    return check_layout(cfg, planned_devices(opts), remat_fixed).config

@@ -78,6 +78,7 @@ def parse_plan_args(argv: Sequence[str]) -> tuple[Config, PlanOptions, dict]:
     if acts.json:
         cli.check_writable(acts.json, "--json")
     actions["plan"] = bool(opts.devices) or not acts.published
+    actions["remat_fixed"] = "model.remat" in cli.explicit_keys(argv)
     if not opts.devices:
         sizes = cfg.mesh.axis_sizes()
         if sizes["data"] == -1:
@@ -125,7 +126,7 @@ def run(argv: Sequence[str], out=None) -> dict:
                 plan = None
             result["fits"] = best is not None
         else:
-            plan = make_plan(cfg, opts)
+            plan = make_plan(cfg, opts, remat_fixed=actions["remat_fixed"])
             print(report.plan_text(plan), file=out)
             result["plan"] = report.plan_dict(plan)
             result["fits"] = plan.fits

@@ -16,7 +16,9 @@ from typing import Literal
 from msjax.config import ConfigError
 
 BASELINES = ("msjax", "megatron")
-REMATS = ("none", "dots_no_batch", "dots", "full")  # cheapest recompute first
+# msjax's remat policies, least recompute (and most memory) first: `dots` saves every matmul output,
+# `dots_no_batch` only those without batch dimensions (the weight matmuls), `full` only each block's input.
+REMATS = ("none", "dots", "dots_no_batch", "full")
 
 
 class PlanError(ConfigError):

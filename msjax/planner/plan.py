@@ -13,7 +13,7 @@ from msjax.planner.layout import (
     PlanLayout, check_model_split, config_microbatch_size, legal_virtual_stages, make_layout, mesh_sizes, replica_batch,
     resolve_vocab,
 )
-from msjax.planner.options import PlanError, PlanOptions
+from msjax.planner.options import REMATS, PlanError, PlanOptions
 
 
 @dataclass
@@ -113,13 +113,15 @@ def candidate_choices(cfg: Config, opts: PlanOptions, sizes: dict[str, int]) -> 
     return mbs, [] if opts.tune_virtual_stages else [cfg.pipeline.virtual_stages], zeros
 
 
-def make_plan(cfg: Config, opts: PlanOptions) -> Plan:
+def make_plan(cfg: Config, opts: PlanOptions, remat_fixed: bool = False) -> Plan:
     """The plan for `cfg` (mesh sizes from cfg.mesh, data=-1 filled in) on `opts.devices` x `opts.hardware`.
 
     Free knobs (the interleaving and microbatch size with tune_virtual_stages / tune_microbatches, zero_stage
-    at -1) are chosen to maximise
-    predicted MFU among the choices that fit in memory (smallest ZeRO stage on ties); if none fits, the
-    smallest-memory choice is returned with `fits` False.
+    at -1) are chosen to maximise predicted MFU among the choices that fit in memory (smallest ZeRO stage on ties).
+    When nothing fits under `model.remat` and `remat_fixed` is false (the user did not set it; a preset's policy
+    is a preference), the policies that recompute more are tried in `REMATS` order and the first with a layout
+    that fits is taken: the cheapest remat that fits, named in `auto`. If none fits, the smallest-memory choice
+    under `model.remat` is returned with `fits` False.
 
     Raises:
       PlanError: unknown hardware, a mesh that does not match the device count, or a model / batch that does
@@ -132,26 +134,40 @@ def make_plan(cfg: Config, opts: PlanOptions) -> Plan:
     # Fail early, with the named reason, on a layout no choice of the free knobs can fix.
     check_model_split(cfg, sizes, vocab)
     mbs, vs_fixed, zeros = candidate_choices(cfg, opts, sizes)
-    stage = None
-    best, best_key, errors = None, None, []
-    for b in mbs:
-        per_replica = replica_batch(cfg, sizes)
-        vs = vs_fixed or legal_virtual_stages(cfg.model.num_layers, sizes["pipeline"], per_replica // b)
-        for v in vs:
-            for z in zeros:
-                try:
-                    layout = make_layout(cfg, opts, hw, sizes, v, b, z, cfg.model.remat)
-                except PlanError as err:
-                    errors.append(str(err))
-                    continue
-                stage = stage or mem.stage_params(cfg, vocab, sizes)
-                plan = evaluate(cfg, opts, hw, layout, stage)
-                key = (plan.fits, plan.mfu if plan.fits else -plan.memory.total, -z)
-                if best_key is None or key > best_key:
-                    best, best_key = plan, key
+    stage = mem.stage_params(cfg, vocab, sizes)
+    errors: list[str] = []
+
+    def best_under(remat: str) -> Plan | None:
+        best, best_key = None, None
+        for b in mbs:
+            per_replica = replica_batch(cfg, sizes)
+            vs = vs_fixed or legal_virtual_stages(cfg.model.num_layers, sizes["pipeline"], per_replica // b)
+            for v in vs:
+                for z in zeros:
+                    try:
+                        layout = make_layout(cfg, opts, hw, sizes, v, b, z, remat)
+                    except PlanError as err:
+                        errors.append(str(err))
+                        continue
+                    plan = evaluate(cfg, opts, hw, layout, stage)
+                    key = (plan.fits, plan.mfu if plan.fits else -plan.memory.total, -z)
+                    if best_key is None or key > best_key:
+                        best, best_key = plan, key
+        return best
+
+    best = asked = best_under(cfg.model.remat)
     if best is None:
         raise PlanError(errors[0] if errors else "no legal layout")
     auto = {}
+    if not asked.fits and not remat_fixed:
+        for remat in REMATS[REMATS.index(cfg.model.remat) + 1:]:
+            plan = best_under(remat)
+            if plan is not None and plan.fits:
+                best = plan
+                auto["remat"] = (f"{remat} (model.remat={cfg.model.remat} needs {asked.memory.total / 2**30:.1f} "
+                                 f"of {asked.memory.capacity / 2**30:.1f} GiB; {remat} is the cheapest policy "
+                                 "that fits; --model.remat pins one)")
+                break
     if len(mbs) > 1:
         auto["microbatch_size"] = f"{best.layout.microbatch_size} (best of {len(mbs)} legal sizes)"
     if opts.tune_virtual_stages and sizes["pipeline"] > 1:
@@ -161,7 +177,6 @@ def make_plan(cfg: Config, opts: PlanOptions) -> Plan:
             f"{best.layout.zero_stage} (nothing fits)"
     best.auto = auto
     return best
-
 
 
 def run_overrides(plan: Plan) -> tuple[dict, str]:

@@ -6,7 +6,9 @@ Before the data is tokenized, the run directory is created or anything is compil
   3. the planner's per-device memory estimate of the most loaded pipeline stage (`msjax.planner.memory`) against
      the device's memory,
 and raises one ConfigError that gives the estimate by part (parameters, gradients, optimizer state,
-activations), the limit, and overrides that would fit, when the run cannot fit.
+activations), the limit, and overrides that would fit, when the run cannot fit. A preset's `model.remat` is a
+preference: when it does not fit and a policy that recomputes more does, the run takes the cheapest such policy and
+says so (a warning); a policy the user set (`--model.remat`) is kept, and a layout it does not fit is refused.
 
 The limit per device: an accelerator's own `memory_stats()["bytes_limit"]` (what the allocator may use; the
 catalogue's datasheet figure x the planner's memory fraction when the backend reports none). On CPU every fake
@@ -17,6 +19,7 @@ local devices lives in the same RAM).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 from typing import Sequence
@@ -26,9 +29,10 @@ from msjax.hardware import Hardware, for_device_kind
 from msjax.layout import split_batch
 from msjax.planner.layout import check_model_split, make_layout, resolve_vocab
 from msjax.planner.memory import MemoryReport, memory_report, stage_params
-from msjax.planner.options import PlanOptions
+from msjax.planner.options import REMATS, PlanOptions
 
 _GIB = 2.0**30
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,17 +143,48 @@ def _fitting_overrides(cfg: Config, sizes: dict[str, int], n: int, hw: Hardware,
     return found
 
 
-def check_layout(cfg: Config, devices: Sequence | None = None) -> MemoryReport | None:
+@dataclasses.dataclass(frozen=True)
+class Preflight:
+    """What the pre-flight check found.
+
+    Attributes:
+      config: the config to run: the one checked, or, where its remat policy did not fit and the caller left it
+        free, the same with `model.remat` set to the cheapest policy that fits.
+      memory: the planner's memory estimate of `config`.
+      note: one line saying why `model.remat` changed ("" when it did not).
+    """
+
+    config: Config
+    memory: MemoryReport
+    note: str = ""
+
+
+def _cheapest_fitting_remat(cfg: Config, sizes: dict[str, int], hw: Hardware, limit: float
+                            ) -> tuple[Config, MemoryReport] | None:
+    """`cfg` with the first remat policy after its own in `REMATS` (least recompute first) whose estimate fits."""
+    for remat in REMATS[REMATS.index(cfg.model.remat) + 1:]:
+        c = apply_overrides(cfg, {"model.remat": remat})
+        report = estimate(c, sizes, hw, limit)
+        if report.total <= limit:
+            return c, report
+    return None
+
+
+def check_layout(cfg: Config, devices: Sequence | None = None, remat_fixed: bool = False) -> Preflight:
     """Checks `cfg` against the devices before anything is allocated (module docstring).
 
     Args:
-      cfg: a validated config (`msjax.train.run(..., preflight=check_layout)` calls it so).
+      cfg: a validated config (`msjax.train.run(..., preflight=...)` calls it so).
       devices: the job's devices (default `jax.devices()`: every process's).
+      remat_fixed: the user chose `model.remat` (a command-line flag). Otherwise the config's policy is the
+        preset's preference: when it does not fit and a policy that recomputes more does, the first such policy in
+        `msjax.planner.options.REMATS` (the cheapest that fits) is returned in `Preflight.config`, and logged.
     Returns:
-      the memory estimate (None when the device's memory is unknown).
+      the config to run and its memory estimate.
     Raises:
       ConfigError: the mesh does not match the devices, the model or batch does not divide over the mesh, or the
-        estimate exceeds the limit; the message has the estimate by part, the limit and overrides that fit.
+        estimate exceeds the limit (under every remat policy, unless `remat_fixed`); the message has the estimate
+        by part, the limit and overrides that fit.
     """
     import jax
 
@@ -167,7 +202,16 @@ def check_layout(cfg: Config, devices: Sequence | None = None) -> MemoryReport |
         sizes["data"] = max(sizes["data"], 1)
     report = estimate(cfg, sizes, budget.hardware, budget.bytes)
     if mesh_error is None and report.total <= budget.bytes:
-        return report
+        return Preflight(cfg, report)
+    if mesh_error is None and not remat_fixed:
+        found = _cheapest_fitting_remat(cfg, sizes, budget.hardware, budget.bytes)
+        if found is not None:
+            fixed, fixed_report = found
+            note = (f"model.remat={fixed.model.remat}: {cfg.model.remat} needs {report.total / _GIB:.2f} GiB per "
+                    f"device of {budget.bytes / _GIB:.2f} GiB ({budget.how}); {fixed.model.remat} is the cheapest "
+                    f"policy that fits ({fixed_report.total / _GIB:.2f} GiB); --model.remat pins one")
+            log.warning(note)
+            return Preflight(fixed, fixed_report, note)
     what = (f"{cfg.name}: {mesh_error}" if mesh_error else
             f"{cfg.name} does not fit: the estimate is over the limit of this device")
     lines = [what,

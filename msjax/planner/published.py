@@ -142,7 +142,7 @@ def predict(row: Row, base: Config | None = None, **overrides) -> dict:
     from msjax.planner.plan import make_plan
 
     cfg = row_config(base or Config(), row)
-    plan = make_plan(cfg, row_options(row, **overrides))
+    plan = make_plan(cfg, row_options(row, **overrides), remat_fixed=True)  # the row's own recomputation
     if row.metric == "hfu_narayanan":
         s, L, h, V = 2048, row.layers, row.hidden, row.vocab
         per_token = 96 * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))

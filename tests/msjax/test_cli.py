@@ -321,3 +321,11 @@ def test_recipe_row_of_a_failed_run_keeps_the_error_message():
     row = msjax_recipe_row(timed)
     assert timed["returncode"] == 2 and "Unrecognized options: out.json" in row["error"], row
     assert "stdout" not in row and "stderr" not in row
+
+
+def test_explicit_keys_are_the_dotted_keys_on_the_command_line():
+    from msjax.cli import explicit_keys
+
+    argv = ["--config=gpt530b", "--model.remat=none", "--train.steps", "3", "--devices=8", "--mesh-tensor=2",
+            "--model.attention.window=None", "value.with.dot"]
+    assert explicit_keys(argv) == {"model.remat", "train.steps", "model.attention.window"}

@@ -275,6 +275,22 @@ def test_a_job_that_cannot_run_is_refused_before_anything_is_written_or_started(
         assert code == 0 and out.exists(), err
 
 
+def test_a_presets_remat_that_does_not_fit_the_job_is_raised_for_its_workers(tmp_path, capsys, caplog):
+    """gpt530b on 2,240 A100s (MegaScale's layout, the preset's 35 microbatches of 8): its remat (none) does not
+    fit, full is the cheapest that does; the launcher says so and its workers get --model.remat=full. A remat the
+    user set is theirs: refused."""
+    common = ["--backend=slurm", "--num_processes=280", "--devices_per_process=8", "--device_kind=a100-80g",
+              f"--output={tmp_path / 'spec'}"]
+    flags = ["--config=gpt530b", "--train.global_batch=2240", "--mesh.data=-1"]
+    code, _, err = _launch(capsys, *common, flags=flags)
+    assert code == 0, err
+    assert "model.remat=full: none needs" in caplog.text and "full is the cheapest policy that fits" in caplog.text
+    (step,) = [x for x in (tmp_path / "spec").read_text().splitlines() if x.startswith("srun --nodes=\"$SLURM_NNODES")]
+    assert f"msjax-train {' '.join(flags)} --model.remat=full " in step, step
+    code, _, err = _launch(capsys, *common, flags=[*flags, "--model.remat=none"])
+    assert code == 2 and "does not fit" in err and "--model.remat=full" in err, err
+
+
 def test_typed_overrides_become_worker_flags_that_parse_back_to_the_same_config():
     """A re-plan's overrides (dotted key -> typed value) reach a restarted worker as flags after the job's own
     (`worker_flags`), then --resume; parsed back they give the same config."""

@@ -330,8 +330,8 @@ def test_gpt175b_is_refused_before_any_data_or_directory(tmp_path):
 def test_layout_over_memory_names_parts_limit_and_overrides_that_fit():
     from msjax.planner.preflight import check_layout
 
-    # 4 layers, 8 devices, 64-sequence microbatches: ~1.97 GiB per device without remat, ~1.22 GiB with full remat
-    # (msjax.planner.memory: what the compiled step holds, float32, materialised attention)
+    # 4 layers, 8 devices, 64-sequence microbatches; the planner's estimates per device (msjax.planner.memory:
+    # float32, materialised attention): remat none 7.64 GiB, dots 3.25, dots_no_batch 2.44, full 1.14
     cfg = apply_overrides(Config(name="probe"), {
         "model.num_layers": 4, "model.d_model": 256, "model.num_heads": 4, "model.max_seq_len": 256,
         "model.vocab_size": 1000, "train.seq_len": 256, "train.global_batch": 512, "mesh.data": 4,
@@ -344,7 +344,7 @@ def test_layout_over_memory_names_parts_limit_and_overrides_that_fit():
             return {"bytes_limit": 1.5 * 2**30}
 
     with pytest.raises(ConfigError) as err:
-        check_layout(cfg, [Small()] * 8)
+        check_layout(cfg, [Small()] * 8, remat_fixed=True)
     msg = str(err.value)
     assert msg.startswith("probe does not fit"), msg
     assert "limit per device: 1.50 GiB (probe allocator limit) - does not fit" in msg
@@ -352,7 +352,16 @@ def test_layout_over_memory_names_parts_limit_and_overrides_that_fit():
         assert part in msg
     assert "overrides that would fit on the 8 device(s) present: --model.remat=full" in msg
     fixed = apply_overrides(cfg, {"model.remat": "full"}).validate()
-    assert check_layout(fixed, [Small()] * 8).total <= 1.5 * 2**30
+    assert check_layout(fixed, [Small()] * 8).memory.total <= 1.5 * 2**30
+
+    # Left free (a preset's policy), remat is raised to the cheapest policy that fits: full, since the dots
+    # policies' saved matmul outputs do not fit either.
+    checked = check_layout(cfg, [Small()] * 8)
+    assert checked.config.model.remat == "full" and checked.memory.total <= 1.5 * 2**30
+    assert checked.config == fixed and "full is the cheapest policy that fits" in checked.note, checked.note
+    for remat in ("dots", "dots_no_batch"):
+        over = check_layout(apply_overrides(cfg, {"model.remat": remat}), [Small()] * 8, remat_fixed=False)
+        assert over.config.model.remat == "full"
 
 
 @pytest.mark.slow

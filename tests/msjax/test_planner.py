@@ -5,6 +5,7 @@ calibration and the baseline switch, hardware catalogue, command line."""
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -546,6 +547,51 @@ def test_a_plan_that_does_not_fit_exits_3_and_gives_no_throughput(capsys):
     assert "gradients: float32 accumulators + the optimizer's input (2 x 4 B/param" in text
     assert "stash: 57 slots x 2 layers x 48.0 MiB (dots_no_batch, bfloat16) + carries" in text
     assert "total by remat policy (this layout): none " in text
+
+
+# The layouts the presets' docstrings name (scripts/plan.py flags); each must fit with the preset's own settings.
+PRESET_LAYOUTS = [
+    ("gpt175b", "--devices=64 --mesh.tensor=8 --mesh.pipeline=8"),
+    ("gpt175b", "--devices=12288 --global_batch=6144 --mesh.tensor=8 --mesh.pipeline=8"),
+    *[("gpt530b", f"--devices={n} --global_batch={n} --mesh.tensor=8 --mesh.pipeline=35") for n in (2240, 4480, 11200)],
+    ("llama3_70b", "--devices=512 --hardware=h100 --mesh.tensor=8 --mesh.pipeline=4"),
+    *[(name, "--devices=64 --hardware=h100")  # the preset's own mesh: tensor 8 (qwen2_5_7b: 4, its 28 heads)
+      for name in ("llama3_8b", "llama3_1_8b", "mistral_7b", "qwen2_5_7b", "qwen3_8b")],
+]
+
+
+@pytest.mark.parametrize("preset, flags", PRESET_LAYOUTS)
+def test_presets_fit_the_layouts_their_docstrings_name(preset, flags, capsys):
+    from msjax.configs import __path__ as configs_path
+    from msjax.planner.cli import main
+
+    doc = (Path(configs_path[0]) / f"{preset}.py").read_text()
+    devices = flags.split()[0].split("=")[1]
+    assert f"{int(devices):,}" in doc or devices in doc, f"{preset}'s docstring does not name {flags}"
+    assert main([f"--config={preset}", *flags.split()]) == 0, capsys.readouterr()
+    assert ": fits" in capsys.readouterr().out
+
+
+def test_a_presets_remat_that_does_not_fit_is_raised_to_the_cheapest_that_does(capsys):
+    """MegaScale's 530B layout: the preset's remat (none) needs 79.4 GiB of the 76 usable; the planner takes
+    dots, the first policy in REMATS that fits, and says so. A policy the user sets is kept, and refused."""
+    from msjax.planner.cli import EXIT_DOES_NOT_FIT, main
+
+    flags = ["--config=gpt530b", "--devices=2240", "--hardware=a100-80g", "--global_batch=2240",
+             "--mesh.tensor=8", "--mesh.pipeline=35"]
+    assert load_preset("gpt530b").model.remat == "none"
+    assert main(flags) == 0
+    out = capsys.readouterr().out
+    assert "auto       remat = dots (model.remat=none needs 79.4 of 76.0 GiB; dots is the cheapest policy that fits" \
+        in out, out
+    assert "--model.remat=dots" in out and "fits" in out and "remat dots," in out
+    assert main([*flags, "--model.remat=none"]) == EXIT_DOES_NOT_FIT
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "auto       remat" not in out
+    # a preset policy that fits is kept even where a cheaper one would not (gpt175b pins dots_no_batch)
+    cfg, opts, _ = parse_plan_args(["--config=gpt175b", "--devices=64", "--mesh.tensor=8", "--mesh.pipeline=8"])
+    plan = make_plan(cfg, opts)
+    assert plan.fits and plan.layout.remat == "dots_no_batch" and "remat" not in plan.auto
 
 
 # Llama's blocks: RoPE, RMSNorm, SwiGLU, grouped-query heads, no biases, untied output projection

@@ -39,6 +39,22 @@ def test_trains_and_writes_metrics_checkpoints_and_sample(tmp_path, corpus):
     assert (tmp_path / "run" / "tokenizer.json").exists() and (tmp_path / "run" / "config.json").exists()
 
 
+def test_the_config_a_preflight_returns_is_the_one_that_runs(tmp_path, corpus):
+    """A pre-flight check may change the config (the planner's raises a preset's remat that does not fit): the run,
+    its checkpoints and its config.json are the returned config's."""
+    cfg = tiny(tmp_path, corpus, **{"train.steps": 2, "train.eval_every": 0, "checkpoint.every": 2,
+                                    "train.sample_tokens": 0})
+    seen = []
+
+    def preflight(c):
+        seen.append(c)
+        return apply_overrides(c, {"model.remat": "full"})
+
+    run(cfg, preflight=preflight)
+    assert seen == [cfg] and cfg.model.remat == "none"
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["model"]["remat"] == "full"
+
+
 def _params(summary):
     return jax.tree.leaves(jax.device_get(summary.state))
 
