@@ -3,8 +3,10 @@
 This package owns two subsystems. Nothing is imported here, so importing one module does not pull in the others.
 
 Pipeline parallelism:
-  schedule          the interleaved-1F1B tick table, its bubble and microbatches in flight (pure Python, so the
-                    planner prices the same numbers).
+  schedule          the interleaved-1F1B tick table the pipelined step runs, its bubble and microbatches in flight
+                    (pure Python, so the planner prices the same numbers).
+  schedules         1F1B, interleaved 1F1B, ZB-H1 and ZB-V as tables of forward, input-gradient and weight-gradient
+                    passes per stage and tick, with their bubble and activations in flight (pure Python).
   pipeline          the pipelined gradient computation inside the one jitted train step, `shard_map` over the
                     `pipeline` mesh axis. The layout and memory check run before anything is allocated lives with
                     the planner (`msjax.planner.preflight`).
