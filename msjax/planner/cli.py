@@ -12,6 +12,7 @@ from typing import Sequence
 from msjax import cli
 from msjax.config import Config, apply_overrides
 from msjax.planner.goodput import DEFAULT_SHARES, LLAMA3_FAILURES_PER_DEVICE_HOUR
+from msjax.parallel.schedules import SCHEDULES
 from msjax.planner.options import PlanError, PlanOptions
 
 # The records --goodput reads by default: the repository's own measurements (docs/results).
@@ -40,6 +41,9 @@ class PlanActions:
       checkpoint_minutes: the checkpoint interval to project, minutes of training; 0: the optimum.
       recovery_record, checkpoint_record, startup_record: docs/results JSON records of scripts/bench_recovery.py,
         bench_checkpoint.py and bench_init.py the costs come from ("": the repository's own).
+      schedule: also print this pipeline schedule (`msjax.parallel.schedules`: 1f1b, interleaved, zb-h1, zb-v) on
+        the plan's stages and microbatches, as a grid of forward (F), input-gradient (B) and weight-gradient (W)
+        passes per stage and tick with its bubble, and every schedule's bubble at the same P and M.
     """
 
     search: bool = False
@@ -57,6 +61,7 @@ class PlanActions:
     recovery_record: str = ""
     checkpoint_record: str = ""
     startup_record: str = ""
+    schedule: str = ""
 
 
 def parse_plan_args(argv: Sequence[str]) -> tuple[Config, PlanOptions, dict]:
@@ -77,6 +82,8 @@ def parse_plan_args(argv: Sequence[str]) -> tuple[Config, PlanOptions, dict]:
         raise PlanError(f"--hardware_file={opts.hardware_file!r} does not exist (or is not a file)")
     if acts.json:
         cli.check_writable(acts.json, "--json")
+    if acts.schedule and acts.schedule not in SCHEDULES:
+        raise PlanError(f"--schedule={acts.schedule}: allowed are {', '.join(SCHEDULES)}")
     actions["plan"] = bool(opts.devices) or not acts.published
     actions["remat_fixed"] = "model.remat" in cli.explicit_keys(argv)
     if not opts.devices:
@@ -130,6 +137,9 @@ def run(argv: Sequence[str], out=None) -> dict:
             print(report.plan_text(plan), file=out)
             result["plan"] = report.plan_dict(plan)
             result["fits"] = plan.fits
+        if actions["schedule"] and plan is not None:
+            text, result["schedule"] = schedule_report(plan, actions["schedule"])
+            print("\n" + text, file=out)
         if actions["goodput"] and plan is not None:
             text, result["goodput"] = goodput_report(plan, actions)
             print("\n" + text, file=out)
@@ -151,6 +161,42 @@ def run(argv: Sequence[str], out=None) -> dict:
                                                  {"indent": 1}))
         print(f"\nwrote {actions['json']}", file=out)
     return result
+
+
+def schedule_report(plan, name: str) -> tuple[str, dict]:
+    """`--schedule=NAME`: the schedule's action table on the plan's P stages and M microbatches (V: the plan's
+    interleaving for `interleaved`, 1 for 1f1b and zb-h1, 2 for zb-v), as text and a JSON-ready dict. Raises
+    PlanError when the plan has no pipeline stages or the schedule does not run on them."""
+    from msjax.parallel.schedules import ActionTable, check, paper_bubble
+
+    lay = plan.layout
+    p, m = lay.pipeline, lay.microbatches
+    if p == 1:
+        raise PlanError(f"--schedule={name}: the plan has no pipeline stages (mesh.pipeline=1)")
+    chunks = {"interleaved": lay.virtual_stages, "zb-v": 2}
+    try:
+        table = ActionTable(name, p, chunks.get(name, 1), m)
+    except ValueError as err:
+        raise PlanError(f"--schedule={name}: {err}") from None
+    bubbles = {}
+    for other in SCHEDULES:
+        try:
+            check(other, p, chunks.get(other, 1), m)
+        except ValueError:
+            continue
+        bubbles[other] = paper_bubble(other, p, chunks.get(other, 1), m)
+    lines = [f"Pipeline schedule (--schedule={name}; one tick = one chunk's forward, input-gradient or weight-gradient "
+             "pass)", table.text(),
+             f"  activations in flight per stage (chunk-microbatches between F and B): "
+             f"{', '.join(str(table.in_flight(s)) for s in range(min(p, 8)))}{' ...' if p > 8 else ''}; "
+             f"waiting for W: {', '.join(str(table.awaiting_w(s)) for s in range(min(p, 8)))}{' ...' if p > 8 else ''}",
+             f"  bubble at P={p}, M={m} by schedule: "
+             + ", ".join(f"{k} {v:.1%}" + (f" (V={chunks[k]})" if k in chunks else "") for k, v in bubbles.items())]
+    out = {"name": name, "stages": p, "virtual_stages": table.virtual_stages, "microbatches": m,
+           "ticks": table.ticks, "idle": table.idle, "bubble": table.bubble,
+           "in_flight": [table.in_flight(s) for s in range(p)],
+           "awaiting_w": [table.awaiting_w(s) for s in range(p)], "bubble_by_schedule": bubbles}
+    return "\n".join(lines), out
 
 
 def parse_shares(text: str) -> dict[str, float]:

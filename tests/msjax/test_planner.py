@@ -750,3 +750,25 @@ def test_run_overrides_express_the_plan_in_the_config():
     plan = make_plan(cfg, PlanOptions(devices=8, hardware="a100-80g", zero_stage=1))
     overrides, note = run_overrides(plan)
     assert "has no rule set" in note and overrides["mesh.rules"] == "fsdp_tp" and overrides["mesh.data"] == 2
+
+
+def test_plan_prints_a_schedule_grid_with_its_bubble(tmp_path, capsys):
+    """`plan.py --schedule=NAME` prints the action table on the plan's stages and microbatches, and every
+    schedule's bubble beside it (the closed forms the tables reach, tests/msjax/test_schedules.py)."""
+    from msjax.parallel.schedules import ActionTable
+    from msjax.planner.cli import main
+
+    flags = ["--config=gpt_tiny", "--devices=8", "--mesh.pipeline=4", "--mesh.data=2", "--pipeline.microbatches=8",
+             "--tune_microbatches=false", "--tune_virtual_stages=false"]
+    assert main([*flags, "--schedule=zb-v", f"--json={tmp_path / 'plan.json'}"]) == 0
+    out = capsys.readouterr().out
+    want = ActionTable("zb-v", 4, 2, 8)
+    assert want.text() in out and "idle 3 per stage" in out
+    got = json.loads((tmp_path / "plan.json").read_text())["schedule"]
+    assert got["ticks"] == want.ticks and got["bubble"] == pytest.approx(want.bubble)
+    assert got["bubble_by_schedule"] == pytest.approx({"1f1b": 9 / 33, "interleaved": 9 / 33, "zb-h1": 3 / 27,
+                                                       "zb-v": 3 / 51})
+    assert main([*flags, "--schedule=zb-h2"]) == 2
+    assert "--schedule=zb-h2: allowed are 1f1b, interleaved, zb-h1, zb-v" in capsys.readouterr().err
+    assert main(["--config=gpt_tiny", "--devices=8", "--schedule=zb-h1"]) == 2
+    assert "the plan has no pipeline stages" in capsys.readouterr().err
