@@ -14,9 +14,9 @@ untied) with grouped-query heads. Checkpoints of both convert to and from Huggin
 
 Parallelism is not written here: parameters carry logical axis names (`sharding_rules.axes`) and activations
 pass through `msjax.sharding.constrain`; the rule set picked in the config decides the layout. What changes how
-the model computes is applied from `msjax.parallel`, which this module never imports, at three declared points
-(`msjax.sharding.applied`: run a block, scan the stacked layers, mark the backward's end). A block declares what
-such a transform may use of it: `Block.parallel`, `ln1`/`ln2`, the attention's `wq`, `wk`, `wv`, `wo`,
+the model computes is applied from `msjax.parallel`, which this module never imports, at four declared points
+(`msjax.sharding.applied`: run a block, scan the stacked layers, mark the backward's end, run a weight matmul). A
+block declares what such a transform may use of it: `Block.parallel`, `ln1`/`ln2`, the attention's `wq`, `wk`, `wv`, `wo`,
 `finish_qkv()`, `window`, `impl` and dtypes, the MLP's `column_weights()`, `activate()` and `w_out` (the
 collective matmul's view of a block). A new block type is a class here plus, where it needs one, a transform there.
 With `scan_layers=True` layers are created stacked (leading `layers` axis, parameters under `blocks`) and run
@@ -32,6 +32,7 @@ slot p mod S) and the longest sequence otherwise.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import jax
@@ -114,7 +115,14 @@ class Norm(nnx.Module):
 def dense(spec: str, x: jax.Array, w: jax.Array, dt, matmul_dt, own_backward: bool) -> jax.Array:
     """A weight matmul `einsum(spec, x, w)` out in the activations' dtype `dt`, its operands rounded to `matmul_dt`
     with float32 accumulation, through `msjax.ops.matmul`'s backward where `own_backward`
-    (`matmul.own_backward`); plain in `dt`, left to autodiff, elsewhere."""
+    (`matmul.own_backward`); plain in `dt`, left to autodiff, elsewhere. A transform may run it with another
+    backward (`msjax.sharding.Parallelism.weight_matmul`: the pipeline's split backward)."""
+    plain = partial(_dense, spec, dt=dt, matmul_dt=matmul_dt, own_backward=own_backward)
+    transform = applied().weight_matmul
+    return plain(x, w) if transform is None else transform(plain, x, w)
+
+
+def _dense(spec: str, x: jax.Array, w: jax.Array, dt, matmul_dt, own_backward: bool) -> jax.Array:
     if not own_backward:
         return jnp.einsum(spec, x, w.astype(dt))
     return checkpoint_name(matmul.einsum(spec, x, w, matmul_dt).astype(dt), WEIGHT_MATMUL)

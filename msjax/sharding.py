@@ -5,8 +5,8 @@ The model names axes; `use_rules(mesh, rules)` says, for the code traced inside 
 land on. Outside such a context `constrain` is the identity, so the model also runs as plain single-device code.
 
 Parallelism that changes how a model computes, not only where its arrays live, reaches it the same way: the model
-asks `applied()` at three declared points (run one block, scan the stacked layers, mark the input whose gradient
-ends the backward) and does its own plain math where nothing is applied. `msjax.parallel` installs its
+asks `applied()` at four declared points (run one block, scan the stacked layers, mark the input whose gradient
+ends the backward, run one weight matmul) and does its own plain math where nothing is applied. `msjax.parallel` installs its
 transforms with `use_parallelism` (the collective matmul and FSDP prefetch from `use_overlap`, the arrival marks
 from `use_arrival_marks`); the model never imports it (torchtitan's `parallelize_llama` applies tensor, FSDP and
 pipeline parallelism to a model that knows none of them, the same split).
@@ -69,11 +69,15 @@ class Parallelism:
         (`jax.lax.scan(layer, x, stacked, unroll=unroll)[0]` by default; FSDP prefetch gathers ahead).
       backward_end: `x_btd -> x_btd`, an identity on the embedding output whose gradient marks where the backward
         pass ends (the straggler detector's arrival marks).
+      weight_matmul: `(dense, x, w) -> dense(x, w)`, one weight matmul computed with a different backward (the
+        split backward's record of its input and output gradient, `msjax.parallel.split_backward`); `dense` is the
+        model's own (x, w) -> y.
     """
 
     block: Callable[[Any, jax.Array], jax.Array] | None = None
     scan_layers: Callable[..., jax.Array] | None = None
     backward_end: Callable[[jax.Array], jax.Array] | None = None
+    weight_matmul: Callable[[Callable, jax.Array, jax.Array], jax.Array] | None = None
 
 
 _PARALLELISM: contextvars.ContextVar[Parallelism] = contextvars.ContextVar("msjax_parallelism",

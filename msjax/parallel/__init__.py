@@ -7,6 +7,8 @@ Pipeline parallelism:
                     (pure Python, so the planner prices the same numbers).
   schedules         1F1B, interleaved 1F1B, ZB-H1 and ZB-V as tables of forward, input-gradient and weight-gradient
                     passes per stage and tick, with their bubble and activations in flight (pure Python).
+  split_backward    a layer's backward as two passes, input gradient (B) and weight gradients (W), through the
+                    model's weight-matmul point: what a zero-bubble schedule defers.
   pipeline          the pipelined gradient computation inside the one jitted train step, `shard_map` over the
                     `pipeline` mesh axis. The layout and memory check run before anything is allocated lives with
                     the planner (`msjax.planner.preflight`).
@@ -25,7 +27,7 @@ Communication hidden behind compute:
   xla_flags         XLA flag presets per backend, applied before the backend starts.
 
 The model stays single-device code that names its axes and never imports this package: these transforms reach it
-through the three points it declares (`msjax.sharding.Parallelism`), and nothing here changes the math
+through the four points it declares (`msjax.sharding.Parallelism`), and nothing here changes the math
 (tests/msjax/test_pipeline.py, tests/msjax/test_overlap.py). Context-parallel attention, an attention
 implementation over a sequence-sharded mesh, is `msjax.ops.context_parallel`.
 """
