@@ -16,8 +16,8 @@ Parallelism is not written here: parameters carry logical axis names (`sharding_
 pass through `msjax.sharding.constrain`; the rule set picked in the config decides the layout. What changes how
 the model computes is applied from `msjax.parallel`, which this module never imports, at four declared points
 (`msjax.sharding.applied`: run a block, scan the stacked layers, mark the backward's end, run a weight matmul). A
-block declares what such a transform may use of it: `Block.parallel`, `ln1`/`ln2`, the attention's `wq`, `wk`, `wv`, `wo`,
-`finish_qkv()`, `window`, `impl` and dtypes, the MLP's `column_weights()`, `activate()` and `w_out` (the
+block declares what such a transform may use of it: `Block.parallel`, `ln1`/`ln2`, the attention's `wq`, `wk`,
+`wv`, `wo`, `finish_qkv()`, `window`, `impl` and dtypes, the MLP's `column_weights()`, `activate()` and `w_out` (the
 collective matmul's view of a block). A new block type is a class here plus, where it needs one, a transform there.
 With `scan_layers=True` layers are created stacked (leading `layers` axis, parameters under `blocks`) and run
 with `jax.lax.scan`, so compile time does not grow with depth: the choice for deep models. `scan_layers=False`
