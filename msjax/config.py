@@ -325,10 +325,15 @@ class PipelineConfig:
         train.global_batch / (train.microbatches x M) sequences.
       virtual_stages: V, model chunks per stage (Narayanan et al. 2021 sec. 2.2); a chunk holds
         model.num_layers / (mesh.pipeline x V) layers. V > 1 needs M to be a multiple of mesh.pipeline.
+      schedule: "interleaved", msjax's interleaved 1F1B (each tick a forward and a backward on every stage), or a
+        schedule run from its action table, one pass a tick (msjax/parallel/schedules.py, zero_bubble.py): "1f1b"
+        (V = 1), "zb-h1" (V = 1) and "zb-v" (V = 2), the last two with each backward split into its input and
+        weight gradients (Qi et al. 2024), the weight gradients filling the bubble.
     """
 
     microbatches: int = 0
     virtual_stages: int = 1
+    schedule: Literal["interleaved", "1f1b", "zb-h1", "zb-v"] = "interleaved"
 
 
 @dataclass(frozen=True)
@@ -912,7 +917,17 @@ def _check_pipeline(cfg: Config) -> None:
     if p == 1:
         if pc.virtual_stages > 1:
             raise ConfigError(f"pipeline.virtual_stages={pc.virtual_stages} needs mesh.pipeline > 1")
+        if pc.schedule != "interleaved":
+            raise ConfigError(f"pipeline.schedule={pc.schedule} needs mesh.pipeline > 1")
         return
+    chunks = {"1f1b": 1, "zb-h1": 1, "zb-v": 2}.get(pc.schedule)  # the chunks per stage each table runs
+    if chunks is not None and pc.virtual_stages != chunks:
+        raise ConfigError(f"pipeline.schedule={pc.schedule} runs {chunks} chunk(s) per stage: allowed is "
+                          f"pipeline.virtual_stages={chunks}, got {pc.virtual_stages}")
+    if chunks is not None and cfg.mesh.tp_overlap == "collective_matmul":
+        raise ConfigError(f"pipeline.schedule={pc.schedule} taps each weight matmul of a block, which "
+                          "mesh.tp_overlap=collective_matmul computes its own way; allowed: pipeline.schedule="
+                          "interleaved, or mesh.tp_overlap none or xla")
     m, v, L = cfg.pipeline_microbatches(), pc.virtual_stages, cfg.model.num_layers
     if L % (p * v):
         raise ConfigError(f"model.num_layers={L} is not divisible by mesh.pipeline x pipeline.virtual_stages = "
@@ -920,7 +935,7 @@ def _check_pipeline(cfg: Config) -> None:
     if t.global_batch % (t.microbatches * m):
         raise ConfigError(f"train.global_batch={t.global_batch} is not divisible by train.microbatches x "
                           f"pipeline.microbatches = {t.microbatches} x {m}")
-    if v > 1 and m % p:
+    if v > 1 and m % p and pc.schedule == "interleaved":
         raise ConfigError(f"pipeline.microbatches={m} must be a multiple of mesh.pipeline={p} for the interleaved "
                           f"schedule (pipeline.virtual_stages={v} > 1; Narayanan et al. 2021 sec. 2.2)")
 

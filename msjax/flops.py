@@ -145,9 +145,11 @@ def _jaxpr_flops(jaxpr, consts: list, args: list, axis_env: dict) -> tuple[float
             mesh = params["mesh"]
             manual = sorted(params.get("newly_manual_axes", params.get("manual_axes", ())))
             sizes = [mesh.shape[a] for a in manual]
+            # an input replicated over the manual axes (a schedule's table, say) is the same inside: known
+            specs = params.get("in_specs", [None] * len(ins))
+            inside = [x if spec is not None and all(e is None for e in spec) else None for x, spec in zip(ins, specs)]
             for member in np.ndindex(*sizes):
-                flops, _ = _jaxpr_flops(params["jaxpr"], [], [None] * len(ins),
-                                        {**axis_env, **dict(zip(manual, member))})
+                flops, _ = _jaxpr_flops(params["jaxpr"], [], inside, {**axis_env, **dict(zip(manual, member))})
                 total += flops
         elif name == "axis_index":
             outs = [np.asarray(axis_env[params["axis_name"]], np.int32)]

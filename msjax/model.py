@@ -32,7 +32,6 @@ slot p mod S) and the longest sequence otherwise.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import Any
 
 import jax
@@ -112,20 +111,51 @@ class Norm(nnx.Module):
         return layer_norm(x_btd, self.scale[...], bias, self.eps).astype(x_btd.dtype)  # msjax/ops/layer_norm.py
 
 
-def dense(spec: str, x: jax.Array, w: jax.Array, dt, matmul_dt, own_backward: bool) -> jax.Array:
+@dataclass(frozen=True)
+class WeightMatmul:
     """A weight matmul `einsum(spec, x, w)` out in the activations' dtype `dt`, its operands rounded to `matmul_dt`
-    with float32 accumulation, through `msjax.ops.matmul`'s backward where `own_backward`
-    (`matmul.own_backward`); plain in `dt`, left to autodiff, elsewhere. A transform may run it with another
-    backward (`msjax.sharding.Parallelism.weight_matmul`: the pipeline's split backward)."""
-    plain = partial(_dense, spec, dt=dt, matmul_dt=matmul_dt, own_backward=own_backward)
+    with float32 accumulation, through `msjax.ops.matmul`'s backward where `own_backward` (`matmul.own_backward`);
+    plain in `dt`, left to autodiff, elsewhere. `input_grad` and `weight_grad` are the two halves of its backward,
+    the same products autodiff (or the own backward) computes, for a transform that runs them apart (the
+    pipeline's split backward)."""
+
+    spec: str
+    dt: Any
+    matmul_dt: Any
+    own_backward: bool
+
+    def __call__(self, x: jax.Array, w: jax.Array) -> jax.Array:
+        if not self.own_backward:
+            return jnp.einsum(self.spec, x, w.astype(self.dt))
+        return checkpoint_name(matmul.einsum(self.spec, x, w, self.matmul_dt).astype(self.dt), WEIGHT_MATMUL)
+
+    def input_grad(self, w: jax.Array, dy: jax.Array, x_dtype) -> jax.Array:
+        """d(output)/dx applied to `dy`, in `x_dtype`."""
+        if self.own_backward:
+            return matmul.input_grad(self.spec, w, dy, self.matmul_dt).astype(x_dtype)
+        a, b, c = self._indices()
+        return jnp.einsum(f"{c},{b}->{a}", dy, w.astype(self.dt)).astype(x_dtype)
+
+    def weight_grad(self, x: jax.Array, dy: jax.Array, w_dtype) -> jax.Array:
+        """d(output)/dw applied to `dy`, in `w_dtype`."""
+        if self.own_backward:
+            return matmul.weight_grad(self.spec, x, dy, self.matmul_dt).astype(w_dtype)
+        a, b, c = self._indices()
+        return jnp.einsum(f"{a},{c}->{b}", x, dy).astype(w_dtype)
+
+    def _indices(self) -> tuple[str, str, str]:
+        """The spec's x, w and output indices ("btd,df->btf" -> btd, df, btf)."""
+        ins, out = self.spec.replace(" ", "").split("->")
+        a, b = ins.split(",")
+        return a, b, out
+
+
+def dense(spec: str, x: jax.Array, w: jax.Array, dt, matmul_dt, own_backward: bool) -> jax.Array:
+    """`WeightMatmul(spec, dt, matmul_dt, own_backward)(x, w)`, or, where a transform asks for every weight matmul
+    (`msjax.sharding.Parallelism.weight_matmul`: the pipeline's split backward), what it makes of it."""
+    op = WeightMatmul(spec, dt, matmul_dt, own_backward)
     transform = applied().weight_matmul
-    return plain(x, w) if transform is None else transform(plain, x, w)
-
-
-def _dense(spec: str, x: jax.Array, w: jax.Array, dt, matmul_dt, own_backward: bool) -> jax.Array:
-    if not own_backward:
-        return jnp.einsum(spec, x, w.astype(dt))
-    return checkpoint_name(matmul.einsum(spec, x, w, matmul_dt).astype(dt), WEIGHT_MATMUL)
+    return op(x, w) if transform is None else transform(op, x, w)
 
 
 def default_positions(t: int) -> jax.Array:

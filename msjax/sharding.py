@@ -69,9 +69,9 @@ class Parallelism:
         (`jax.lax.scan(layer, x, stacked, unroll=unroll)[0]` by default; FSDP prefetch gathers ahead).
       backward_end: `x_btd -> x_btd`, an identity on the embedding output whose gradient marks where the backward
         pass ends (the straggler detector's arrival marks).
-      weight_matmul: `(dense, x, w) -> dense(x, w)`, one weight matmul computed with a different backward (the
-        split backward's record of its input and output gradient, `msjax.parallel.split_backward`); `dense` is the
-        model's own (x, w) -> y.
+      weight_matmul: `(matmul, x, w) -> matmul(x, w)`, one weight matmul computed with a different backward (the
+        split backward's record of its input and output gradient, `msjax.parallel.split_backward`); `matmul` is the
+        model's own (`msjax.model.WeightMatmul`: the product and the two halves of its backward).
     """
 
     block: Callable[[Any, jax.Array], jax.Array] | None = None

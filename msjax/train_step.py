@@ -32,6 +32,7 @@ from msjax.optim import learning_rates, make_optimizer, skipped_steps
 from msjax.parallel.arrival import step_start, use_arrival_marks
 from msjax.parallel.options import use_overlap
 from msjax.parallel.pipeline import PipelinedGrads
+from msjax.parallel.zero_bubble import TablePipelinedGrads
 from msjax.parallel.zero2 import reduce_scattered_grads
 from msjax.sharding import constrain, tree_shardings, use_rules
 from msjax.sharding_rules import OPTIMIZER_STATE_RULES
@@ -194,7 +195,8 @@ def build_train_program(cfg: Config | Layout, mesh: Mesh | None = None, vocab_si
         layer_specs = logical_specs["blocks"] if model_cfg.scan_layers else logical_specs["layers"][0]
         if model_cfg.scan_layers:  # drop the leading `layers` axis
             layer_specs = jax.tree.map(lambda s: P(*tuple(s)[1:]), layer_specs, is_leaf=lambda x: isinstance(x, P))
-        pipelined = PipelinedGrads(cfg, mesh, rules, param_shardings, layer_specs, t.microbatches)
+        runner = PipelinedGrads if cfg.pipeline.schedule == "interleaved" else TablePipelinedGrads
+        pipelined = runner(cfg, mesh, rules, param_shardings, layer_specs, t.microbatches)
 
     def local_grads(params: dict, batch: dict) -> tuple[jax.Array, dict]:
         """Loss and gradients over the rows given (the global batch, or one device's rows under ZeRO-2): the mean

@@ -139,9 +139,27 @@ def _einsum_fwd(spec, dt, narrow_transpose, x, w):
 
 def _einsum_bwd(spec, dt, narrow_transpose, residuals, g):
     x, w = residuals
+    return (input_grad(spec, w, g, dt).astype(x.dtype),
+            _weight_grad(spec, x, g, dt, narrow_transpose).astype(w.dtype))
+
+
+def input_grad(spec: str, w: jax.Array, g: jax.Array, operand_dtype) -> jax.Array:
+    """The gradient of `einsum(spec, x, w, operand_dtype)` with respect to x, for output gradient `g`: float32,
+    shaped like x (the backward's first half, also run alone by a split backward)."""
+    a, b, c = _parts(spec)
+    dt = jnp.dtype(operand_dtype)
+    return jnp.einsum(f"{c},{b}->{a}", g.astype(dt), w.astype(dt), preferred_element_type=jnp.float32)
+
+
+def weight_grad(spec: str, x: jax.Array, g: jax.Array, operand_dtype) -> jax.Array:
+    """The gradient of `einsum(spec, x, w, operand_dtype)` with respect to w, for output gradient `g`: float32,
+    shaped like w (the backward's second half; a split backward runs it later)."""
+    return _weight_grad(spec, x, g, jnp.dtype(operand_dtype), jax.default_backend() == "cpu")
+
+
+def _weight_grad(spec, x, g, dt, narrow_transpose):
     a, b, c = _parts(spec)
     g = g.astype(dt)
-    dx = jnp.einsum(f"{c},{b}->{a}", g, w.astype(dt), preferred_element_type=jnp.float32)
     if narrow_transpose and x.size > g.size:
         # dW as the product with the gradient first: the narrower operand is the one transposed for the dot
         # (module docstring); the result has the gradient's indices first and is transposed to B after.
@@ -149,9 +167,8 @@ def _einsum_bwd(spec, dt, narrow_transpose, residuals, g):
         dw = jnp.einsum(f"{c},{a}->{b_swapped}", g, x.astype(dt), preferred_element_type=jnp.float32)
         if b_swapped != b:  # the barrier keeps this transpose a copy of its own, not the dot's output layout
             dw = jnp.transpose(jax.lax.optimization_barrier(dw), [b_swapped.index(i) for i in b])
-    else:
-        dw = jnp.einsum(f"{a},{c}->{b}", x.astype(dt), g, preferred_element_type=jnp.float32)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
+        return dw
+    return jnp.einsum(f"{a},{c}->{b}", x.astype(dt), g, preferred_element_type=jnp.float32)
 
 
 _einsum.defvjp(_einsum_fwd, _einsum_bwd)

@@ -71,6 +71,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from msjax.config import Config
 from msjax.model import REMAT_POLICIES, abstract_model, block_graphdef, cse_barrier, ends_graphdef
 from msjax.parallel import options as overlap
+from msjax.parallel import split_backward
 from msjax.parallel.schedule import Schedule, pipeline_summary
 from msjax.sharding import constrain, use_rules
 from msjax.sharding_rules import Rules, logical_to_mesh_spec
@@ -168,15 +169,19 @@ class PipelinedGrads:
         return jax.lax.with_sharding_constraint(jax.tree.map(lambda *xs: jnp.stack(xs), *layers),
                                                 self.stacked_shardings)
 
+    def chunk_of(self, s: int) -> tuple[int, int]:
+        """(stage, chunk) holding virtual stage `s`: the interleaved assignment, s = v P + p."""
+        return s % self.stages, s // self.stages
+
     def stage(self, params: dict) -> Any:
-        """Layer parameters (L, ...) -> (P, V, Lc, ...): virtual stage s = v P + p holds layers [s Lc, (s+1) Lc).
+        """Layer parameters (L, ...) -> (P, V, Lc, ...): chunk v of stage p holds the Lc layers of the virtual stage
+        `chunk_of` puts there (interleaved: s = v P + p, layers [s Lc, (s + 1) Lc)).
 
         Stacked layers are stored split over `pipeline` in order, stage p holding blocks of Lc layers
-        b = p V .. p V + V - 1; the interleaved assignment wants block b on stage b % P as its chunk b // P. For
-        V = 1 that is where the block already is. For V > 1 the blocks move by `ppermute` in P rounds
-        (`_permute_blocks`): left to GSPMD, the reshape of a `pipeline`-split axis into (V, P, Lc) is an
-        all-gather of every stage's layers onto every stage (measured in the compiled 175B step, pp8 x tp8 and
-        V = 3: 81.5 GB of gathered layers per device).
+        b = p V .. p V + V - 1; block b belongs to chunk `chunk_of(b)`. For V = 1 that is where the block already is.
+        For V > 1 the blocks move by `ppermute` in P rounds (`_permute_blocks`): left to GSPMD, the reshape of a
+        `pipeline`-split axis into (V, P, Lc) is an all-gather of every stage's layers onto every stage (measured
+        in the compiled 175B step, pp8 x tp8 and V = 3: 81.5 GB of gathered layers per device).
         """
         p, v, lc = self.stages, self.v, self.chunk_layers
         if self.model_cfg.scan_layers and v > 1:
@@ -184,9 +189,18 @@ class PipelinedGrads:
                                  in_specs=(P(AXIS), P(AXIS)), out_specs=P(AXIS), axis_names={AXIS}, check_vma=False)
             staged = jax.tree.map(lambda x: move(x, jnp.arange(p, dtype=jnp.int32)), self._stacked(params))
         else:  # per-layer parameters are whole on every stage, and V = 1 is local: a reshape
-            staged = jax.tree.map(lambda x: x.reshape(v, p, lc, *x.shape[1:]).swapaxes(0, 1),
+            order = self._block_order()
+            staged = jax.tree.map(lambda x: x.reshape(p * v, lc, *x.shape[1:])[order].reshape(p, v, lc, *x.shape[1:]),
                                   self._stacked(params))
         return jax.lax.with_sharding_constraint(staged, self.staged_shardings)
+
+    def _block_order(self) -> np.ndarray:
+        """order[p V + v] = the virtual stage at (stage p, chunk v); the identity for V = 1."""
+        order = np.zeros(self.stages * self.v, np.int64)
+        for s in range(self.stages * self.v):
+            p, c = self.chunk_of(s)
+            order[p * self.v + c] = s
+        return order
 
     def unstage(self, staged: Any) -> dict:
         """The inverse of `stage`: (P, V, Lc, ...) gradients back to the model's layer layout."""
@@ -196,7 +210,9 @@ class PipelinedGrads:
                                  in_specs=(P(AXIS), P(AXIS)), out_specs=P(AXIS), axis_names={AXIS}, check_vma=False)
             stages = jnp.arange(self.stages, dtype=jnp.int32)
             return {"blocks": jax.tree.map(lambda x: back(x, stages), staged)}
-        stacked = jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(m.num_layers, *x.shape[3:]), staged)
+        inverse = np.argsort(self._block_order())
+        stacked = jax.tree.map(lambda x: x.reshape(self.stages * self.v, *x.shape[2:])[inverse].reshape(
+            m.num_layers, *x.shape[3:]), staged)
         if m.scan_layers:
             return {"blocks": stacked}
         return {"layers": {i: jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(m.num_layers)}}
@@ -206,8 +222,8 @@ class PipelinedGrads:
         `axis_index` in this shard_map is a PartitionId that the SPMD partitioner refuses): its stored layers
         (V Lc, ...) -> its chunks (1, V, Lc, ...) (`forward`), or back."""
         p_count, v, lc = self.stages, self.v, self.chunk_layers
-        # block b = p V + i stored on stage p at i is chunk b // P of stage b % P
-        stored_to_chunk = {(b // v, b % v): (b % p_count, b // p_count) for b in range(p_count * v)}
+        # block b = p V + i stored on stage p at i is chunk `chunk_of(b)`
+        stored_to_chunk = {(b // v, b % v): self.chunk_of(b) for b in range(p_count * v)}
         if forward:
             blocks = x.reshape(v, lc, *x.shape[1:])
             return _permute_blocks(blocks, stored_to_chunk, p_count, stage)[None]
@@ -238,9 +254,11 @@ class PipelinedGrads:
             return d_layers
         return jax.tree.map(lambda *xs: jnp.stack(xs), *d_layers)
 
-    def _chunk(self, layers: Any, x_btd: jax.Array) -> jax.Array:
+    def _chunk(self, layers: Any, x_btd: jax.Array, taps: Any = None, sites: Any = None) -> jax.Array:
         """Lc layers of one chunk, each under `jax.checkpoint` with `model.remat`'s policy (module docstring:
-        "Residuals"), looped or scanned like the model."""
+        "Residuals"), looped or scanned like the model. With `taps` (one per layer, `split_backward.zero_taps` of
+        `sites`) the weight matmuls are tapped, so the chunk's vjp can run as B and W
+        (`msjax.parallel.split_backward`)."""
         m, gd = self.model_cfg, self.block_gd
         if m.remat == "none":
             one = [a.shape[1:] for a in jax.tree.leaves(layers)] if m.scan_layers else \
@@ -248,12 +266,19 @@ class PipelinedGrads:
             policy = _save_activations({tuple(s) for s in one})
         else:
             policy = REMAT_POLICIES[m.remat]
-        layer = jax.checkpoint(lambda state, x: nnx.merge(gd, state)(x), policy=policy, prevent_cse=cse_barrier(m))
+        def run(state, x, tap):
+            if tap is None:
+                return nnx.merge(gd, state)(x)
+            with split_backward.tapping(sites, state, tap):
+                return nnx.merge(gd, state)(x)
+
+        layer = jax.checkpoint(run, policy=policy, prevent_cse=cse_barrier(m))
         if m.scan_layers:
-            x_btd, _ = jax.lax.scan(lambda x, s: (layer(s, x), None), x_btd, layers, unroll=m.scan_unroll)
+            xs = (layers, taps)
+            x_btd, _ = jax.lax.scan(lambda x, st: (layer(st[0], x, st[1]), None), x_btd, xs, unroll=m.scan_unroll)
             return x_btd
-        for state in layers:
-            x_btd = layer(state, x_btd)
+        for j, state in enumerate(layers):
+            x_btd = layer(state, x_btd, None if taps is None else taps[j])
         return x_btd
 
     def _chunk_vjp(self, layers: Any, x_btd: jax.Array) -> tuple[jax.Array, list, tuple[int, ...], Any]:

@@ -7,10 +7,11 @@ matmuls are exactly the ones B leaves out, and nothing is recomputed for the spl
 How. The model computes every weight matmul through `msjax.model.dense`, which asks the declared point
 `msjax.sharding.Parallelism.weight_matmul`. Under `tapping(...)` that point runs the matmul y = x @ w as a
 `jax.custom_vjp` with one more input, a tap: zeros shaped like (x, y). Its backward returns the input gradient
-dy @ w^T as usual, no gradient for w, and, as the tap's "gradient", the pair (x, dy): the matmul's input and output
-gradient, which is all its weight gradient needs. So `jax.vjp` of a layer with its taps gives, for one output
+dy @ w^T (the matmul's own `input_grad`), no gradient for w, and, as the tap's "gradient", the pair (x, dy): the
+matmul's input and output gradient, which is all its weight gradient needs. So `jax.vjp` of a layer with its taps gives, for one output
 gradient, the input gradient, the small parameters' gradients and every weight matmul's (x, dy) (`B`), and
-`weight_grads` turns those pairs into the weight gradients later (`W`) by the matmul's own transpose. A matmul
+`weight_grads` turns those pairs into the weight gradients later (`W`) by the matmul's own `weight_grad`: the
+products autodiff would have computed, none twice, and no primal product recomputed for either half. A matmul
 that reads the same x as an earlier one (queries, keys and values; SwiGLU's gate and up) hands back an empty x
 and W reuses the earlier one's, so W keeps each distinct input once.
 
@@ -39,13 +40,13 @@ class Site:
     """One weight matmul of a layer, in the order the layer runs them.
 
     Attributes:
-      plain: the matmul, (x, w) -> y, as `msjax.model.dense` built it (a pure function of its operands).
+      plain: the matmul (`msjax.model.WeightMatmul`: (x, w) -> y, and the two halves of its backward).
       param: index of its weight among the layer's parameter leaves (`jax.tree.leaves(state)`).
       x_from: None when its tap keeps its own x; else the earlier site that reads the same x.
       x, y: its input and output (shapes for one layer and microbatch).
     """
 
-    plain: Callable[[jax.Array, jax.Array], jax.Array]
+    plain: Any
     param: int
     x_from: int | None
     x: jax.ShapeDtypeStruct
@@ -112,8 +113,7 @@ def _tapped_fwd(plain, keep_x, x, w, tap):
 
 def _tapped_bwd(plain, keep_x, res, dy):
     x, w = res
-    _, x_vjp = jax.vjp(lambda x: plain(x, w), x)  # the weight's gradient is W's: XLA drops the matmul here
-    (dx,) = x_vjp(dy)
+    dx = plain.input_grad(w, dy, x.dtype)  # the weight's gradient is W's
     return dx, None, (x if keep_x else jnp.zeros((0,), jnp.float32), dy)
 
 
@@ -155,7 +155,7 @@ def tapping(sites: tuple[Site, ...], state: Any, taps: tuple) -> Iterator[None]:
 
 
 def weight_grads(sites: tuple[Site, ...], state: Any, pairs: tuple, stacked: bool) -> dict[int, jax.Array]:
-    """W: the weight gradients from the (x, dy) pairs B handed back, by each matmul's own transpose.
+    """W: the weight gradients from the (x, dy) pairs B handed back, by each matmul's own `weight_grad`.
 
     Args:
       sites: the layer's weight matmuls (`record_sites`).
@@ -172,8 +172,7 @@ def weight_grads(sites: tuple[Site, ...], state: Any, pairs: tuple, stacked: boo
         dy = pairs[j][1]
 
         def one(w, x, dy, plain=site.plain):
-            _, w_vjp = jax.vjp(lambda w: plain(x, w), w)
-            return w_vjp(dy)[0]
+            return plain.weight_grad(x, dy, w.dtype)
 
         g = jax.vmap(one)(leaves[site.param], x, dy) if stacked else one(leaves[site.param], x, dy)
         out[site.param] = out[site.param] + g if site.param in out else g

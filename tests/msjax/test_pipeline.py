@@ -72,6 +72,34 @@ def test_pipelined_layouts_match_single_device(layout_reference, layout_tokens, 
     assert_same(layout_reference(**REFS[ref]), run_layout(ref_config(ref, **layout), layout_tokens))
 
 
+# The schedules run from their action tables (msjax.parallel.zero_bubble), on the layouts above: pp2, pp4,
+# tensor x sequence, fsdp x tensor, gpt and llama blocks, per-layer and stacked parameters, parallel blocks, a
+# sliding window (A, L), three stages over a sequence they do not divide, gradient accumulation.
+TABLE_LAYOUTS = {
+    "zb-h1-pp2": ("A", {"mesh.pipeline": 2, "pipeline.schedule": "zb-h1"}),
+    "1f1b-pp4": ("B", {"mesh.pipeline": 4, "pipeline.schedule": "1f1b"}),
+    "zb-h1-pp4": ("B", {"mesh.pipeline": 4, "pipeline.schedule": "zb-h1", "pipeline.microbatches": 4}),
+    "zb-h1-pp2xsp2xtp2": ("A", {"mesh.pipeline": 2, "mesh.sequence": 2, "mesh.tensor": 2,
+                                "pipeline.schedule": "zb-h1"}),
+    "zb-h1-pp2xfsdp2xtp2": ("B", {"mesh.pipeline": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "pipeline.schedule": "zb-h1"}),
+    "zb-v-pp2": ("B", {"mesh.pipeline": 2, "pipeline.virtual_stages": 2, "pipeline.schedule": "zb-v"}),
+    "zb-v-stacked-pp2xtp2": ("C", {"mesh.pipeline": 2, "pipeline.virtual_stages": 2, "mesh.tensor": 2,
+                                   "pipeline.schedule": "zb-v"}),
+    "zb-h1-pp3-sequence-not-divisible": ("D", {"mesh.pipeline": 3, "pipeline.microbatches": 2,
+                                               "pipeline.schedule": "zb-h1"}),
+    "zb-h1-pp2xdp2-accum2": ("B", {"mesh.pipeline": 2, "mesh.data": 2, "train.microbatches": 2,
+                                   "pipeline.microbatches": 2, "pipeline.schedule": "zb-h1"}),
+    "llama-zb-v-pp2": ("L", {"mesh.pipeline": 2, "pipeline.virtual_stages": 2, "pipeline.schedule": "zb-v"}),
+    "llama-zb-h1-pp2xfsdp2xtp2": ("L", {"mesh.pipeline": 2, "mesh.fsdp": 2, "mesh.tensor": 2,
+                                        "pipeline.schedule": "zb-h1"}),
+}
+
+
+@pytest.mark.parametrize("ref, layout", TABLE_LAYOUTS.values(), ids=TABLE_LAYOUTS.keys())
+def test_table_schedules_match_single_device(layout_reference, layout_tokens, ref, layout):
+    assert_same(layout_reference(**REFS[ref]), run_layout(ref_config(ref, **layout), layout_tokens))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The arithmetic: each microbatch's once.
 
@@ -109,6 +137,20 @@ def test_pipelined_step_does_each_microbatchs_arithmetic_once(ref, layout):
     pipelined = grad_flops(cfg)
     assert 0 < ends < single and masked >= 0
     assert abs((pipelined - masked) / single - 1) <= 0.05, (pipelined, masked, single, ends)
+
+
+@pytest.mark.parametrize("ref, layout", [TABLE_LAYOUTS[k] for k in ("zb-h1-pp2", "1f1b-pp4", "zb-v-stacked-pp2xtp2")]
+                         + [("A", {"mesh.pipeline": 2, "model.remat": "dots", "pipeline.schedule": "zb-h1"}),
+                            ("B", {"mesh.pipeline": 4, "model.remat": "full", "pipeline.schedule": "zb-h1"})],
+                         ids=["zb-h1-pp2", "1f1b-pp4", "zb-v-stacked-pp2xtp2", "zb-h1-pp2-remat_dots",
+                              "zb-h1-pp4-remat_full"])
+def test_table_schedules_do_one_devices_arithmetic(ref, layout):
+    """Run from a table, no stage runs a masked pass and the backward's split adds nothing: the executed matmul
+    FLOPs equal one device's within 1% (the B and W passes together are one backward, tests/msjax/
+    test_split_backward.py)."""
+    one = {k: v for k, v in layout.items() if not k.startswith(("mesh.", "pipeline."))}
+    single = grad_flops(ref_config(ref, **one))
+    assert grad_flops(ref_config(ref, **layout)) == pytest.approx(single, rel=0.01)
 
 
 def _ancestors(body, name: str) -> set[str]:
@@ -261,6 +303,13 @@ def test_schedule_table_is_a_valid_interleaved_1f1b(p, v, m):
     ({"mesh.pipeline": 2, "model.num_layers": 4, "pipeline.virtual_stages": 2, "pipeline.microbatches": 1},
      r"pipeline.microbatches=1 must be a multiple of mesh.pipeline=2"),
     ({"pipeline.virtual_stages": 2}, r"pipeline.virtual_stages=2 needs mesh.pipeline > 1"),
+    ({"pipeline.schedule": "zb-h1"}, r"pipeline.schedule=zb-h1 needs mesh.pipeline > 1"),
+    ({"mesh.pipeline": 2, "pipeline.schedule": "zb-v"}, r"pipeline.schedule=zb-v runs 2 chunk\(s\) per stage: "
+                                                        r"allowed is pipeline.virtual_stages=2, got 1"),
+    ({"mesh.pipeline": 2, "model.num_layers": 4, "pipeline.virtual_stages": 2, "pipeline.schedule": "zb-h1"},
+     r"pipeline.schedule=zb-h1 runs 1 chunk\(s\) per stage"),
+    ({"mesh.pipeline": 2, "mesh.tensor": 2, "mesh.tp_overlap": "collective_matmul", "pipeline.schedule": "1f1b"},
+     r"pipeline.schedule=1f1b taps each weight matmul .* allowed: pipeline.schedule=interleaved"),
     ({"pipeline.microbatches": -1}, r"pipeline.microbatches=-1"),
 ])
 def test_layouts_that_do_not_divide_name_the_key(overrides, match):

@@ -1,0 +1,365 @@
+"""Table-driven pipelining in the one jitted step: 1F1B, ZB-H1 and ZB-V (`msjax.parallel.schedules`) with the
+backward split into B and W (`msjax.parallel.split_backward`).
+
+The step is `PipelinedGrads`'s (`msjax.parallel.pipeline`: one `shard_map` manual over `pipeline`, the parameters
+regrouped into (P, V, Lc) chunks, the output layer spread over the stages along the sequence, the optimizer outside)
+with another flush. `pipeline.schedule`'s action table is compiled on the host into per-(stage, tick) integer
+arrays (`TickPlan`), and every tick each stage runs the one pass its row names, chosen by `lax.switch` on its own
+index: F (its chunk forward under `jax.vjp` with the weight matmuls tapped, the residuals into a stash slot), B (the
+vjp on the cotangent: input gradient, small-parameter gradients, and each weight matmul's (x, dy) into a W slot),
+W (the weight gradients from a W slot) or nothing. An idle stage computes nothing: unlike the interleaved step's
+lock-step ticks, no stage runs a masked pass. Collectives inside a pass run over axes within the stage (tensor,
+data, fsdp, sequence), whose devices all take the same branch.
+
+After the pass, every tick: the output layer and loss if some stage finished the last virtual stage's forward this
+tick (a condition on the tick alone, as it holds collectives over `pipeline`); then the stage's output is sent on
+one of two `ppermute` rings (to stage p + 1, to stage p - 1) or kept (ZB-V's turn from chunk 0 to chunk 1 on stage
+P - 1), and what arrives is written into the stage's inbox: a buffer of slots of (b, T, D) activations or
+gradients waiting for the pass that reads them, at slots the host assigned (interval colouring over write and read
+ticks, as the stash's). A pass reads its input from the inbox, never from the tick before, since a table may put
+other passes between a microbatch's two chunks.
+
+Placement: virtual stage s lives on stage `schedules.placement`; the regrouping of the layers into chunks follows it
+(for ZB-V chunk 1 of stage p is virtual stage 2P - 1 - p).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from msjax.parallel import split_backward as sb
+from msjax.parallel.pipeline import ACT, AXIS, PipelinedGrads
+from msjax.parallel.schedules import ActionTable, placement
+from msjax.sharding import constrain
+
+IDLE, FWD, BWD, WGT = range(4)
+NEXT, PREV, KEEP, NOWHERE = range(4)  # where a pass's output goes
+
+
+@dataclasses.dataclass(frozen=True)
+class TickPlan:
+    """An action table compiled for the traced step: int32 arrays (P, ticks) unless named otherwise.
+
+    kind: IDLE, FWD, BWD, WGT. chunk: the stage's chunk index of the pass's virtual stage. micro: its microbatch.
+    first / last: the pass is of virtual stage 0 (F reads the embedding, B feeds the embedding's gradient) /
+    S - 1. inbox: slot its input is read from (F of virtual stage 0: unused). res: stash slot written (F) or read
+    (B). wslot: W slot written (B) or read (W). route: where the output goes (NEXT, PREV, KEEP, NOWHERE).
+    from_prev / from_next / keep / loss: inbox slot written at the end of the tick by what arrives on the ring from
+    stage p - 1, on the ring from stage p + 1, by the stage's own kept output, by the loss gradient (spare slot:
+    nothing). loss_on, loss_mb: (ticks,) the output layer runs for that microbatch this tick. host: the stage of the
+    last virtual stage. inbox_slots, res_slots, w_slots: buffer sizes (a spare slot each beyond).
+    """
+
+    kind: np.ndarray
+    chunk: np.ndarray
+    micro: np.ndarray
+    first: np.ndarray
+    last: np.ndarray
+    inbox: np.ndarray
+    res: np.ndarray
+    wslot: np.ndarray
+    route: np.ndarray
+    from_prev: np.ndarray
+    from_next: np.ndarray
+    keep: np.ndarray
+    loss: np.ndarray
+    loss_on: np.ndarray
+    loss_mb: np.ndarray
+    host: int
+    inbox_slots: int
+    res_slots: int
+    w_slots: int
+
+    @property
+    def ticks(self) -> int:
+        return self.kind.shape[1]
+
+
+def _colour(intervals: list[tuple[int, int, Any]]) -> tuple[dict[Any, int], int]:
+    """Slots for (write tick, read tick, key) entries: a slot read at tick r may be written again at the end of tick
+    r. Interval colouring in order of writes (optimal). Returns ({key: slot}, slots used)."""
+    import heapq
+
+    out, free, busy, used = {}, [], [], 0
+    for w, r, key in sorted(intervals, key=lambda e: (e[0], e[1])):
+        while busy and busy[0][0] <= w:
+            heapq.heappush(free, heapq.heappop(busy)[1])
+        slot = heapq.heappop(free) if free else used
+        used = max(used, slot + 1)
+        out[key] = slot
+        heapq.heappush(busy, (r, slot))
+    return out, used
+
+
+def compile_table(table: ActionTable) -> TickPlan:
+    """The `TickPlan` of `table` (module docstring)."""
+    p_count, s_count, ticks = table.stages, table.virtual, table.ticks
+    at = {a: (p, t) for p, row in enumerate(table.grid) for t, a in enumerate(row) if a is not None}
+    chunks = [[s for s in range(s_count) if table.stage_of(s) == p] for p in range(p_count)]
+    host = table.stage_of(s_count - 1)
+
+    def direction(src: int, dst: int) -> int:
+        if src == dst:
+            return KEEP
+        return NEXT if dst == (src + 1) % p_count else PREV
+
+    # inbox entries: (stage, write tick, read tick, key, how it arrives)
+    inbox: list[list[tuple[int, int, Any]]] = [[] for _ in range(p_count)]
+    arrivals = []  # (stage, tick, how, key)
+    for a, (p, t) in at.items():
+        i, s = a.microbatch, a.virtual_stage
+        if a.kind == "F" and s > 0:
+            q, w = at[type(a)("F", i, s - 1)]
+            how = direction(q, p)
+        elif a.kind == "B" and s < s_count - 1:
+            q, w = at[type(a)("B", i, s + 1)]
+            how = direction(q, p)
+        elif a.kind == "B":
+            w, how = at[type(a)("F", i, s)][1], "loss"
+        else:
+            continue
+        inbox[p].append((w, t, a))
+        arrivals.append((p, w, how, a))
+    shape = (p_count, ticks)
+    arr = {k: np.zeros(shape, np.int32) for k in ("kind", "chunk", "micro", "first", "last", "inbox", "res",
+                                                    "wslot", "route")}
+    slots = [_colour(inbox[p]) for p in range(p_count)]
+    n_inbox = max([n for _, n in slots] + [1])
+    res = [_colour([(at[a][1], at[type(a)("B", a.microbatch, a.virtual_stage)][1], a) for a in at
+                    if a.kind == "F" and at[a][0] == p]) for p in range(p_count)]
+    n_res = max([n for _, n in res] + [1])
+    wsl = [_colour([(at[a][1], at[type(a)("W", a.microbatch, a.virtual_stage)][1], a) for a in at
+                    if a.kind == "B" and at[a][0] == p]) for p in range(p_count)]
+    n_w = max([n for _, n in wsl] + [1])
+    for k in ("from_prev", "from_next", "keep", "loss"):
+        arr[k] = np.full(shape, n_inbox, np.int32)  # the spare slot: nothing arrives
+    arr["res"][:] = n_res
+    arr["wslot"][:] = n_w
+    for a, (p, t) in at.items():
+        i, s = a.microbatch, a.virtual_stage
+        arr["kind"][p, t] = {"F": FWD, "B": BWD, "W": WGT}[a.kind]
+        arr["chunk"][p, t] = chunks[p].index(s)
+        arr["micro"][p, t] = i
+        arr["first"][p, t] = s == 0
+        arr["last"][p, t] = s == s_count - 1
+        arr["inbox"][p, t] = slots[p][0].get(a, n_inbox)
+        if a.kind in "FB":
+            key = a if a.kind == "F" else type(a)("F", i, s)
+            arr["res"][p, t] = res[p][0][key]
+        if a.kind in "BW":
+            key = a if a.kind == "B" else type(a)("B", i, s)
+            arr["wslot"][p, t] = wsl[p][0][key]
+        if a.kind == "F":
+            arr["route"][p, t] = direction(p, table.stage_of(s + 1)) if s < s_count - 1 else NOWHERE
+        elif a.kind == "B":
+            arr["route"][p, t] = direction(p, table.stage_of(s - 1)) if s > 0 else NOWHERE
+        else:
+            arr["route"][p, t] = NOWHERE
+    for p, w, how, a in arrivals:
+        slot = slots[p][0][a]
+        name = {NEXT: "from_prev", PREV: "from_next", KEEP: "keep", "loss": "loss"}[how]
+        if arr[name][p, w] != n_inbox:
+            raise AssertionError(f"two arrivals into stage {p} by {name} at tick {w}")
+        arr[name][p, w] = slot
+    loss_on = np.zeros(ticks, np.int32)
+    loss_mb = np.zeros(ticks, np.int32)
+    for a, (p, t) in at.items():
+        if a.kind == "F" and a.virtual_stage == s_count - 1:
+            loss_on[t], loss_mb[t] = 1, a.microbatch
+    return TickPlan(**arr, loss_on=loss_on, loss_mb=loss_mb, host=host, inbox_slots=n_inbox, res_slots=n_res,
+                    w_slots=n_w)
+
+
+class TablePipelinedGrads(PipelinedGrads):
+    """`PipelinedGrads` run by an action table (module docstring); `cfg.pipeline.schedule` names it."""
+
+    def __init__(self, cfg, mesh, rules, param_shardings, layer_specs, rounds: int = 1):
+        super().__init__(cfg, mesh, rules, param_shardings, layer_specs, rounds)
+        self.table = ActionTable(cfg.pipeline.schedule, self.stages, self.v, self.sched.microbatches)
+        self.plan = compile_table(self.table)
+
+    def chunk_of(self, s: int) -> tuple[int, int]:
+        """(stage, chunk) of virtual stage `s` under the schedule's placement (`schedules.placement`)."""
+        name, p_count, v = self.cfg.pipeline.schedule, self.stages, self.v
+        p = placement(name, p_count, v, s)
+        return p, [x for x in range(p_count * v) if placement(name, p_count, v, x) == p].index(s)
+
+    def describe(self) -> str:
+        t = self.table
+        return (f"pipeline: {t.name}, P={t.stages} stages x V={t.virtual_stages} chunks, M={t.microbatches} "
+                f"microbatches | {t.ticks} ticks, bubble {t.bubble:.1%} (one pass a tick) | activations in flight on "
+                f"stage 0: {t.in_flight(0)}, waiting for W: {t.awaiting_w(0)}")
+
+    def _flush(self, staged, ends, inputs_mbt, targets_mbt):
+        plan, p_count, m = self.plan, self.stages, self.sched.microbatches
+        staged = jax.tree.map(lambda x: x[0], staged)
+        stage = jax.lax.axis_index(AXIS)
+        dt = jnp.dtype(self.model_cfg.dtype)
+        b, t = inputs_mbt.shape[1:]
+        zeros_act = constrain(jnp.zeros((b, t, self.model_cfg.d_model), dt), ACT)
+        chunk0 = jax.tree.map(lambda a: a[0], staged)
+        layer0 = jax.tree.map(lambda a: a[0], chunk0)
+        gd = self.block_gd
+        sites = sb.record_sites(lambda s, x: nnx.merge(gd, s)(x), layer0, zeros_act)
+        weights = {s.param for s in sites}
+        stacked = self.model_cfg.scan_layers
+
+        def taps():
+            return sb.zero_taps(sites, (self.chunk_layers,)) if stacked else [sb.zero_taps(sites)] * self.chunk_layers
+
+        def chunk_vjp(layers, x):
+            y, vjp_fn = jax.vjp(lambda layers, x, taps: self._chunk(layers, x, taps, sites), layers, x, taps())
+            leaves, treedef = jax.tree.flatten(vjp_fn)
+            index = {id(a): j for j, a in enumerate(jax.tree.leaves(layers))}
+            where = tuple(index.get(id(a), -1) for a in leaves)
+            return y, [a for a, w in zip(leaves, where) if w < 0], where, treedef
+
+        probe = {}
+
+        def probe_fn(chunk, x):
+            _, stash, where, treedef = chunk_vjp(self._layers(chunk), x)
+            probe.update(where=where, treedef=treedef)
+            return stash
+
+        stash_shapes = jax.eval_shape(probe_fn, chunk0, zeros_act)
+        count = iter(range(1, 1 << 30))
+
+        def zeros(shape, dtype):  # zeros XLA cannot merge (see PipelinedGrads._flush)
+            return jnp.broadcast_to(jnp.where(stage < 0, next(count), 0).astype(dtype), shape)
+
+        inbox = zeros((plan.inbox_slots + 1, *zeros_act.shape), dt)
+        stash = [zeros((plan.res_slots + 1, *a.shape), a.dtype) for a in stash_shapes]
+        pair_shapes = jax.eval_shape(lambda: taps())
+        wstash = jax.tree.map(lambda a: zeros((plan.w_slots + 1, *a.shape), a.dtype), pair_shapes)
+        g_staged = jax.tree.map(lambda x: zeros(x.shape, jnp.float32), staged)
+        g_ends = jax.tree.map(lambda x: zeros(x.shape, jnp.float32), ends)
+        tables = {k: jnp.asarray(getattr(plan, k).reshape(-1)) for k in
+                  ("kind", "chunk", "micro", "first", "last", "inbox", "res", "wslot", "route", "from_prev",
+                   "from_next", "keep", "loss")}
+        fwd_ring = [(j, (j + 1) % p_count) for j in range(p_count)]
+        bwd_ring = [(j, (j - 1) % p_count) for j in range(p_count)]
+        seed = jnp.float32(1.0 / m)
+        t_slice = targets_mbt.shape[2]
+        weights_bt = jnp.where(stage * t_slice + jnp.arange(t_slice) < t, 1.0 / (b * t), 0.0).astype(jnp.float32)
+        weights_bt = jnp.broadcast_to(weights_bt, (b, t_slice))
+
+        def pick(buffer, i):
+            return jax.lax.dynamic_index_in_dim(buffer, i, 0, keepdims=False)
+
+        def put(buffer, i, value):
+            return jax.lax.dynamic_update_index_in_dim(buffer, value, i, 0)
+
+        def chunk_params(v):
+            return jax.tree.map(lambda x: pick(x, v), staged)
+
+        def add_chunk(acc, v, grads, keep):
+            """acc[v] += grads on the leaves `keep(j)` says (per-layer leaf index j)."""
+            per_layer = len(jax.tree.leaves(layer0))
+            flat, tree = jax.tree.flatten(acc)
+            d = jax.tree.leaves(self._stack(grads))
+            out = [put(a, v, pick(a, v) + g.astype(jnp.float32)) if keep(j % per_layer) else a
+                   for j, (a, g) in enumerate(zip(flat, d))]
+            return jax.tree.unflatten(tree, out)
+
+        def tick(carry, tk):
+            inbox, stash, wstash, g_staged, g_ends, loss = carry
+            at = stage * plan.ticks + tk
+
+            def row(name):
+                return pick(tables[name], at)
+
+            kind, v, mb, first, slot_in = row("kind"), row("chunk"), row("micro"), row("first"), row("inbox")
+            res_slot, w_slot = row("res"), row("wslot")
+
+            def idle(c):
+                return zeros_act, c
+
+            def forward(c):
+                inbox, stash, wstash, g_staged, g_ends = c
+                emb = constrain(self._embed(ends, pick(inputs_mbt, mb)).astype(dt), ACT)
+                x = jnp.where(first == 1, emb, pick(inbox, slot_in))
+                y, acts, where, _ = chunk_vjp(self._layers(chunk_params(v)), x)
+                if where != probe["where"]:
+                    raise RuntimeError("pipeline: a chunk's residual layout differs from the probe's")
+                stash = [put(s, res_slot, a) for s, a in zip(stash, acts)]
+                return constrain(y.astype(dt), ACT), (inbox, stash, wstash, g_staged, g_ends)
+
+            def backward(c):
+                inbox, stash, wstash, g_staged, g_ends = c
+                dy = pick(inbox, slot_in)
+                acts = iter([pick(s, res_slot) for s in stash])
+                params = jax.tree.leaves(self._layers(chunk_params(v)))
+                vjp_fn = jax.tree.unflatten(probe["treedef"], [params[w] if w >= 0 else next(acts)
+                                                                for w in probe["where"]])
+                d_layers, dx, pairs = vjp_fn(dy)
+                g_staged = add_chunk(g_staged, v, d_layers, lambda j: j not in weights)
+                wstash = jax.tree.map(lambda s, a: put(s, w_slot, a), wstash, pairs)
+                def embed_grad(g_ends):  # virtual stage 0's input gradient is the embedding's
+                    _, embed_vjp = jax.vjp(lambda e: self._embed(e, pick(inputs_mbt, mb)).astype(dt), ends)
+                    (d_embed,) = embed_vjp(dx)
+                    return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), g_ends, d_embed)
+
+                g_ends = jax.lax.cond(first == 1, embed_grad, lambda g: g, g_ends)
+                return constrain(dx.astype(dt), ACT), (inbox, stash, wstash, g_staged, g_ends)
+
+            def weight(c):
+                inbox, stash, wstash, g_staged, g_ends = c
+                pairs = jax.tree.map(lambda s: pick(s, w_slot), wstash)
+                layers = self._layers(chunk_params(v))
+                if stacked:
+                    by_leaf = sb.weight_grads(sites, layers, pairs, stacked=True)
+                    leaves = jax.tree.leaves(layers)
+                    d = jax.tree.unflatten(jax.tree.structure(layers),
+                                           [by_leaf.get(j, jnp.zeros_like(a)) for j, a in enumerate(leaves)])
+                else:
+                    d = []
+                    for state, pair in zip(layers, pairs):
+                        by_leaf = sb.weight_grads(sites, state, pair, stacked=False)
+                        leaves = jax.tree.leaves(state)
+                        d.append(jax.tree.unflatten(jax.tree.structure(state),
+                                                    [by_leaf.get(j, jnp.zeros_like(a)) for j, a in enumerate(leaves)]))
+                g_staged = add_chunk(g_staged, v, d, lambda j: j in weights)
+                return zeros_act, (inbox, stash, wstash, g_staged, g_ends)
+
+            with jax.named_scope("tick_pass"):
+                out, (inbox, stash, wstash, g_staged, g_ends) = jax.lax.switch(
+                    kind, [idle, forward, backward, weight], (inbox, stash, wstash, g_staged, g_ends))
+
+            # the output layer and loss of the microbatch whose last virtual stage ran forward this tick, spread
+            # over the stages along the sequence (PipelinedGrads._flush, step 5); its input gradient goes to the
+            # host stage's inbox
+            def output_layer(inbox, g_ends, loss):
+                y_pad = jnp.pad(out, ((0, 0), (0, p_count * t_slice - t), (0, 0)))
+                chunks = jax.lax.all_to_all(y_pad.reshape(b, p_count, t_slice, -1), AXIS, 1, 1)
+                y_slice = constrain(chunks[:, plan.host], ACT)
+                tg = pick(targets_mbt, pick(jnp.asarray(plan.loss_mb), tk))
+                mb_loss, head_vjp = jax.vjp(lambda e, h: self._head_loss(e, h, tg, weights_bt), ends, y_slice)
+                d_ends, d_slice = head_vjp(seed.astype(mb_loss.dtype))
+                loss_dy = jax.lax.all_gather(d_slice.astype(dt), AXIS, axis=1, tiled=True)[:, :t]
+                inbox = put(inbox, row("loss"), constrain(loss_dy, ACT))
+                g_ends = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), g_ends, d_ends)
+                return inbox, g_ends, loss + mb_loss.astype(jnp.float32) * seed
+
+            with jax.named_scope("tick_output_layer"):
+                inbox, g_ends, loss = jax.lax.cond(pick(jnp.asarray(plan.loss_on), tk) == 1, output_layer,
+                                                   lambda *c: c, inbox, g_ends, loss)
+            route = row("route")
+            with jax.named_scope("tick_send"):
+                to_next = jax.lax.ppermute(jnp.where(route == NEXT, out, 0).astype(dt), AXIS, fwd_ring)
+                to_prev = jax.lax.ppermute(jnp.where(route == PREV, out, 0).astype(dt), AXIS, bwd_ring)
+            inbox = put(inbox, row("keep"), out)
+            inbox = put(inbox, row("from_prev"), to_next)
+            inbox = put(inbox, row("from_next"), to_prev)
+            return (inbox, stash, wstash, g_staged, g_ends, loss), None
+
+        carry = (inbox, stash, wstash, g_staged, g_ends, jnp.float32(0.0))
+        (_, _, _, g_staged, g_ends, loss), _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
+        loss = jax.lax.psum(loss, AXIS)
+        g_ends = jax.lax.psum(g_ends, AXIS)
+        return loss, jax.tree.map(lambda g: g[None], g_staged), g_ends
