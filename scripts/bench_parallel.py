@@ -46,6 +46,12 @@ LAYOUTS = {
     "dp": ({"mesh.data": ALL}, [("none", {})]),
     "pp2": ({"mesh.pipeline": 2, "mesh.data": -1}, [("none", {}), ("vpp2", {"pipeline.virtual_stages": 2})]),
     "pp4": ({"mesh.pipeline": 4, "mesh.data": -1}, [("none", {})]),
+    # the schedules at one layout: interleaved (V = 1, 2) beside the tables, 1F1B, ZB-H1 and ZB-V
+    # (msjax/parallel/zero_bubble.py); ZB-V and vpp2 need model.num_layers divisible by 8
+    "pp4_schedules": ({"mesh.pipeline": 4, "mesh.data": -1},
+                      [("none", {}), ("vpp2", {"pipeline.virtual_stages": 2}),
+                       *[(s, {"pipeline.schedule": s}) for s in ("1f1b", "zb-h1")],
+                       ("zb-v", {"pipeline.schedule": "zb-v", "pipeline.virtual_stages": 2})]),
     "pp2_dp2_tp2": ({"mesh.pipeline": 2, "mesh.data": 2, "mesh.tensor": 2}, [("none", {})]),
     # one device against pipelines alone (no data parallelism): the same global batch and arithmetic, so their
     # CPU seconds per step compare the work each layout does (the bubble's masked ticks included)

@@ -134,7 +134,9 @@ class PipelinedGrads:
                  rounds: int = 1):
         self.cfg, self.mesh, self.rules, self.rounds = cfg, mesh, rules, rounds
         self.model_cfg = m = cfg.model
-        self.sched = schedule_of(cfg)
+        self.microbatches = cfg.pipeline_microbatches()
+        # the interleaved tick table (a subclass runs another schedule and has none)
+        self.sched = schedule_of(cfg) if cfg.pipeline.schedule == "interleaved" else None
         self.stages, self.v = cfg.mesh.pipeline, cfg.pipeline.virtual_stages
         self.chunk_layers = m.num_layers // (self.stages * self.v)
         self.param_shardings = param_shardings
@@ -474,7 +476,7 @@ class PipelinedGrads:
         return loss, jax.tree.map(lambda g: g[None], g_staged), g_ends
 
     def __call__(self, params: dict, inputs_bt: jax.Array, targets_bt: jax.Array) -> tuple[jax.Array, dict]:
-        m, a = self.sched.microbatches, self.rounds
+        m, a = self.microbatches, self.rounds
         mesh, rules = self.mesh, self.rules
         batch_spec = logical_to_mesh_spec((ax.ACT_BATCH, ax.ACT_SEQ), rules)
         micro = inputs_bt.shape[0] // (a * m)

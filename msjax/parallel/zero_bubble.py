@@ -26,6 +26,7 @@ Placement: virtual stage s lives on stage `schedules.placement`; the regrouping 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from typing import Any
 
 import jax
@@ -35,7 +36,7 @@ from flax import nnx
 
 from msjax.parallel import split_backward as sb
 from msjax.parallel.pipeline import ACT, AXIS, PipelinedGrads
-from msjax.parallel.schedules import ActionTable, placement
+from msjax.parallel.schedules import Action, ActionTable, placement
 from msjax.sharding import constrain
 
 IDLE, FWD, BWD, WGT = range(4)
@@ -47,8 +48,8 @@ class TickPlan:
     """An action table compiled for the traced step: int32 arrays (P, ticks) unless named otherwise.
 
     kind: IDLE, FWD, BWD, WGT. chunk: the stage's chunk index of the pass's virtual stage. micro: its microbatch.
-    first / last: the pass is of virtual stage 0 (F reads the embedding, B feeds the embedding's gradient) /
-    S - 1. inbox: slot its input is read from (F of virtual stage 0: unused). res: stash slot written (F) or read
+    first: the pass is of virtual stage 0 (F reads the embedding, B feeds the embedding's gradient). inbox: slot
+    its input is read from (F of virtual stage 0: unused; B of the last virtual stage: the loss gradient's). res: stash slot written (F) or read
     (B). wslot: W slot written (B) or read (W). route: where the output goes (NEXT, PREV, KEEP, NOWHERE).
     from_prev / from_next / keep / loss: inbox slot written at the end of the tick by what arrives on the ring from
     stage p - 1, on the ring from stage p + 1, by the stage's own kept output, by the loss gradient (spare slot:
@@ -60,7 +61,6 @@ class TickPlan:
     chunk: np.ndarray
     micro: np.ndarray
     first: np.ndarray
-    last: np.ndarray
     inbox: np.ndarray
     res: np.ndarray
     wslot: np.ndarray
@@ -71,6 +71,7 @@ class TickPlan:
     loss: np.ndarray
     loss_on: np.ndarray
     loss_mb: np.ndarray
+    embed_grad_on: np.ndarray
     host: int
     inbox_slots: int
     res_slots: int
@@ -84,8 +85,6 @@ class TickPlan:
 def _colour(intervals: list[tuple[int, int, Any]]) -> tuple[dict[Any, int], int]:
     """Slots for (write tick, read tick, key) entries: a slot read at tick r may be written again at the end of tick
     r. Interval colouring in order of writes (optimal). Returns ({key: slot}, slots used)."""
-    import heapq
-
     out, free, busy, used = {}, [], [], 0
     for w, r, key in sorted(intervals, key=lambda e: (e[0], e[1])):
         while busy and busy[0][0] <= w:
@@ -109,32 +108,31 @@ def compile_table(table: ActionTable) -> TickPlan:
             return KEEP
         return NEXT if dst == (src + 1) % p_count else PREV
 
-    # inbox entries: (stage, write tick, read tick, key, how it arrives)
-    inbox: list[list[tuple[int, int, Any]]] = [[] for _ in range(p_count)]
-    arrivals = []  # (stage, tick, how, key)
+    inbox: list[list[tuple[int, int, Any]]] = [[] for _ in range(p_count)]  # per stage: (write, read, pass)
+    arrivals = []  # (stage, write tick, how it arrives, the pass that reads it)
     for a, (p, t) in at.items():
         i, s = a.microbatch, a.virtual_stage
         if a.kind == "F" and s > 0:
-            q, w = at[type(a)("F", i, s - 1)]
+            q, w = at[Action("F", i, s - 1)]
             how = direction(q, p)
         elif a.kind == "B" and s < s_count - 1:
-            q, w = at[type(a)("B", i, s + 1)]
+            q, w = at[Action("B", i, s + 1)]
             how = direction(q, p)
         elif a.kind == "B":
-            w, how = at[type(a)("F", i, s)][1], "loss"
+            w, how = at[Action("F", i, s)][1], "loss"
         else:
             continue
         inbox[p].append((w, t, a))
         arrivals.append((p, w, how, a))
     shape = (p_count, ticks)
-    arr = {k: np.zeros(shape, np.int32) for k in ("kind", "chunk", "micro", "first", "last", "inbox", "res",
-                                                    "wslot", "route")}
+    arr = {k: np.zeros(shape, np.int32) for k in ("kind", "chunk", "micro", "first", "inbox", "res", "wslot",
+                                                    "route")}
     slots = [_colour(inbox[p]) for p in range(p_count)]
     n_inbox = max([n for _, n in slots] + [1])
-    res = [_colour([(at[a][1], at[type(a)("B", a.microbatch, a.virtual_stage)][1], a) for a in at
+    res = [_colour([(at[a][1], at[Action("B", a.microbatch, a.virtual_stage)][1], a) for a in at
                     if a.kind == "F" and at[a][0] == p]) for p in range(p_count)]
     n_res = max([n for _, n in res] + [1])
-    wsl = [_colour([(at[a][1], at[type(a)("W", a.microbatch, a.virtual_stage)][1], a) for a in at
+    wsl = [_colour([(at[a][1], at[Action("W", a.microbatch, a.virtual_stage)][1], a) for a in at
                     if a.kind == "B" and at[a][0] == p]) for p in range(p_count)]
     n_w = max([n for _, n in wsl] + [1])
     for k in ("from_prev", "from_next", "keep", "loss"):
@@ -147,13 +145,12 @@ def compile_table(table: ActionTable) -> TickPlan:
         arr["chunk"][p, t] = chunks[p].index(s)
         arr["micro"][p, t] = i
         arr["first"][p, t] = s == 0
-        arr["last"][p, t] = s == s_count - 1
         arr["inbox"][p, t] = slots[p][0].get(a, n_inbox)
         if a.kind in "FB":
-            key = a if a.kind == "F" else type(a)("F", i, s)
+            key = a if a.kind == "F" else Action("F", i, s)
             arr["res"][p, t] = res[p][0][key]
         if a.kind in "BW":
-            key = a if a.kind == "B" else type(a)("B", i, s)
+            key = a if a.kind == "B" else Action("B", i, s)
             arr["wslot"][p, t] = wsl[p][0][key]
         if a.kind == "F":
             arr["route"][p, t] = direction(p, table.stage_of(s + 1)) if s < s_count - 1 else NOWHERE
@@ -167,13 +164,14 @@ def compile_table(table: ActionTable) -> TickPlan:
         if arr[name][p, w] != n_inbox:
             raise AssertionError(f"two arrivals into stage {p} by {name} at tick {w}")
         arr[name][p, w] = slot
-    loss_on = np.zeros(ticks, np.int32)
-    loss_mb = np.zeros(ticks, np.int32)
+    loss_on, loss_mb, embed_grad_on = (np.zeros(ticks, np.int32) for _ in range(3))
     for a, (p, t) in at.items():
         if a.kind == "F" and a.virtual_stage == s_count - 1:
             loss_on[t], loss_mb[t] = 1, a.microbatch
-    return TickPlan(**arr, loss_on=loss_on, loss_mb=loss_mb, host=host, inbox_slots=n_inbox, res_slots=n_res,
-                    w_slots=n_w)
+        if a.kind == "B" and a.virtual_stage == 0:
+            embed_grad_on[t] = 1
+    return TickPlan(**arr, loss_on=loss_on, loss_mb=loss_mb, embed_grad_on=embed_grad_on, host=host,
+                    inbox_slots=n_inbox, res_slots=n_res, w_slots=n_w)
 
 
 class TablePipelinedGrads(PipelinedGrads):
@@ -181,7 +179,7 @@ class TablePipelinedGrads(PipelinedGrads):
 
     def __init__(self, cfg, mesh, rules, param_shardings, layer_specs, rounds: int = 1):
         super().__init__(cfg, mesh, rules, param_shardings, layer_specs, rounds)
-        self.table = ActionTable(cfg.pipeline.schedule, self.stages, self.v, self.sched.microbatches)
+        self.table = ActionTable(cfg.pipeline.schedule, self.stages, self.v, self.microbatches)
         self.plan = compile_table(self.table)
 
     def chunk_of(self, s: int) -> tuple[int, int]:
@@ -197,7 +195,7 @@ class TablePipelinedGrads(PipelinedGrads):
                 f"stage 0: {t.in_flight(0)}, waiting for W: {t.awaiting_w(0)}")
 
     def _flush(self, staged, ends, inputs_mbt, targets_mbt):
-        plan, p_count, m = self.plan, self.stages, self.sched.microbatches
+        plan, p_count, m = self.plan, self.stages, self.microbatches
         staged = jax.tree.map(lambda x: x[0], staged)
         stage = jax.lax.axis_index(AXIS)
         dt = jnp.dtype(self.model_cfg.dtype)
@@ -240,7 +238,7 @@ class TablePipelinedGrads(PipelinedGrads):
         g_staged = jax.tree.map(lambda x: zeros(x.shape, jnp.float32), staged)
         g_ends = jax.tree.map(lambda x: zeros(x.shape, jnp.float32), ends)
         tables = {k: jnp.asarray(getattr(plan, k).reshape(-1)) for k in
-                  ("kind", "chunk", "micro", "first", "last", "inbox", "res", "wslot", "route", "from_prev",
+                  ("kind", "chunk", "micro", "first", "inbox", "res", "wslot", "route", "from_prev",
                    "from_next", "keep", "loss")}
         fwd_ring = [(j, (j + 1) % p_count) for j in range(p_count)]
         bwd_ring = [(j, (j - 1) % p_count) for j in range(p_count)]
@@ -258,15 +256,6 @@ class TablePipelinedGrads(PipelinedGrads):
         def chunk_params(v):
             return jax.tree.map(lambda x: pick(x, v), staged)
 
-        def add_chunk(acc, v, grads, keep):
-            """acc[v] += grads on the leaves `keep(j)` says (per-layer leaf index j)."""
-            per_layer = len(jax.tree.leaves(layer0))
-            flat, tree = jax.tree.flatten(acc)
-            d = jax.tree.leaves(self._stack(grads))
-            out = [put(a, v, pick(a, v) + g.astype(jnp.float32)) if keep(j % per_layer) else a
-                   for j, (a, g) in enumerate(zip(flat, d))]
-            return jax.tree.unflatten(tree, out)
-
         def tick(carry, tk):
             inbox, stash, wstash, g_staged, g_ends, loss = carry
             at = stage * plan.ticks + tk
@@ -276,60 +265,65 @@ class TablePipelinedGrads(PipelinedGrads):
 
             kind, v, mb, first, slot_in = row("kind"), row("chunk"), row("micro"), row("first"), row("inbox")
             res_slot, w_slot = row("res"), row("wslot")
+            # What a pass reads is sliced out here and what it makes is written back after the switch: the
+            # buffers themselves never pass through a branch (XLA copies a conditional's operands).
+            x_in = pick(inbox, slot_in)
+            acts_in = [pick(s, res_slot) for s in stash]
+            pairs_in = jax.tree.map(lambda s: pick(s, w_slot), wstash)
+            layers = self._layers(chunk_params(v))
+            no_grads = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), chunk_params(v))
 
-            def idle(c):
-                return zeros_act, c
+            def idle():
+                return zeros_act, [jnp.zeros_like(a) for a in acts_in], pairs_in, no_grads
 
-            def forward(c):
-                inbox, stash, wstash, g_staged, g_ends = c
+            def forward():
                 emb = constrain(self._embed(ends, pick(inputs_mbt, mb)).astype(dt), ACT)
-                x = jnp.where(first == 1, emb, pick(inbox, slot_in))
-                y, acts, where, _ = chunk_vjp(self._layers(chunk_params(v)), x)
+                x = jnp.where(first == 1, emb, x_in)
+                y, acts, where, _ = chunk_vjp(layers, x)
                 if where != probe["where"]:
                     raise RuntimeError("pipeline: a chunk's residual layout differs from the probe's")
-                stash = [put(s, res_slot, a) for s, a in zip(stash, acts)]
-                return constrain(y.astype(dt), ACT), (inbox, stash, wstash, g_staged, g_ends)
+                return constrain(y.astype(dt), ACT), acts, pairs_in, no_grads
 
-            def backward(c):
-                inbox, stash, wstash, g_staged, g_ends = c
-                dy = pick(inbox, slot_in)
-                acts = iter([pick(s, res_slot) for s in stash])
-                params = jax.tree.leaves(self._layers(chunk_params(v)))
+            def backward():
+                acts = iter(acts_in)
+                params = jax.tree.leaves(layers)
                 vjp_fn = jax.tree.unflatten(probe["treedef"], [params[w] if w >= 0 else next(acts)
                                                                 for w in probe["where"]])
-                d_layers, dx, pairs = vjp_fn(dy)
-                g_staged = add_chunk(g_staged, v, d_layers, lambda j: j not in weights)
-                wstash = jax.tree.map(lambda s, a: put(s, w_slot, a), wstash, pairs)
-                def embed_grad(g_ends):  # virtual stage 0's input gradient is the embedding's
-                    _, embed_vjp = jax.vjp(lambda e: self._embed(e, pick(inputs_mbt, mb)).astype(dt), ends)
-                    (d_embed,) = embed_vjp(dx)
-                    return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), g_ends, d_embed)
+                d_layers, dx, pairs = vjp_fn(x_in)
+                d = jax.tree.leaves(self._stack(d_layers))
+                d = [jnp.zeros(g.shape, jnp.float32) if j in weights else g.astype(jnp.float32)
+                     for j, g in enumerate(d)]
+                return (constrain(dx.astype(dt), ACT), [jnp.zeros_like(a) for a in acts_in], pairs,
+                        jax.tree.unflatten(jax.tree.structure(no_grads), d))
 
-                g_ends = jax.lax.cond(first == 1, embed_grad, lambda g: g, g_ends)
-                return constrain(dx.astype(dt), ACT), (inbox, stash, wstash, g_staged, g_ends)
-
-            def weight(c):
-                inbox, stash, wstash, g_staged, g_ends = c
-                pairs = jax.tree.map(lambda s: pick(s, w_slot), wstash)
-                layers = self._layers(chunk_params(v))
+            def weight():
                 if stacked:
-                    by_leaf = sb.weight_grads(sites, layers, pairs, stacked=True)
-                    leaves = jax.tree.leaves(layers)
-                    d = jax.tree.unflatten(jax.tree.structure(layers),
-                                           [by_leaf.get(j, jnp.zeros_like(a)) for j, a in enumerate(leaves)])
+                    by_leaf = sb.weight_grads(sites, layers, pairs_in, stacked=True)
+                    d = [by_leaf[j].astype(jnp.float32) if j in by_leaf else jnp.zeros(a.shape, jnp.float32)
+                         for j, a in enumerate(jax.tree.leaves(layers))]
                 else:
-                    d = []
-                    for state, pair in zip(layers, pairs):
-                        by_leaf = sb.weight_grads(sites, state, pair, stacked=False)
-                        leaves = jax.tree.leaves(state)
-                        d.append(jax.tree.unflatten(jax.tree.structure(state),
-                                                    [by_leaf.get(j, jnp.zeros_like(a)) for j, a in enumerate(leaves)]))
-                g_staged = add_chunk(g_staged, v, d, lambda j: j in weights)
-                return zeros_act, (inbox, stash, wstash, g_staged, g_ends)
+                    per_layer = [sb.weight_grads(sites, s, p, stacked=False) for s, p in zip(layers, pairs_in)]
+                    d = [jnp.stack([g[j] for g in per_layer]).astype(jnp.float32) if j in weights
+                         else jnp.zeros(a.shape, jnp.float32) for j, a in enumerate(jax.tree.leaves(no_grads))]
+                return zeros_act, [jnp.zeros_like(a) for a in acts_in], pairs_in, \
+                    jax.tree.unflatten(jax.tree.structure(no_grads), d)
 
             with jax.named_scope("tick_pass"):
-                out, (inbox, stash, wstash, g_staged, g_ends) = jax.lax.switch(
-                    kind, [idle, forward, backward, weight], (inbox, stash, wstash, g_staged, g_ends))
+                out, acts, pairs, d_chunk = jax.lax.switch(kind, [idle, forward, backward, weight])
+            stash = [put(s, res_slot, a) for s, a in zip(stash, acts)]  # F's; elsewhere the spare slot
+            wstash = jax.tree.map(lambda s, a: put(s, w_slot, a), wstash, pairs)
+            g_staged = jax.tree.map(lambda acc, d: put(acc, v, pick(acc, v) + d), g_staged, d_chunk)
+
+            # virtual stage 0's input gradient is the embedding's (a condition on the tick: it holds collectives
+            # over the vocabulary's axes; a stage without that pass contributes zero)
+            def embed_grad(g_ends):
+                _, embed_vjp = jax.vjp(lambda e: self._embed(e, pick(inputs_mbt, mb)).astype(dt), ends)
+                (d_embed,) = embed_vjp(jnp.where((kind == BWD) & (first == 1), out, jnp.zeros_like(out)))
+                return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), g_ends, d_embed)
+
+            with jax.named_scope("tick_embedding_grad"):
+                g_ends = jax.lax.cond(pick(jnp.asarray(plan.embed_grad_on), tk) == 1, embed_grad, lambda g: g,
+                                      g_ends)
 
             # the output layer and loss of the microbatch whose last virtual stage ran forward this tick, spread
             # over the stages along the sequence (PipelinedGrads._flush, step 5); its input gradient goes to the
