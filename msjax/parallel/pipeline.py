@@ -283,16 +283,21 @@ class PipelinedGrads:
             x_btd = layer(state, x_btd, None if taps is None else taps[j])
         return x_btd
 
-    def _chunk_vjp(self, layers: Any, x_btd: jax.Array) -> tuple[jax.Array, list, tuple[int, ...], Any]:
+    def _chunk_vjp(self, layers: Any, x_btd: jax.Array, taps: Any = None, sites: Any = None
+                   ) -> tuple[jax.Array, list, tuple[int, ...], Any]:
         """(y, stashed residual leaves, where, treedef): one chunk forward under `jax.vjp`, its residuals split
-        from the parameters by identity (module docstring)."""
+        from the parameters by identity (module docstring). With `taps` (`_chunk`) the vjp also takes them, and
+        its cotangent then has a third part, each weight matmul's (x, dy)."""
         chunk = self._chunk
         if overlap.active().tp == "collective_matmul":
             # The collective matmul's rings (a nested shard_map) hand their residuals out as new values, the
             # parameters among them, so they cannot be told apart: in that mode the chunk is stashed by its input
             # and runs again in the backward (full remat at chunk granularity: one more forward per chunk).
             chunk = jax.checkpoint(self._chunk, policy=jax.checkpoint_policies.nothing_saveable)
-        y, vjp_fn = jax.vjp(chunk, layers, x_btd)
+        if taps is None:
+            y, vjp_fn = jax.vjp(chunk, layers, x_btd)
+        else:
+            y, vjp_fn = jax.vjp(lambda layers, x, taps: chunk(layers, x, taps, sites), layers, x_btd, taps)
         leaves, treedef = jax.tree.flatten(vjp_fn)
         index = {id(a): j for j, a in enumerate(jax.tree.leaves(layers))}
         where = tuple(index.get(id(a), -1) for a in leaves)

@@ -212,11 +212,7 @@ class TablePipelinedGrads(PipelinedGrads):
             return sb.zero_taps(sites, (self.chunk_layers,)) if stacked else [sb.zero_taps(sites)] * self.chunk_layers
 
         def chunk_vjp(layers, x):
-            y, vjp_fn = jax.vjp(lambda layers, x, taps: self._chunk(layers, x, taps, sites), layers, x, taps())
-            leaves, treedef = jax.tree.flatten(vjp_fn)
-            index = {id(a): j for j, a in enumerate(jax.tree.leaves(layers))}
-            where = tuple(index.get(id(a), -1) for a in leaves)
-            return y, [a for a, w in zip(leaves, where) if w < 0], where, treedef
+            return self._chunk_vjp(layers, x, taps(), sites)
 
         probe = {}
 
