@@ -72,6 +72,8 @@ class TickPlan:
     loss_on: np.ndarray
     loss_mb: np.ndarray
     embed_grad_on: np.ndarray
+    send_next: np.ndarray
+    send_prev: np.ndarray
     host: int
     inbox_slots: int
     res_slots: int
@@ -139,6 +141,7 @@ def compile_table(table: ActionTable) -> TickPlan:
         arr[k] = np.full(shape, n_inbox, np.int32)  # the spare slot: nothing arrives
     arr["res"][:] = n_res
     arr["wslot"][:] = n_w
+    arr["route"][:] = NOWHERE
     for a, (p, t) in at.items():
         i, s = a.microbatch, a.virtual_stage
         arr["kind"][p, t] = {"F": FWD, "B": BWD, "W": WGT}[a.kind]
@@ -165,13 +168,14 @@ def compile_table(table: ActionTable) -> TickPlan:
             raise AssertionError(f"two arrivals into stage {p} by {name} at tick {w}")
         arr[name][p, w] = slot
     loss_on, loss_mb, embed_grad_on = (np.zeros(ticks, np.int32) for _ in range(3))
+    send_next, send_prev = ((arr["route"] == way).any(axis=0).astype(np.int32) for way in (NEXT, PREV))
     for a, (p, t) in at.items():
         if a.kind == "F" and a.virtual_stage == s_count - 1:
             loss_on[t], loss_mb[t] = 1, a.microbatch
         if a.kind == "B" and a.virtual_stage == 0:
             embed_grad_on[t] = 1
-    return TickPlan(**arr, loss_on=loss_on, loss_mb=loss_mb, embed_grad_on=embed_grad_on, host=host,
-                    inbox_slots=n_inbox, res_slots=n_res, w_slots=n_w)
+    return TickPlan(**arr, loss_on=loss_on, loss_mb=loss_mb, embed_grad_on=embed_grad_on, send_next=send_next,
+                    send_prev=send_prev, host=host, inbox_slots=n_inbox, res_slots=n_res, w_slots=n_w)
 
 
 class TablePipelinedGrads(PipelinedGrads):
@@ -341,8 +345,16 @@ class TablePipelinedGrads(PipelinedGrads):
                                                    lambda *c: c, inbox, g_ends, loss)
             route = row("route")
             with jax.named_scope("tick_send"):
-                to_next = jax.lax.ppermute(jnp.where(route == NEXT, out, 0).astype(dt), AXIS, fwd_ring)
-                to_prev = jax.lax.ppermute(jnp.where(route == PREV, out, 0).astype(dt), AXIS, bwd_ring)
+                # a ring no stage sends on this tick is skipped (a condition on the tick: every device skips it);
+                # on fake CPU devices each `ppermute` is a rendezvous of every device thread
+                def send(on, way, ring):
+                    return jax.lax.cond(pick(jnp.asarray(on), tk) == 1,
+                                        lambda: jax.lax.ppermute(jnp.where(route == way, out, 0).astype(dt), AXIS,
+                                                                 ring),
+                                        lambda: jnp.zeros_like(out))
+
+                to_next = send(plan.send_next, NEXT, fwd_ring)
+                to_prev = send(plan.send_prev, PREV, bwd_ring)
             inbox = put(inbox, row("keep"), out)
             inbox = put(inbox, row("from_prev"), to_next)
             inbox = put(inbox, row("from_next"), to_prev)

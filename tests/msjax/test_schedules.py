@@ -91,3 +91,51 @@ def test_grid_text():
 def test_bad_schedules_are_refused(name, p, v, m, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         ActionTable(name, p, v, m)
+
+
+@pytest.mark.parametrize("name, p, v, m", [("1f1b", 4, 1, 8), ("zb-h1", 4, 1, 8), ("zb-h1", 3, 1, 2),
+                                           ("zb-v", 2, 2, 4), ("zb-v", 4, 2, 8), ("zb-v", 3, 2, 5)])
+def test_compiled_tables_route_every_input_to_the_pass_that_reads_it(name, p, v, m):
+    """The step's integer tables (zero_bubble.compile_table), run as the step runs them on stand-in values: each
+    pass reads, from its inbox, stash and W slots, exactly the value the pass it depends on wrote there (no slot
+    reused while its value is still to be read); sends go on the ring to the right neighbour."""
+    from msjax.parallel.zero_bubble import BWD, FWD, KEEP, NEXT, PREV, WGT, compile_table
+
+    table = ActionTable(name, p, v, m)
+    plan = compile_table(table)
+    inbox = [[None] * (plan.inbox_slots + 1) for _ in range(p)]
+    stash = [[None] * (plan.res_slots + 1) for _ in range(p)]
+    wstash = [[None] * (plan.w_slots + 1) for _ in range(p)]
+    for t in range(table.ticks):
+        out = [None] * p
+        for q in range(p):
+            a = table.grid[q][t]
+            kind = plan.kind[q, t]
+            assert kind == {None: 0, "F": FWD, "B": BWD, "W": WGT}[a and a.kind]
+            if a is None:
+                continue
+            i, s = a.microbatch, a.virtual_stage
+            if a.kind == "F":
+                if s:
+                    assert inbox[q][plan.inbox[q, t]] == ("F", i, s - 1), (a, t)
+                stash[q][plan.res[q, t]] = ("F", i, s)
+            elif a.kind == "B":
+                want = ("B", i, s + 1) if s < table.virtual - 1 else ("loss", i)
+                assert inbox[q][plan.inbox[q, t]] == want, (a, t)
+                assert stash[q][plan.res[q, t]] == ("F", i, s), (a, t)
+                wstash[q][plan.wslot[q, t]] = ("B", i, s)
+            else:
+                assert wstash[q][plan.wslot[q, t]] == ("B", i, s), (a, t)
+            out[q] = (a.kind, i, s)
+        for q in range(p):  # the end of the tick: what arrives on each ring, what is kept, the loss gradient
+            ways = {NEXT: (q + 1) % p, PREV: (q - 1) % p, KEEP: q}
+            if out[q] is not None and plan.route[q, t] in ways:
+                dst = ways[plan.route[q, t]]
+                name_ = {NEXT: plan.from_prev, PREV: plan.from_next, KEEP: plan.keep}[plan.route[q, t]]
+                if p == 2 and plan.route[q, t] == PREV:  # on two stages both rings join the same pair
+                    name_ = plan.from_next
+                inbox[dst][name_[dst, t]] = out[q]
+                assert plan.send_next[t] or plan.route[q, t] != NEXT
+                assert plan.send_prev[t] or plan.route[q, t] != PREV
+        if plan.loss_on[t]:
+            inbox[plan.host][plan.loss[plan.host, t]] = ("loss", int(plan.loss_mb[t]))
