@@ -72,7 +72,8 @@ def compile_config(cfg: Config, sizes: dict[str, int], pipeline_microbatches: in
         what = what.replace("(data=1,", f"(pipeline={p}, data=1,").replace(
             f"of {sizes['fsdp'] * sizes['sequence'] * sizes['tensor']} fake",
             f"of {p * sizes['fsdp'] * sizes['sequence'] * sizes['tensor']} fake")
-        what += (f"; the pipelined step: interleaved 1F1B, V={cfg.pipeline.virtual_stages}, M={m} microbatches of "
+        schedule = "interleaved 1F1B" if cfg.pipeline.schedule == "interleaved" else cfg.pipeline.schedule
+        what += (f"; the pipelined step: {schedule}, V={cfg.pipeline.virtual_stages}, M={m} microbatches of "
                  f"{g // (micro * m)} sequences")
     csizes = {"pipeline": p, "data": 1, "fsdp": sizes["fsdp"], "sequence": sizes["sequence"],
               "tensor": sizes["tensor"]}
