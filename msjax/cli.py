@@ -197,7 +197,8 @@ def explicit_keys(argv: Sequence[str]) -> set[str]:
     """The dotted config keys set on the command line `argv` (`--model.remat=full`, `--model.remat full`): what
     the user chose, as opposed to what the preset or the defaults say. A script that may adjust a preset's value
     (the planner's choice of remat policy) leaves these alone."""
-    return {a[2:].partition("=")[0].replace("-", "_") for a in argv if a.startswith("--") and "." in a.partition("=")[0]}
+    keys = (a[2:].partition("=")[0].replace("-", "_") for a in argv if a.startswith("--"))
+    return {k for k in keys if "." in k}
 
 
 def _preset_flag(argv: Sequence[str], default: str) -> str:

@@ -5,9 +5,9 @@ The model names axes; `use_rules(mesh, rules)` says, for the code traced inside 
 land on. Outside such a context `constrain` is the identity, so the model also runs as plain single-device code.
 
 Parallelism that changes how a model computes, not only where its arrays live, reaches it the same way: the model
-asks `applied()` at four declared points (run one block, scan the stacked layers, mark the input whose gradient
-ends the backward, run one weight matmul) and does its own plain math where nothing is applied. `msjax.parallel` installs its
-transforms with `use_parallelism` (the collective matmul and FSDP prefetch from `use_overlap`, the arrival marks
+asks `applied()` at four declared points (run one block, scan the stacked layers, mark the input whose gradient ends
+the backward, run one weight matmul) and does its own plain math where nothing is applied. `msjax.parallel` installs
+its transforms with `use_parallelism` (the collective matmul and FSDP prefetch from `use_overlap`, the arrival marks
 from `use_arrival_marks`); the model never imports it (torchtitan's `parallelize_llama` applies tensor, FSDP and
 pipeline parallelism to a model that knows none of them, the same split).
 """

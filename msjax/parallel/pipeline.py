@@ -26,10 +26,11 @@ each stage:
 So every microbatch's arithmetic is done once: each chunk's forward and backward once (plus what `model.remat`
 recomputes, as on one device), the output layer once across the pipeline (1/P on each stage), the embedding
 once per stage (a gather, no matmul). Ticks in which every stage's forward (or backward) slot is idle skip that
-work (`lax.cond` on a predicate that is the same on every device, as are the predicates of steps 5 and 6: a
-branch that some devices of a collective take and others do not deadlocks, measured on XLA:CPU for a
-per-stage condition around a tensor-parallel chunk); inside a busy tick an idle stage computes on stale data,
-its cotangent zero and its stash write sent to a spare slot. Activation memory per stage is the stash: the
+work (`lax.cond` on a predicate that is the same on every device, as are the predicates of steps 5 and 6, which
+hold collectives over `pipeline`: a branch that some devices of a collective take and others do not deadlocks);
+inside a busy tick an idle stage computes on stale data, its cotangent zero and its stash write sent to a spare
+slot. (A per-stage branch around a chunk, whose collectives are over the axes inside a stage, runs fine on
+XLA:CPU: the table schedules of `msjax.parallel.zero_bubble` are built on it and skip idle passes that way.) Activation memory per stage is the stash: the
 microbatches in flight (bounded by P and V, not M) times one chunk's residuals.
 
 Residuals. `jax.vjp`'s result is a pytree whose leaves are the reused inputs and the residuals; a leaf that is
@@ -389,9 +390,9 @@ class PipelinedGrads:
         def tick(carry, tk):
             fwd_in, bwd_in, loss_dy, stash, g_staged, g_ends, loss = carry
 
-            # Every condition below is a function of the tick alone, the same on all devices: a branch that some
-            # devices of a collective take and others do not deadlocks (XLA:CPU's rendezvous expects every
-            # device), and the chunk and the output layer hold collectives over tensor, data and pipeline.
+            # Every condition below is a function of the tick alone, the same on all devices: the output layer
+            # holds collectives over pipeline, and a branch that some devices of a collective take and others do
+            # not deadlocks (XLA:CPU's rendezvous expects every device of the collective).
             e_on, e_mb = sched.embed_tick(tk)
             with jax.named_scope("tick_embedding"):
                 emb = jax.lax.cond(e_on, lambda: constrain(self._embed(ends, tokens(inputs_mbt, e_mb)).astype(dt),

@@ -6,14 +6,14 @@ matmuls are exactly the ones B leaves out, and nothing is recomputed for the spl
 
 How. The model computes every weight matmul through `msjax.model.dense`, which asks the declared point
 `msjax.sharding.Parallelism.weight_matmul`. Under `tapping(...)` that point runs the matmul y = x @ w as a
-`jax.custom_vjp` with one more input, a tap: zeros shaped like (x, y). Its backward returns the input gradient
-dy @ w^T (the matmul's own `input_grad`), no gradient for w, and, as the tap's "gradient", the pair (x, dy): the
-matmul's input and output gradient, which is all its weight gradient needs. So `jax.vjp` of a layer with its taps gives, for one output
-gradient, the input gradient, the small parameters' gradients and every weight matmul's (x, dy) (`B`), and
-`weight_grads` turns those pairs into the weight gradients later (`W`) by the matmul's own `weight_grad`: the
-products autodiff would have computed, none twice, and no primal product recomputed for either half. A matmul
-that reads the same x as an earlier one (queries, keys and values; SwiGLU's gate and up) hands back an empty x
-and W reuses the earlier one's, so W keeps each distinct input once.
+`jax.custom_vjp` with one more input, a tap: zeros shaped like (x, y). Its backward returns the input gradient dy @
+w^T (the matmul's own `input_grad`), no gradient for w, and, as the tap's "gradient", the pair (x, dy): the matmul's
+input and output gradient, which is all its weight gradient needs. So `jax.vjp` of a layer with its taps gives, for
+one output gradient, the input gradient, the small parameters' gradients and every weight matmul's (x, dy) (`B`),
+and `weight_grads` turns those pairs into the weight gradients later (`W`) by the matmul's own `weight_grad`: the
+products autodiff would have computed, none twice, and no primal product recomputed for either half. A matmul that
+reads the same x as an earlier one (queries, keys and values; SwiGLU's gate and up) hands back an empty x and W
+reuses the earlier one's, so W keeps each distinct input once.
 
 Which weight a matmul multiplies by is found by identity: the w `dense` receives is one of the layer's parameter
 leaves (`nnx.merge` hands them out as they are), checked when the sites are recorded (`record_sites`).

@@ -48,13 +48,15 @@ class TickPlan:
     """An action table compiled for the traced step: int32 arrays (P, ticks) unless named otherwise.
 
     kind: IDLE, FWD, BWD, WGT. chunk: the stage's chunk index of the pass's virtual stage. micro: its microbatch.
-    first: the pass is of virtual stage 0 (F reads the embedding, B feeds the embedding's gradient). inbox: slot
-    its input is read from (F of virtual stage 0: unused; B of the last virtual stage: the loss gradient's). res: stash slot written (F) or read
-    (B). wslot: W slot written (B) or read (W). route: where the output goes (NEXT, PREV, KEEP, NOWHERE).
-    from_prev / from_next / keep / loss: inbox slot written at the end of the tick by what arrives on the ring from
-    stage p - 1, on the ring from stage p + 1, by the stage's own kept output, by the loss gradient (spare slot:
-    nothing). loss_on, loss_mb: (ticks,) the output layer runs for that microbatch this tick. host: the stage of the
-    last virtual stage. inbox_slots, res_slots, w_slots: buffer sizes (a spare slot each beyond).
+    first: the pass is of virtual stage 0 (F reads the embedding, B feeds the embedding's gradient). inbox: slot its
+    input is read from (F of virtual stage 0: unused; B of the last virtual stage: the loss gradient's). res: stash
+    slot written (F) or read (B). wslot: W slot written (B) or read (W). route: where the output goes (NEXT, PREV,
+    KEEP, NOWHERE). from_prev / from_next / keep / loss: inbox slot written at the end of the tick by what arrives
+    on the ring from stage p - 1, on the ring from stage p + 1, by the stage's own kept output, by the loss gradient
+    (spare slot: nothing). loss_on, loss_mb: (ticks,) the output layer runs for that microbatch this tick.
+    embed_grad_on: (ticks,) some stage runs virtual stage 0's B (the embedding's gradient follows). send_next,
+    send_prev: (ticks,) some stage sends on that ring (else its `ppermute` is skipped). host: the stage of the last
+    virtual stage. inbox_slots, res_slots, w_slots: buffer sizes (a spare slot each beyond).
     """
 
     kind: np.ndarray
