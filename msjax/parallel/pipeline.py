@@ -30,8 +30,9 @@ work (`lax.cond` on a predicate that is the same on every device, as are the pre
 hold collectives over `pipeline`: a branch that some devices of a collective take and others do not deadlocks);
 inside a busy tick an idle stage computes on stale data, its cotangent zero and its stash write sent to a spare
 slot. (A per-stage branch around a chunk, whose collectives are over the axes inside a stage, runs fine on
-XLA:CPU: the table schedules of `msjax.parallel.zero_bubble` are built on it and skip idle passes that way.) Activation memory per stage is the stash: the
-microbatches in flight (bounded by P and V, not M) times one chunk's residuals.
+XLA:CPU: the table schedules of `msjax.parallel.zero_bubble` are built on it and skip idle passes that way.)
+Activation memory per stage is the stash: the microbatches in flight (bounded by P and V, not M) times one
+chunk's residuals.
 
 Residuals. `jax.vjp`'s result is a pytree whose leaves are the reused inputs and the residuals; a leaf that is
 one of the chunk's parameter arrays is recognised by identity (the same traced value), stays out of the stash,
