@@ -43,7 +43,6 @@ from dataclasses import dataclass
 from functools import cached_property
 
 SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zb-v")
-KINDS = ("F", "B", "W")
 
 
 @dataclass(frozen=True)
