@@ -11,7 +11,7 @@ a W slot) or nothing. Each pass is a `lax.cond` on the stage's own row that take
 and updates them in place, as the interleaved step's passes do; an F or idle tick touches no accumulator. (One
 `lax.switch` returning every buffer made XLA copy them each tick; returning the passes' outputs and writing them
 after the switch wrote a zero-filled stash slot and every accumulator each tick: 1.1-1.2x the interleaved step's
-CPU seconds, against 1.0-1.07x now.) An idle stage computes nothing: unlike the interleaved step's lock-step ticks,
+CPU seconds on fake CPU devices, 0.95x now: docs/pipeline.md.) An idle stage computes nothing: unlike the interleaved step's lock-step ticks,
 no stage runs a masked pass. Collectives inside a pass run over axes within the stage (tensor,
 data, fsdp, sequence), whose devices all take the same branch.
 
