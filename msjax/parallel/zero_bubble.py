@@ -11,9 +11,9 @@ a W slot) or nothing. Each pass is a `lax.cond` on the stage's own row that take
 and updates them in place, as the interleaved step's passes do; an F or idle tick touches no accumulator. (One
 `lax.switch` returning every buffer made XLA copy them each tick; returning the passes' outputs and writing them
 after the switch wrote a zero-filled stash slot and every accumulator each tick: 1.1-1.2x the interleaved step's
-CPU seconds on fake CPU devices, 0.95x now: docs/pipeline.md.) An idle stage computes nothing: unlike the interleaved step's lock-step ticks,
-no stage runs a masked pass. Collectives inside a pass run over axes within the stage (tensor,
-data, fsdp, sequence), whose devices all take the same branch.
+CPU seconds on fake CPU devices, 0.95x now: docs/pipeline.md.) An idle stage computes nothing: unlike the
+interleaved step's lock-step ticks, no stage runs a masked pass. Collectives inside a pass run over axes within the
+stage (tensor, data, fsdp, sequence), whose devices all take the same branch.
 
 After the pass, every tick: the output layer and loss if some stage finished the last virtual stage's forward this
 tick (a condition on the tick alone, as it holds collectives over `pipeline`); then the stage's output is sent on
