@@ -262,6 +262,8 @@ def _greedy(table: ActionTable) -> dict[Action, int]:
     else:
         f_limit, w_limit = [2 * p_count] * p_count, 2 * p_count
     end: dict[Action, int] = {}
+    f_end: dict[tuple[int, int], int] = {}  # (microbatch, virtual stage) -> end tick, beside `end`: the scans
+    b_end: dict[tuple[int, int], int] = {}  # below look passes up by tuple, not by a new Action each time
     mine = [[s for s in range(table.virtual) if table.stage_of(s) == p] for p in range(p_count)]
     todo_f = [sorted((i, s) for i in range(table.microbatches) for s in mine[p]) for p in range(p_count)]
     todo_b = [sorted(((i, s) for i in range(table.microbatches) for s in mine[p]), key=lambda x: (x[0], -x[1]))
@@ -273,22 +275,22 @@ def _greedy(table: ActionTable) -> dict[Action, int]:
         if t > 4 * total:
             raise AssertionError(f"{table.name}: the greedy schedule makes no progress")
         for p in range(p_count):
-            done = lambda a: end.get(a, t + 1) <= t  # noqa: E731 (finished before this tick)
             # Microbatches move through a stage in order, so a ready pass is among the first few left of its kind
-            # (the window holds the passes of about 2 P microbatches): the scan stays short for any M.
-            b = next(((i, s) for i, s in todo_b[p][:window] if done(Action("F", i, s)) and
-                      (s == last or done(Action("B", i, s + 1)))), None)
-            f = next(((i, s) for i, s in todo_f[p][:window] if s == 0 or done(Action("F", i, s - 1))), None)
+            # (the window holds the passes of about 2 P microbatches): the scan stays short for any M. A pass
+            # is done when it finished before this tick.
+            b = next(((i, s) for i, s in todo_b[p][:window] if f_end.get((i, s), t + 1) <= t and
+                      (s == last or b_end.get((i, s + 1), t + 1) <= t)), None)
+            f = next(((i, s) for i, s in todo_f[p][:window] if s == 0 or f_end.get((i, s - 1), t + 1) <= t), None)
             if b is not None:
                 todo_b[p].remove(b)
                 waiting_w[p].append(b)
                 live[p] -= 1
-                end[Action("B", *b)] = t + 1
+                end[Action("B", *b)] = b_end[b] = t + 1
             elif waiting_w[p] and (len(waiting_w[p]) >= w_limit or f is None or live[p] >= f_limit[p]):
                 end[Action("W", *waiting_w[p].pop(0))] = t + 1
             elif f is not None and live[p] < f_limit[p]:
                 todo_f[p].remove(f)
                 live[p] += 1
-                end[Action("F", *f)] = t + 1
+                end[Action("F", *f)] = f_end[f] = t + 1
         t += 1
     return {a: e - 1 for a, e in end.items()}

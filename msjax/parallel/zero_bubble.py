@@ -39,9 +39,10 @@ import numpy as np
 from flax import nnx
 
 from msjax.parallel import split_backward as sb
+from msjax.model import abstract_model
 from msjax.parallel.pipeline import ACT, AXIS, PipelinedGrads
 from msjax.parallel.schedules import Action, ActionTable, placement
-from msjax.sharding import constrain
+from msjax.sharding import constrain, use_rules
 
 IDLE, FWD, BWD, WGT = range(4)
 NEXT, PREV, KEEP, NOWHERE = range(4)  # where a pass's output goes
@@ -197,6 +198,21 @@ class TablePipelinedGrads(PipelinedGrads):
         name, p_count, v = self.cfg.pipeline.schedule, self.stages, self.v
         p = placement(name, p_count, v, s)
         return p, [x for x in range(p_count * v) if placement(name, p_count, v, x) == p].index(s)
+
+    def w_entry(self, microbatch: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """What one W slot holds for one chunk and a microbatch of `microbatch` sequences: each weight matmul's
+        (x, dy) for each of the chunk's layers (`split_backward.Site.tap`; a matmul reading an earlier one's x
+        keeps an empty x), shapes global over the axes inside a stage. The W buffer is `TickPlan.w_slots` + 1
+        of these per stage, beside the stash (`stash_entry`)."""
+        m = self.model_cfg
+        _, abs_params, _ = abstract_model(m)
+        with use_rules(self.mesh, self.rules):
+            staged = jax.eval_shape(self.stage, abs_params)
+            layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[3:], a.dtype), staged)
+            x = jax.ShapeDtypeStruct((microbatch, self.cfg.train.seq_len, m.d_model), jnp.dtype(m.dtype))
+            sites = sb.record_sites(lambda s, x_: nnx.merge(self.block_gd, s)(x_), layer, x)
+        return tuple(jax.ShapeDtypeStruct((self.chunk_layers, *a.shape), a.dtype) for site in sites
+                     for a in site.tap)
 
     def describe(self) -> str:
         t = self.table
