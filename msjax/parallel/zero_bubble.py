@@ -30,6 +30,7 @@ Placement: virtual stage s lives on stage `schedules.placement`; the regrouping 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 from typing import Any
 
@@ -183,6 +184,50 @@ def compile_table(table: ActionTable) -> TickPlan:
             embed_grad_on[t] = 1
     return TickPlan(**arr, loss_on=loss_on, loss_mb=loss_mb, embed_grad_on=embed_grad_on, send_next=send_next,
                     send_prev=send_prev, host=host, inbox_slots=n_inbox, res_slots=n_res, w_slots=n_w)
+
+
+@functools.lru_cache(maxsize=512)
+def action_table(name: str, stages: int, virtual_stages: int, microbatches: int) -> ActionTable:
+    """`ActionTable(...)`, its grid built once and cached: the planner prices many."""
+    table = ActionTable(name, stages, virtual_stages, microbatches)
+    _ = table.grid
+    return table
+
+
+@functools.lru_cache(maxsize=512)
+def tick_plan(name: str, stages: int, virtual_stages: int, microbatches: int) -> TickPlan:
+    """The compiled table of a schedule (`compile_table` of `action_table`), cached."""
+    return compile_table(action_table(name, stages, virtual_stages, microbatches))
+
+
+def flush_seconds(plan: TickPlan, pass_seconds: tuple[float, float, float], loss_seconds: float = 0.0) -> float:
+    """Seconds one flush of `plan` takes on hardware where every stage's F, B and W last `pass_seconds` (per
+    chunk and microbatch) and the output layer of a microbatch `loss_seconds`, as this module runs a table.
+
+    Every tick ends with the `ppermute` rings in use that tick: a ring's send/receive pairs (every stage sends to
+    the next and receives from the previous, XLA's collective-permute) complete once both neighbours have reached
+    them, so a stage's tick ends no earlier than its neighbours' passes of that tick. A tick that runs the output
+    layer (an all-to-all and an all-gather over `pipeline`) ends on every stage together, `loss_seconds` after the
+    last stage's pass. So a long pass delays its neighbours, and a tick of short passes on some stages does not
+    make up for a long one elsewhere: with equal passes the result is the table's ticks (`ActionTable.bubble`),
+    with B longer than F and W more.
+
+    Args:
+      plan: `tick_plan` / `compile_table`.
+      pass_seconds: (F, B, W) seconds of one chunk's pass for one microbatch.
+      loss_seconds: seconds of one microbatch's output layer and loss (spread over the stages).
+    Returns:
+      seconds (float).
+    """
+    seconds = np.array([0.0, *pass_seconds])[plan.kind]  # (P, ticks)
+    end = np.zeros(plan.kind.shape[0])
+    for t in range(plan.ticks):
+        end = end + seconds[:, t]  # each stage's pass, from where its previous tick ended
+        if plan.send_next[t] or plan.send_prev[t]:  # the ring waits for both neighbours of every stage
+            end = np.maximum(end, np.maximum(np.roll(end, 1), np.roll(end, -1)))
+        if plan.loss_on[t]:
+            end = np.full_like(end, end.max() + loss_seconds)
+    return float(end.max())
 
 
 class TablePipelinedGrads(PipelinedGrads):
