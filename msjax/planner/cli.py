@@ -85,7 +85,9 @@ def parse_plan_args(argv: Sequence[str]) -> tuple[Config, PlanOptions, dict]:
     if acts.schedule and acts.schedule not in SCHEDULES:
         raise PlanError(f"--schedule={acts.schedule}: allowed are {', '.join(SCHEDULES)}")
     actions["plan"] = bool(opts.devices) or not acts.published
-    actions["remat_fixed"] = "model.remat" in cli.explicit_keys(argv)
+    explicit = cli.explicit_keys(argv)
+    actions["remat_fixed"] = "model.remat" in explicit
+    actions["schedule_fixed"] = "pipeline.schedule" in explicit
     if not opts.devices:
         sizes = cfg.mesh.axis_sizes()
         if sizes["data"] == -1:
@@ -119,7 +121,7 @@ def run(argv: Sequence[str], out=None) -> dict:
         result["published"] = rows
     if actions["plan"]:
         if actions["search"]:
-            found = search(cfg, opts, workers=actions["workers"])
+            found = search(cfg, opts, workers=actions["workers"], schedule_fixed=actions["schedule_fixed"])
             title = f"msjax search: {cfg.name} on {opts.devices:,} x {opts.hardware} ({opts.baseline} design)"
             print(report.search_text(found, actions["top"], title), file=out)
             result["search"] = report.search_dict(found)
@@ -133,7 +135,7 @@ def run(argv: Sequence[str], out=None) -> dict:
                 plan = None
             result["fits"] = best is not None
         else:
-            plan = make_plan(cfg, opts, remat_fixed=actions["remat_fixed"])
+            plan = make_plan(cfg, opts, remat_fixed=actions["remat_fixed"], schedule_fixed=actions["schedule_fixed"])
             print(report.plan_text(plan), file=out)
             result["plan"] = report.plan_dict(plan)
             result["fits"] = plan.fits

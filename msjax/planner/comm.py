@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from msjax.config import Config
 from msjax.hardware import Hardware
+from msjax.parallel.zero_bubble import tick_plan
 from msjax.planner.layout import PlanLayout, Link, group_link, zero2_over_fsdp
 from msjax.planner.memory import (
     DTYPE_BYTES, StageParams, ends_elements, gathered_kv_bytes, state_bytes_per_element,
@@ -164,9 +165,14 @@ def inventory(cfg: Config, layout: PlanLayout, hw: Hardware, stage: StageParams)
     # PP: per chunk boundary per microbatch, activation forward and gradient backward (1/t per tensor rank).
     if p > 1 and msjax_pp:
         p2p = act / t / sx
-        ticks = v * mb + v * p + p - 1
-        add("PP send/recv (activations)", "PP", ("pipeline",), "send/recv", p, p2p, ticks)
-        add("PP send/recv (gradients)", "PP", ("pipeline",), "send/recv", p, p2p, ticks)
+        if layout.schedule == "interleaved":  # both rings every busy tick
+            sends = (v * mb + v * p + p - 1,) * 2
+        else:  # a table sends on a ring only in ticks where some stage's pass is routed on it (zb-v's V shape
+            # puts activations and gradients on both rings: the two rows are the rings, to p + 1 and to p - 1)
+            plan = tick_plan(layout.schedule, p, v, mb)
+            sends = (int(plan.send_next.sum()), int(plan.send_prev.sum()))
+        add("PP send/recv (activations)", "PP", ("pipeline",), "send/recv", p, p2p, sends[0])
+        add("PP send/recv (gradients)", "PP", ("pipeline",), "send/recv", p, p2p, sends[1])
         add("PP all-to-all (output layer input)", "PP", ("pipeline",), "all-to-all", p, p2p, mb)
         add("PP all-gather (output layer gradient)", "PP", ("pipeline",), "all-gather", p, p2p, mb)
         add("EMB all-reduce (ends over pipeline)", "EMB", ("pipeline",), "all-reduce", p,

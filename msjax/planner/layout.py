@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from msjax.config import Config, ConfigError
 from msjax.layout import check_model_split as check_run_split
 from msjax.hardware import Hardware
+from msjax.parallel.schedules import SCHEDULES, check as check_schedule
 from msjax.planner.options import COLLECTIVE_LATENCY, PlanError, PlanOptions
 from msjax.sharding_rules.rules import OPTIMIZER_STATE_RULES
 
@@ -58,6 +59,8 @@ class PlanLayout:
       dropout: dropout masks are stored (Megatron's GPT recipe; the msjax model has no dropout).
       vocab: padded vocabulary rows.
       baseline: "msjax" or "megatron".
+      schedule: the pipeline schedule (`pipeline.schedule`: "interleaved", or "1f1b", "zb-h1", "zb-v" run from
+        their action tables, `msjax.parallel.zero_bubble`); "interleaved" without pipeline stages.
     """
 
     pipeline: int
@@ -77,6 +80,7 @@ class PlanLayout:
     dropout: bool
     vocab: int
     baseline: str
+    schedule: str = "interleaved"
 
     @property
     def devices(self) -> int:
@@ -86,7 +90,8 @@ class PlanLayout:
         return {a: getattr(self, a) for a in AXES}
 
     def describe(self) -> str:
-        return (f"pp={self.pipeline}x{self.virtual_stages}v dp={self.data} fsdp={self.fsdp} sp={self.sequence} "
+        sched = f" {self.schedule}" if self.schedule != "interleaved" else ""
+        return (f"pp={self.pipeline}x{self.virtual_stages}v{sched} dp={self.data} fsdp={self.fsdp} sp={self.sequence} "
                 f"tp={self.tensor} mb={self.microbatch_size}x{self.microbatches} zero={self.zero_stage} "
                 f"remat={self.remat}")
 
@@ -233,8 +238,28 @@ def attention_is_flash(cfg: Config, hw: Hardware) -> bool:
     return impl in ("pallas", "cudnn")
 
 
+def schedule_choices(cfg: Config, opts: PlanOptions, pipeline: int, fixed: bool) -> list[str]:
+    """Pipeline schedules a plan may take: `pipeline.schedule` when the user set it (`fixed`), else every one the
+    step runs on this layout (the table schedules tap each weight matmul, which the collective matmul computes
+    its own way, and the megatron baseline is interleaved 1F1B only)."""
+    if pipeline == 1:
+        return ["interleaved"]
+    if fixed:
+        return [cfg.pipeline.schedule]
+    if opts.baseline == "megatron" or cfg.mesh.tp_overlap == "collective_matmul":
+        return ["interleaved"]
+    return list(SCHEDULES)
+
+
+def schedule_virtual_stages(schedule: str, legal: list[int]) -> list[int]:
+    """The chunk counts `schedule` runs among the `legal` interleavings: all of them for interleaved 1F1B, one
+    for 1f1b and zb-h1, two for zb-v (`msjax.parallel.schedules.check`)."""
+    fixed = {"1f1b": 1, "zb-h1": 1, "zb-v": 2}.get(schedule)
+    return legal if fixed is None else [v for v in legal if v == fixed]
+
+
 def make_layout(cfg: Config, opts: PlanOptions, hw: Hardware, sizes: dict[str, int], virtual_stages: int,
-                microbatch_size: int, zero_stage: int, remat: str) -> PlanLayout:
+                microbatch_size: int, zero_stage: int, remat: str, schedule: str = "interleaved") -> PlanLayout:
     """A checked PlanLayout for explicit choices. Raises PlanError naming what does not divide."""
     vocab = resolve_vocab(cfg)
     check_model_split(cfg, sizes, vocab)
@@ -250,9 +275,16 @@ def make_layout(cfg: Config, opts: PlanOptions, hw: Hardware, sizes: dict[str, i
                         "pipeline stage")
     if virtual_stages > 1 and p == 1:
         raise PlanError(f"pipeline.virtual_stages={virtual_stages} needs pipeline parallelism (mesh.pipeline > 1)")
-    if virtual_stages > 1 and m % p:
+    if virtual_stages > 1 and m % p and schedule == "interleaved":
         raise PlanError(f"interleaved 1F1B (pipeline.virtual_stages={virtual_stages}) needs the {m} microbatches "
                         f"per step to be a multiple of mesh.pipeline={p}")
+    if schedule != "interleaved":
+        if p == 1:
+            raise PlanError(f"pipeline.schedule={schedule} needs pipeline parallelism (mesh.pipeline > 1)")
+        try:
+            check_schedule(schedule, p, virtual_stages, m)
+        except ValueError as err:
+            raise PlanError(str(err)) from None
     t = sizes["tensor"]
     sp = opts.sequence_parallel and t > 1
     if sp and (cfg.train.seq_len // sizes["sequence"]) % t:
@@ -266,7 +298,7 @@ def make_layout(cfg: Config, opts: PlanOptions, hw: Hardware, sizes: dict[str, i
         virtual_stages=virtual_stages, microbatch_size=microbatch_size, microbatches=m, zero_stage=zero_stage,
         remat=remat, sequence_parallel=sp, block="serial" if megatron else cfg.model.block,
         window=None if megatron else cfg.model.attention.window, flash=attention_is_flash(cfg, hw),
-        dropout=megatron, vocab=vocab, baseline=opts.baseline,
+        dropout=megatron, vocab=vocab, baseline=opts.baseline, schedule=schedule,
     )
 
 

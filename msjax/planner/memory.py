@@ -678,6 +678,28 @@ def stash_entry_invariant_bytes(cfg: Config, layout: PlanLayout, scanned: bool |
     return mask + rope_table_bytes(cfg, layout)
 
 
+def w_pair_layer_bytes(cfg: Config, layout: PlanLayout) -> float:
+    """Bytes one layer's weight-gradient inputs take in a W slot of a table schedule's step, per device: each
+    weight matmul's input x and output gradient dy (`msjax.parallel.split_backward`; `TablePipelinedGrads.w_entry`,
+    checked to the byte in tests/msjax/test_planner.py), in the compute dtype. A matmul that reads an earlier one's
+    x keeps none (K and V read Q's input; SwiGLU's up reads the gate's; a parallel block's MLP reads attention's).
+    Residual-stream-wide tensors (the projections' inputs, the output projections' gradients) are split like
+    the stream, over (tensor, sequence); the TP regions' tensors (Q, K, V, the attention output, the MLP's
+    hidden) over tensor x sequence, as XLA lays them out in the compiled step.
+    Returns:
+      bytes (float).
+    """
+    m = cfg.model
+    e = DTYPE_BYTES[m.dtype]
+    b, T, t, c = layout.microbatch_size, cfg.train.seq_len, layout.tensor, layout.sequence
+    outer = (t if layout.sequence_parallel else 1) * c
+    qw, kvw, f = m.num_heads * m.head_size, m.kv_heads * m.head_size, m.ff_size
+    lin1 = 2 * f if m.mlp == "swiglu" else f
+    stream = (1 if layout.block == "parallel" else 2) + 2  # inputs of Q and of the MLP; dy of both projections out
+    regions = (qw + 2 * kvw) + qw + lin1 + f  # dy of Q, K, V; x of the attention output; dy of linear 1; x of 2
+    return e * b * T * (stream * m.d_model / outer + regions / (t * c))
+
+
 def rope_table_bytes(cfg: Config, layout: PlanLayout) -> float:
     """Bytes of RoPE's cosine and sine tables that autodiff keeps for the rotation's backward when nothing is
     rematerialised: two (T / c, K) tables in the compute dtype (the same for every sequence of the microbatch
@@ -716,7 +738,20 @@ def _msjax_pipeline_report(cfg: Config, layout: PlanLayout, stage: StageParams, 
     rerun = cfg.mesh.tp_overlap == "collective_matmul" and layout.tensor > 1
     if rerun:  # the collective matmul's chunks are stashed by their input and run again in the backward
         per_layer, entry = x_bytes / chunk_layers, x_bytes
-    acts = (slots + 1) * entry + PIPELINE_CARRIES * x_bytes
+    table = layout.schedule != "interleaved"
+    w_layer = 0.0
+    if table:
+        # a table's stash is its own (interval-coloured slots), beside the W slots of the (x, dy) pairs its
+        # waiting weight-gradient passes read, and the inbox of activations and gradients waiting for a pass
+        from msjax.parallel.zero_bubble import action_table, tick_plan
+
+        plan = tick_plan(layout.schedule, p, v, m)
+        slots = plan.res_slots
+        w_layer = w_pair_layer_bytes(cfg, layout)
+        acts = ((slots + 1) * entry + (plan.w_slots + 1) * chunk_layers * w_layer
+                + (plan.inbox_slots + 1 + PIPELINE_CARRIES) * x_bytes)
+    else:
+        acts = (slots + 1) * entry + PIPELINE_CARRIES * x_bytes
     ends = ends_elements(cfg, layout, stage)
     stage_elements = layers * stage.layer_elements + ends
     # what the device stores: stacked layers are split over `pipeline`; per-layer parameters
@@ -753,11 +788,14 @@ def _msjax_pipeline_report(cfg: Config, layout: PlanLayout, stage: StageParams, 
         "optimizer": f"optimizer ({cfg.optimizer.name}, {oe:.0f} B/param"
                      f"{', sharded over data' if layout.zero_stage >= 1 else ''})",
         "activations": f"stash: {slots + 1} slots x {chunk_layers} layers x {per_layer / 2**20:.1f} MiB "
-                       f"({layout.remat}, {e_name}) + carries",
+                       f"({layout.remat}, {e_name}) + "
+                       + (f"W: {plan.w_slots + 1} slots x {chunk_layers} layers x {w_layer / 2**20:.1f} MiB + "
+                          f"inbox {plan.inbox_slots + 1} + carries" if table else "carries"),
         "working": "working (a tick's backward, output layer or embedding gradient; regrouped layers)",
     }
+    flight = action_table(layout.schedule, p, v, m).in_flight(0) if table else in_flight(p, v, m)
     return MemoryReport(params, grads, opt, acts, work, memory_fraction * device_memory, device_memory, per_layer,
-                        in_flight(p, v, m) * chunk_layers, grads_in_backward=accumulators / zero2, update=update,
+                        flight * chunk_layers, grads_in_backward=accumulators / zero2, update=update,
                         grads_at_update=4.0 * elements / zero2, labels=labels, packing_fraction=PIPELINE_PACKING)
 
 

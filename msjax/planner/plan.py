@@ -11,7 +11,7 @@ from msjax.planner import memory as mem
 from msjax.planner import timing
 from msjax.planner.layout import (
     PlanLayout, check_model_split, config_microbatch_size, legal_virtual_stages, make_layout, mesh_sizes, replica_batch,
-    resolve_vocab,
+    resolve_vocab, schedule_choices, schedule_virtual_stages,
 )
 from msjax.planner.options import REMATS, PlanError, PlanOptions
 
@@ -34,6 +34,8 @@ class Plan:
       tokens_per_step, tokens_per_second, mfu, mfu_paper, hfu, days: throughput figures.
       total_params: parameters of the model.
       auto: which knobs the planner chose, and from which candidates.
+      schedules: with pipeline stages and the schedule free, the best layout of each schedule priced
+        ({name: {"step": seconds, "bubble": seconds, "mfu", "fits", "virtual_stages"}}, fastest first).
     """
 
     config: Config
@@ -47,6 +49,7 @@ class Plan:
     paper_flops_per_token: float
     total_params: int
     auto: dict = field(default_factory=dict)
+    schedules: dict = field(default_factory=dict)
 
     @property
     def tokens_per_step(self) -> int:
@@ -113,7 +116,7 @@ def candidate_choices(cfg: Config, opts: PlanOptions, sizes: dict[str, int]) -> 
     return mbs, [] if opts.tune_virtual_stages else [cfg.pipeline.virtual_stages], zeros
 
 
-def make_plan(cfg: Config, opts: PlanOptions, remat_fixed: bool = False) -> Plan:
+def make_plan(cfg: Config, opts: PlanOptions, remat_fixed: bool = False, schedule_fixed: bool = False) -> Plan:
     """The plan for `cfg` (mesh sizes from cfg.mesh, data=-1 filled in) on `opts.devices` x `opts.hardware`.
 
     Free knobs (the interleaving and microbatch size with tune_virtual_stages / tune_microbatches, zero_stage
@@ -121,7 +124,10 @@ def make_plan(cfg: Config, opts: PlanOptions, remat_fixed: bool = False) -> Plan
     When nothing fits under `model.remat` and `remat_fixed` is false (the user did not set it; a preset's policy
     is a preference), the policies that recompute more are tried in `REMATS` order and the first with a layout
     that fits is taken: the cheapest remat that fits, named in `auto`. If none fits, the smallest-memory choice
-    under `model.remat` is returned with `fits` False.
+    under `model.remat` is returned with `fits` False. With pipeline stages and `schedule_fixed` false (the user
+    did not set `pipeline.schedule`), every schedule the step runs on the layout is priced
+    (`layout.schedule_choices`), each under the remat rule above, and the fastest that fits is taken, with each
+    one's best step time in `auto` and `schedules`.
 
     Raises:
       PlanError: unknown hardware, a mesh that does not match the device count, or a model / batch that does
@@ -137,41 +143,68 @@ def make_plan(cfg: Config, opts: PlanOptions, remat_fixed: bool = False) -> Plan
     stage = mem.stage_params(cfg, vocab, sizes)
     errors: list[str] = []
 
-    def best_under(remat: str) -> Plan | None:
-        best, best_key = None, None
+    schedules = schedule_choices(cfg, opts, sizes["pipeline"], schedule_fixed)
+
+    def key(plan: Plan) -> tuple:
+        return plan.fits, plan.mfu if plan.fits else -plan.memory.total, -plan.layout.zero_stage
+
+    def best_under(remat: str, schedule: str) -> Plan | None:
+        best = None
         for b in mbs:
             per_replica = replica_batch(cfg, sizes)
-            vs = vs_fixed or legal_virtual_stages(cfg.model.num_layers, sizes["pipeline"], per_replica // b)
-            for v in vs:
+            legal = vs_fixed or legal_virtual_stages(cfg.model.num_layers, sizes["pipeline"], per_replica // b)
+            if schedule != "interleaved" and not vs_fixed:  # a table's own chunk count, legal or not
+                legal = [{"zb-v": 2}.get(schedule, 1)]
+            for v in schedule_virtual_stages(schedule, legal):
                 for z in zeros:
                     try:
-                        layout = make_layout(cfg, opts, hw, sizes, v, b, z, remat)
+                        layout = make_layout(cfg, opts, hw, sizes, v, b, z, remat, schedule)
                     except PlanError as err:
                         errors.append(str(err))
                         continue
                     plan = evaluate(cfg, opts, hw, layout, stage)
-                    key = (plan.fits, plan.mfu if plan.fits else -plan.memory.total, -z)
-                    if best_key is None or key > best_key:
-                        best, best_key = plan, key
+                    if best is None or key(plan) > key(best):
+                        best = plan
         return best
 
-    best = asked = best_under(cfg.model.remat)
-    if best is None:
+    # Each schedule under the config's remat, or (not pinned) the cheapest policy under which it fits; then the
+    # fastest schedule that fits.
+    by_schedule: dict[str, Plan] = {}
+    remat_notes: dict[str, str] = {}
+    for schedule in schedules:
+        asked = best_under(cfg.model.remat, schedule)
+        if asked is None:
+            continue
+        by_schedule[schedule] = asked
+        if not asked.fits and not remat_fixed:
+            for remat in REMATS[REMATS.index(cfg.model.remat) + 1:]:
+                plan = best_under(remat, schedule)
+                if plan is not None and plan.fits:
+                    by_schedule[schedule] = plan
+                    remat_notes[schedule] = (
+                        f"{remat} (model.remat={cfg.model.remat} needs {asked.memory.total / 2**30:.1f} of "
+                        f"{asked.memory.capacity / 2**30:.1f} GiB; {remat} is the cheapest policy that fits; "
+                        "--model.remat pins one)")
+                    break
+    if not by_schedule:
         raise PlanError(errors[0] if errors else "no legal layout")
+    best = max(by_schedule.values(), key=key)
     auto = {}
-    if not asked.fits and not remat_fixed:
-        for remat in REMATS[REMATS.index(cfg.model.remat) + 1:]:
-            plan = best_under(remat)
-            if plan is not None and plan.fits:
-                best = plan
-                auto["remat"] = (f"{remat} (model.remat={cfg.model.remat} needs {asked.memory.total / 2**30:.1f} "
-                                 f"of {asked.memory.capacity / 2**30:.1f} GiB; {remat} is the cheapest policy "
-                                 "that fits; --model.remat pins one)")
-                break
+    if best.layout.schedule in remat_notes:
+        auto["remat"] = remat_notes[best.layout.schedule]
     if len(mbs) > 1:
         auto["microbatch_size"] = f"{best.layout.microbatch_size} (best of {len(mbs)} legal sizes)"
     if opts.tune_virtual_stages and sizes["pipeline"] > 1:
         auto["virtual_stages"] = f"{best.layout.virtual_stages} (best legal)"
+    if len(schedules) > 1:
+        ranked = sorted(by_schedule.items(), key=lambda kv: (not kv[1].fits, kv[1].time.step))
+        best.schedules = {name: {"step": p.time.step, "bubble": p.time.bubble, "mfu": p.mfu, "fits": p.fits,
+                                 "virtual_stages": p.layout.virtual_stages} for name, p in ranked}
+        others = "; ".join(f"{name} {p.time.step:.3f} s, MFU {p.mfu:.1%}"
+                           + (f", remat {p.layout.remat}" if p.layout.remat != cfg.model.remat else "")
+                           + ("" if p.fits else " (does not fit)") for name, p in ranked)
+        auto["schedule"] = (f"{best.layout.schedule} (fastest that fits; best step by schedule: {others}; "
+                            "--pipeline.schedule pins one)")
     if opts.zero_stage < 0:
         auto["zero_stage"] = f"{best.layout.zero_stage} (fastest that fits)" if best.fits else \
             f"{best.layout.zero_stage} (nothing fits)"
@@ -205,8 +238,8 @@ def run_overrides(plan: Plan) -> tuple[dict, str]:
     out = {f"mesh.{k}": v for k, v in sizes.items()}
     out["mesh.rules"] = rules
     if lay.pipeline > 1:
-        out.update({"pipeline.virtual_stages": lay.virtual_stages, "pipeline.microbatches": lay.microbatches,
-                    "train.microbatches": 1})
+        out.update({"pipeline.schedule": lay.schedule, "pipeline.virtual_stages": lay.virtual_stages,
+                    "pipeline.microbatches": lay.microbatches, "train.microbatches": 1})
     else:
         out["train.microbatches"] = lay.microbatches
     out["model.remat"] = lay.remat

@@ -73,8 +73,8 @@ def cpu_hardware(memory: float) -> Hardware:
 
 def estimate(cfg: Config, sizes: dict[str, int], hw: Hardware, limit: float) -> MemoryReport:
     """The planner's per-device memory of the most loaded stage for `cfg` on mesh `sizes`, as the step runs it
-    (ZeRO over data 0, `pipeline.virtual_stages`, microbatch from the batch split). Raises PlanError when the
-    layout does not divide."""
+    (ZeRO over data 0, `pipeline.schedule` and `pipeline.virtual_stages`, microbatch from the batch split).
+    Raises PlanError when the layout does not divide."""
     if not cfg.model.vocab_size and cfg.data.tokenizer == "char":
         # the char vocabulary is only known after reading the corpus; 256 bounds byte-range text
         cfg = apply_overrides(cfg, {"model.vocab_size": 256})
@@ -82,7 +82,8 @@ def estimate(cfg: Config, sizes: dict[str, int], hw: Hardware, limit: float) -> 
     check_model_split(cfg, sizes, vocab)
     p, b = sizes["pipeline"], split_batch(cfg, sizes).microbatch
     layout = make_layout(cfg, PlanOptions(devices=math.prod(sizes.values())), hw, sizes,
-                         cfg.pipeline.virtual_stages if p > 1 else 1, b, 0, cfg.model.remat)
+                         cfg.pipeline.virtual_stages if p > 1 else 1, b, 0, cfg.model.remat,
+                         cfg.pipeline.schedule if p > 1 else "interleaved")
     return memory_report(cfg, layout, stage_params(cfg, vocab, sizes), limit, 1.0)
 
 

@@ -45,6 +45,8 @@ def plan_text(plan: Plan) -> str:
     add("Layout")
     per_stage = L // lay.pipeline
     sched = "interleaved 1F1B" if lay.virtual_stages > 1 else ("1F1B" if lay.pipeline > 1 else "no pipeline")
+    if lay.schedule != "interleaved":
+        sched = f"{lay.schedule}, run from its action table"
     add(f"  pipeline   {lay.pipeline} stages x {lay.virtual_stages} virtual ({sched}); {per_stage} layers per stage, "
         f"{per_stage // lay.virtual_stages} per chunk")
     cp = " (context parallel: K/V all-gathered)" if lay.sequence > 1 else ""
@@ -105,7 +107,10 @@ def plan_text(plan: Plan) -> str:
     add("Time per step (the pacing stage)")
     add(f"  {'compute':40s}{_seconds(t.compute)}   (" + " + ".join(
         f"{k} {_seconds(v).strip()}" for k, v in t.parts.items()) + ")")
-    add(f"  {'pipeline bubble':40s}{_seconds(t.bubble)}")
+    others = ", ".join(f"{name} {_seconds(p['bubble']).strip()}" for name, p in plan.schedules.items()
+                       if name != lay.schedule)
+    add(f"  {'pipeline bubble':40s}{_seconds(t.bubble)}" + (f"   ({lay.schedule}; the best layout of each other "
+                                                            f"schedule: {others})" if others else ""))
     for k in sorted(t.comm_total):
         add(f"  {k + ' communication exposed':40s}{_seconds(t.exposed.get(k, 0.0))}   (of "
             f"{_seconds(t.comm_total[k]).strip()}; hidden {_seconds(t.hidden.get(k, 0.0)).strip()})")
@@ -140,6 +145,7 @@ def plan_dict(plan: Plan) -> dict:
         "options": dataclasses.asdict(plan.options),
         "layout": dataclasses.asdict(lay),
         "auto": plan.auto,
+        "schedules": plan.schedules,
         "run_overrides": run_overrides(plan)[0],
         "memory": {"params": m.params, "grads": m.grads, "optimizer": m.optimizer, "activations": m.activations,
                    "working": m.working, "total": m.total, "capacity": m.capacity, "fits": m.fits,
@@ -175,6 +181,14 @@ def search_text(result: SearchResult, top: int = 20, title: str = "") -> str:
         lines.append(f"  {'rank':>4s} {'MFU':>6s} {'step':>9s} {'memory':>9s}  layout")
         for i, c in enumerate(result.ranked[:top], 1):
             lines.append(f"  {i:4d} {c.mfu:6.1%} {c.step:8.3f}s {c.memory / GiB:7.1f}Gi  {c.describe()}")
+        best = {}  # the best-ranked layout of each pipeline schedule, with its rank
+        for i, c in enumerate(result.ranked, 1):
+            if c.sizes[0] > 1:
+                best.setdefault(c.schedule, (i, c))
+        if len(best) > 1:
+            lines += ["", "  best by pipeline schedule:"]
+            lines += [f"  {i:4d} {c.mfu:6.1%} {c.step:8.3f}s {c.memory / GiB:7.1f}Gi  {c.describe()}"
+                      for i, c in best.values()]
     else:
         lines.append("  nothing fits")
     lines += ["", "  rejected, by reason:"]

@@ -12,6 +12,14 @@ same PlanError message a single plan gives), or memory (bytes needed vs capacity
 rejected whole only if its smallest-memory variant (microbatch 1, plain 1F1B, ZeRO-2, the leanest remat) does
 not fit,
 and larger microbatches are not tried once a microbatch size fits under no policy (activations grow with it).
+
+Schedules. The space above is priced under the interleaved schedule (a closed-form bubble). The table schedules
+(1f1b, zb-h1, zb-v; `pipeline.schedule`) are priced by simulating their flush tick by tick
+(`msjax.parallel.zero_bubble.flush_seconds`), milliseconds each, too slow for every one of ~10^5 layouts: they
+are tried on the meshes and microbatch sizes of the best `TABLE_TOP` interleaved candidates with pipeline stages
+(every remat policy, the fastest ZeRO stage that fits) and ranked with them. A mesh on which only a table schedule
+fits is therefore not found (not exact, unlike the pruning above). With `pipeline.schedule` set on the command
+line the search keeps to that schedule.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from msjax.planner import memory as mem
 from msjax.planner import timing
 from msjax.planner.layout import (
     AXES, check_model_split, config_microbatch_size, fast_replace, legal_virtual_stages, make_layout, replica_batch,
-    resolve_vocab,
+    resolve_vocab, schedule_choices,
 )
 from msjax.planner.options import REMATS, PlanError, PlanOptions
 from msjax.planner.plan import Plan, evaluate, get_hardware
@@ -50,19 +58,21 @@ class Candidate:
     step: float
     memory: float
     reason: str
+    schedule: str = "interleaved"
 
     def describe(self) -> str:
         p, d, f, s, t = self.sizes
         if not self.virtual_stages:  # a mesh-level rejection: only the sizes are known
             return f"pp={p} dp={d} fsdp={f} sp={s} tp={t}" + (f" mb={self.microbatch_size}+"
                                                                  if self.microbatch_size else "")
-        return (f"pp={p}x{self.virtual_stages}v dp={d} fsdp={f} sp={s} tp={t} mb={self.microbatch_size} "
+        sched = f" {self.schedule}" if self.schedule != "interleaved" else ""
+        return (f"pp={p}x{self.virtual_stages}v{sched} dp={d} fsdp={f} sp={s} tp={t} mb={self.microbatch_size} "
                 f"zero={self.zero_stage} remat={self.remat}")
 
     def to_dict(self) -> dict:
         out = dict(zip(AXES, self.sizes))
         out.update(virtual_stages=self.virtual_stages, microbatch_size=self.microbatch_size,
-                   zero_stage=self.zero_stage, remat=self.remat)
+                   zero_stage=self.zero_stage, remat=self.remat, schedule=self.schedule)
         if self.reason:
             out["rejected"] = self.reason
         else:
@@ -129,17 +139,23 @@ def _divisors(n: int) -> list[int]:
 def plan_candidate(cfg: Config, opts: PlanOptions, c: Candidate) -> Plan:
     hw = get_hardware(opts)
     sizes = dict(zip(AXES, c.sizes))
-    layout = make_layout(cfg, opts, hw, sizes, c.virtual_stages, c.microbatch_size, c.zero_stage, c.remat)
+    layout = make_layout(cfg, opts, hw, sizes, c.virtual_stages, c.microbatch_size, c.zero_stage, c.remat,
+                         c.schedule)
     return evaluate(cfg, opts, hw, layout)
 
 
-def search(cfg: Config, opts: PlanOptions, workers: int = 0) -> SearchResult:
+# Interleaved candidates whose meshes and microbatch sizes the table schedules are tried on (module docstring).
+TABLE_TOP = 20
+
+
+def search(cfg: Config, opts: PlanOptions, workers: int = 0, schedule_fixed: bool = False) -> SearchResult:
     """Enumerates and ranks every legal layout (see module docstring).
 
     Args:
       cfg: the config (its mesh sizes and remat policy are what is searched, so they are ignored).
       opts: devices, hardware and any knobs fixed by the user.
       workers: processes to spread the meshes over (0: serial on <= 2 cores, else one per core, at most 8).
+      schedule_fixed: the user set `pipeline.schedule`: only that schedule is searched.
     Raises:
       PlanError: unknown hardware or vocabulary.
     """
@@ -166,9 +182,50 @@ def search(cfg: Config, opts: PlanOptions, workers: int = 0) -> SearchResult:
         result.meshes += part.meshes
         result.legal_meshes += part.legal_meshes
         result.evaluated += part.evaluated
-    result.ranked.sort(key=lambda c: (-c.mfu, c.sizes, c.virtual_stages, c.microbatch_size, c.remat))
+    schedules = schedule_choices(cfg, opts, 2, schedule_fixed)
+    if "interleaved" not in schedules:  # the user's table schedule alone, on the best interleaved meshes
+        top = [c for c in sorted(result.ranked, key=lambda c: -c.mfu) if c.sizes[0] > 1][:TABLE_TOP]
+        result.ranked = [c for c in result.ranked if c.sizes[0] == 1]
+    else:
+        top = [c for c in sorted(result.ranked, key=lambda c: -c.mfu) if c.sizes[0] > 1][:TABLE_TOP]
+    result.ranked += _table_variants(cfg, opts, top, [s for s in schedules if s != "interleaved"], result)
+    result.ranked.sort(key=lambda c: (-c.mfu, c.sizes, c.schedule, c.virtual_stages, c.microbatch_size, c.remat))
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _table_variants(cfg: Config, opts: PlanOptions, top: list[Candidate], schedules: list[str],
+                    result: SearchResult) -> list[Candidate]:
+    """The table schedules on the meshes and microbatch sizes of `top` (module docstring): every remat policy,
+    the fastest ZeRO stage that fits. Counts its evaluations into `result`; what does not fit is not listed."""
+    hw = get_hardware(opts)
+    vocab = resolve_vocab(cfg)
+    tokens = cfg.train.global_batch * cfg.train.seq_len
+    out, seen = [], set()
+    for c in top:
+        sizes = dict(zip(AXES, c.sizes))
+        stage = mem.stage_params(cfg, vocab, sizes)
+        for schedule in schedules:
+            if (c.sizes, c.microbatch_size, schedule) in seen:
+                continue
+            seen.add((c.sizes, c.microbatch_size, schedule))
+            v = {"zb-v": 2}.get(schedule, 1)
+            for remat in REMATS:
+                for z in _zero_order(opts, sizes["data"]):
+                    try:
+                        lay = make_layout(cfg, opts, hw, sizes, v, c.microbatch_size, z, remat, schedule)
+                    except PlanError:
+                        break
+                    rep = mem.memory_report(cfg, lay, stage, hw.memory_bytes, opts.memory_fraction)
+                    if not rep.fits:
+                        continue
+                    st = timing.step_time(cfg, lay, hw, opts, stage)
+                    result.evaluated += 1
+                    mfu = timing.model_flops_per_token(cfg, lay) * tokens / (st.step * opts.devices * hw.peak_flops)
+                    out.append(Candidate(c.sizes, v, c.microbatch_size, z, remat, mfu, st.step, rep.total, "",
+                                         schedule))
+                    break
+    return out
 
 
 def _zero_order(opts: PlanOptions, data: int) -> list[int]:

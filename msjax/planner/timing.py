@@ -47,6 +47,11 @@ Overlap (msjax design; every term is exposed in the megatron baseline):
              2025) slower, charged on the hidden time.
   Bubble     interleaved 1F1B idles (p - 1) / v microbatch-times per step (Narayanan et al. 2021 sec. 2.2.2); it
              cannot be hidden. The slowest stage sets the pace.
+  Tables     1f1b, zb-h1 and zb-v (`pipeline.schedule`) run one pass a tick from an action table, the backward
+             split into B (input gradient) and W (weight-gradient GEMMs, no collective; Qi et al. 2024): the flush
+             is simulated tick by tick with each pass's own time (`zero_bubble.flush_seconds`: a stage waits for
+             the neighbours it receives from, the output layer's ticks for every stage), so the price counts
+             what lock-stepped ticks cost when F, B and W differ, not the paper's equal-pass bubble.
   Optimizer  memory-bound over the (ZeRO-sharded) state, after the gradients are reduced; not overlapped.
   Links      every collective on the network (on NVLink / ICI) shares each device's NIC (ports): the step is at
              least the sum of their times on each kind of link, whatever overlaps (`link_bound` says when this
@@ -64,6 +69,7 @@ from msjax.hardware import Hardware
 from msjax.planner import comm as comm_mod
 from msjax.planner.layout import PlanLayout, zero2_over_fsdp
 from msjax.parallel.schedule import bubble_fraction, in_flight
+from msjax.parallel.zero_bubble import action_table, flush_seconds, tick_plan
 from msjax.planner.memory import DTYPE_BYTES, StageParams, ends_elements, in_flight_chunks
 from msjax.planner.options import (
     ATTENTION_EFFICIENCY, ATTENTION_EFFICIENCY_FA1, FLASH_BACKWARD_FACTOR, HBM_EFFICIENCY, OPTIMIZER_BYTES_PER_PARAM,
@@ -284,6 +290,22 @@ def step_time(cfg: Config, layout: PlanLayout, hw: Hardware, opts: PlanOptions, 
                  + call("SEQ reduce-scatter (dK, dV)")) if layout.sequence > 1 else 0.0
 
     per_layer = lt.fwd + lt.bwd + lt.recompute
+    table = p > 1 and layout.baseline == "msjax" and layout.schedule != "interleaved"
+    passes = (0.0, 0.0, 0.0)
+    if table:
+        # A table schedule runs each chunk's backward as two passes (`msjax.parallel.split_backward`): B, the input
+        # gradient (and the remat recompute), whose TP collectives hide under its one GEMM per linear, not two;
+        # and W, the weight-gradient GEMMs alone (no collective: its inputs were stashed as B left them).
+        w_gemm = sum(g.values())
+        bwd_tp = sum(max(0.0, c - gm / 2 * hide) for c, gm in pairs_bwd)
+        tp_f, tp_b = fwd_tp, bwd_tp + (fwd_tp if layout.remat == "full" else 0.0)
+        tp_layer = tp_f + tp_b
+        fsdp_f = max(0.0, f_ag - lt.fwd) if opts.overlap_fsdp else f_ag
+        seq_f = call("SEQ all-gather (K, V)") if layout.sequence > 1 else 0.0
+        lc = layers // v
+        passes = (lc * (lt.fwd + tp_f + fsdp_f + seq_f),
+                  lc * (lt.bwd - w_gemm + lt.recompute + tp_b + fsdp_layer - fsdp_f + seq_layer - seq_f),
+                  lc * w_gemm)
     # Compute of a microbatch on the pacing stage, by part: forward, backward, remat recompute and the output
     # layer (`parts`); with p = 1 one device has everything.
     if p > 1 and layout.baseline == "msjax":
@@ -318,8 +340,12 @@ def step_time(cfg: Config, layout: PlanLayout, hw: Hardware, opts: PlanOptions, 
         layer_part = max(sum(st) for st in stages)
     compute_mb, tp_mb, fsdp_mb, seq_mb = max(stages, key=sum)
     t_mb = layer_part + ends
-    # (P - 1) / (V M + P - 1) of the layers' time is bubble: the same function the train step prints at start-up.
-    pipeline_time = mb * layer_part / (1.0 - bubble_fraction(p, v, mb)) + mb * ends
+    if table:
+        # the table as the step runs it: its ticks, each stage's pass of each, coupled over the rings
+        pipeline_time = flush_seconds(tick_plan(layout.schedule, p, v, mb), passes, ends)
+    else:
+        # (P - 1) / (V M + P - 1) of the layers' time is bubble: the function the train step prints at start-up.
+        pipeline_time = mb * layer_part / (1.0 - bubble_fraction(p, v, mb)) + mb * ends
     bubble = pipeline_time - mb * t_mb
     exposed["TP"] = mb * tp_mb + (mb * (tp_out / p + tp_embed) if ends else 0.0)
     exposed["FSDP"] = mb * fsdp_mb
@@ -334,8 +360,12 @@ def step_time(cfg: Config, layout: PlanLayout, hw: Hardware, opts: PlanOptions, 
     # DP (+ tied-embedding sync).
     if opts.overlap_dp:
         units = v if p > 1 else layers
-        chunks_in_flight = in_flight(p, v, mb) if layout.baseline == "msjax" and p > 1 else \
-            in_flight_chunks(p, v, mb)
+        if table:
+            chunks_in_flight = action_table(layout.schedule, p, v, mb).in_flight(0)
+        elif layout.baseline == "msjax" and p > 1:
+            chunks_in_flight = in_flight(p, v, mb)
+        else:
+            chunks_in_flight = in_flight_chunks(p, v, mb)
         bwd_window = chunks_in_flight / v * layers * (lt.bwd + lt.recompute)
         fwd_window = chunks_in_flight / v * layers * lt.fwd
         red = dp_rs + emb
@@ -362,7 +392,9 @@ def step_time(cfg: Config, layout: PlanLayout, hw: Hardware, opts: PlanOptions, 
     if bound > step:
         link_bound = "network" if busy["inter"] >= busy["intra"] else "intra-node links"
         step = bound
-    if p > 1 and layout.baseline == "msjax":
+    if table:  # each pass once: no stage runs a masked pass
+        hw_flops = mb * layers * lt.hw_flops + mb * ot.hw_flops / p
+    elif p > 1 and layout.baseline == "msjax":
         # what the hardware executes: every stage's chunks in all V M + P - 1 busy ticks (the bubble's masked
         # runs included), 1/p of each microbatch's output layer
         hw_flops = mb * layers * lt.hw_flops * (v * mb + p - 1) / (v * mb) + mb * ot.hw_flops / p

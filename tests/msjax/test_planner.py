@@ -573,12 +573,13 @@ def test_presets_fit_the_layouts_their_docstrings_name(preset, flags, capsys):
 
 
 def test_a_presets_remat_that_does_not_fit_is_raised_to_the_cheapest_that_does(capsys):
-    """MegaScale's 530B layout: the preset's remat (none) needs 79.4 GiB of the 76 usable; the planner takes
-    dots, the first policy in REMATS that fits, and says so. A policy the user sets is kept, and refused."""
+    """MegaScale's 530B layout under the interleaved schedule: the preset's remat (none) needs 79.4 GiB of the 76
+    usable; the planner takes dots, the first policy in REMATS that fits, and says so. A policy the user sets is
+    kept, and refused."""
     from msjax.planner.cli import EXIT_DOES_NOT_FIT, main
 
     flags = ["--config=gpt530b", "--devices=2240", "--hardware=a100-80g", "--global_batch=2240",
-             "--mesh.tensor=8", "--mesh.pipeline=35"]
+             "--mesh.tensor=8", "--mesh.pipeline=35", "--pipeline.schedule=interleaved"]
     assert load_preset("gpt530b").model.remat == "none"
     assert main(flags) == 0
     out = capsys.readouterr().out
@@ -772,3 +773,120 @@ def test_plan_prints_a_schedule_grid_with_its_bubble(tmp_path, capsys):
     assert "--schedule=zb-h2: allowed are 1f1b, interleaved, zb-h1, zb-v" in capsys.readouterr().err
     assert main(["--config=gpt_tiny", "--devices=8", "--schedule=zb-h1"]) == 2
     assert "the plan has no pipeline stages" in capsys.readouterr().err
+
+
+# Pipeline schedules: the planner prices each table as the step runs it and picks the fastest that fits.
+
+@pytest.mark.parametrize("over", [{}, {"model.block": "parallel"}, _LLAMA, {**_LLAMA, "model.dtype": "bfloat16"}],
+                         ids=["gpt", "parallel", "llama", "llama-bf16"])
+def test_w_slot_bytes_are_the_steps_tap_pairs(over):
+    """The planner's W slot (`memory.w_pair_layer_bytes` x layers per chunk) is, to the byte, what a table
+    schedule's step keeps for a deferred weight-gradient pass (`TablePipelinedGrads.w_entry`: each weight
+    matmul's (x, dy), an input shared with an earlier matmul kept once): GPT and parallel blocks (whose MLP
+    reads attention's input), Llama (grouped-query K and V, SwiGLU's gate and up), float32 and bfloat16."""
+    import jax
+
+    from msjax.config import Config
+    from msjax.mesh import make_mesh
+    from msjax.planner.preflight import cpu_hardware
+    from msjax.train_step import build_train_program
+
+    base = {"model.d_model": 48, "model.num_heads": 4, "model.d_ff": 80, "model.max_seq_len": 16,
+            "train.seq_len": 16, "train.global_batch": 6, "mesh.data": 1, "model.vocab_size": 100,
+            "mesh.pipeline": 2, "model.num_layers": 4, "pipeline.schedule": "zb-h1", **over}
+    cfg = apply_overrides(Config(), base).validate()
+    program = build_train_program(cfg, make_mesh(cfg.mesh, jax.devices()[:2]))
+    kept = sum(a.size * a.dtype.itemsize for a in program.pipeline.w_entry(3))
+    lay = make_layout(cfg, PlanOptions(devices=2), cpu_hardware(1e12), {**cfg.mesh.axis_sizes(), "data": 1}, 1, 3,
+                      0, "none", "zb-h1")
+    assert 2 * mem.w_pair_layer_bytes(cfg, lay) == kept
+
+
+@pytest.mark.parametrize("name, p, v, m", [("zb-h1", 4, 1, 8), ("zb-h1", 3, 1, 5), ("zb-v", 4, 2, 8),
+                                           ("zb-v", 2, 2, 6), ("1f1b", 4, 1, 8)])
+def test_flush_seconds_counts_a_tables_ticks_and_its_slowest_passes(name, p, v, m):
+    """`zero_bubble.flush_seconds`, the planner's price of a table: never less than a stage's own passes, never
+    more than every tick at the slowest pass; with equal passes the zero-bubble tables take exactly their ticks
+    (some ring or the loss is in use every tick); and a longer B costs more than its own extra seconds, which a
+    closed-form bubble would not show."""
+    from msjax.parallel.zero_bubble import action_table, flush_seconds, tick_plan
+
+    plan, table = tick_plan(name, p, v, m), action_table(name, p, v, m)
+    assert v * m * 3 <= flush_seconds(plan, (1.0, 1.0, 1.0)) <= table.ticks
+    if name.startswith("zb"):
+        assert flush_seconds(plan, (1.0, 1.0, 1.0)) == table.ticks
+    f, b, w = 1.0, 1.5, 0.75
+    slow = flush_seconds(plan, (f, b, w), 0.25)
+    assert v * m * (f + b + w) + m * 0.25 <= slow <= table.ticks * b + m * 0.25
+    assert slow - flush_seconds(plan, (f, 1.0, w), 0.25) > v * m * 0.5  # each stage's own B grew by V M x 0.5
+
+
+def test_flush_seconds_of_a_two_stage_1f1b_by_hand():
+    """P = 2, M = 1, 1f1b, F 3 s, B 1 s, W 1 s, output layer 0.5 s. Stage 0's F ends at 3, the ring waits for it
+    (stage 1 starts F at 3), stage 1's F ends at 6 and the output layer's tick at 6.5 on both; stage 1's B ends at
+    7.5 (its ring waits stage 0 too), its W at 8.5; stage 0, idle in tick 3, runs B in tick 4 from 7.5 to 8.5 and W
+    to 9.5. Without the ring's wait stage 1's F would start at 0 and the flush end at 6.5."""
+    from msjax.parallel.zero_bubble import flush_seconds, tick_plan
+
+    assert flush_seconds(tick_plan("1f1b", 2, 1, 1), (3.0, 1.0, 1.0), 0.5) == 9.5
+
+
+def test_the_planner_prices_every_schedule_and_picks_the_fastest_that_fits(capsys):
+    """With no --pipeline.schedule the planner prices each schedule's best layout, each under the remat rule (the
+    config's policy, else the cheapest that fits), and takes the fastest that fits, saying why. On the flagship
+    and on MegaScale's 530B layout that is the interleaved step (V = 12 and 3: its bubble is already small, and a
+    table with V <= 2 pays for lock-stepped ticks of unequal F, B and W), though at 530B zb-h1's 1F1B stash fits
+    without recomputation where the interleaved step needs dots. A schedule on the command line is kept."""
+    from msjax.planner.cli import main
+
+    cfg, opts, _ = parse_plan_args(["--config=gpt175b", "--devices=12288", "--hardware=a100-80g"])
+    plan = make_plan(cfg, opts)
+    assert plan.layout.schedule == "interleaved" and list(plan.schedules)[0] == "interleaved"
+    assert set(plan.schedules) == {"interleaved", "1f1b", "zb-h1", "zb-v"}
+    steps = [s["step"] for s in plan.schedules.values()]
+    assert steps == sorted(steps) and plan.schedules["zb-v"]["virtual_stages"] == 2
+    assert plan.auto["schedule"].startswith("interleaved (fastest that fits; best step by schedule: interleaved")
+    assert "(interleaved; the best layout of each other schedule: zb-v" in plan_text(plan)
+    flags = ["--config=gpt530b", "--devices=2240", "--hardware=a100-80g", "--global_batch=2240",
+             "--mesh.tensor=8", "--mesh.pipeline=35"]
+    assert main(flags) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "auto       schedule" in x)
+    assert line.startswith("  auto       schedule = interleaved (fastest that fits; best step by schedule: "
+                           "interleaved") and "remat dots; zb-h1" in line and "1f1b" in line, line
+    assert "auto       remat = dots" in out and "--pipeline.schedule=interleaved" in out
+    assert main([*flags, "--pipeline.schedule=zb-h1"]) == 0
+    out = capsys.readouterr().out
+    assert "auto       schedule" not in out and "zb-h1, run from its action table" in out and "remat none" in out
+    assert "W: 36 slots x 3 layers" in out  # the table's own stash and W slots (P + 1 each on stage 0)
+
+
+def test_a_table_schedule_is_priced_without_masked_passes():
+    """The table step runs each pass once (no stage computes on stale data), so its hardware FLOPs are the model's
+    own passes, where the interleaved step's include its bubble's masked passes; and its bubble is what its
+    simulated flush adds to the passes."""
+    cfg = apply_overrides(load_preset("gpt175b"), {"mesh.pipeline": 8, "mesh.tensor": 8, "mesh.data": 1})
+    hw = get_hardware(PlanOptions(devices=64))
+    sizes = {"pipeline": 8, "data": 1, "fsdp": 1, "sequence": 1, "tensor": 8}
+    table = evaluate(cfg, PlanOptions(devices=64), hw, make_layout(cfg, PlanOptions(devices=64), hw, sizes, 1, 1, 0,
+                                                                    "dots_no_batch", "zb-h1"))
+    inter = evaluate(cfg, PlanOptions(devices=64), hw, make_layout(cfg, PlanOptions(devices=64), hw, sizes, 1, 1, 0,
+                                                                    "dots_no_batch"))
+    m, p = table.layout.microbatches, 8
+    assert inter.time.hw_flops_per_step == pytest.approx(table.time.hw_flops_per_step * (m + p - 1) / m, rel=0.01)
+    assert table.time.bubble > 0 and table.time.compute == pytest.approx(inter.time.compute, rel=1e-12)
+
+
+def test_search_ranks_the_table_schedules_beside_the_interleaved_layouts(capsys):
+    from msjax.planner.cli import main
+
+    flags = ["--config=gpt530b", "--devices=2240", "--hardware=a100-80g", "--global_batch=2240", "--search",
+             "--top=3"]
+    assert main(flags) == 0
+    out = capsys.readouterr().out
+    best = out.split("best by pipeline schedule:")[1].split("rejected")[0]
+    assert " zb-h1 " in best and " 1f1b " in best
+    found = search(load_preset("gpt530b"), PlanOptions(devices=2240, hardware="a100-80g"))
+    kinds = {c.schedule for c in found.ranked}
+    assert {"interleaved", "zb-h1", "1f1b"} <= kinds
+    assert [c.mfu for c in found.ranked] == sorted((c.mfu for c in found.ranked), reverse=True)

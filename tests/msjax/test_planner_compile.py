@@ -59,7 +59,19 @@ MEMORY_CASES = [(p, o, n) for p, o, n in CASES if n <= 8] + [
     ("llama_tiny", {"mesh.tensor": 2, "mesh.fsdp": 4, "model.vocab_size": 4096}, 8),
     ("llama_tiny", {"mesh.pipeline": 2, "mesh.tensor": 2, "mesh.fsdp": 2, "mesh.data": 1,
                     "model.vocab_size": 4096}, 8),
-] + PIPELINE_FIT_CASES
+] + PIPELINE_FIT_CASES + [
+    # the table schedules (msjax.parallel.zero_bubble: their own stash slots, W slots and inbox), on layouts no
+    # constant was fitted on
+    (None, {**_A, "mesh.pipeline": 2, "pipeline.schedule": "zb-h1"}, 2),
+    (None, {**_B, "mesh.pipeline": 4, "pipeline.schedule": "1f1b"}, 4),
+    (None, {**_B, "mesh.pipeline": 2, "pipeline.virtual_stages": 2, "pipeline.schedule": "zb-v"}, 2),
+    (None, {**_A, "mesh.pipeline": 2, "mesh.data": 2, "mesh.tensor": 2, "pipeline.schedule": "zb-h1"}, 8),
+    (None, {**_B, "mesh.pipeline": 2, "mesh.fsdp": 2, "mesh.tensor": 2, "pipeline.schedule": "zb-h1"}, 8),
+    (None, {**_A, "mesh.pipeline": 2, "model.dtype": "bfloat16", "model.d_model": 128, "model.num_layers": 4,
+            "pipeline.virtual_stages": 2, "pipeline.schedule": "zb-v"}, 2),
+    ("gpt_tiny", {"mesh.pipeline": 2, "mesh.data": 1, "model.remat": "full", "train.global_batch": 8,
+                  "model.vocab_size": 4096, "pipeline.schedule": "zb-h1"}, 2),
+]
 
 
 def _id(preset, overrides):
@@ -84,7 +96,8 @@ def _check(preset, overrides, devices):
     key = (preset, tuple(sorted(overrides.items())))
     if key not in _CHECKS:
         cfg = apply_overrides(load_preset(preset) if preset else Config(), overrides)
-        sizes = make_plan(cfg, PlanOptions(devices=devices, hardware="a100-80g")).layout.axis_sizes()
+        sizes = make_plan(cfg, PlanOptions(devices=devices, hardware="a100-80g"),
+                          schedule_fixed=True).layout.axis_sizes()
         _CHECKS[key] = compile_check(cfg, sizes, live=(preset, overrides) == CASES[0][:2])
     return _CHECKS[key]
 
