@@ -324,13 +324,19 @@ class PipelinedGrads:
         """What one stash slot holds for one chunk and a microbatch of `microbatch` sequences: the residuals of
         the chunk's vjp that are not its parameters (shapes global over the axes inside a stage). The stash is
         `Schedule.slots` + 1 of these per stage."""
+        chunk, x = self.abstract_chunk(microbatch)
+        with use_rules(self.mesh, self.rules):
+            return self._residuals(chunk, x).stash
+
+    def abstract_chunk(self, microbatch: int) -> tuple[Any, jax.ShapeDtypeStruct]:
+        """(one chunk's parameters, leaves (Lc, ...); a stage input of `microbatch` sequences (b, T, D)) as
+        shapes, global over the axes inside a stage."""
         m = self.model_cfg
         _, abs_params, _ = abstract_model(m)
         with use_rules(self.mesh, self.rules):
             staged = jax.eval_shape(self.stage, abs_params)
-            chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), staged)
-            x = jax.ShapeDtypeStruct((microbatch, self.cfg.train.seq_len, m.d_model), jnp.dtype(m.dtype))
-            return self._residuals(chunk, x).stash
+        chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[2:], a.dtype), staged)
+        return chunk, jax.ShapeDtypeStruct((microbatch, self.cfg.train.seq_len, m.d_model), jnp.dtype(m.dtype))
 
     # -- the schedule ------------------------------------------------------------------------------------------
 

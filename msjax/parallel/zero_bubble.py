@@ -40,7 +40,6 @@ import numpy as np
 from flax import nnx
 
 from msjax.parallel import split_backward as sb
-from msjax.model import abstract_model
 from msjax.parallel.pipeline import ACT, AXIS, PipelinedGrads
 from msjax.parallel.schedules import Action, ActionTable, placement
 from msjax.sharding import constrain, use_rules
@@ -249,12 +248,9 @@ class TablePipelinedGrads(PipelinedGrads):
         (x, dy) for each of the chunk's layers (`split_backward.Site.tap`; a matmul reading an earlier one's x
         keeps an empty x), shapes global over the axes inside a stage. The W buffer is `TickPlan.w_slots` + 1
         of these per stage, beside the stash (`stash_entry`)."""
-        m = self.model_cfg
-        _, abs_params, _ = abstract_model(m)
+        chunk, x = self.abstract_chunk(microbatch)
+        layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), chunk)
         with use_rules(self.mesh, self.rules):
-            staged = jax.eval_shape(self.stage, abs_params)
-            layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[3:], a.dtype), staged)
-            x = jax.ShapeDtypeStruct((microbatch, self.cfg.train.seq_len, m.d_model), jnp.dtype(m.dtype))
             sites = sb.record_sites(lambda s, x_: nnx.merge(self.block_gd, s)(x_), layer, x)
         return tuple(jax.ShapeDtypeStruct((self.chunk_layers, *a.shape), a.dtype) for site in sites
                      for a in site.tap)
