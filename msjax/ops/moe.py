@@ -1,0 +1,131 @@
+"""Mixture-of-experts feed-forward math: the router, dropless expert computation and the router's two losses.
+
+Legend: T tokens (a flattened batch x sequence), D model width, F expert MLP width, E experts, k experts per token,
+N = T k token-expert assignments.
+
+Routing (`route`). The router's logits are computed and kept in float32 whatever the model's dtype (small
+differences in them change which expert a token goes to). `softmax_topk` (Mixtral, Qwen2-MoE, Qwen3-MoE in
+`transformers`): probabilities over all E experts, the k largest taken, optionally renormalised to sum to 1
+(Mixtral and Qwen3-MoE do, Qwen2-MoE's `norm_topk_prob` defaults to not). `topk_softmax`: the k largest logits,
+softmax over those k (Shazeer et al. 2017's noisy top-k gating without the noise). In exact arithmetic
+`topk_softmax` equals `softmax_topk` with renormalisation; both are kept because a checkpoint's numerics follow
+the order its framework used.
+
+Dropless experts (`expert_ffn`). The N assignments are sorted by expert (a stable sort: within an expert, tokens
+keep their order) and each expert's rows run through its weights as one grouped matmul, `jax.lax.ragged_dot`
+(MegaBlocks, Gale et al. 2023: no token is dropped and nothing is padded to a capacity). The outputs go back to
+their tokens weighted by the router. With a capacity C = ceil(capacity_factor N / E), an expert keeps its first C
+assignments (token order) and the rest are dropped: their output is zero, so the token passes through the block's
+residual alone for that expert (GShard, Lepikhin et al. 2020), and the dropped fraction is returned as a metric.
+
+Losses. `load_balancing_loss`: Switch Transformer's auxiliary loss (Fedus et al. 2022, eq. 4) for top-k as
+`transformers`' Mixtral computes it, E sum_e f_e P_e, with f_e the fraction of tokens whose top-k includes e and
+P_e the mean router probability of e; k when routing is perfectly uniform, larger when it is not.
+`router_z_loss`: ST-MoE's (Zoph et al. 2022, eq. 5), the mean over tokens of logsumexp(logits)^2, which keeps the
+logits small.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+ROUTERS = ("softmax_topk", "topk_softmax")
+
+
+def route(logits_te: jax.Array, k: int, router: str = "softmax_topk", normalize: bool = True
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each token's k experts and their weights (module docstring).
+
+    Args:
+      logits_te: (T, E) router logits, any float dtype (computed in float32).
+      k: experts per token, 1 <= k <= E.
+      router: "softmax_topk" or "topk_softmax".
+      normalize: with softmax_topk, renormalise the k probabilities to sum to 1 (topk_softmax always sums to 1).
+    Returns:
+      (weights_tk float32, experts_tk int32 in [0, E), probs_te float32: the softmax over all E experts, which the
+      load-balancing loss reads). Experts of a token are in descending weight order.
+    Raises:
+      ValueError: k outside [1, E] or an unknown router.
+    """
+    e = logits_te.shape[-1]
+    if not 1 <= k <= e:
+        raise ValueError(f"experts per token k={k}: allowed is 1 <= k <= {e} (the number of experts)")
+    if router not in ROUTERS:
+        raise ValueError(f"router {router!r}: allowed are {', '.join(ROUTERS)}")
+    logits_te = logits_te.astype(jnp.float32)
+    probs_te = jax.nn.softmax(logits_te, axis=-1)
+    if router == "softmax_topk":
+        weights_tk, experts_tk = jax.lax.top_k(probs_te, k)
+        if normalize:
+            weights_tk = weights_tk / jnp.sum(weights_tk, axis=-1, keepdims=True)
+    else:
+        top_tk, experts_tk = jax.lax.top_k(logits_te, k)
+        weights_tk = jax.nn.softmax(top_tk, axis=-1)
+    return weights_tk, experts_tk.astype(jnp.int32), probs_te
+
+
+def load_balancing_loss(probs_te: jax.Array, experts_tk: jax.Array) -> jax.Array:
+    """E sum_e f_e P_e (module docstring): f_e the fraction of the T tokens with e among their k experts, P_e the
+    mean of probs_te[:, e]. float32 scalar; k under uniform routing.
+
+    Args:
+      probs_te: (T, E) float32 router probabilities (`route`). experts_tk: (T, k) int32.
+    """
+    t, e = probs_te.shape
+    chosen_te = jnp.zeros((t, e), jnp.float32).at[jnp.arange(t)[:, None], experts_tk].add(1.0)
+    return e * jnp.sum(jnp.mean(chosen_te, axis=0) * jnp.mean(probs_te.astype(jnp.float32), axis=0))
+
+
+def router_z_loss(logits_te: jax.Array) -> jax.Array:
+    """mean_t logsumexp(logits_t)^2 (ST-MoE eq. 5), float32 scalar. logits_te: (T, E)."""
+    return jnp.mean(jnp.square(jax.nn.logsumexp(logits_te.astype(jnp.float32), axis=-1)))
+
+
+def capacity(tokens: int, k: int, experts: int, capacity_factor: float) -> int | None:
+    """Assignments an expert keeps: ceil(capacity_factor T k / E); None (dropless) for a factor of 0.
+    Raises ValueError on a negative factor."""
+    if capacity_factor < 0:
+        raise ValueError(f"capacity factor {capacity_factor}: allowed is >= 0 (0: dropless)")
+    return None if capacity_factor == 0 else math.ceil(capacity_factor * tokens * k / experts)
+
+
+def expert_ffn(x_td: jax.Array, weights_tk: jax.Array, experts_tk: jax.Array, column_weights: Sequence[jax.Array],
+               w_out_efd: jax.Array, activate: Callable[..., jax.Array], keep: int | None = None
+               ) -> tuple[jax.Array, jax.Array]:
+    """sum over a token's k experts of weight x expert_e(x), each expert an MLP, by grouped matmuls (module
+    docstring).
+
+    Args:
+      x_td: (T, D) tokens in the compute dtype.
+      weights_tk: (T, k) float32 router weights; experts_tk: (T, k) int32 experts (`route`).
+      column_weights: the experts' input-side matrices, each (E, D, F) ([gate, up] for SwiGLU, [in] for GeLU).
+      w_out_efd: (E, F, D) the experts' output matrices.
+      activate: (N, F) products of `column_weights`, in order -> (N, F) hidden state (the MLP's activation).
+      keep: assignments each expert keeps (`capacity`); None: all (dropless).
+    Returns:
+      ((T, D) output in x's dtype, float32 fraction of the T k assignments dropped (0 when dropless)).
+    """
+    t, k = experts_tk.shape
+    e = w_out_efd.shape[0]
+    flat_n = experts_tk.reshape(-1)
+    order_n = jnp.argsort(flat_n, stable=True)  # assignments grouped by expert, tokens in order within each
+    token_n = order_n // k
+    sizes_e = jnp.bincount(flat_n, length=e).astype(jnp.int32)
+    x_nd = x_td[token_n]
+    h_nf = activate(*(jax.lax.ragged_dot(x_nd, w, sizes_e) for w in column_weights))
+    y_nd = jax.lax.ragged_dot(h_nf.astype(x_td.dtype), w_out_efd, sizes_e)
+    gate_n = weights_tk.reshape(-1)[order_n]
+    dropped = jnp.float32(0.0)
+    if keep is not None:
+        starts_e = jnp.cumsum(sizes_e) - sizes_e
+        rank_n = jnp.arange(t * k) - starts_e[flat_n[order_n]]  # position of the assignment within its expert
+        kept_n = rank_n < keep
+        gate_n = jnp.where(kept_n, gate_n, 0.0)
+        dropped = 1.0 - jnp.mean(kept_n.astype(jnp.float32))
+    y_nd = y_nd.astype(jnp.float32) * gate_n[:, None]
+    y_td = jnp.zeros((t, x_td.shape[-1]), jnp.float32).at[token_n].add(y_nd)
+    return y_td.astype(x_td.dtype), dropped

@@ -1,0 +1,173 @@
+"""msjax.ops.moe against NumPy references (float64) on random data with uneven routing: the router, the dropless
+grouped-matmul experts and their gradients, capacity dropping, the load-balancing and z losses."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from msjax.ops import moe
+
+T, D, F, E = 48, 16, 24, 8
+
+
+def _skewed_logits(key, t=T, e=E):
+    """Random router logits with a per-expert bias, so some experts get many more tokens than others (and some
+    may get none)."""
+    k1, k2 = jax.random.split(key)
+    return jax.random.normal(k1, (t, e)) + 2.0 * jax.random.normal(k2, (e,))
+
+
+def _np_softmax(x):
+    x = x - x.max(axis=-1, keepdims=True)
+    p = np.exp(x)
+    return p / p.sum(axis=-1, keepdims=True)
+
+
+def _np_route(logits, k, router, normalize):
+    logits = np.asarray(logits, np.float64)
+    probs = _np_softmax(logits)
+    top = np.argsort(-(probs if router == "softmax_topk" else logits), axis=-1, kind="stable")[:, :k]
+    if router == "softmax_topk":
+        w = np.take_along_axis(probs, top, axis=-1)
+        if normalize:
+            w = w / w.sum(axis=-1, keepdims=True)
+    else:
+        w = _np_softmax(np.take_along_axis(logits, top, axis=-1))
+    return w, top, probs
+
+
+@pytest.mark.parametrize("router, normalize, k", [("softmax_topk", True, 2), ("softmax_topk", False, 2),
+                                                  ("topk_softmax", True, 2), ("softmax_topk", True, 1),
+                                                  ("topk_softmax", True, E)])
+def test_route_matches_numpy(router, normalize, k):
+    logits = _skewed_logits(jax.random.key(0))
+    w, ex, probs = moe.route(logits.astype(jnp.bfloat16) if k == 1 else logits, k, router, normalize)
+    ref_logits = logits.astype(jnp.bfloat16).astype(jnp.float32) if k == 1 else logits
+    rw, rex, rprobs = _np_route(ref_logits, k, router, normalize)
+    assert w.dtype == probs.dtype == jnp.float32 and ex.dtype == jnp.int32  # float32 router, whatever came in
+    np.testing.assert_array_equal(np.asarray(ex), rex)
+    np.testing.assert_allclose(np.asarray(w), rw, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(probs), rprobs, atol=1e-6)
+
+
+def test_topk_softmax_is_normalised_softmax_topk():
+    logits = _skewed_logits(jax.random.key(1))
+    a, ea, _ = moe.route(logits, 2, "softmax_topk", True)
+    b, eb, _ = moe.route(logits, 2, "topk_softmax")
+    np.testing.assert_array_equal(np.asarray(ea), np.asarray(eb))
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_router_losses_match_numpy():
+    logits = _skewed_logits(jax.random.key(2))
+    _, ex, probs = moe.route(logits, 2)
+    p, top = np.asarray(probs, np.float64), np.asarray(ex)
+    chosen = np.zeros((T, E))
+    for t in range(T):
+        chosen[t, top[t]] = 1.0
+    ref = E * np.sum(chosen.mean(axis=0) * p.mean(axis=0))
+    assert float(moe.load_balancing_loss(probs, ex)) == pytest.approx(ref, rel=1e-6)
+    lse = np.log(np.exp(np.asarray(logits, np.float64)).sum(axis=-1))
+    assert float(moe.router_z_loss(logits)) == pytest.approx(np.mean(lse ** 2), rel=1e-6)
+    # uniform routing: every expert chosen by the same number of tokens, equal probabilities -> the loss is k
+    k = 3
+    uniform = jnp.asarray([[(t + j) % E for j in range(k)] for t in range(E)], jnp.int32)
+    assert float(moe.load_balancing_loss(jnp.full((E, E), 1.0 / E), uniform)) == pytest.approx(k, rel=1e-6)
+    # skewed routing costs more than uniform
+    assert float(moe.load_balancing_loss(probs, ex)) > 2.0
+
+
+def _weights(key, swiglu):
+    ks = jax.random.split(key, 4)
+    cols = [jax.random.normal(ks[i], (E, D, F)) / math.sqrt(D) for i in range(2 if swiglu else 1)]
+    return cols, jax.random.normal(ks[3], (E, F, D)) / math.sqrt(F)
+
+
+def _activate(swiglu):
+    return (lambda g, u: jax.nn.silu(g) * u) if swiglu else (lambda h: jax.nn.gelu(h))
+
+
+def _np_act(swiglu, hs):
+    def gelu(h):
+        return 0.5 * h * (1 + np.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))
+    return hs[0] / (1 + np.exp(-hs[0])) * hs[1] if swiglu else gelu(hs[0])
+
+
+def _np_experts(x, w, ex, cols, w_out, swiglu, keep=None):
+    """Token by token, expert by expert; with `keep`, each expert serves its first `keep` assignments in token
+    order (then the token's lower-ranked choices of the same step come after earlier tokens' choices)."""
+    x, w, ex = np.asarray(x, np.float64), np.asarray(w, np.float64), np.asarray(ex)
+    cols = [np.asarray(c, np.float64) for c in cols]
+    w_out = np.asarray(w_out, np.float64)
+    served = np.zeros(E, int)
+    y = np.zeros((x.shape[0], D))
+    dropped = 0
+    for t in range(x.shape[0]):
+        for j in range(ex.shape[1]):
+            e = ex[t, j]
+            served[e] += 1
+            if keep is not None and served[e] > keep:
+                dropped += 1
+                continue
+            h = _np_act(swiglu, [x[t] @ c[e] for c in cols])
+            y[t] += w[t, j] * (h @ w_out[e])
+    return y, dropped / ex.size
+
+
+@pytest.mark.parametrize("swiglu", [False, True], ids=["gelu", "swiglu"])
+def test_dropless_experts_match_numpy_and_their_gradients_match_a_dense_reference(swiglu):
+    key = jax.random.key(3)
+    x = jax.random.normal(key, (T, D))
+    logits = _skewed_logits(jax.random.key(4))
+    w, ex, _ = moe.route(logits, 2)
+    sizes = np.bincount(np.asarray(ex).ravel(), minlength=E)
+    assert sizes.max() >= 3 * sizes.mean() or (sizes == 0).any(), sizes  # the routing is uneven
+    cols, w_out = _weights(jax.random.key(5), swiglu)
+    y, dropped = moe.expert_ffn(x, w, ex, cols, w_out, _activate(swiglu))
+    ref, _ = _np_experts(x, w, ex, cols, w_out, swiglu)
+    np.testing.assert_allclose(np.asarray(y), ref, atol=1e-5, rtol=1e-5)
+    assert float(dropped) == 0.0
+
+    def dense(x, w, cols, w_out):  # every expert on every token, combined by the router's weights
+        hs = [jnp.einsum("td,edf->tef", x, c) for c in cols]
+        y_ted = jnp.einsum("tef,efd->ted", _activate(swiglu)(*hs), w_out)
+        combine = jnp.zeros((T, E)).at[jnp.arange(T)[:, None], ex].add(w)
+        return jnp.einsum("te,ted->td", combine, y_ted)
+
+    probe = jax.random.normal(jax.random.key(6), (T, D))
+
+    def loss(f):
+        return lambda x, w, cols, w_out: jnp.sum(probe * f(x, w, cols, w_out))
+
+    got = jax.grad(loss(lambda *a: moe.expert_ffn(a[0], a[1], ex, a[2], a[3], _activate(swiglu))[0]),
+                   argnums=(0, 1, 2, 3))(x, w, cols, w_out)
+    want = jax.grad(loss(dense), argnums=(0, 1, 2, 3))(x, w, cols, w_out)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 1.25])
+def test_capacity_drops_an_experts_assignments_past_its_capacity(factor):
+    x = jax.random.normal(jax.random.key(7), (T, D))
+    w, ex, _ = moe.route(_skewed_logits(jax.random.key(8)), 2)
+    cols, w_out = _weights(jax.random.key(9), False)
+    keep = moe.capacity(T, 2, E, factor)
+    assert keep == math.ceil(factor * T * 2 / E)
+    y, dropped = moe.expert_ffn(x, w, ex, cols, w_out, _activate(False), keep)
+    ref, ref_dropped = _np_experts(x, w, ex, cols, w_out, False, keep)
+    np.testing.assert_allclose(np.asarray(y), ref, atol=1e-5, rtol=1e-5)
+    assert float(dropped) == pytest.approx(ref_dropped, abs=1e-7) and ref_dropped > 0
+
+
+def test_bad_router_settings_name_what_is_allowed():
+    logits = _skewed_logits(jax.random.key(10))
+    with pytest.raises(ValueError, match=r"k=9: allowed is 1 <= k <= 8"):
+        moe.route(logits, 9)
+    with pytest.raises(ValueError, match=r"router 'sigmoid': allowed are softmax_topk, topk_softmax"):
+        moe.route(logits, 2, "sigmoid")
+    with pytest.raises(ValueError, match=r"capacity factor -1.0: allowed is >= 0"):
+        moe.capacity(T, 2, E, -1.0)
+    assert moe.capacity(T, 2, E, 0.0) is None
