@@ -131,6 +131,46 @@ class AttentionConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts feed-forward in place of the MLP (`msjax.ops.moe`, `msjax.model.MoE`).
+
+    Attributes:
+      num_experts: experts E per MoE layer; 0 keeps the dense MLP.
+      experts_per_token: k, the experts each token is routed to (1 <= k <= E; Mixtral and Qwen3-MoE: 2 and 8).
+      expert_ff: each expert's MLP width; 0 takes model.d_ff. Experts use model.mlp (gelu or swiglu).
+      shared_experts: experts every token goes through besides its k (Qwen2-MoE: one, DeepSeek-MoE: several),
+        as one MLP of shared_experts x expert_ff; 0 for none.
+      shared_gate: the shared experts' output is scaled by sigmoid(x . w) per token (Qwen2-MoE).
+      every: layer i is an MoE layer when (i + 1) % every == 0 (Qwen2-MoE's decoder_sparse_step); above 1 only
+        with model.scan_layers=false (stacked layers share one structure).
+      router: softmax_topk (softmax over all experts, then the k largest: Mixtral, Qwen) or topk_softmax (the k
+        largest logits, softmax over them).
+      normalize_topk: with softmax_topk, the k weights renormalised to sum to 1 (Mixtral, Qwen3-MoE: true;
+        Qwen2-MoE: false).
+      capacity_factor: 0 is dropless (every assignment computed); above 0 each expert keeps its first
+        ceil(factor x tokens x k / E) assignments and the rest pass through the residual (a logged fraction).
+      aux_loss_coef: weight of the load-balancing loss in the training loss (Switch Transformer: 0.01).
+      z_loss_coef: weight of the router z-loss (ST-MoE: 0.001).
+    """
+
+    num_experts: int = 0
+    experts_per_token: int = 2
+    expert_ff: int = 0
+    shared_experts: int = 0
+    shared_gate: bool = False
+    every: int = 1
+    router: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
+    normalize_topk: bool = True
+    capacity_factor: float = 0.0
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer` (0-based) has the mixture of experts."""
+        return self.num_experts > 0 and (layer + 1) % self.every == 0
+
+
+@dataclass(frozen=True)
 class RopeScalingConfig:
     """RoPE frequency scaling, which stretches a model's trained context (`msjax.ops.rope.inverse_frequencies`).
 
@@ -222,6 +262,7 @@ class ModelConfig:
         (bfloat16 where the backend's bf16 matmuls are faster: GPU, TPU, a CPU whose AMX-BF16 this process may
         use; `dtype` elsewhere). See `msjax.ops.matmul`.
       attention: attention settings (model.attention.*).
+      moe: a mixture of experts in place of the MLP (model.moe.*; num_experts 0: dense).
     """
 
     vocab_size: int = 0
@@ -252,6 +293,7 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     matmul_dtype: Literal["activations", "bfloat16", "auto"] = "activations"
     attention: AttentionConfig = field(default_factory=AttentionConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     @property
     def kv_heads(self) -> int:
@@ -763,6 +805,38 @@ class Config:
                                   "mesh.tp_overlap other than collective_matmul, a rule set without ZeRO-2, "
                                   "model.attention.impl auto, xla or pallas")
 
+    def _check_moe(self) -> None:
+        mo = self.model.moe
+        if mo.num_experts < 0:
+            raise ConfigError(f"model.moe.num_experts={mo.num_experts}: allowed is an integer >= 0 (0: dense MLP)")
+        if not mo.num_experts:
+            return
+        if not 1 <= mo.experts_per_token <= mo.num_experts:
+            raise ConfigError(f"model.moe.experts_per_token={mo.experts_per_token}: allowed is 1 <= k <= "
+                              f"model.moe.num_experts={mo.num_experts}")
+        for key in ("expert_ff", "shared_experts"):
+            if getattr(mo, key) < 0:
+                raise ConfigError(f"model.moe.{key}={getattr(mo, key)}: allowed is an integer >= 0")
+        if not (math.isfinite(mo.capacity_factor) and mo.capacity_factor >= 0):
+            raise ConfigError(f"model.moe.capacity_factor={mo.capacity_factor}: allowed is a number >= 0 "
+                              "(0: dropless)")
+        for key in ("aux_loss_coef", "z_loss_coef"):
+            if not (math.isfinite(getattr(mo, key)) and getattr(mo, key) >= 0):
+                raise ConfigError(f"model.moe.{key}={getattr(mo, key)}: allowed is a finite number >= 0")
+        if mo.every < 1 or (mo.every > 1 and self.model.scan_layers):
+            raise ConfigError(f"model.moe.every={mo.every}: allowed is an integer >= 1, above 1 only with "
+                              "model.scan_layers=false (stacked layers share one structure)")
+        if self.mesh.pipeline > 1:
+            raise ConfigError(f"model.moe.num_experts={mo.num_experts} with mesh.pipeline={self.mesh.pipeline}: "
+                              "the pipelined step does not run mixture-of-experts layers yet; allowed: "
+                              "mesh.pipeline=1")
+        if self.mesh.tp_overlap == "collective_matmul":
+            raise ConfigError(f"model.moe.num_experts={mo.num_experts} with mesh.tp_overlap=collective_matmul: the "
+                              "collective matmul decomposes a dense MLP; allowed: mesh.tp_overlap=none or xla")
+        if self.mesh.fsdp_prefetch:
+            raise ConfigError(f"model.moe.num_experts={mo.num_experts} with mesh.fsdp_prefetch=true: the prefetching "
+                              "scan does not carry the router's statistics yet; allowed: mesh.fsdp_prefetch=false")
+
     def validate(self) -> "Config":
         """Cross-field checks that need no devices. Returns self; raises ConfigError naming the key."""
         m, a, t = self.model, self.model.attention, self.train
@@ -821,6 +895,7 @@ class Config:
         if a.window is not None and a.window < 1:
             raise ConfigError(f"model.attention.window={a.window}: allowed is an integer >= 1, or None for full "
                               "causal attention")
+        self._check_moe()
         if t.seq_len > m.max_seq_len:
             raise ConfigError(f"train.seq_len={t.seq_len} is longer than the model's positions "
                               f"(model.max_seq_len={m.max_seq_len})")

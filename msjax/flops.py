@@ -30,14 +30,22 @@ def mean_attended_keys(seq_len: int, window: int | None, megatron_convention: bo
 
 
 def matmul_params(model_cfg, vocab_size: int | None = None) -> int:
-    """N: parameters in matmuls (weights of attention, the MLP (2 matrices for GeLU, 3 for SwiGLU) and the
-    vocabulary projection over the padded vocabulary)."""
+    """N: parameters in matmuls that a token multiplies by (weights of attention, the MLP (2 matrices for GeLU,
+    3 for SwiGLU) and the vocabulary projection over the padded vocabulary). In a mixture-of-experts layer only
+    the active ones: the router, the k experts a token goes to and the shared experts (Switch Transformer's and
+    MaxText's convention: MFU of an MoE model counts active-parameter FLOPs)."""
     m = model_cfg
     d, h, kv, k, f = m.d_model, m.num_heads, m.kv_heads, m.head_size, m.ff_size
     v = m.padded_vocab(vocab_size)
     mlp_matrices = 3 if m.mlp == "swiglu" else 2
-    per_layer = d * h * k + 2 * d * kv * k + h * k * d + mlp_matrices * d * f
-    return m.num_layers * per_layer + v * d
+    attention = d * h * k + 2 * d * kv * k + h * k * d
+    mo = m.moe
+    expert_ff = mo.expert_ff or f
+    moe_mlp = d * mo.num_experts + mlp_matrices * d * expert_ff * (mo.experts_per_token + mo.shared_experts) \
+        + (d if mo.shared_gate else 0)
+    moe_layers = sum(mo.is_moe_layer(i) for i in range(m.num_layers))
+    return m.num_layers * attention + (m.num_layers - moe_layers) * mlp_matrices * d * f + moe_layers * moe_mlp \
+        + v * d
 
 
 def flops_per_token(model_cfg, seq_len: int, vocab_size: int | None = None,

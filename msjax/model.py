@@ -31,8 +31,10 @@ slot p mod S) and the longest sequence otherwise.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +44,7 @@ from flax import nnx
 from msjax.config import ModelConfig
 from msjax.ops.attention import attention, attention_at_positions
 from msjax.ops import matmul
+from msjax.ops import moe as moe_ops
 from msjax.ops.layer_norm import layer_norm
 from msjax.ops.rms_norm import rms_norm
 from msjax.ops.rope import rope
@@ -315,16 +318,88 @@ class MLP(nnx.Module):
         return y_btd
 
 
-class Block(nnx.Module):
-    """One transformer layer, serial or parallel (see module docstring)."""
+# Router statistics of the MoE layers traced inside `collect_router_stats` (one dict per layer, in order).
+_ROUTER_STATS: contextvars.ContextVar[list | None] = contextvars.ContextVar("router_stats", default=None)
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+
+@contextlib.contextmanager
+def collect_router_stats() -> Iterator[list[dict]]:
+    """Collects the router statistics of the MoE layers traced inside (`MoE.__call__`: per layer a dict of
+    float32 "aux_loss", "z_loss", "dropped" scalars and "load" (E,), the fraction of assignments each expert
+    got). Use it inside the function whose outputs carry them (a scan body, a checkpointed layer), so no traced
+    value leaves its trace."""
+    token = _ROUTER_STATS.set([])
+    try:
+        yield _ROUTER_STATS.get()
+    finally:
+        _ROUTER_STATS.reset(token)
+
+
+class MoE(nnx.Module):
+    """A mixture of experts in place of the MLP (model.moe.*; the math in `msjax.ops.moe`): a float32 router over
+    E experts (`router`, (D, E)), each token through its k experts, each an MLP of width `expert_ff` in model.mlp's
+    form (`w_gate`, `w_in`: (E, D, F); `w_out`: (E, F, D); no biases, as Mixtral and Qwen-MoE), weighted by the
+    router, dropless or with a capacity; plus `shared` (an MLP of shared_experts x expert_ff every token goes
+    through, scaled per token by sigmoid(x . `shared_gate`) when set: Qwen2-MoE). Tokens are routed over the
+    whole batch (B T of them). Reports its router losses and load to `collect_router_stats`."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, matmuls: tuple[jnp.dtype, bool]):
+        mo = cfg.moe
+        d, f, e = cfg.d_model, mo.expert_ff or cfg.ff_size, mo.num_experts
+        dt, std = jnp.dtype(cfg.param_dtype), cfg.init_std
+        self.router = _param(rngs, (d, e), (ax.EMBED, ax.EXP), std, dt)
+        self.swiglu = cfg.mlp == "swiglu"
+        if self.swiglu:
+            self.w_gate = _param(rngs, (e, d, f), (ax.EXP, ax.EMBED, ax.MLP), std, dt)
+        self.w_in = _param(rngs, (e, d, f), (ax.EXP, ax.EMBED, ax.MLP), std, dt)
+        self.w_out = _param(rngs, (e, f, d), (ax.EXP, ax.MLP, ax.EMBED), std / (2 * cfg.num_layers) ** 0.5, dt)
+        self.shared = (MLP(replace(cfg, d_ff=mo.shared_experts * f, use_bias=False), rngs, matmuls)
+                       if mo.shared_experts else None)
+        self.shared_gate = _param(rngs, (d, 1), (ax.EMBED, None), std, dt) if mo.shared_gate else None
+        self.k, self.router_kind, self.normalize = mo.experts_per_token, mo.router, mo.normalize_topk
+        self.capacity_factor = mo.capacity_factor
+        self.dtype = jnp.dtype(cfg.dtype)
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        b, t, d = x_btd.shape
+        dt = self.dtype
+        x_td = x_btd.reshape(b * t, d)
+        # float32 router whatever the compute dtype: a small change in a logit can move a token to another expert
+        logits_te = jnp.dot(x_td.astype(jnp.float32), self.router[...].astype(jnp.float32))
+        weights_tk, experts_tk, probs_te = moe_ops.route(logits_te, self.k, self.router_kind, self.normalize)
+        cols = [self.w_gate[...], self.w_in[...]] if self.swiglu else [self.w_in[...]]
+        activate = (lambda g, u: jax.nn.silu(g) * u) if self.swiglu else jax.nn.gelu
+        keep = moe_ops.capacity(b * t, self.k, logits_te.shape[-1], self.capacity_factor)
+        y_td, dropped = moe_ops.expert_ffn(x_td.astype(dt), weights_tk, experts_tk, [c.astype(dt) for c in cols],
+                                           self.w_out[...].astype(dt), activate, keep)
+        y_btd = y_td.reshape(b, t, d)
+        if self.shared is not None:
+            shared_btd = self.shared(x_btd)
+            if self.shared_gate is not None:
+                gate_bt1 = jax.nn.sigmoid(jnp.einsum("btd,do->bto", x_btd.astype(jnp.float32),
+                                                     self.shared_gate[...].astype(jnp.float32)))
+                shared_btd = (shared_btd.astype(jnp.float32) * gate_bt1).astype(dt)
+            y_btd = y_btd + shared_btd
+        found = _ROUTER_STATS.get()
+        if found is not None:
+            load_e = jnp.bincount(experts_tk.reshape(-1), length=logits_te.shape[-1]) / experts_tk.size
+            found.append({"aux_loss": moe_ops.load_balancing_loss(probs_te, experts_tk),
+                          "z_loss": moe_ops.router_z_loss(logits_te), "dropped": dropped,
+                          "load": load_e.astype(jnp.float32)})
+        return y_btd
+
+
+class Block(nnx.Module):
+    """One transformer layer, serial or parallel (see module docstring); its feed-forward a dense MLP, or a
+    mixture of experts (`MoE`) where `model.moe` puts one (`layer`: the block's index)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, layer: int = 0):
         self.parallel = cfg.block == "parallel"
         matmuls = _matmul_setting(cfg)
         self.ln1 = Norm(cfg, rngs)
         self.attn = Attention(cfg, rngs, matmuls)
         self.ln2 = None if self.parallel else Norm(cfg, rngs)
-        self.mlp = MLP(cfg, rngs, matmuls)
+        self.mlp = MoE(cfg, rngs, matmuls) if cfg.moe.is_moe_layer(layer) else MLP(cfg, rngs, matmuls)
 
     def _residual(self, x_btd: jax.Array, attend) -> tuple[jax.Array, Any]:
         """The block's residual structure around `attend`: (B, T, D) -> ((B, T, D) out, what attend returned
@@ -439,7 +514,7 @@ class GPT(nnx.Module):
 
             self.blocks = make_blocks(rngs)
         else:
-            self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
+            self.layers = nnx.List([Block(cfg, rngs, i) for i in range(cfg.num_layers)])
         self.ln_f = Norm(cfg, rngs)
         self.lm_head = None if cfg.tie_embeddings else _vocab_param(rngs, cfg, (d, v), (ax.EMBED, ax.VOCAB), axis=1)
 
@@ -447,6 +522,12 @@ class GPT(nnx.Module):
         """Logits (B, T, V) in float32 for int32 tokens (B, T) at positions 0 .. T-1, or, with `packing`, of several
         examples packed into each row (attention stays inside an example, positions restart at each: `Packing`);
         V is the padded vocabulary, and logits of the padding entries are -1e9 so they take no probability."""
+        return self.forward(tokens_bt, packing)[0]
+
+    def forward(self, tokens_bt: jax.Array, packing: "Packing | None" = None) -> tuple[jax.Array, dict]:
+        """(`__call__`'s logits, the MoE layers' router statistics): "aux_loss", "z_loss", "dropped" (L_moe,)
+        and "load" (L_moe, E) in float32 (`collect_router_stats`), one row per MoE layer in order; {} for a dense
+        model."""
         cfg = self.cfg
         x_btd = self.embed(tokens_bt, None if packing is None else packing.positions_bt)
 
@@ -455,19 +536,27 @@ class GPT(nnx.Module):
                 return f
             return jax.checkpoint(f, policy=REMAT_POLICIES[cfg.remat], prevent_cse=cse_barrier(cfg))
 
+        def reporting(block: Block, x: jax.Array) -> tuple[jax.Array, dict]:
+            with collect_router_stats() as found:
+                y = block(x, packing)
+            return y, (found[0] if found else {})
+
         if cfg.scan_layers:
             graphdef, stacked = nnx.split(self.blocks)
-            layer = remat(lambda x, state: (nnx.merge(graphdef, state)(x, packing), None))
+            layer = remat(lambda x, state: reporting(nnx.merge(graphdef, state), x))
             scan = applied().scan_layers  # e.g. layer i+1's FSDP all-gather carried ahead of layer i
-            if scan is not None:
-                x_btd = scan(layer, x_btd, stacked, cfg.scan_unroll)
+            if scan is not None:  # (the config refuses it with MoE layers, whose statistics it would drop)
+                x_btd, stats = scan(layer, x_btd, stacked, cfg.scan_unroll), {}
             else:
-                x_btd, _ = jax.lax.scan(layer, x_btd, stacked, unroll=cfg.scan_unroll)
+                x_btd, stats = jax.lax.scan(layer, x_btd, stacked, unroll=cfg.scan_unroll)
         else:
+            per_layer = []
             for block in self.layers:
                 graphdef, state = nnx.split(block)
-                x_btd = remat(lambda state, x, gd=graphdef: nnx.merge(gd, state)(x, packing))(state, x_btd)
-        return self.head(x_btd)
+                x_btd, found = remat(lambda state, x, gd=graphdef: reporting(nnx.merge(gd, state), x))(state, x_btd)
+                per_layer += [found] if found else []
+            stats = jax.tree.map(lambda *a: jnp.stack(a), *per_layer) if per_layer else {}
+        return self.head(x_btd), stats
 
     def embed(self, tokens_bt: jax.Array, positions_bt: jax.Array | None = None) -> jax.Array:
         """Token (+ learned position) embeddings (B, T, D) in the compute dtype for int32 tokens (B, T) at
@@ -607,6 +696,12 @@ def apply(graphdef: nnx.GraphDef, params: dict, tokens_bt: jax.Array, packing: P
     """Pure function of the parameters: logits (B, T, V) float32 (`GPT.__call__`). Merging happens at trace time
     only."""
     return nnx.merge(graphdef, params)(tokens_bt, packing)
+
+
+def apply_with_stats(graphdef: nnx.GraphDef, params: dict, tokens_bt: jax.Array, packing: Packing | None = None
+                     ) -> tuple[jax.Array, dict]:
+    """`apply` and the MoE layers' router statistics (`GPT.forward`; {} for a dense model)."""
+    return nnx.merge(graphdef, params).forward(tokens_bt, packing)
 
 
 def apply_decode(graphdef: nnx.GraphDef, params: dict, tokens_bt: jax.Array, start_b: jax.Array,

@@ -318,7 +318,9 @@ def run(cfg: Config, hooks: Sequence[Hook] = (), control: LoopControl | None = N
                 last_log_step, last_log_time = step, now
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}", mfu=f"{mfu:.1%}")
                 scalars = {"loss": loss, "grad_norm": grad_norm, "lr": float(lrs[step - 1]), "tokens_per_s": tok_s,
-                           "mfu": mfu, "skipped": int(metrics["skipped"])}
+                           "mfu": mfu, "skipped": int(metrics["skipped"]),
+                           # a mixture of experts' router losses and load (`train_step.loss_fn`)
+                           **{k: float(v) for k, v in metrics.items() if k.startswith("moe_")}}
                 hook.on_log(ctx, step, scalars)
                 summary.tokens_per_s, summary.mfu = tok_s, mfu
             t_eval = time.perf_counter()

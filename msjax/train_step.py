@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from msjax.config import Config
 from msjax.layout import Layout, resolve as resolve_layout
-from msjax.model import Packing, abstract_model, apply, init_params
+from msjax.model import Packing, abstract_model, apply_with_stats, init_params
 from msjax.optim import learning_rates, make_optimizer, skipped_steps
 from msjax.parallel.arrival import step_start, use_arrival_marks
 from msjax.parallel.options import use_overlap
@@ -185,11 +185,25 @@ def build_train_program(cfg: Config | Layout, mesh: Mesh | None = None, vocab_si
         with use_rules(mesh, rules), use_overlap(cfg.mesh):
             yield
 
-    def loss_fn(params: dict, batch: dict, total: jax.Array | None = None) -> jax.Array:
-        logits_btv = apply(graphdef, params, batch["inputs"], packing(batch))
-        return cross_entropy(logits_btv, batch["targets"], batch.get("weights"), total)
+    moe = model_cfg.moe
 
-    grad_fn = jax.value_and_grad(loss_fn)
+    def loss_fn(params: dict, batch: dict, total: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """(the objective, what the step reports beside it). Dense: the cross-entropy and {}. With MoE layers the
+        objective adds each router loss, averaged over the MoE layers, times its coefficient (model.moe.
+        aux_loss_coef, z_loss_coef), and the report has the cross-entropy alone ("lm_loss"), both router losses
+        unweighted, the fraction of assignments dropped and the most loaded expert's share over the mean's
+        (1: even), averaged over the MoE layers."""
+        logits_btv, stats = apply_with_stats(graphdef, params, batch["inputs"], packing(batch))
+        ce = cross_entropy(logits_btv, batch["targets"], batch.get("weights"), total)
+        if not stats:
+            return ce, {}
+        aux, z = jnp.mean(stats["aux_loss"]), jnp.mean(stats["z_loss"])
+        load_le = stats["load"]
+        return ce + moe.aux_loss_coef * aux + moe.z_loss_coef * z, {
+            "lm_loss": ce, "moe_aux_loss": aux, "moe_z_loss": z, "moe_dropped": jnp.mean(stats["dropped"]),
+            "moe_max_load": jnp.mean(jnp.max(load_le, axis=-1) * load_le.shape[-1])}
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     pipelined = None
     if stages > 1:  # interleaved 1F1B over the pipeline axis (msjax/parallel/pipeline.py)
         layer_specs = logical_specs["blocks"] if model_cfg.scan_layers else logical_specs["layers"][0]
@@ -198,9 +212,10 @@ def build_train_program(cfg: Config | Layout, mesh: Mesh | None = None, vocab_si
         runner = PipelinedGrads if cfg.pipeline.schedule == "interleaved" else TablePipelinedGrads
         pipelined = runner(cfg, mesh, rules, param_shardings, layer_specs, t.microbatches)
 
-    def local_grads(params: dict, batch: dict) -> tuple[jax.Array, dict]:
-        """Loss and gradients over the rows given (the global batch, or one device's rows under ZeRO-2): the mean
-        loss, or with weights the weighted sum over the weights' total (`cross_entropy`)."""
+    def local_grads(params: dict, batch: dict) -> tuple[tuple[jax.Array, dict], dict]:
+        """((objective, report), gradients) over the rows given (the global batch, or one device's rows under
+        ZeRO-2): the mean loss, or with weights the weighted sum over the weights' total (`cross_entropy`); the
+        report (`loss_fn`) averaged over the microbatches, its cross-entropy summed like the loss."""
         if t.microbatches == 1:
             return grad_fn(params, batch)
         weights = batch.get("weights")
@@ -213,16 +228,21 @@ def build_train_program(cfg: Config | Layout, mesh: Mesh | None = None, vocab_si
             return constrain(x_mbt, (None, ax.ACT_BATCH, ax.ACT_SEQ))
 
         def accumulate(carry, mb):
-            loss_sum, grad_sum = carry
-            loss, grads = grad_fn(params, mb, total)
-            return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+            loss_sum, report_sum, grad_sum = carry
+            (loss, report), grads = grad_fn(params, mb, total)
+            return (loss_sum + loss, jax.tree.map(jnp.add, report_sum, report),
+                    jax.tree.map(jnp.add, grad_sum, grads)), None
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros),
-                                        jax.tree.map(split, batch))
+        no_report = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                                 jax.eval_shape(loss_fn, params, jax.tree.map(lambda x: split(x)[0], batch))[1])
+        (loss, report, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), no_report, zeros),
+                                                jax.tree.map(split, batch))
+        m = t.microbatches
+        report = {k: v if (k == "lm_loss" and weights is not None) else v / m for k, v in report.items()}
         if weights is not None:
-            return loss, grads  # the microbatches' sums over the step's total are the step's
-        return loss / t.microbatches, jax.tree.map(lambda g: g / t.microbatches, grads)
+            return (loss, report), grads  # the microbatches' sums over the step's total are the step's
+        return (loss / m, report), jax.tree.map(lambda g: g / m, grads)
 
     if cfg.mesh.rules in OPTIMIZER_STATE_RULES:  # ZeRO-2: reduce-scatter the gradients over fsdp by hand
         local_grads = reduce_scattered_grads(local_grads, mesh, grad_shardings)
@@ -236,25 +256,31 @@ def build_train_program(cfg: Config | Layout, mesh: Mesh | None = None, vocab_si
         with tracing(), marks:
             if stages > 1:
                 loss, grads = pipelined(params, batch["inputs"], batch["targets"])
+                report = {}
             else:
-                loss, grads = local_grads(params, {**batch, "inputs": step_start(batch["inputs"])})
+                (loss, report), grads = local_grads(params, {**batch, "inputs": step_start(batch["inputs"])})
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
         rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state["rng"]))[0])
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "skipped": skipped_steps(opt_state)}
+        # "loss" is the language model's cross-entropy, with or without router losses in the objective
+        report = dict(report)
+        metrics = {"loss": report.pop("lm_loss", loss), "grad_norm": optax.tree.norm(grads),
+                   "skipped": skipped_steps(opt_state), **report}
         new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state, "rng": rng}
         return new_state, metrics
 
     def eval_step(params: dict, batch: dict) -> jax.Array:
         with tracing():
-            return loss_fn(params, batch)
+            loss, report = loss_fn(params, batch)
+            return report.get("lm_loss", loss)
 
     def batch_grads(params: dict, batch: dict) -> tuple[jax.Array, dict]:
         if stages > 1:
             return pipelined(params, batch["inputs"], batch["targets"])
         with tracing():
-            return grad_fn(params, batch)
+            (loss, _), grads = grad_fn(params, batch)
+            return loss, grads
 
     init_fn = jax.jit(init, out_shardings=state_shardings)
     abstract_state = jax.eval_shape(init_fn, jax.random.key(0))

@@ -1,6 +1,7 @@
 """Logical axis names: the vocabulary shared by the model (which names axes) and the rule sets (which place them).
 
-Parameters (MaxText's names): VOCAB, EMBED, MLP, HEADS, KV_HEADS, HEAD_DIM, LAYERS, NORM.
+Parameters (MaxText's names): VOCAB, EMBED, MLP, HEADS, KV_HEADS, HEAD_DIM, LAYERS, NORM, EXP (a mixture of
+experts' expert dimension).
 Activations carry an `act_` prefix so a rule set can lay out a weight and the activation it produces differently
 (e.g. FSDP shards weights over `fsdp` on `embed` but never the activations' model dimension).
 """
@@ -23,6 +24,7 @@ HEAD_DIM = "head_dim"
 LAYERS = "layers"
 NORM = "norm"
 POSITION = "position"
+EXP = "exp"
 
 # Activation axes.
 ACT_BATCH = "act_batch"

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec
 
 from .axes import (
     ACT_BATCH, ACT_EMBED, ACT_HEAD_DIM, ACT_HEADS, ACT_KV_HEADS, ACT_MLP, ACT_SEQ, ACT_SEQ_INNER, ACT_VOCAB, DATA,
-    EMBED, FSDP,
+    EMBED, EXP, FSDP,
     HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, NORM, POSITION, SEQUENCE, TENSOR, VOCAB,
 )
 
@@ -37,7 +37,7 @@ Rules = Mapping[str, MeshAxes]
 _BATCH = (DATA, FSDP)
 _REPLICATED_PARAMS: Rules = {
     VOCAB: None, EMBED: None, MLP: None, HEADS: None, KV_HEADS: None, HEAD_DIM: None, LAYERS: None, NORM: None,
-    POSITION: None,
+    POSITION: None, EXP: None,  # experts: every device holds all of them until an expert-parallel axis exists
 }
 _DP_ACTIVATIONS: Rules = {
     ACT_BATCH: _BATCH, ACT_SEQ: None, ACT_SEQ_INNER: None, ACT_EMBED: None, ACT_HEADS: None, ACT_KV_HEADS: None,

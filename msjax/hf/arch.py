@@ -165,7 +165,8 @@ def architecture_for(cfg: ModelConfig) -> str:
             "model.head_dim": (cfg.head_size * cfg.num_heads, cfg.d_model)}
     llama = {"model.position": (cfg.position, "rope"), "model.norm": (cfg.norm, "rmsnorm"),
              "model.mlp": (cfg.mlp, "swiglu")}
-    common = {"model.block": (cfg.block, "serial")}
+    # mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) are not converted yet
+    common = {"model.block": (cfg.block, "serial"), "model.moe.num_experts": (cfg.moe.num_experts, 0)}
     # The Llama family member: Qwen3 for query/key norms, Qwen2 for biases on q/k/v alone, Mistral for a sliding
     # window, else Llama.
     window = cfg.attention.window

@@ -46,14 +46,16 @@ def reduce_scattered_grads(local_grads: LocalGrads, mesh: Mesh, grad_shardings: 
     """Wraps a per-device gradient function so that its gradients are reduce-scattered over `fsdp`.
 
     Args:
-      local_grads: `(params, batch) -> (loss, grads)`: the mean loss (float32 scalar) and its gradients
+      local_grads: `(params, batch) -> ((loss, report), grads)`: the mean loss (float32 scalar), a dict of
+        float32 scalars reported beside it (`train_step`'s: empty for a dense model; with MoE layers their router
+        losses, computed over this device's tokens, so the step's are the devices' mean) and its gradients
         (float32, like `params`) over the rows of `batch` it is given (a dict of (B, T) arrays). Called on one
         device's rows, inside a region manual over `data` and `fsdp`.
       mesh: the train step's mesh (no axis manual around the call).
       grad_shardings: NamedSharding pytree like `params`: the layout the optimizer keeps the gradients in.
         A dimension split over `fsdp` must be split over `fsdp` alone, and never over `data`.
     Returns:
-      `(params, batch) -> (loss, grads)` for the global batch: the loss is the mean over every row, the
+      `(params, batch) -> ((loss, report), grads)` for the global batch: the loss is the mean over every row, the
       gradients are its gradients, laid out over `fsdp` as `grad_shardings` says (other mesh axes as the
       compiler propagates them; the caller constrains them to `grad_shardings`). The batch's arrays are (B, T)
       with B split over `data` x `fsdp`; `params` must be replicated over both. A weighted loss (a batch with
@@ -79,9 +81,10 @@ def reduce_scattered_grads(local_grads: LocalGrads, mesh: Mesh, grad_shardings: 
         return jax.lax.psum(grad, ax.DATA) / shards
 
     def per_device(params, batch):
-        loss, grads = local_grads(params, batch)
+        (loss, report), grads = local_grads(params, batch)
         grads = jax.tree.map(reduce, grads, specs, is_leaf=lambda s: isinstance(s, P))
-        return jax.lax.psum(loss, BATCH_AXES) / shards, grads
+        report = jax.tree.map(lambda r: jax.lax.psum(r, BATCH_AXES) / shards, report)
+        return (jax.lax.psum(loss, BATCH_AXES) / shards, report), grads
 
     out_grads = jax.tree.map(lambda s: P(*[ax.FSDP if d == fsdp_dim(s) else None for d in range(len(s))]), specs,
                              is_leaf=lambda s: isinstance(s, P))

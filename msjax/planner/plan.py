@@ -105,6 +105,16 @@ def evaluate(cfg: Config, opts: PlanOptions, hw: Hardware, layout: PlanLayout,
                 mem.total_params(cfg, layout.vocab))
 
 
+def refuse_moe(cfg: Config) -> None:
+    """Raises PlanError for a mixture-of-experts model: the planner's FLOPs, memory and communication model dense
+    feed-forwards, and pricing experts (all of their parameters, the active ones' FLOPs, the all-to-all) is not
+    built yet."""
+    if cfg.model.moe.num_experts:
+        raise PlanError(f"model.moe.num_experts={cfg.model.moe.num_experts}: the planner prices dense models only "
+                        "(its FLOPs, memory and communication model one MLP per layer); allowed: "
+                        "model.moe.num_experts=0")
+
+
 def candidate_choices(cfg: Config, opts: PlanOptions, sizes: dict[str, int]) -> tuple[list, list, list]:
     """(microbatch sizes, virtual-stage counts, zero stages) to try for the free knobs."""
     per_replica = replica_batch(cfg, sizes)
@@ -134,6 +144,7 @@ def make_plan(cfg: Config, opts: PlanOptions, remat_fixed: bool = False, schedul
         not divide over it (the message names the key).
     """
     opts = opts.validate()
+    refuse_moe(cfg)
     hw = get_hardware(opts)
     sizes = mesh_sizes(cfg, opts.devices)
     vocab = resolve_vocab(cfg)

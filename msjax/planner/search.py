@@ -39,7 +39,7 @@ from msjax.planner.layout import (
     resolve_vocab, schedule_choices,
 )
 from msjax.planner.options import REMATS, PlanError, PlanOptions
-from msjax.planner.plan import Plan, evaluate, get_hardware
+from msjax.planner.plan import Plan, evaluate, get_hardware, refuse_moe
 
 GiB = 2**30
 
@@ -161,6 +161,7 @@ def search(cfg: Config, opts: PlanOptions, workers: int = 0, schedule_fixed: boo
     """
     t0 = time.perf_counter()
     opts = opts.validate()
+    refuse_moe(cfg)
     get_hardware(opts)
     resolve_vocab(cfg)
     meshes = factorizations(opts.devices)

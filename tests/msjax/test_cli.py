@@ -125,6 +125,12 @@ def test_every_wrapper_has_help(script, usage):
     ("launch.py", ["--backend=local", "--accelerator=fpga", "--"], "accelerator='fpga': allowed is one of 'gpu', "),
     ("launch.py", ["--backend=local", "--num_processes=2", "--", "--train.stepz=3"],
      "train flags: unknown config key 'train.stepz'"),
+    ("train.py", ["--model.moe.num_experts=4", "--model.moe.experts_per_token=5"],
+     "model.moe.experts_per_token=5: allowed is 1 <= k <= model.moe.num_experts=4"),
+    ("train.py", ["--model.moe.num_experts=4", "--model.moe.capacity_factor=-1"],
+     "model.moe.capacity_factor=-1.0: allowed is a number >= 0 (0: dropless)"),
+    ("train.py", ["--model.moe.num_experts=4", "--mesh.pipeline=2"],
+     "model.moe.num_experts=4 with mesh.pipeline=2: the pipelined step does not run mixture-of-experts layers"),
 ])
 def test_a_bad_flag_of_a_script_is_one_error_line(script, args, named):
     """Caught before any work starts (no backend, no Redis, no child process): one `error:` line, status 2."""

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from msjax.config import AttentionConfig, ModelConfig, apply_overrides, Config
+from msjax.config import AttentionConfig, Config, ModelConfig, MoEConfig, apply_overrides
 from msjax import generate as generate_module
 from msjax.generate import CACHE_BLOCK, Generator, cache_length, decode_rules, generate_text, load_run
 from msjax.mesh import make_mesh
@@ -46,6 +46,9 @@ MODELS = {
     "gpt-window4": dict(attention=AttentionConfig(window=4)),
     "llama-window5": dict(LLAMA, attention=AttentionConfig(window=5)),
     "llama-parallel-unscanned": dict(LLAMA, block="parallel", scan_layers=False),
+    # dropless routing: a token's experts and output do not depend on the other tokens routed with it
+    "moe": dict(LLAMA, moe=MoEConfig(num_experts=4, experts_per_token=2, expert_ff=16, shared_experts=1,
+                                     shared_gate=True)),
 }
 
 

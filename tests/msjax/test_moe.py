@@ -102,8 +102,8 @@ def _np_experts(x, w, ex, cols, w_out, swiglu, keep=None):
     x, w, ex = np.asarray(x, np.float64), np.asarray(w, np.float64), np.asarray(ex)
     cols = [np.asarray(c, np.float64) for c in cols]
     w_out = np.asarray(w_out, np.float64)
-    served = np.zeros(E, int)
-    y = np.zeros((x.shape[0], D))
+    served = np.zeros(w_out.shape[0], int)
+    y = np.zeros((x.shape[0], w_out.shape[-1]))
     dropped = 0
     for t in range(x.shape[0]):
         for j in range(ex.shape[1]):
@@ -171,3 +171,111 @@ def test_bad_router_settings_name_what_is_allowed():
     with pytest.raises(ValueError, match=r"capacity factor -1.0: allowed is >= 0"):
         moe.capacity(T, 2, E, -1.0)
     assert moe.capacity(T, 2, E, 0.0) is None
+
+
+# The mixture of experts in the model and the training step (msjax.model.MoE, msjax.train_step).
+
+def _moe_config(**over):
+    from msjax.config import Config, apply_overrides
+
+    base = {"model.vocab_size": 64, "model.d_model": 32, "model.num_heads": 4, "model.num_kv_heads": 2,
+            "model.num_layers": 2, "model.max_seq_len": 16, "model.position": "rope", "model.norm": "rmsnorm",
+            "model.mlp": "swiglu", "model.use_bias": False, "model.tie_embeddings": False,
+            "model.moe.num_experts": E, "model.moe.expert_ff": 24, "train.seq_len": 16, "train.global_batch": 4,
+            "mesh.data": 1}
+    return apply_overrides(Config(), {**base, **over}).validate()
+
+
+@pytest.mark.parametrize("over", [{}, {"model.moe.shared_experts": 2, "model.moe.shared_gate": True},
+                                  {"model.mlp": "gelu", "model.moe.router": "topk_softmax", "model.dtype": "bfloat16"}],
+                         ids=["swiglu", "shared-gated", "gelu-bf16"])
+def test_the_moe_layer_is_its_experts_weighted_by_a_float32_router(over):
+    """`model.MoE` on random weights against NumPy: router logits in float32 from the layer input, each token
+    through its k experts (the layer's own weights) weighted by the router, plus the shared experts scaled by
+    sigmoid(x . gate); its router statistics are `ops.moe`'s on those logits."""
+    from flax import nnx
+
+    from msjax.model import MoE, _matmul_setting, collect_router_stats
+
+    cfg = _moe_config(**over).model
+    with nnx.use_eager_sharding(False):
+        layer = MoE(cfg, nnx.Rngs(0), _matmul_setting(cfg))
+    dt = jnp.dtype(cfg.dtype)
+    x = jax.random.normal(jax.random.key(11), (2, 8, cfg.d_model)).astype(dt)
+    with collect_router_stats() as found:
+        y = layer(x)
+    x64 = np.asarray(x.astype(jnp.float32), np.float64).reshape(16, -1)
+    logits = x64 @ np.asarray(layer.router[...], np.float64)
+    w, ex, probs = _np_route(logits, cfg.moe.experts_per_token, cfg.moe.router, cfg.moe.normalize_topk)
+    swiglu = cfg.mlp == "swiglu"
+    cols = [layer.w_gate[...], layer.w_in[...]] if swiglu else [layer.w_in[...]]
+    ref, _ = _np_experts(x64, w, ex, cols, layer.w_out[...], swiglu)
+    if layer.shared is not None:
+        s = layer.shared
+        h = _np_act(True, [x64 @ np.asarray(s.w_gate[...], np.float64), x64 @ np.asarray(s.w_in[...], np.float64)])
+        gate = 1 / (1 + np.exp(-(x64 @ np.asarray(layer.shared_gate[...], np.float64))))
+        ref = ref + gate * (h @ np.asarray(s.w_out[...], np.float64))
+    tol = 2e-2 if dt == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(np.asarray(y.astype(jnp.float32)).reshape(16, -1), ref, atol=tol, rtol=tol)
+    (stats,) = found
+    np.testing.assert_allclose(float(stats["z_loss"]), np.mean(np.log(np.exp(logits).sum(-1)) ** 2), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(stats["load"]), np.bincount(ex.ravel(), minlength=E) / ex.size)
+
+
+@pytest.mark.parametrize("over", [{}, {"model.scan_layers": False, "model.num_layers": 4, "model.moe.every": 2},
+                                  {"train.microbatches": 2, "model.remat": "full"}],
+                         ids=["scanned", "every-2nd-layer", "accumulated-remat"])
+def test_the_step_adds_the_router_losses_to_the_objective_and_reports_them(over):
+    """The step optimises cross-entropy + aux_loss_coef x load-balancing + z_loss_coef x z (each averaged over
+    the MoE layers) and reports the cross-entropy as "loss" (what evaluation computes on the same parameters)
+    beside the router losses, dropped fraction and the most loaded expert's share. The gradient of the objective
+    is checked against jax.grad of that sum written out."""
+    from msjax.mesh import make_mesh
+    from msjax.model import apply_with_stats
+    from msjax.train_step import build_train_program, cross_entropy
+
+    cfg = _moe_config(**{"model.moe.aux_loss_coef": 0.5, "model.moe.z_loss_coef": 0.1, **over})
+    prog = build_train_program(cfg, make_mesh(cfg.mesh, jax.devices()[:1]))
+    state = prog.init_fn(jax.random.key(0))
+    toks = jax.random.randint(jax.random.key(1), (4, 17), 0, 64)
+    batch = {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
+    params = jax.tree.map(lambda a: a.copy(), state["params"])
+    val = float(prog.eval_fn(params, batch))
+    new_state, metrics = prog.step_fn(state, batch)
+    assert float(metrics["loss"]) == pytest.approx(val, rel=1e-5)
+    assert {"moe_aux_loss", "moe_z_loss", "moe_dropped", "moe_max_load"} <= set(metrics)
+    assert float(metrics["moe_aux_loss"]) > 1.0 and float(metrics["moe_dropped"]) == 0.0  # k = 2: 2 if even
+    assert float(metrics["moe_max_load"]) >= 1.0
+
+    def objective(p):
+        logits, stats = apply_with_stats(prog.graphdef, p, batch["inputs"])
+        ce = cross_entropy(logits, batch["targets"])
+        return ce + 0.5 * jnp.mean(stats["aux_loss"]) + 0.1 * jnp.mean(stats["z_loss"]), stats
+
+    (want, stats), grads = jax.value_and_grad(objective, has_aux=True)(params)
+    assert float(metrics["moe_z_loss"]) == pytest.approx(float(jnp.mean(stats["z_loss"])), rel=1e-5)
+    assert float(want) > val + 0.5  # the router losses are in the objective
+    _, step_grads = prog.grad_fn(params, batch)
+    for g, r in zip(jax.tree.leaves(step_grads), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=1e-6, rtol=1e-4)
+
+
+def test_moe_flops_count_the_active_experts():
+    """MFU's numerator counts a token's router, k experts and shared experts, not all E experts."""
+    from msjax.flops import matmul_params
+
+    cfg = _moe_config(**{"model.moe.shared_experts": 1}).model
+    d, f, v = cfg.d_model, 24, cfg.padded_vocab()
+    attention = 2 * d * 32 + 2 * d * 16  # Q and O of 4 heads x 8, K and V of 2 heads x 8
+    assert matmul_params(cfg) == 2 * (attention + d * E + 3 * d * f * (2 + 1)) + v * d
+    dense = _moe_config(**{"model.moe.num_experts": 0}).model
+    assert matmul_params(dense) == 2 * (attention + 3 * d * dense.ff_size) + v * d
+
+
+def test_the_planner_refuses_a_mixture_of_experts_rather_than_price_it_as_dense():
+    from msjax.config import load_preset
+    from msjax.planner import PlanError, PlanOptions, make_plan, search
+
+    for plan in (make_plan, search):
+        with pytest.raises(PlanError, match=r"model.moe.num_experts=8: the planner prices dense models only"):
+            plan(load_preset("moe_tiny"), PlanOptions(devices=8))
