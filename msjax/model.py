@@ -10,7 +10,9 @@ overlapped. The pieces are chosen by the config: `position` learned (a table add
 rope (rotary embeddings of queries and keys, `msjax.ops.rope`), `norm` layernorm or rmsnorm, `mlp` gelu (two
 matrices) or swiglu (three: `w_gate`, `w_in` (up), `w_out` (down)), biases on or off, tied or untied output
 projection. GPT-2 is (learned, layernorm, gelu, biases, tied); Llama is (rope, rmsnorm, swiglu, no biases,
-untied) with grouped-query heads. Checkpoints of both convert to and from Hugging Face (`msjax.hf`).
+untied) with grouped-query heads. Checkpoints of both convert to and from Hugging Face (`msjax.hf`). With
+`model.moe` a block's feed-forward is a mixture of experts (`MoE`, its math in `msjax.ops.moe`), whose router
+statistics `GPT.forward` returns beside the logits for the training objective.
 
 Parallelism is not written here: parameters carry logical axis names (`sharding_rules.axes`) and activations
 pass through `msjax.sharding.constrain`; the rule set picked in the config decides the layout. What changes how
@@ -341,7 +343,9 @@ class MoE(nnx.Module):
     form (`w_gate`, `w_in`: (E, D, F); `w_out`: (E, F, D); no biases, as Mixtral and Qwen-MoE), weighted by the
     router, dropless or with a capacity; plus `shared` (an MLP of shared_experts x expert_ff every token goes
     through, scaled per token by sigmoid(x . `shared_gate`) when set: Qwen2-MoE). Tokens are routed over the
-    whole batch (B T of them). Reports its router losses and load to `collect_router_stats`."""
+    whole batch (B T of them). Reports its router losses and load to `collect_router_stats`. The experts' grouped
+    matmuls run in the compute dtype (`model.matmul_dtype` and the weight-matmul point apply to the dense
+    matmuls only)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, matmuls: tuple[jnp.dtype, bool]):
         mo = cfg.moe
