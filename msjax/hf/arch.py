@@ -10,10 +10,13 @@ Qwen2/Qwen2.5 (`Qwen2ForCausalLM`) is Llama with biases on the q, k and v projec
 field); Qwen3 (`Qwen3ForCausalLM`) is Llama with `q_norm` and `k_norm`, RMSNorms over each query and key head
 applied before RoPE. Their sliding-window options (`use_sliding_window`) are refused. Mistral
 (`MistralForCausalLM`) is Llama without biases, with an optional sliding window (`sliding_window` W: each query
-sees itself and the W-1 tokens before it, msjax's `model.attention.window`).
+sees itself and the W-1 tokens before it, msjax's `model.attention.window`). Mixtral (`MixtralForCausalLM`) is
+Mistral with every MLP a mixture of `num_local_experts` SwiGLU experts (`block_sparse_moe.experts.{e}.w1` gate,
+`w3` up, `w2` down) and a router (`block_sparse_moe.gate`): softmax over the experts, the top
+`num_experts_per_tok`, renormalised (msjax's `model.moe` with `router=softmax_topk`, `normalize_topk`).
 
-A `Rule` maps one HF tensor onto one or more msjax parameters of a layer (GPT-2's fused `c_attn` is three) and
-back; `rules(arch, cfg)` lists them in the order they are read. Every transform is a reshape, a transpose or a
+A `Rule` maps one HF tensor onto one or more msjax parameters of a layer (GPT-2's fused `c_attn` is three), or
+onto one expert's slice of a parameter stacked over the experts, and back; `rules(arch, cfg)` lists them in the order they are read. Every transform is a reshape, a transpose or a
 split/concatenation: the values are copied exactly, so msjax -> HF -> msjax returns the same bits.
 """
 
@@ -32,8 +35,9 @@ LLAMA = "LlamaForCausalLM"
 QWEN2 = "Qwen2ForCausalLM"
 QWEN3 = "Qwen3ForCausalLM"
 MISTRAL = "MistralForCausalLM"
-ARCHITECTURES = (GPT2, LLAMA, QWEN2, QWEN3, MISTRAL)
-MODEL_TYPES = {"gpt2": GPT2, "llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "mistral": MISTRAL}
+MIXTRAL = "MixtralForCausalLM"
+ARCHITECTURES = (GPT2, LLAMA, QWEN2, QWEN3, MISTRAL, MIXTRAL)
+MODEL_TYPES = {"gpt2": GPT2, "llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "mistral": MISTRAL, "mixtral": MIXTRAL}
 
 
 class HFConversionError(ConfigError):
@@ -109,7 +113,7 @@ def model_overrides_from_hf(hf: dict, where: str) -> tuple[str, dict[str, Any]]:
         _require(where, hf, "hidden_act", ("silu",), "silu")
         if arch in (QWEN2, QWEN3):
             _require(where, hf, "use_sliding_window", (False,), False)
-        window = _get(hf, "sliding_window") if arch == MISTRAL else None
+        window = _get(hf, "sliding_window") if arch in (MISTRAL, MIXTRAL) else None
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
             raise HFConversionError(f"{where}: sliding_window={window!r}; a positive integer or null is needed")
         rope = dict(hf.get("rope_parameters") or {})
@@ -145,6 +149,13 @@ def model_overrides_from_hf(hf: dict, where: str) -> tuple[str, dict[str, Any]]:
                "model.tie_embeddings": bool(_get(hf, "tie_word_embeddings", False)),
                **_rope_scaling_from_hf(where, rope_type, params)}
         out["model.attention.window"] = window
+        if arch == MIXTRAL:
+            _require(where, hf, "router_jitter_noise", (0, 0.0), 0.0)
+            out.update({"model.moe.num_experts": _positive_int(where, hf, "num_local_experts"),
+                        "model.moe.experts_per_token": _positive_int(where, hf, "num_experts_per_tok"),
+                        "model.moe.expert_ff": out["model.d_ff"], "model.moe.router": "softmax_topk",
+                        "model.moe.normalize_topk": True,
+                        "model.moe.aux_loss_coef": float(_get(hf, "router_aux_loss_coef", 0.001))})
     out["model.vocab_size"] = _positive_int(where, hf, "vocab_size")
     out["model.block"] = "serial"
     return arch, out
@@ -165,13 +176,20 @@ def architecture_for(cfg: ModelConfig) -> str:
             "model.head_dim": (cfg.head_size * cfg.num_heads, cfg.d_model)}
     llama = {"model.position": (cfg.position, "rope"), "model.norm": (cfg.norm, "rmsnorm"),
              "model.mlp": (cfg.mlp, "swiglu")}
-    # mixture-of-experts families (Mixtral, Qwen2-MoE, Qwen3-MoE) are not converted yet
-    common = {"model.block": (cfg.block, "serial"), "model.moe.num_experts": (cfg.moe.num_experts, 0)}
-    # The Llama family member: Qwen3 for query/key norms, Qwen2 for biases on q/k/v alone, Mistral for a sliding
-    # window, else Llama.
+    mo = cfg.moe
+    common = {"model.block": (cfg.block, "serial")}
+    # The Llama family member: Mixtral for a mixture of experts, Qwen3 for query/key norms, Qwen2 for biases on
+    # q/k/v alone, Mistral for a sliding window, else Llama.
     window = cfg.attention.window
-    target = (GPT2 if cfg.position == "learned" else QWEN3 if cfg.qk_norm else QWEN2 if cfg.qkv_bias
-              else MISTRAL if window is not None else LLAMA)
+    target = (GPT2 if cfg.position == "learned" else MIXTRAL if mo.num_experts else QWEN3 if cfg.qk_norm
+              else QWEN2 if cfg.qkv_bias else MISTRAL if window is not None else LLAMA)
+    if target == MIXTRAL:
+        llama.update({"model.qkv_bias": (cfg.qkv_bias, False), "model.qk_norm": (cfg.qk_norm, False),
+                      "model.moe.router": (mo.router, "softmax_topk"), "model.moe.normalize_topk":
+                      (mo.normalize_topk, True), "model.moe.shared_experts": (mo.shared_experts, 0),
+                      "model.moe.every": (mo.every, 1), "model.moe.capacity_factor": (mo.capacity_factor, 0.0)})
+    else:  # the other families have no experts
+        common["model.moe.num_experts"] = (mo.num_experts, 0)
     if target == GPT2:
         llama = {}
         gpt2.update({"model.qkv_bias": (cfg.qkv_bias, False), "model.qk_norm": (cfg.qk_norm, False)})
@@ -179,7 +197,7 @@ def architecture_for(cfg: ModelConfig) -> str:
         llama.update({"model.use_bias": (cfg.use_bias, False)})  # none of them has MLP biases
         if target == QWEN3:
             llama["model.qkv_bias"] = (cfg.qkv_bias, False)
-    if target != MISTRAL:
+    if target not in (MISTRAL, MIXTRAL):
         common["model.attention.window"] = (window, None)
     wants = {**(gpt2 if target == GPT2 else llama), **common}
     bad = [f"{k}={have!r} (needs {want!r})" for k, (have, want) in wants.items() if have != want]
@@ -248,10 +266,17 @@ def hf_config_for(arch: str, cfg: ModelConfig, special: dict[str, int | None]) -
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True,
                 "dtype": "float32", **tokens}
     model_type = {v: k for k, v in MODEL_TYPES.items()}[arch]
-    family = ({} if arch == LLAMA else {"sliding_window": cfg.attention.window} if arch == MISTRAL
+    family = ({} if arch == LLAMA else {"sliding_window": cfg.attention.window} if arch in (MISTRAL, MIXTRAL)
               else {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.num_layers})
+    if arch == MIXTRAL:
+        mo = cfg.moe
+        family.update({"num_local_experts": mo.num_experts, "num_experts_per_tok": mo.experts_per_token,
+                       "router_aux_loss_coef": mo.aux_loss_coef, "output_router_logits": False,
+                       "router_jitter_noise": 0.0})
     return {"architectures": [arch], "model_type": model_type, **family, "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.d_model, "intermediate_size": cfg.ff_size, "num_hidden_layers": cfg.num_layers,
+            "hidden_size": cfg.d_model,
+            "intermediate_size": (cfg.moe.expert_ff or cfg.ff_size) if arch == MIXTRAL else cfg.ff_size,
+            "num_hidden_layers": cfg.num_layers,
             "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_size,
             "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
             # transformers >= 5 reads rope_parameters, earlier releases rope_theta
@@ -275,6 +300,8 @@ class Rule:
       layer: the layer index, or None for a model-level tensor.
       to_msjax: HF array -> the arrays of `params` (numpy or jax: reshapes, transposes, splits only).
       to_hf: the arrays of `params` -> the HF array.
+      expert: the tensor is this expert's slice of parameters stacked over the experts (leading `exp` axis
+        after any `layers` axis); None for a whole parameter.
     """
 
     hf: str
@@ -282,6 +309,7 @@ class Rule:
     layer: int | None
     to_msjax: Callable[[Any], list[Any]]
     to_hf: Callable[[list[Any]], Any]
+    expert: int | None = None
 
 
 def _one(f: Callable[[Any], Any]) -> Callable[[Any], list[Any]]:
@@ -347,10 +375,20 @@ def rules(arch: str, cfg: ModelConfig) -> list[Rule]:
             Rule(pre + "self_attn.o_proj.weight", ("attn.wo",), i, _one(lambda x: x.T.reshape(h, k, d)),
                  lambda p: p[0].reshape(h * k, d).T),
             Rule(pre + "post_attention_layernorm.weight", ("ln2.scale",), i, _one(lambda x: x), lambda p: p[0]),
-            Rule(pre + "mlp.gate_proj.weight", ("mlp.w_gate",), i, _one(lambda x: x.T), lambda p: p[0].T),
-            Rule(pre + "mlp.up_proj.weight", ("mlp.w_in",), i, _one(lambda x: x.T), lambda p: p[0].T),
-            Rule(pre + "mlp.down_proj.weight", ("mlp.w_out",), i, _one(lambda x: x.T), lambda p: p[0].T),
         ]
+        if arch == MIXTRAL:  # router (E, D) -> (D, E); each expert's w1 / w3 (F, D) and w2 (D, F), transposed
+            moe = pre + "block_sparse_moe."
+            out.append(Rule(moe + "gate.weight", ("mlp.router",), i, _one(lambda x: x.T), lambda p: p[0].T))
+            for e in range(cfg.moe.num_experts):
+                out += [Rule(f"{moe}experts.{e}.{w}.weight", (f"mlp.{ours}",), i, _one(lambda x: x.T),
+                             lambda p: p[0].T, expert=e)
+                        for w, ours in (("w1", "w_gate"), ("w3", "w_in"), ("w2", "w_out"))]
+        else:
+            out += [
+                Rule(pre + "mlp.gate_proj.weight", ("mlp.w_gate",), i, _one(lambda x: x.T), lambda p: p[0].T),
+                Rule(pre + "mlp.up_proj.weight", ("mlp.w_in",), i, _one(lambda x: x.T), lambda p: p[0].T),
+                Rule(pre + "mlp.down_proj.weight", ("mlp.w_out",), i, _one(lambda x: x.T), lambda p: p[0].T),
+            ]
         if cfg.use_bias or cfg.qkv_bias:
             out += [
                 Rule(pre + "self_attn.q_proj.bias", ("attn.bq",), i, _one(lambda x: x.reshape(h, k)),

@@ -129,8 +129,10 @@ def hf_run_config(hf_dir: Path, run_dir: Path, base: Config | None = None,
     return arch, cfg
 
 
-def _params_of(tree: dict, path: str, layer: int | None, scan: bool) -> tuple[dict, str, int | None]:
-    """(the dict holding the leaf, its key, the index on its leading `layers` axis or None)."""
+def _params_of(tree: dict, path: str, layer: int | None, scan: bool, expert: int | None = None
+               ) -> tuple[dict, str, tuple[int, ...]]:
+    """(the dict holding the leaf, its key, the rule's indices on its leading axes: the `layers` axis of stacked
+    layers, then an expert's on the `exp` axis; () for the whole leaf)."""
     parts = path.split(".")
     if layer is None:
         node = tree
@@ -140,7 +142,8 @@ def _params_of(tree: dict, path: str, layer: int | None, scan: bool) -> tuple[di
         node = tree["layers"][layer]
     for part in parts[:-1]:
         node = node[part]
-    return node, parts[-1], layer if (layer is not None and scan) else None
+    index = ((layer,) if (layer is not None and scan) else ()) + ((expert,) if expert is not None else ())
+    return node, parts[-1], index
 
 
 def load_hf_params(reader: SafetensorsReader, arch: str, cfg: Config, abstract_params: dict,
@@ -168,7 +171,7 @@ def load_hf_params(reader: SafetensorsReader, arch: str, cfg: Config, abstract_p
             raise ValueError(f"shape {value.shape}, needs {abstract.shape}")
         return jax.device_put(value.astype(dt), sharding)
 
-    set_layer = jax.jit(lambda stack, x, i: stack.at[i].set(x), donate_argnums=0)
+    set_slice = jax.jit(lambda stack, x, i: stack.at[tuple(i)].set(x), donate_argnums=0)
     for rule in rules(arch, m):
         if rule.hf not in by_name:
             raise HFConversionError(f"{reader.directory}: tensor {hf_name_in_file(arch, rule.hf)!r} is missing "
@@ -178,20 +181,20 @@ def load_hf_params(reader: SafetensorsReader, arch: str, cfg: Config, abstract_p
         used.add(name)
         values = rule.to_msjax(reader.get(name))
         for path, value in zip(rule.params, values):
-            node, key, index = _params_of(params, path, rule.layer, m.scan_layers)
+            node, key, index = _params_of(params, path, rule.layer, m.scan_layers, rule.expert)
             a_node, _, _ = _params_of(abstract_params, path, rule.layer, m.scan_layers)
             s_node, _, _ = _params_of(shardings, path, rule.layer, m.scan_layers)
             abstract, sharding = a_node[key], s_node[key]
             try:
-                if index is None:
+                if not index:
                     node[key] = placed(abstract, sharding, value)
                 else:
-                    if node[key] is None:  # the stacked (L, ...) array, filled layer by layer in place
+                    if node[key] is None:  # the stacked (L, ...) / (E, ...) array, filled slice by slice in place
                         node[key] = jax.jit(lambda: jnp.zeros(abstract.shape, dt), out_shardings=sharding)()
-                    layer = jax.ShapeDtypeStruct(abstract.shape[1:], dt)
-                    if value.shape != layer.shape:
-                        raise ValueError(f"shape {value.shape}, needs {layer.shape}")
-                    node[key] = set_layer(node[key], value.astype(dt), index)
+                    part = jax.ShapeDtypeStruct(abstract.shape[len(index):], dt)
+                    if value.shape != part.shape:
+                        raise ValueError(f"shape {value.shape}, needs {part.shape}")
+                    node[key] = set_slice(node[key], value.astype(dt), jnp.asarray(index, jnp.int32))
             except ValueError as e:
                 raise HFConversionError(f"{reader.directory}: tensor {name!r} (shape {reader.shape(name)}) does "
                                         f"not fit msjax's {path} of layer {rule.layer}: {e}") from None
@@ -353,13 +356,13 @@ def hf_tensors(arch: str, cfg: Config, params: dict, dtype: str) -> Iterator[tup
     out_dt = jnp.dtype(dtype)
     m = cfg.model
 
-    def fetch(path: str, layer: int | None) -> np.ndarray:
-        node, key, index = _params_of(params, path, layer, m.scan_layers)
-        x = node[key] if index is None else node[key][index]
+    def fetch(path: str, layer: int | None, expert: int | None) -> np.ndarray:
+        node, key, index = _params_of(params, path, layer, m.scan_layers, expert)
+        x = node[key][index] if index else node[key]
         return np.asarray(jax.device_get(x))
 
     for rule in rules(arch, m):
-        value = rule.to_hf([fetch(p, rule.layer) for p in rule.params])
+        value = rule.to_hf([fetch(p, rule.layer, rule.expert) for p in rule.params])
         yield hf_name_in_file(arch, rule.hf), np.ascontiguousarray(np.asarray(value).astype(out_dt))
 
 

@@ -26,6 +26,7 @@ import pytest
 torch = pytest.importorskip("torch")  # the dev extra installs both (pyproject.toml); CI always has them
 transformers = pytest.importorskip("transformers")
 
+from msjax.config import MoEConfig  # noqa: E402
 from msjax.data import ByteTokenizer, CharTokenizer, HFTokenizer  # noqa: E402
 from msjax.generate import generate_text, load_run  # noqa: E402
 from msjax.runs import run_config  # noqa: E402
@@ -95,6 +96,12 @@ MODELS = {
     "mistral": ("MistralConfig", dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                                       num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
                                       sliding_window=7, rope_theta=10000.0, rms_norm_eps=1e-5)),
+    # Mixtral's: every MLP 6 experts of width 40, top-2 (softmax, renormalised), random router weights, so some
+    # experts get many more tokens than others; a sliding window of 9
+    "mixtral": ("MixtralConfig", dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
+                                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
+                                      num_local_experts=6, num_experts_per_tok=2, sliding_window=9,
+                                      rope_theta=10000.0, rms_norm_eps=1e-5)),
 }
 # A layout per model that splits what it can over 8 devices (GPT-2's 3 heads do not split over tensor); the third
 # keeps one parameter set per layer (`layers.i`) instead of stacked `blocks`.
@@ -105,7 +112,8 @@ LAYOUTS = {"gpt2": {"mesh.data": 2, "mesh.fsdp": 4}, "llama": {"mesh.data": 2, "
            "qwen2-yarn": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
            "qwen2-untied": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
            "qwen3": {"mesh.fsdp": 4, "mesh.tensor": 2},
-           "mistral": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}}
+           "mistral": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
+           "mixtral": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}}
 
 
 def _random_hf_model(kind: str, seed: int = 0):
@@ -130,7 +138,7 @@ def hf_dirs(tmp_path_factory, tokenizer_file) -> dict:
         model = _random_hf_model(kind)
         model.save_pretrained(d)
         tok = Tokenizer.from_file(str(tokenizer_file))
-        if kind.startswith(("llama", "qwen", "mistral")):  # a begin-of-text token the tokenizer's post-processor adds, as Llama's does
+        if kind.startswith(("llama", "qwen", "mistral", "mixtral")):  # a begin-of-text token the tokenizer's post-processor adds, as Llama's does
             tok.add_special_tokens(["<|begin_of_text|>"])
             bos = tok.token_to_id("<|begin_of_text|>")
             tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
@@ -230,9 +238,10 @@ def test_export_gives_the_original_tensors_bit_for_bit(hf_dirs, imported, kind, 
 
 def test_greedy_generation_equals_transformers_generate(hf_dirs, imported):
     """Same prompt ids, `generate(do_sample=False)` against msjax's cached greedy decoding, for both
-    architectures, Llama 3.1's scaled RoPE, Qwen2's biases, Qwen3's query/key norms and Mistral's sliding window
+    architectures, Llama 3.1's scaled RoPE, Qwen2's biases, Qwen3's query/key norms, Mistral's sliding window and
+    Mixtral's experts
     (21 tokens through a window of 7; HF stops at no eos here: eos_token_id None)."""
-    for kind in ("gpt2", "llama", "llama31", "qwen2", "qwen2-untied", "qwen3", "mistral"):
+    for kind in ("gpt2", "llama", "llama31", "qwen2", "qwen2-untied", "qwen3", "mistral", "mixtral"):
         _, model = hf_dirs[kind]
         run = load_run(imported[kind].run_dir, overrides=ONE_DEVICE, devices=jax.devices()[:1])
         prompts = [[5, 17, 250, 3, 42], [7, 8]]
@@ -425,6 +434,11 @@ def _edited(hf_dirs, tmp_path, kind: str, config=None, drop=None, add=None, rena
     ("llama", dict(config={"intermediate_size": 90}), "'model.layers.0.mlp.gate_proj.weight' (shape (84, 48)) does "
                                                       "not fit msjax's mlp.w_gate of layer 0"),
     ("gpt2", dict(config={"n_layer": 4}), "tensor 'transformer.h.3.ln_1.weight' is missing"),
+    ("mixtral", dict(config={"router_jitter_noise": 0.1}), "router_jitter_noise=0.1 cannot be represented in msjax"),
+    ("mixtral", dict(config={"architectures": ["Qwen2MoeForCausalLM"]}),
+     "architectures=['Qwen2MoeForCausalLM']; msjax converts GPT2LMHeadModel, LlamaForCausalLM"),
+    ("mixtral", dict(drop=["model.layers.1.block_sparse_moe.experts.5.w3.weight"]),
+     "tensor 'model.layers.1.block_sparse_moe.experts.5.w3.weight' is missing"),
 ])
 def test_what_msjax_cannot_represent_is_one_error_naming_it(hf_dirs, tmp_path, kind, edit, needle):
     d = _edited(hf_dirs, tmp_path, kind, **edit)
@@ -503,6 +517,12 @@ def test_command_line_errors(hf_dirs, imported, tmp_path):
     ({"model.attention.window": 8, "model.use_bias": True}, "MistralForCausalLM (chosen by model.position='rope', "
                                                             "qkv_bias=False, qk_norm=False, attention.window=8): "
                                                             "model.use_bias=True (needs False)"),
+    ({"model.moe": MoEConfig(num_experts=4, shared_experts=1)},
+     "MixtralForCausalLM (chosen by model.position='rope', qkv_bias=False, qk_norm=False, attention.window=None): "
+     "model.moe.shared_experts=1 (needs 0)"),
+    ({"model.moe": MoEConfig(num_experts=4), "model.position": "learned", "model.norm": "layernorm",
+      "model.mlp": "gelu", "model.use_bias": True, "model.tie_embeddings": True, "model.num_kv_heads": 0},
+     "model.moe.num_experts=4 (needs 0)"),
 ])
 def test_models_no_hf_architecture_holds_are_refused_on_export(trained, tmp_path, change, needle):
     from msjax.hf.arch import architecture_for
