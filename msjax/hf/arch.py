@@ -16,8 +16,9 @@ Mistral with every MLP a mixture of `num_local_experts` SwiGLU experts (`block_s
 `num_experts_per_tok`, renormalised (msjax's `model.moe` with `router=softmax_topk`, `normalize_topk`).
 
 A `Rule` maps one HF tensor onto one or more msjax parameters of a layer (GPT-2's fused `c_attn` is three), or
-onto one expert's slice of a parameter stacked over the experts, and back; `rules(arch, cfg)` lists them in the order they are read. Every transform is a reshape, a transpose or a
-split/concatenation: the values are copied exactly, so msjax -> HF -> msjax returns the same bits.
+onto one expert's slice of a parameter stacked over the experts, and back; `rules(arch, cfg)` lists them in the
+order they are read. Every transform is a reshape, a transpose or a split/concatenation: the values are copied
+exactly, so msjax -> HF -> msjax returns the same bits.
 """
 
 from __future__ import annotations
