@@ -138,7 +138,8 @@ def hf_dirs(tmp_path_factory, tokenizer_file) -> dict:
         model = _random_hf_model(kind)
         model.save_pretrained(d)
         tok = Tokenizer.from_file(str(tokenizer_file))
-        if kind.startswith(("llama", "qwen", "mistral", "mixtral")):  # a begin-of-text token the tokenizer's post-processor adds, as Llama's does
+        # a begin-of-text token the tokenizer's post-processor adds, as Llama's does
+        if kind.startswith(("llama", "qwen", "mistral", "mixtral")):
             tok.add_special_tokens(["<|begin_of_text|>"])
             bos = tok.token_to_id("<|begin_of_text|>")
             tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
