@@ -14,6 +14,11 @@ sees itself and the W-1 tokens before it, msjax's `model.attention.window`). Mix
 Mistral with every MLP a mixture of `num_local_experts` SwiGLU experts (`block_sparse_moe.experts.{e}.w1` gate,
 `w3` up, `w2` down) and a router (`block_sparse_moe.gate`): softmax over the experts, the top
 `num_experts_per_tok`, renormalised (msjax's `model.moe` with `router=softmax_topk`, `normalize_topk`).
+Qwen2-MoE (`Qwen2MoeForCausalLM`) is Qwen2 with experts (`mlp.experts.{e}.gate_proj`, `up_proj`, `down_proj`),
+a router (`mlp.gate`), top-k weights renormalised only with `norm_topk_prob`, and a shared expert every token goes
+through (`mlp.shared_expert`, msjax's `shared_experts` x `expert_ff` wide) scaled by sigmoid(`mlp.shared_expert_gate`
+x); layers are sparse every `decoder_sparse_step`-th (msjax's `model.moe.every`), dense otherwise. Qwen3-MoE
+(`Qwen3MoeForCausalLM`) is Qwen3 with Qwen2-MoE's experts and router and no shared expert.
 
 A `Rule` maps one HF tensor onto one or more msjax parameters of a layer (GPT-2's fused `c_attn` is three), or
 onto one expert's slice of a parameter stacked over the experts, and back; `rules(arch, cfg)` lists them in the
@@ -37,8 +42,12 @@ QWEN2 = "Qwen2ForCausalLM"
 QWEN3 = "Qwen3ForCausalLM"
 MISTRAL = "MistralForCausalLM"
 MIXTRAL = "MixtralForCausalLM"
-ARCHITECTURES = (GPT2, LLAMA, QWEN2, QWEN3, MISTRAL, MIXTRAL)
-MODEL_TYPES = {"gpt2": GPT2, "llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "mistral": MISTRAL, "mixtral": MIXTRAL}
+QWEN2_MOE = "Qwen2MoeForCausalLM"
+QWEN3_MOE = "Qwen3MoeForCausalLM"
+ARCHITECTURES = (GPT2, LLAMA, QWEN2, QWEN3, MISTRAL, MIXTRAL, QWEN2_MOE, QWEN3_MOE)
+MODEL_TYPES = {"gpt2": GPT2, "llama": LLAMA, "qwen2": QWEN2, "qwen3": QWEN3, "mistral": MISTRAL, "mixtral": MIXTRAL,
+               "qwen2_moe": QWEN2_MOE, "qwen3_moe": QWEN3_MOE}
+MOE_ARCHITECTURES = (MIXTRAL, QWEN2_MOE, QWEN3_MOE)
 
 
 class HFConversionError(ConfigError):
@@ -112,7 +121,8 @@ def model_overrides_from_hf(hf: dict, where: str) -> tuple[str, dict[str, Any]]:
                "model.tie_embeddings": bool(_get(hf, "tie_word_embeddings", True)), "model.attention.window": None}
     else:
         _require(where, hf, "hidden_act", ("silu",), "silu")
-        if arch in (QWEN2, QWEN3):
+        qwen2, qwen3 = arch in (QWEN2, QWEN2_MOE), arch in (QWEN3, QWEN3_MOE)
+        if qwen2 or qwen3:
             _require(where, hf, "use_sliding_window", (False,), False)
         window = _get(hf, "sliding_window") if arch in (MISTRAL, MIXTRAL) else None
         if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
@@ -125,10 +135,10 @@ def model_overrides_from_hf(hf: dict, where: str) -> tuple[str, dict[str, Any]]:
                                     f"RoPE scales frequencies as {', '.join(map(repr, ROPE_TYPES))}; allowed: those")
         base = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
         params = {**scaling, **rope}  # transformers >= 5 writes rope_parameters, earlier releases rope_scaling
-        if arch == QWEN3 and _get(hf, "attention_bias", False):
+        if qwen3 and _get(hf, "attention_bias", False):
             raise HFConversionError(f"{where}: attention_bias=True: Qwen3's attention biases without MLP biases "
                                     "cannot be represented in msjax; allowed: false")
-        if arch != QWEN2 and _get(hf, "attention_bias", False) != _get(hf, "mlp_bias", False):
+        if not qwen2 and _get(hf, "attention_bias", False) != _get(hf, "mlp_bias", False):
             raise HFConversionError(f"{where}: attention_bias={hf.get('attention_bias')!r} and mlp_bias="
                                     f"{hf.get('mlp_bias')!r}: msjax has one switch for biases (model.use_bias); "
                                     "allowed: both true or both false")
@@ -140,7 +150,8 @@ def model_overrides_from_hf(hf: dict, where: str) -> tuple[str, dict[str, Any]]:
         kv = _get(hf, "num_key_value_heads", heads)
         out = {"model.position": "rope", "model.rope_base": float(base), "model.norm": "rmsnorm",
                "model.mlp": "swiglu", "model.use_bias": arch == LLAMA and bool(_get(hf, "attention_bias", False)),
-               "model.qkv_bias": arch == QWEN2, "model.qk_norm": arch == QWEN3,
+               "model.qkv_bias": arch == QWEN2 or (arch == QWEN2_MOE and bool(_get(hf, "qkv_bias", True))),
+               "model.qk_norm": qwen3,
                "model.num_layers": _positive_int(where, hf, "num_hidden_layers"), "model.d_model": d,
                "model.num_heads": heads, "model.num_kv_heads": 0 if kv == heads else int(kv),
                "model.head_dim": 0 if head_dim is None or head_dim * heads == d else int(head_dim),
@@ -150,16 +161,39 @@ def model_overrides_from_hf(hf: dict, where: str) -> tuple[str, dict[str, Any]]:
                "model.tie_embeddings": bool(_get(hf, "tie_word_embeddings", False)),
                **_rope_scaling_from_hf(where, rope_type, params)}
         out["model.attention.window"] = window
-        if arch == MIXTRAL:
-            _require(where, hf, "router_jitter_noise", (0, 0.0), 0.0)
-            out.update({"model.moe.num_experts": _positive_int(where, hf, "num_local_experts"),
-                        "model.moe.experts_per_token": _positive_int(where, hf, "num_experts_per_tok"),
-                        "model.moe.expert_ff": out["model.d_ff"], "model.moe.router": "softmax_topk",
-                        "model.moe.normalize_topk": True,
-                        "model.moe.aux_loss_coef": float(_get(hf, "router_aux_loss_coef", 0.001))})
+        if arch in MOE_ARCHITECTURES:
+            out.update(_moe_from_hf(where, arch, hf))
     out["model.vocab_size"] = _positive_int(where, hf, "vocab_size")
     out["model.block"] = "serial"
     return arch, out
+
+
+def _moe_from_hf(where: str, arch: str, hf: dict) -> dict[str, Any]:
+    """The `model.moe.*` (and layer-layout) overrides of a Mixtral, Qwen2-MoE or Qwen3-MoE config.json."""
+    out = {"model.moe.experts_per_token": _positive_int(where, hf, "num_experts_per_tok"),
+           "model.moe.router": "softmax_topk",
+           "model.moe.aux_loss_coef": float(_get(hf, "router_aux_loss_coef", 0.001))}
+    if arch == MIXTRAL:
+        _require(where, hf, "router_jitter_noise", (0, 0.0), 0.0)
+        return {**out, "model.moe.num_experts": _positive_int(where, hf, "num_local_experts"),
+                "model.moe.expert_ff": _positive_int(where, hf, "intermediate_size"), "model.moe.normalize_topk": True}
+    _require(where, hf, "mlp_only_layers", ([], None), [])
+    every = _positive_int(where, hf, "decoder_sparse_step")
+    expert_ff = _positive_int(where, hf, "moe_intermediate_size")
+    # the Hub's Qwen-MoE configs say num_experts; transformers 5 writes Qwen3-MoE's as num_local_experts
+    experts = _positive_int(where, hf, "num_experts" if "num_experts" in hf else "num_local_experts")
+    out.update({"model.moe.num_experts": experts, "model.moe.expert_ff": expert_ff,
+                "model.moe.normalize_topk": bool(_get(hf, "norm_topk_prob", False)), "model.moe.every": every})
+    if every > 1:  # sparse and dense layers differ: one parameter set per layer
+        out["model.scan_layers"] = False
+    if arch == QWEN2_MOE:
+        shared = int(_get(hf, "shared_expert_intermediate_size", 0) or 0)
+        if shared % expert_ff:
+            raise HFConversionError(f"{where}: shared_expert_intermediate_size={shared} is not a multiple of "
+                                    f"moe_intermediate_size={expert_ff}; msjax's shared experts are "
+                                    "model.moe.shared_experts x expert_ff wide")
+        out.update({"model.moe.shared_experts": shared // expert_ff, "model.moe.shared_gate": shared > 0})
+    return out
 
 
 def architecture_for(cfg: ModelConfig) -> str:
@@ -179,16 +213,26 @@ def architecture_for(cfg: ModelConfig) -> str:
              "model.mlp": (cfg.mlp, "swiglu")}
     mo = cfg.moe
     common = {"model.block": (cfg.block, "serial")}
-    # The Llama family member: Mixtral for a mixture of experts, Qwen3 for query/key norms, Qwen2 for biases on
-    # q/k/v alone, Mistral for a sliding window, else Llama.
+    # The Llama family member: Qwen3 for query/key norms, Qwen2 for biases on q/k/v alone, Mistral for a sliding
+    # window, else Llama; with a mixture of experts, Qwen3-MoE, Qwen2-MoE or Mixtral.
     window = cfg.attention.window
-    target = (GPT2 if cfg.position == "learned" else MIXTRAL if mo.num_experts else QWEN3 if cfg.qk_norm
-              else QWEN2 if cfg.qkv_bias else MISTRAL if window is not None else LLAMA)
-    if target == MIXTRAL:
-        llama.update({"model.qkv_bias": (cfg.qkv_bias, False), "model.qk_norm": (cfg.qk_norm, False),
-                      "model.moe.router": (mo.router, "softmax_topk"), "model.moe.normalize_topk":
-                      (mo.normalize_topk, True), "model.moe.shared_experts": (mo.shared_experts, 0),
-                      "model.moe.every": (mo.every, 1), "model.moe.capacity_factor": (mo.capacity_factor, 0.0)})
+    if cfg.position == "learned":
+        target = GPT2
+    elif mo.num_experts:
+        target = QWEN3_MOE if cfg.qk_norm else QWEN2_MOE if (cfg.qkv_bias or mo.shared_experts) else MIXTRAL
+    else:
+        target = QWEN3 if cfg.qk_norm else QWEN2 if cfg.qkv_bias else MISTRAL if window is not None else LLAMA
+    if target in MOE_ARCHITECTURES:  # dropless softmax-then-top-k routers, every one of them
+        llama.update({"model.moe.router": (mo.router, "softmax_topk"),
+                      "model.moe.capacity_factor": (mo.capacity_factor, 0.0)})
+        if target == MIXTRAL:
+            llama.update({"model.qkv_bias": (cfg.qkv_bias, False), "model.qk_norm": (cfg.qk_norm, False),
+                          "model.moe.normalize_topk": (mo.normalize_topk, True),
+                          "model.moe.shared_experts": (mo.shared_experts, 0), "model.moe.every": (mo.every, 1)})
+        elif target == QWEN3_MOE:
+            llama["model.moe.shared_experts"] = (mo.shared_experts, 0)
+        else:  # Qwen2-MoE: the shared expert is gated
+            llama["model.moe.shared_gate"] = (mo.shared_gate, mo.shared_experts > 0)
     else:  # the other families have no experts
         common["model.moe.num_experts"] = (mo.num_experts, 0)
     if target == GPT2:
@@ -196,7 +240,7 @@ def architecture_for(cfg: ModelConfig) -> str:
         gpt2.update({"model.qkv_bias": (cfg.qkv_bias, False), "model.qk_norm": (cfg.qk_norm, False)})
     elif target != LLAMA:
         llama.update({"model.use_bias": (cfg.use_bias, False)})  # none of them has MLP biases
-        if target == QWEN3:
+        if target in (QWEN3, QWEN3_MOE):
             llama["model.qkv_bias"] = (cfg.qkv_bias, False)
     if target not in (MISTRAL, MIXTRAL):
         common["model.attention.window"] = (window, None)
@@ -269,11 +313,21 @@ def hf_config_for(arch: str, cfg: ModelConfig, special: dict[str, int | None]) -
     model_type = {v: k for k, v in MODEL_TYPES.items()}[arch]
     family = ({} if arch == LLAMA else {"sliding_window": cfg.attention.window} if arch in (MISTRAL, MIXTRAL)
               else {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.num_layers})
+    mo = cfg.moe
     if arch == MIXTRAL:
-        mo = cfg.moe
         family.update({"num_local_experts": mo.num_experts, "num_experts_per_tok": mo.experts_per_token,
                        "router_aux_loss_coef": mo.aux_loss_coef, "output_router_logits": False,
                        "router_jitter_noise": 0.0})
+    elif arch in (QWEN2_MOE, QWEN3_MOE):
+        # both spellings of the expert count: the Hub's (num_experts) and transformers 5's for Qwen3-MoE
+        family.update({"num_experts": mo.num_experts, "num_experts_per_tok": mo.experts_per_token,
+                       **({"num_local_experts": mo.num_experts} if arch == QWEN3_MOE else {}),
+                       "moe_intermediate_size": mo.expert_ff or cfg.ff_size, "norm_topk_prob": mo.normalize_topk,
+                       "decoder_sparse_step": mo.every, "mlp_only_layers": [],
+                       "router_aux_loss_coef": mo.aux_loss_coef, "output_router_logits": False})
+        if arch == QWEN2_MOE:
+            family.update({"shared_expert_intermediate_size": mo.shared_experts * (mo.expert_ff or cfg.ff_size),
+                           "qkv_bias": cfg.qkv_bias})
     return {"architectures": [arch], "model_type": model_type, **family, "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.d_model,
             "intermediate_size": (cfg.moe.expert_ff or cfg.ff_size) if arch == MIXTRAL else cfg.ff_size,
@@ -377,13 +431,19 @@ def rules(arch: str, cfg: ModelConfig) -> list[Rule]:
                  lambda p: p[0].reshape(h * k, d).T),
             Rule(pre + "post_attention_layernorm.weight", ("ln2.scale",), i, _one(lambda x: x), lambda p: p[0]),
         ]
-        if arch == MIXTRAL:  # router (E, D) -> (D, E); each expert's w1 / w3 (F, D) and w2 (D, F), transposed
-            moe = pre + "block_sparse_moe."
+        if cfg.moe.is_moe_layer(i):  # router (E, D) -> (D, E); each expert's (F, D) / (D, F) transposed
+            moe = pre + ("block_sparse_moe." if arch == MIXTRAL else "mlp.")
+            names = (("w1", "w_gate"), ("w3", "w_in"), ("w2", "w_out")) if arch == MIXTRAL else \
+                (("gate_proj", "w_gate"), ("up_proj", "w_in"), ("down_proj", "w_out"))
             out.append(Rule(moe + "gate.weight", ("mlp.router",), i, _one(lambda x: x.T), lambda p: p[0].T))
             for e in range(cfg.moe.num_experts):
                 out += [Rule(f"{moe}experts.{e}.{w}.weight", (f"mlp.{ours}",), i, _one(lambda x: x.T),
-                             lambda p: p[0].T, expert=e)
-                        for w, ours in (("w1", "w_gate"), ("w3", "w_in"), ("w2", "w_out"))]
+                             lambda p: p[0].T, expert=e) for w, ours in names]
+            if cfg.moe.shared_experts:  # Qwen2-MoE's shared expert, an MLP, and its gate (1, D) -> (D, 1)
+                out += [Rule(f"{moe}shared_expert.{w}.weight", (f"mlp.shared.{ours}",), i, _one(lambda x: x.T),
+                             lambda p: p[0].T) for w, ours in names]
+                out.append(Rule(moe + "shared_expert_gate.weight", ("mlp.shared_gate",), i, _one(lambda x: x.T),
+                                lambda p: p[0].T))
         else:
             out += [
                 Rule(pre + "mlp.gate_proj.weight", ("mlp.w_gate",), i, _one(lambda x: x.T), lambda p: p[0].T),

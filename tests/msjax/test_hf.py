@@ -102,6 +102,19 @@ MODELS = {
                                       num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64,
                                       num_local_experts=6, num_experts_per_tok=2, sliding_window=9,
                                       rope_theta=10000.0, rms_norm_eps=1e-5)),
+    # Qwen2-MoE's: experts of width 16 (top-2 of 6, not renormalised), a shared expert of 32 (two experts' width)
+    # behind a sigmoid gate, biases on q/k/v, and every second layer sparse (the others dense MLPs of 40)
+    "qwen2-moe": ("Qwen2MoeConfig", dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=40,
+                                         moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                                         num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2,
+                                         max_position_embeddings=64, num_experts=6, num_experts_per_tok=2,
+                                         decoder_sparse_step=2, rope_theta=1e6, rms_norm_eps=1e-6)),
+    # Qwen3-MoE's (Qwen3-30B-A3B's form): query/key norms, head_dim 16, top-3 of 8 experts renormalised
+    "qwen3-moe": ("Qwen3MoeConfig", dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=40,
+                                         moe_intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                                         num_experts=8, num_experts_per_tok=3, norm_topk_prob=True, rope_theta=1e6,
+                                         rms_norm_eps=1e-6)),
 }
 # A layout per model that splits what it can over 8 devices (GPT-2's 3 heads do not split over tensor); the third
 # keeps one parameter set per layer (`layers.i`) instead of stacked `blocks`.
@@ -113,7 +126,9 @@ LAYOUTS = {"gpt2": {"mesh.data": 2, "mesh.fsdp": 4}, "llama": {"mesh.data": 2, "
            "qwen2-untied": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
            "qwen3": {"mesh.fsdp": 4, "mesh.tensor": 2},
            "mistral": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
-           "mixtral": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2}}
+           "mixtral": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
+           "qwen2-moe": {"mesh.data": 2, "mesh.fsdp": 2, "mesh.tensor": 2},
+           "qwen3-moe": {"mesh.fsdp": 4, "mesh.tensor": 2}}
 
 
 def _random_hf_model(kind: str, seed: int = 0):
@@ -239,10 +254,11 @@ def test_export_gives_the_original_tensors_bit_for_bit(hf_dirs, imported, kind, 
 
 def test_greedy_generation_equals_transformers_generate(hf_dirs, imported):
     """Same prompt ids, `generate(do_sample=False)` against msjax's cached greedy decoding, for both
-    architectures, Llama 3.1's scaled RoPE, Qwen2's biases, Qwen3's query/key norms, Mistral's sliding window and
-    Mixtral's experts
+    architectures, Llama 3.1's scaled RoPE, Qwen2's biases, Qwen3's query/key norms, Mistral's sliding window,
+    Mixtral's, Qwen2-MoE's (with its gated shared expert) and Qwen3-MoE's experts
     (21 tokens through a window of 7; HF stops at no eos here: eos_token_id None)."""
-    for kind in ("gpt2", "llama", "llama31", "qwen2", "qwen2-untied", "qwen3", "mistral", "mixtral"):
+    for kind in ("gpt2", "llama", "llama31", "qwen2", "qwen2-untied", "qwen3", "mistral", "mixtral", "qwen2-moe",
+                 "qwen3-moe"):
         _, model = hf_dirs[kind]
         run = load_run(imported[kind].run_dir, overrides=ONE_DEVICE, devices=jax.devices()[:1])
         prompts = [[5, 17, 250, 3, 42], [7, 8]]
@@ -436,8 +452,11 @@ def _edited(hf_dirs, tmp_path, kind: str, config=None, drop=None, add=None, rena
                                                       "not fit msjax's mlp.w_gate of layer 0"),
     ("gpt2", dict(config={"n_layer": 4}), "tensor 'transformer.h.3.ln_1.weight' is missing"),
     ("mixtral", dict(config={"router_jitter_noise": 0.1}), "router_jitter_noise=0.1 cannot be represented in msjax"),
-    ("mixtral", dict(config={"architectures": ["Qwen2MoeForCausalLM"]}),
-     "architectures=['Qwen2MoeForCausalLM']; msjax converts GPT2LMHeadModel, LlamaForCausalLM"),
+    ("mixtral", dict(config={"architectures": ["DeepseekV3ForCausalLM"]}),
+     "architectures=['DeepseekV3ForCausalLM']; msjax converts GPT2LMHeadModel, LlamaForCausalLM"),
+    ("qwen2-moe", dict(config={"mlp_only_layers": [1]}), "mlp_only_layers=[1] cannot be represented in msjax"),
+    ("qwen2-moe", dict(config={"shared_expert_intermediate_size": 24}),
+     "shared_expert_intermediate_size=24 is not a multiple of moe_intermediate_size=16"),
     ("mixtral", dict(drop=["model.layers.1.block_sparse_moe.experts.5.w3.weight"]),
      "tensor 'model.layers.1.block_sparse_moe.experts.5.w3.weight' is missing"),
 ])
@@ -518,8 +537,14 @@ def test_command_line_errors(hf_dirs, imported, tmp_path):
     ({"model.attention.window": 8, "model.use_bias": True}, "MistralForCausalLM (chosen by model.position='rope', "
                                                             "qkv_bias=False, qk_norm=False, attention.window=8): "
                                                             "model.use_bias=True (needs False)"),
-    ({"model.moe": MoEConfig(num_experts=4, shared_experts=1)},
+    ({"model.moe": MoEConfig(num_experts=4, normalize_topk=False)},
      "MixtralForCausalLM (chosen by model.position='rope', qkv_bias=False, qk_norm=False, attention.window=None): "
+     "model.moe.normalize_topk=False (needs True)"),
+    ({"model.moe": MoEConfig(num_experts=4, shared_experts=1)},
+     "Qwen2MoeForCausalLM (chosen by model.position='rope', qkv_bias=False, qk_norm=False, attention.window=None): "
+     "model.moe.shared_gate=False (needs True)"),
+    ({"model.moe": MoEConfig(num_experts=4, shared_experts=1, shared_gate=True), "model.qk_norm": True},
+     "Qwen3MoeForCausalLM (chosen by model.position='rope', qkv_bias=False, qk_norm=True, attention.window=None): "
      "model.moe.shared_experts=1 (needs 0)"),
     ({"model.moe": MoEConfig(num_experts=4), "model.position": "learned", "model.norm": "layernorm",
       "model.mlp": "gelu", "model.use_bias": True, "model.tie_embeddings": True, "model.num_kv_heads": 0},
