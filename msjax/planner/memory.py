@@ -142,6 +142,19 @@ def total_params(cfg: Config, vocab: int) -> int:
     return sum(l.size * (cfg.model.num_layers if l.per_layer else 1) for l in param_leaves(cfg.model, vocab))
 
 
+def active_params(cfg: Config, vocab: int) -> int:
+    """Parameters a token uses (the published "active" count of a mixture of experts): `total_params` less, in
+    each MoE layer, the experts it is not routed to (E - k of every (E, ...) expert weight); the total for a dense
+    model."""
+    mo = cfg.model.moe
+    if not mo.num_experts:
+        return total_params(cfg, vocab)
+    per_expert = sum(l.size // mo.num_experts for l in param_leaves(cfg.model, vocab)
+                     if l.per_layer and l.names[:1] == (ax.EXP,))  # the experts' weights, not the router's
+    moe_layers = sum(mo.is_moe_layer(i) for i in range(cfg.model.num_layers))
+    return total_params(cfg, vocab) - moe_layers * (mo.num_experts - mo.experts_per_token) * per_expert
+
+
 def analytic_state_bytes(cfg: Config, vocab: int, sizes: dict[str, int]) -> dict[str, int]:
     """Per-device bytes of the msjax train state as `msjax.train_step` lays it out: params, optimizer moments
     (2 per parameter, in the parameter dtype, sharded like it, or over fsdp too under the `zero2` rule set), and

@@ -10,7 +10,7 @@ from msjax.config import Config, ConfigError, apply_overrides, flat_keys, load_p
 from msjax.mesh import make_mesh, resolve_axis_sizes
 
 EXPECTED_PRESETS = {"gpt_tiny", "shakespeare_char", "gpt_125m", "gpt_1_3b", "gpt_13b", "gpt175b", "gpt530b",
-                    "llama_tiny", "moe_tiny", "llama3_8b", "llama3_70b", "llama3_1_8b",
+                    "llama_tiny", "moe_tiny", "mixtral_8x7b", "qwen3_30b_a3b", "llama3_8b", "llama3_70b", "llama3_1_8b",
                     "qwen2_5_7b", "qwen3_8b", "mistral_7b"}
 
 

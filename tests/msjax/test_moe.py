@@ -279,3 +279,24 @@ def test_the_planner_refuses_a_mixture_of_experts_rather_than_price_it_as_dense(
     for plan in (make_plan, search):
         with pytest.raises(PlanError, match=r"model.moe.num_experts=8: the planner prices dense models only"):
             plan(load_preset("moe_tiny"), PlanOptions(devices=8))
+
+
+@pytest.mark.parametrize("preset, total, active", [("mixtral_8x7b", 46_702_792_704, 12_879_925_248),
+                                                   ("qwen3_30b_a3b", 30_532_122_624, 3_353_032_704)])
+def test_moe_presets_have_their_published_parameter_counts(preset, total, active):
+    """The planner's inventory (from the model's own parameters) gives the released checkpoints' counts: Mixtral
+    8x7B's 46.7B (12.9B active: 2 of 8 experts), Qwen3-30B-A3B's 30.5B (3.3B active: 8 of 128). By hand, per
+    layer: attention + E experts x 3 SwiGLU matrices + the router + two norms (+ Qwen3's q/k norms), times the
+    layers, plus the untied embedding and output projection and the final norm."""
+    from msjax.config import load_preset
+    from msjax.planner import memory as mem
+
+    cfg = load_preset(preset)
+    m = cfg.model
+    d, kvw, qw, e, f = m.d_model, m.kv_heads * m.head_size, m.num_heads * m.head_size, m.moe.num_experts, \
+        m.moe.expert_ff
+    layer = 2 * d * qw + 2 * d * kvw + e * 3 * d * f + d * e + 2 * d + (2 * m.head_size if m.qk_norm else 0)
+    assert total == m.num_layers * layer + 2 * m.vocab_size * d + d
+    assert mem.total_params(cfg, m.padded_vocab()) == total
+    inactive = m.num_layers * (e - m.moe.experts_per_token) * 3 * d * f
+    assert mem.active_params(cfg, m.padded_vocab()) == active == total - inactive
