@@ -228,18 +228,16 @@ def build_train_program(cfg: Config | Layout, mesh: Mesh | None = None, vocab_si
             return constrain(x_mbt, (None, ax.ACT_BATCH, ax.ACT_SEQ))
 
         def accumulate(carry, mb):
-            loss_sum, report_sum, grad_sum = carry
+            loss_sum, grad_sum = carry
             (loss, report), grads = grad_fn(params, mb, total)
-            return (loss_sum + loss, jax.tree.map(jnp.add, report_sum, report),
-                    jax.tree.map(jnp.add, grad_sum, grads)), None
+            return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), report
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        no_report = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
-                                 jax.eval_shape(loss_fn, params, jax.tree.map(lambda x: split(x)[0], batch))[1])
-        (loss, report, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), no_report, zeros),
-                                                jax.tree.map(split, batch))
+        (loss, grads), reports = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros),
+                                              jax.tree.map(split, batch))
         m = t.microbatches
-        report = {k: v if (k == "lm_loss" and weights is not None) else v / m for k, v in report.items()}
+        report = {k: jnp.sum(v) if (k == "lm_loss" and weights is not None) else jnp.mean(v)
+                  for k, v in reports.items()}
         if weights is not None:
             return (loss, report), grads  # the microbatches' sums over the step's total are the step's
         return (loss / m, report), jax.tree.map(lambda g: g / m, grads)
