@@ -58,8 +58,9 @@ def build_hooks(cfg: Config, control_plane: "ControlPlaneHook | None" = None, si
     writer (`msjax.metrics.MetricsWriter`, per `train.loggers`: its sinks open before every other hook starts and
     close after every other hook ended), fault handling (`StopOnSignal`; `NonFiniteStop` with
     train.nonfinite=stop), observability (`msjax.observe.loop_hooks`: the step observer and the profiler, per the
-    `observe` section), the control plane, `extra`, and last the goodput ledger (`msjax.goodput.LoopLedger`: its
-    clock starts once every other hook has started and stops before any other ends).
+    `observe` section, and a mixture of experts' load), the control plane, `extra`, and last the goodput ledger
+    (`msjax.goodput.LoopLedger`: its clock starts once every other hook has started and stops before any other
+    ends).
 
     What hooks share is passed here, explicitly: the step observer publishes to `sinks` and, when the run joined a
     control plane, to its metrics sink, and records straggler exclusions through it.

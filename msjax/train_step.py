@@ -192,7 +192,8 @@ def build_train_program(cfg: Config | Layout, mesh: Mesh | None = None, vocab_si
         objective adds each router loss, averaged over the MoE layers, times its coefficient (model.moe.
         aux_loss_coef, z_loss_coef), and the report has the cross-entropy alone ("lm_loss"), both router losses
         unweighted, the fraction of assignments dropped and the most loaded expert's share over the mean's
-        (1: even), averaged over the MoE layers."""
+        (1: even), averaged over the MoE layers, and "expert_load" (L_moe, E): each expert's share of its layer's
+        assignments (`msjax.observe.experts`)."""
         logits_btv, stats = apply_with_stats(graphdef, params, batch["inputs"], packing(batch))
         ce = cross_entropy(logits_btv, batch["targets"], batch.get("weights"), total)
         if not stats:
@@ -201,7 +202,7 @@ def build_train_program(cfg: Config | Layout, mesh: Mesh | None = None, vocab_si
         load_le = stats["load"]
         return ce + moe.aux_loss_coef * aux + moe.z_loss_coef * z, {
             "lm_loss": ce, "moe_aux_loss": aux, "moe_z_loss": z, "moe_dropped": jnp.mean(stats["dropped"]),
-            "moe_max_load": jnp.mean(jnp.max(load_le, axis=-1) * load_le.shape[-1])}
+            "moe_max_load": jnp.mean(jnp.max(load_le, axis=-1) * load_le.shape[-1]), "expert_load": load_le}
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     pipelined = None

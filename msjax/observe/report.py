@@ -10,6 +10,8 @@ Reads `config.json`, `metrics.jsonl`, `ranks/rank<i>.jsonl` + `.meta.json`, `ran
   timeline.png          per-rank step time over steps, and per-rank window figures with straggler flags.
   goodput.png           where the wall time went (msjax.goodput's buckets): one stacked bar for the run, one per
                         attempt of a supervised run.
+  expert_load.png       a mixture of experts' load, MoE layers x experts, at the first and last logging step
+                        (`expert_load.jsonl`).
   index.html            the pictures, a summary, the goodput table and the straggler table.
 
 Matplotlib (the Agg backend: no display needed) draws everything: a well-kept plotting library, no reason to own
@@ -29,6 +31,7 @@ import numpy as np
 
 from msjax.events import read_events
 from msjax.goodput import BUCKETS, read_ledger
+from msjax.observe.experts import EXPERT_LOAD_FILE
 from msjax.sharding_rules.axes import MESH_AXES
 
 # Heatmaps drawn when the data exists: figure key -> (title, source). "window" figures come from windows.jsonl
@@ -58,7 +61,7 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
     Returns:
       dict with config (dict or {}), metrics (rows of metrics.jsonl), ranks (process -> list of per-step rows),
       meta (process -> meta dict), windows (rows of windows.jsonl), events (rows of events.jsonl), goodput (the
-      ledger of goodput.json, or None).
+      ledger of goodput.json, or None), expert_load (rows of expert_load.jsonl: a mixture of experts' load).
     Raises:
       ReportError: `run_dir` is not a directory, or holds neither metrics.jsonl nor per-rank rows.
     """
@@ -76,7 +79,7 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
     config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
     return {"config": config, "metrics": metrics, "ranks": ranks, "meta": meta,
             "windows": _jsonl(run_dir / "ranks" / "windows.jsonl"), "events": read_events(run_dir),
-            "goodput": read_ledger(run_dir)}
+            "goodput": read_ledger(run_dir), "expert_load": _jsonl(run_dir / EXPERT_LOAD_FILE)}
 
 
 def per_rank_figure(run: dict[str, Any], figure: str) -> dict[int, float] | None:
@@ -209,6 +212,34 @@ def plot_curves(run: dict[str, Any], path: Path) -> bool:
     return True
 
 
+def plot_expert_load(run: dict[str, Any], path: Path) -> bool:
+    """A mixture of experts' load as a heatmap of MoE layers x experts: each expert's share of its layer's
+    assignments over the mean share (1: even), at the first and the last logging step side by side
+    (`expert_load.jsonl`, `msjax.observe.experts`); False when the run has none."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    rows = run["expert_load"]
+    if not rows:
+        return False
+    picks = [rows[0], rows[-1]] if len(rows) > 1 else rows[-1:]
+    grids = [np.asarray(r["load"]) * np.asarray(r["load"]).shape[-1] for r in picks]
+    vmax = max(float(g.max()) for g in grids)
+    fig, axes = plt.subplots(1, len(grids), figsize=(5.5 * len(grids), 4), constrained_layout=True, squeeze=False)
+    for ax, grid, row in zip(axes[0], grids, picks):
+        im = ax.imshow(grid, cmap="magma", vmin=0.0, vmax=vmax, aspect="auto")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("expert")
+        ax.set_ylabel("MoE layer")
+        ax.set_title(f"step {row['step']}: max {grid.max():.2f} x the mean share")
+    fig.colorbar(im, ax=list(axes[0]), label="share of the layer's assignments / mean share")
+    fig.suptitle("expert load (mixture of experts)")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def plot_timeline(run: dict[str, Any], path: Path) -> bool:
     """Per-rank step time over steps, and per-rank window figures (own compute, host lag) with straggler marks."""
     import matplotlib.pyplot as plt
@@ -314,6 +345,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
         images.append(("timeline.png", "per-rank timeline"))
     if plot_goodput(run, out / "goodput.png"):
         images.append(("goodput.png", "goodput: where the wall time went"))
+    if plot_expert_load(run, out / "expert_load.png"):
+        images.append(("expert_load.png", "expert load: each expert's share of its layer's tokens"))
     (out / "index.html").write_text(_html(run_dir, run, images))
     return out / "index.html"
 

@@ -535,7 +535,9 @@ class StepObserver(Hook):
                 # block_until_ready + jax.device_get of the whole dict.
                 values, done = {}, None
                 for k, v in metrics.items():
-                    values[k] = float(np.asarray(v))
+                    a = np.asarray(v)
+                    if a.ndim == 0:  # scalars; an array report (a mixture of experts' load) is logged elsewhere
+                        values[k] = float(a)
                     if done is None:
                         done = time.perf_counter()
                 if prev_done is None:
