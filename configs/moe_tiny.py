@@ -5,25 +5,11 @@ feed-forward (2 experts) is half of llama_tiny's and the layer's total (8 expert
 (the interpreter's standard-library sources, byte-level BPE); a 2-core CPU runs it in minutes.
 """
 
+from .llama_tiny import OVERRIDES as LLAMA_TINY
+
 OVERRIDES = {
-    "model.scan_layers": False,  # shallow: a Python loop over layers beats scan in the backward on CPU
-    "model.d_model": 192,
-    "model.num_heads": 6,
-    "model.num_kv_heads": 2,
-    "model.d_ff": 512,
-    "model.max_seq_len": 128,
-    "model.position": "rope",
-    "model.norm": "rmsnorm",
-    "model.mlp": "swiglu",
-    "model.use_bias": False,
-    "model.tie_embeddings": False,
+    **LLAMA_TINY,
     "model.moe.num_experts": 8,
     "model.moe.expert_ff": 128,
-    "train.seq_len": 128,
-    "train.eval_batches": 10,
     "train.run_dir": "runs/moe_tiny",
-    "optimizer.lr": 2e-3,
-    "optimizer.min_lr": 2e-4,
-    "optimizer.warmup_steps": 50,
-    "checkpoint.every": 250,
 }
