@@ -339,8 +339,8 @@ class TablePipelinedGrads(PipelinedGrads):
                         for j, acc in enumerate(flat)]
                 return jax.tree.unflatten(tree, flat)
 
-            # One condition per pass, each writing the buffers it makes in place (as the interleaved step's): an
-            # idle or F tick touches no gradient accumulator, a B or W tick no stash slot.
+            # One condition per pass, each writing the buffers it makes in place (as the interleaved step's): only F
+            # writes the stash, only B the W slots, and an idle or F tick touches no gradient accumulator.
             def forward(stash):
                 emb = constrain(self._embed(ends, pick(inputs_mbt, mb)).astype(dt), ACT)
                 x = jnp.where(first == 1, emb, x_in)
