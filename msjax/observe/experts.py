@@ -11,6 +11,7 @@ file of its own, not scalars for every sink.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import jax
@@ -32,9 +33,12 @@ class ExpertLoadLog(Hook):
         if jax.process_index() != 0:
             return
         path = ctx.run_dir / EXPERT_LOAD_FILE
-        kept = [row for row in path.read_text().splitlines(keepends=True)
-                if json.loads(row)["step"] <= ctx.start_step] if path.exists() else []
-        path.write_text("".join(kept))
+        if path.exists():  # rewritten whole (a temporary file, then a rename): never half a file
+            kept = [row for row in path.read_text().splitlines(keepends=True)
+                    if json.loads(row)["step"] <= ctx.start_step]
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, path)
         self._file = open(path, "a", buffering=1)
 
     def on_step_end(self, ctx: RunContext, step: int, metrics: dict[str, Any]) -> None:
