@@ -345,3 +345,23 @@ def test_a_moe_run_logs_its_expert_load_and_the_report_draws_it(tmp_path, small_
         assert load.shape == (2, 4) and np.allclose(load.sum(-1), 1.0, atol=1e-6)
     write_report(tmp_path / "run")
     assert (tmp_path / "run" / "report" / "expert_load.png").stat().st_size > 1000
+
+
+def test_a_resumed_run_keeps_the_expert_load_rows_of_the_steps_it_resumes_from(tmp_path):
+    """Rows of steps after the checkpoint a run resumes from (written by an attempt that died before saving
+    them) are dropped, the others kept, and the new rows appended after them."""
+    import json
+
+    from msjax.hooks import RunContext
+    from msjax.observe.experts import EXPERT_LOAD_FILE, ExpertLoadLog
+
+    path = tmp_path / EXPERT_LOAD_FILE
+    path.write_text("".join(json.dumps({"step": s, "load": [[0.5, 0.5]]}) + "\\n" for s in (2, 4, 6)))
+    ctx = RunContext(config=None, run_dir=tmp_path, mesh=None, program=None, start_step=4, control=None)
+    log = ExpertLoadLog()
+    log.on_start(ctx)
+    log.on_step_end(ctx, 6, {"expert_load": jnp.asarray([[0.25, 0.75]])})
+    log.on_log(ctx, 6, {})
+    log.on_end(ctx, None)
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 4, 6] and rows[-1]["load"] == [[0.25, 0.75]]
