@@ -356,7 +356,7 @@ def test_a_resumed_run_keeps_the_expert_load_rows_of_the_steps_it_resumes_from(t
     from msjax.observe.experts import EXPERT_LOAD_FILE, ExpertLoadLog
 
     path = tmp_path / EXPERT_LOAD_FILE
-    path.write_text("".join(json.dumps({"step": s, "load": [[0.5, 0.5]]}) + "\\n" for s in (2, 4, 6)))
+    path.write_text("".join(json.dumps({"step": s, "load": [[0.5, 0.5]]}) + "\n" for s in (2, 4, 6)))
     ctx = RunContext(config=None, run_dir=tmp_path, mesh=None, program=None, start_step=4, control=None)
     log = ExpertLoadLog()
     log.on_start(ctx)
