@@ -247,16 +247,18 @@ _ORBAX_TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
 
 def _save_in_flight(ckpt_dir: Path, phase: str) -> int | None:
     """The step of an unfinished save in `ckpt_dir` in `phase`: "write" while Orbax writes its temporary
-    directory, "commit" for a committed step whose integrity record is not there yet; None when there is none."""
+    directory, "commit" for the newest committed step whose integrity record is not there yet; None when there is
+    none. Only the newest step can be an unfinished commit (saves finish in order): an older step without its
+    record is one being deleted (checkpoint.keep), whose record may go first."""
     try:
         names = [p.name for p in ckpt_dir.iterdir()]
     except FileNotFoundError:
         return None
-    for name in names:
-        if phase == "write" and (m := _ORBAX_TMP.match(name)):
-            return int(m.group(1))
-        if phase == "commit" and name.isdigit() and not (ckpt_dir / name / RECORD_NAME).exists():
-            return int(name)
+    if phase == "write":
+        return next((int(m.group(1)) for name in names if (m := _ORBAX_TMP.match(name))), None)
+    steps = sorted((int(name), name) for name in names if name.isdigit())
+    if steps and not (ckpt_dir / steps[-1][1] / RECORD_NAME).exists():
+        return steps[-1][0]
     return None
 
 
