@@ -49,9 +49,9 @@ Overlap (msjax design; every term is exposed in the megatron baseline):
              cannot be hidden. The slowest stage sets the pace.
   Tables     1f1b, zb-h1 and zb-v (`pipeline.schedule`) run one pass a tick from an action table, the backward
              split into B (input gradient) and W (weight-gradient GEMMs, no collective; Qi et al. 2024): the flush
-             is simulated tick by tick with each pass's own time (`zero_bubble.flush_seconds`: a tick that uses a ring
-             ends when both neighbours' passes have, the output layer's ticks when every stage's have), so the price counts
-             what lock-stepped ticks cost when F, B and W differ, not the paper's equal-pass bubble.
+             is simulated tick by tick with each pass's own time (`zero_bubble.flush_seconds`: a tick that uses
+             a ring ends when both neighbours' passes have, the output layer's ticks when every stage's have), so
+             the price counts what lock-stepped ticks cost when F, B and W differ, not the paper's bubble.
   Optimizer  memory-bound over the (ZeRO-sharded) state, after the gradients are reduced; not overlapped.
   Links      every collective on the network (on NVLink / ICI) shares each device's NIC (ports): the step is at
              least the sum of their times on each kind of link, whatever overlaps (`link_bound` says when this
