@@ -920,7 +920,14 @@ class Checkpointer:
         try:
             self.wait()
         finally:
-            self._worker.shutdown(wait=False, cancel_futures=True)
+            # Joined, not just told to stop: an idle pool thread exits only once it wakes to shutdown's sentinel,
+            # and a caller that returns straight after close() must find no thread of ours alive (seen: the
+            # worker still alive at the driver's thread count on a loaded 2-core machine).
+            try:
+                _wait("the checkpoint worker thread to end",
+                      lambda: self._worker.shutdown(wait=True, cancel_futures=True), self.cfg.timeout_s)
+            except Exception:  # noqa: BLE001 - the write error (raised above, or already raised) is the report
+                pass
             if self._compile_thread is not None:  # compiles of a few seconds: never left running past the run
                 self._compile_thread.join(timeout=self.cfg.timeout_s)
             if self._server is not None:
