@@ -318,8 +318,8 @@ class ModelConfig:
 class MeshConfig:
     """Device mesh sizes and the sharding rule set (see `sharding_rules`).
 
-    Axis order (outer to inner): pipeline, data, fsdp, sequence, tensor; the innermost axes get the fastest
-    links (NVLink/ICI), as in MaxText and Megatron-LM. `data=-1` takes whatever devices remain.
+    Axis order (outer to inner): pipeline, data, fsdp, expert, sequence, tensor; the innermost axes get the
+    fastest links (NVLink/ICI), as in MaxText and Megatron-LM. `data=-1` takes whatever devices remain.
 
     Communication overlap (`msjax.parallel`, docs/overlap.md): `tp_overlap` hides Megatron-SP's all-gather and
     reduce-scatter behind the matmuls (`xla`: XLA's windowed einsum flags; `collective_matmul`: our decomposed
@@ -329,6 +329,8 @@ class MeshConfig:
       pipeline: pipeline-parallel stages (PP).
       data: data-parallel replicas (DP); -1 takes the devices that remain.
       fsdp: fully sharded data parallelism (ZeRO-3) ways.
+      expert: expert-parallel ways (EP): a mixture of experts' experts split over it, its tokens sent to them by
+        all-to-all; every other layer sees it as data parallelism. Above 1 only for MoE models.
       sequence: sequence/context-parallel ways (SP).
       tensor: tensor-parallel ways (TP, Megatron-style).
       rules: the sharding rule set (sharding_rules.RULE_SETS) mapping logical axes to mesh axes.
@@ -339,6 +341,7 @@ class MeshConfig:
     pipeline: int = 1
     data: int = -1
     fsdp: int = 1
+    expert: int = 1
     sequence: int = 1
     tensor: int = 1
     rules: str = "fsdp_tp"
@@ -350,6 +353,7 @@ class MeshConfig:
             "pipeline": self.pipeline,
             "data": self.data,
             "fsdp": self.fsdp,
+            "expert": self.expert,
             "sequence": self.sequence,
             "tensor": self.tensor,
         }
@@ -806,11 +810,23 @@ class Config:
                                   "model.attention.impl auto, xla or pallas")
 
     def _check_moe(self) -> None:
-        mo = self.model.moe
+        mo, ep = self.model.moe, self.mesh.expert
         if mo.num_experts < 0:
             raise ConfigError(f"model.moe.num_experts={mo.num_experts}: allowed is an integer >= 0 (0: dense MLP)")
         if not mo.num_experts:
+            if ep > 1:
+                raise ConfigError(f"mesh.expert={ep}: an expert-parallel axis needs a mixture-of-experts model "
+                                  "(model.moe.num_experts > 0); allowed for a dense model: mesh.expert=1")
             return
+        if mo.num_experts % ep:
+            raise ConfigError(f"mesh.expert={ep}: the model's model.moe.num_experts={mo.num_experts} experts must "
+                              "split evenly over it; allowed: a divisor of model.moe.num_experts")
+        if ep > 1 and mo.capacity_factor > 0:
+            raise ConfigError(f"model.moe.capacity_factor={mo.capacity_factor} with mesh.expert={ep}: expert "
+                              "parallelism is dropless; allowed: model.moe.capacity_factor=0, or mesh.expert=1")
+        if ep > 1 and self.mesh.rules == "zero2":
+            raise ConfigError(f"mesh.expert={ep} with mesh.rules=zero2: the ZeRO-2 reduction does not split experts; "
+                              "allowed: mesh.rules=fsdp_tp, fsdp, tp or dp")
         if not 1 <= mo.experts_per_token <= mo.num_experts:
             raise ConfigError(f"model.moe.experts_per_token={mo.experts_per_token}: allowed is 1 <= k <= "
                               f"model.moe.num_experts={mo.num_experts}")

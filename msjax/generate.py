@@ -85,7 +85,7 @@ class Generator:
             raise ValueError("Generator: give both mesh and rules, or neither")
         self.cfg, self.graphdef, self.params = model_cfg, graphdef, params
         self.mesh, self.rules = mesh, rules
-        self.batch_devices = 1 if mesh is None else mesh.shape[ax.DATA] * mesh.shape[ax.FSDP]
+        self.batch_devices = 1 if mesh is None else math.prod(mesh.shape[a] for a in ax.BATCH_AXES)
         # Uncached forward passes run the training layout, whose sequence may be split over sequence x tensor.
         self.seq_multiple = 1 if mesh is None else mesh.shape[ax.SEQUENCE] * mesh.shape[ax.TENSOR]
         self._replicated = None if mesh is None else NamedSharding(mesh, P())

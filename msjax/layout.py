@@ -42,7 +42,7 @@ class BatchSplit:
 
     Attributes:
       global_batch: sequences per optimizer step (`train.global_batch`).
-      replicas: data x fsdp, the devices a batch is split over.
+      replicas: data x fsdp x expert, the devices a batch is split over.
       accumulation: gradient-accumulation microbatches (`train.microbatches`).
       pipeline_microbatches: M, microbatches through the pipeline per accumulation microbatch (1 without it).
       microbatch: sequences per (pipeline) microbatch per replica: global_batch / (accumulation x M x replicas).
@@ -175,13 +175,13 @@ def split_batch(cfg: Config, sizes: Mapping[str, int]) -> BatchSplit:
     """The batch split of `cfg` on mesh `sizes`. Raises ConfigError when a (pipeline) microbatch does not split
     over the data-parallel devices (`Config.validate` has checked the device-free divisibility)."""
     t = cfg.train
-    replicas = sizes[ax.DATA] * sizes[ax.FSDP]
+    replicas = math.prod(sizes[a] for a in ax.BATCH_AXES)
     m = cfg.pipeline_microbatches(sizes[ax.PIPELINE])
     micro = t.global_batch // t.microbatches
     if (micro // m) % replicas:
         pipe = f" / pipeline.microbatches={m}" if sizes[ax.PIPELINE] > 1 else ""
         raise ConfigError(f"microbatch of {micro // m} sequences (train.global_batch={t.global_batch} / "
-                          f"train.microbatches={t.microbatches}{pipe}) does not split over data x fsdp = "
+                          f"train.microbatches={t.microbatches}{pipe}) does not split over data x fsdp x expert = "
                           f"{replicas} devices")
     return BatchSplit(t.global_batch, replicas, t.microbatches, m, micro // m // replicas)
 

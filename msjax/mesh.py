@@ -1,8 +1,9 @@
-"""Device mesh from the config: named axes (pipeline, data, fsdp, sequence, tensor), outer to inner.
+"""Device mesh from the config: named axes (pipeline, data, fsdp, expert, sequence, tensor), outer to inner.
 
 Which links each axis uses (docs/overlap.md, "Hybrid mesh"): `tensor` and `sequence` carry per-layer
 activations (Megatron-SP's all-gathers and reduce-scatters, context parallelism's K/V gathers), so they stay
-inside a node's NVLink/ICI domain; across nodes go, in this order, `data` (one gradient reduction per step),
+inside a node's NVLink/ICI domain, as does `expert` (two all-to-alls of every MoE layer's tokens, forward and
+backward); across nodes go, in this order, `data` (one gradient reduction per step),
 then `fsdp` (per-layer gathers, prefetchable), then `pipeline` (point-to-point activations, the lightest traffic).
 Within the node-spanning axes `pipeline` is outermost and `data` inner to it, so consecutive nodes form
 data-parallel groups before pipeline groups, as MegaScale does (sec. 3.3 / 4: data-parallel groups first, so the
@@ -70,8 +71,8 @@ def hybrid_shapes(sizes: dict[str, int], hosts: int) -> tuple[list[int], list[in
       hosts: number of hosts (granules) the devices span.
     Returns:
       (per-host shape, across-host shape), each over MESH_AXES, whose elementwise product is `sizes`. The host
-      count is taken by `data` first, then `fsdp`, then `pipeline` (CROSS_NODE_ORDER); `sequence` and `tensor`
-      never leave a host.
+      count is taken by `data` first, then `fsdp`, then `pipeline` (CROSS_NODE_ORDER); `expert`, `sequence` and
+      `tensor` never leave a host.
     Raises:
       ConfigError: the host count does not factor into those axes.
     """
@@ -81,6 +82,6 @@ def hybrid_shapes(sizes: dict[str, int], hosts: int) -> tuple[list[int], list[in
         across[axis] = math.gcd(sizes[axis], left)
         left //= across[axis]
     if left != 1:
-        raise ConfigError(f"mesh {_fmt(sizes)} cannot span {hosts} hosts with tensor and sequence inside each "
+        raise ConfigError(f"mesh {_fmt(sizes)} cannot span {hosts} hosts with expert, sequence and tensor inside each "
                           f"host: data x fsdp x pipeline must be a multiple of the host count")
     return [sizes[a] // across[a] for a in MESH_AXES], [across[a] for a in MESH_AXES]

@@ -16,11 +16,12 @@ statistics `GPT.forward` returns beside the logits for the training objective.
 
 Parallelism is not written here: parameters carry logical axis names (`sharding_rules.axes`) and activations
 pass through `msjax.sharding.constrain`; the rule set picked in the config decides the layout. What changes how
-the model computes is applied from `msjax.parallel`, which this module never imports, at four declared points
-(`msjax.sharding.applied`: run a block, scan the stacked layers, mark the backward's end, run a weight matmul). A
-block declares what such a transform may use of it: `Block.parallel`, `ln1`/`ln2`, the attention's `wq`, `wk`,
-`wv`, `wo`, `finish_qkv()`, `window`, `impl` and dtypes, the MLP's `column_weights()`, `activate()` and `w_out` (the
-collective matmul's view of a block). A new block type is a class here plus, where it needs one, a transform there.
+the model computes is applied from `msjax.parallel`, which this module never imports, at five declared points
+(`msjax.sharding.applied`: run a block, scan the stacked layers, mark the backward's end, run a weight matmul, run
+a mixture of experts' experts). A block declares what such a transform may use of it: `Block.parallel`,
+`ln1`/`ln2`, the attention's `wq`, `wk`, `wv`, `wo`, `finish_qkv()`, `window`, `impl` and dtypes, the MLP's
+`column_weights()`, `activate()` and `w_out` (the collective matmul's view of a block), the MoE's own three
+(expert parallelism's view). A new block type is a class here plus, where it needs one, a transform there.
 With `scan_layers=True` layers are created stacked (leading `layers` axis, parameters under `blocks`) and run
 with `jax.lax.scan`, so compile time does not grow with depth: the choice for deep models. `scan_layers=False`
 keeps one parameter set per layer (`layers.0`, `layers.1`, ...) and a Python loop, as MaxText does; for shallow
@@ -342,10 +343,12 @@ class MoE(nnx.Module):
     E experts (`router`, (D, E)), each token through its k experts, each an MLP of width `expert_ff` in model.mlp's
     form (`w_gate`, `w_in`: (E, D, F); `w_out`: (E, F, D); no biases, as Mixtral and Qwen-MoE), weighted by the
     router, dropless or with a capacity; plus `shared` (an MLP of shared_experts x expert_ff every token goes
-    through, scaled per token by sigmoid(x . `shared_gate`) when set: Qwen2-MoE). Tokens are routed over the
-    whole batch (B T of them). Reports its router losses and load to `collect_router_stats`. The experts' grouped
-    matmuls run in the compute dtype (`model.matmul_dtype` and the weight-matmul point apply to the dense
-    matmuls only)."""
+    through, scaled per token by sigmoid(x . `shared_gate`) when set: Qwen2-MoE). The router's statistics are
+    over the whole batch (B T tokens); reports its router losses and load to `collect_router_stats`. The experts'
+    grouped matmuls run in the compute dtype (`model.matmul_dtype` and the weight-matmul point apply to the dense
+    matmuls only). Dropless, the experts' part is a declared point (`msjax.sharding.Parallelism.experts`: expert
+    parallelism runs it on a mesh, `msjax.parallel.expert`), which reads `column_weights()`, `activate`, `w_out`
+    and `dtype`."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, matmuls: tuple[jnp.dtype, bool]):
         mo = cfg.moe
@@ -364,6 +367,19 @@ class MoE(nnx.Module):
         self.capacity_factor = mo.capacity_factor
         self.dtype = jnp.dtype(cfg.dtype)
 
+    def column_weights(self) -> list[jax.Array]:
+        """The experts' input-side (E, D, F) matrices in the compute dtype, in the order `activate` takes their
+        products: [gate, up] (SwiGLU) or [in]."""
+        cols = [self.w_gate[...], self.w_in[...]] if self.swiglu else [self.w_in[...]]
+        return [c.astype(self.dtype) for c in cols]
+
+    def activate(self, *h_nf: jax.Array) -> jax.Array:
+        """The experts' hidden state (N, F) from the products of `column_weights`: silu(gate) * up, or gelu."""
+        if self.swiglu:
+            gate_nf, up_nf = h_nf
+            return jax.nn.silu(gate_nf) * up_nf
+        return jax.nn.gelu(h_nf[0])
+
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         b, t, d = x_btd.shape
         dt = self.dtype
@@ -371,12 +387,16 @@ class MoE(nnx.Module):
         # float32 router whatever the compute dtype: a small change in a logit can move a token to another expert
         logits_te = jnp.dot(x_td.astype(jnp.float32), self.router[...].astype(jnp.float32))
         weights_tk, experts_tk, probs_te = moe_ops.route(logits_te, self.k, self.router_kind, self.normalize)
-        cols = [self.w_gate[...], self.w_in[...]] if self.swiglu else [self.w_in[...]]
-        activate = (lambda g, u: jax.nn.silu(g) * u) if self.swiglu else jax.nn.gelu
         keep = moe_ops.capacity(b * t, self.k, logits_te.shape[-1], self.capacity_factor)
-        y_td, dropped = moe_ops.expert_ffn(x_td.astype(dt), weights_tk, experts_tk, [c.astype(dt) for c in cols],
-                                           self.w_out[...].astype(dt), activate, keep)
-        y_btd = y_td.reshape(b, t, d)
+        transform = applied().experts
+        if keep is None and transform is not None:
+            y_btd = transform(self, x_btd.astype(dt), weights_tk.reshape(b, t, self.k),
+                              experts_tk.reshape(b, t, self.k))
+            dropped = jnp.float32(0.0)
+        else:
+            y_td, dropped = moe_ops.expert_ffn(x_td.astype(dt), weights_tk, experts_tk, self.column_weights(),
+                                               self.w_out[...].astype(dt), self.activate, keep)
+            y_btd = y_td.reshape(b, t, d)
         if self.shared is not None:
             shared_btd = self.shared(x_btd)
             if self.shared_gate is not None:

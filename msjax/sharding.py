@@ -5,11 +5,12 @@ The model names axes; `use_rules(mesh, rules)` says, for the code traced inside 
 land on. Outside such a context `constrain` is the identity, so the model also runs as plain single-device code.
 
 Parallelism that changes how a model computes, not only where its arrays live, reaches it the same way: the model
-asks `applied()` at four declared points (run one block, scan the stacked layers, mark the input whose gradient ends
-the backward, run one weight matmul) and does its own plain math where nothing is applied. `msjax.parallel` installs
-its transforms with `use_parallelism` (the collective matmul and FSDP prefetch from `use_overlap`, the arrival marks
-from `use_arrival_marks`); the model never imports it (torchtitan's `parallelize_llama` applies tensor, FSDP and
-pipeline parallelism to a model that knows none of them, the same split).
+asks `applied()` at five declared points (run one block, scan the stacked layers, mark the input whose gradient ends
+the backward, run one weight matmul, run a mixture of experts' experts) and does its own plain math where nothing is
+applied. `msjax.parallel` installs its transforms with `use_parallelism` (the collective matmul and FSDP prefetch
+from `use_overlap`, the arrival marks from `use_arrival_marks`, expert parallelism from `use_expert_parallelism`);
+the model never imports it (torchtitan's `parallelize_llama` applies tensor, FSDP and pipeline parallelism to a
+model that knows none of them, the same split).
 """
 
 from __future__ import annotations
@@ -72,12 +73,17 @@ class Parallelism:
       weight_matmul: `(matmul, x, w) -> matmul(x, w)`, one weight matmul computed with a different backward (the
         split backward's record of its input and output gradient, `msjax.parallel.split_backward`); `matmul` is the
         model's own (`msjax.model.WeightMatmul`: the product and the two halves of its backward).
+      experts: `(moe, x_btd, weights_btk, experts_btk) -> y_btd`, a dropless mixture of experts' expert outputs
+        (B, T, D), each token's k experts weighted by the router, computed on a mesh (expert parallelism's
+        all-to-all, `msjax.parallel.expert`). It reads the layer through `msjax.model.MoE`'s `column_weights()`,
+        `activate` and `w_out`; the routing (weights_btk float32, experts_btk int32, (B, T, k)) is the model's.
     """
 
     block: Callable[[Any, jax.Array], jax.Array] | None = None
     scan_layers: Callable[..., jax.Array] | None = None
     backward_end: Callable[[jax.Array], jax.Array] | None = None
     weight_matmul: Callable[[Callable, jax.Array, jax.Array], jax.Array] | None = None
+    experts: Callable[[Any, jax.Array, jax.Array, jax.Array], jax.Array] | None = None
 
 
 _PARALLELISM: contextvars.ContextVar[Parallelism] = contextvars.ContextVar("msjax_parallelism",

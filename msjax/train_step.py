@@ -30,6 +30,7 @@ from msjax.layout import Layout, resolve as resolve_layout
 from msjax.model import Packing, abstract_model, apply_with_stats, init_params
 from msjax.optim import learning_rates, make_optimizer, skipped_steps
 from msjax.parallel.arrival import step_start, use_arrival_marks
+from msjax.parallel.expert import use_expert_parallelism
 from msjax.parallel.options import use_overlap
 from msjax.parallel.pipeline import PipelinedGrads
 from msjax.parallel.zero_bubble import TablePipelinedGrads
@@ -180,9 +181,11 @@ def build_train_program(cfg: Config | Layout, mesh: Mesh | None = None, vocab_si
 
     @contextlib.contextmanager
     def tracing() -> Iterator[None]:
-        """Where every function of this program is traced: the layout's rule set, and the model transforms of
-        the overlap switches (collective matmul, FSDP prefetch: `msjax.parallel.options.use_overlap`)."""
-        with use_rules(mesh, rules), use_overlap(cfg.mesh):
+        """Where every function of this program is traced: the layout's rule set, the model transforms of the
+        overlap switches (collective matmul, FSDP prefetch: `msjax.parallel.options.use_overlap`) and, for a
+        mixture of experts, expert parallelism (`msjax.parallel.expert`)."""
+        experts = use_expert_parallelism() if model_cfg.moe.num_experts else contextlib.nullcontext()
+        with use_rules(mesh, rules), use_overlap(cfg.mesh), experts:
             yield
 
     moe = model_cfg.moe

@@ -6,13 +6,17 @@ Activations carry an `act_` prefix so a rule set can lay out a weight and the ac
 (e.g. FSDP shards weights over `fsdp` on `embed` but never the activations' model dimension).
 """
 
-# Mesh axes, outer (slowest links) to inner (fastest links).
+# Mesh axes, outer (slowest links) to inner (fastest links). `expert` (expert parallelism) splits a mixture of
+# experts' experts and, for everything else, acts as one more data-parallel axis (Megatron-Core's expert-data
+# parallelism: the devices of an expert group hold different batch rows).
 PIPELINE = "pipeline"
 DATA = "data"
 FSDP = "fsdp"
+EXPERT = "expert"
 SEQUENCE = "sequence"
 TENSOR = "tensor"
-MESH_AXES = (PIPELINE, DATA, FSDP, SEQUENCE, TENSOR)
+MESH_AXES = (PIPELINE, DATA, FSDP, EXPERT, SEQUENCE, TENSOR)
+BATCH_AXES = (DATA, FSDP, EXPERT)  # the mesh axes a step's batch rows are split over
 
 # Parameter axes.
 VOCAB = "vocab"

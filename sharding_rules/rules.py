@@ -1,6 +1,11 @@
 """Named rule sets: logical axis name -> mesh axis (or tuple of mesh axes, or None for replicated).
 
 - `dp`: pure data parallelism; every parameter replicated, the batch split over `data` and `fsdp`.
+
+In every rule set the batch is also split over `expert`, and the experts of a mixture of experts (`exp`) over it
+(expert parallelism, GShard / Megatron-Core: each device of an expert group holds E / expert of the experts and
+its own batch rows; tokens reach their experts by all-to-all, `msjax.parallel.expert`). Without MoE layers, and
+with `expert` of size 1, this changes nothing.
 - `fsdp`: ZeRO-3 / FSDP (Rajbhandari et al. 2020): parameters, gradients and optimizer state sharded over
   `fsdp` on their `embed` dimension; XLA all-gathers a layer's weights before use and reduce-scatters its
   gradients. The batch is split over `data` and `fsdp`.
@@ -26,18 +31,18 @@ from typing import Mapping, Sequence, Union
 from jax.sharding import PartitionSpec
 
 from .axes import (
-    ACT_BATCH, ACT_EMBED, ACT_HEAD_DIM, ACT_HEADS, ACT_KV_HEADS, ACT_MLP, ACT_SEQ, ACT_SEQ_INNER, ACT_VOCAB, DATA,
-    EMBED, EXP, FSDP,
+    ACT_BATCH, ACT_EMBED, ACT_HEAD_DIM, ACT_HEADS, ACT_KV_HEADS, ACT_MLP, ACT_SEQ, ACT_SEQ_INNER, ACT_VOCAB,
+    BATCH_AXES, EMBED, EXP, EXPERT, FSDP,
     HEAD_DIM, HEADS, KV_HEADS, LAYERS, MLP, NORM, POSITION, SEQUENCE, TENSOR, VOCAB,
 )
 
 MeshAxes = Union[str, tuple[str, ...], None]
 Rules = Mapping[str, MeshAxes]
 
-_BATCH = (DATA, FSDP)
+_BATCH = BATCH_AXES
 _REPLICATED_PARAMS: Rules = {
     VOCAB: None, EMBED: None, MLP: None, HEADS: None, KV_HEADS: None, HEAD_DIM: None, LAYERS: None, NORM: None,
-    POSITION: None, EXP: None,  # experts: every device holds all of them until an expert-parallel axis exists
+    POSITION: None, EXP: EXPERT,
 }
 _DP_ACTIVATIONS: Rules = {
     ACT_BATCH: _BATCH, ACT_SEQ: None, ACT_SEQ_INNER: None, ACT_EMBED: None, ACT_HEADS: None, ACT_KV_HEADS: None,

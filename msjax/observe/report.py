@@ -103,25 +103,29 @@ def mesh_grid(meta: dict[int, dict], values: dict[int, float]) -> tuple[np.ndarr
     """Per-device values on the mesh, reduced to (pipeline, data, tensor).
 
     Args:
-      meta: process -> meta dict with `mesh` (axis -> size) and `device_coords` (list of [pipeline, data, fsdp,
+      meta: process -> meta dict with `mesh` (axis -> size) and `device_coords` (list of [pipeline, data, fsdp, expert,
         sequence, tensor] of each of its devices).
       values: process -> value.
     Returns:
-      (grid_pdt, owner_pdt): mean value over fsdp and sequence, and the owning process (-1 when several processes
-      share the cell), both of shape (pipeline, data, tensor).
+      (grid_pdt, owner_pdt): mean value over fsdp, expert and sequence, and the owning process (-1 when several
+      processes share the cell), both of shape (pipeline, data, tensor).
     """
     any_meta = next(iter(meta.values()))
-    shape = [int(any_meta["mesh"][a]) for a in MESH_AXES]
+    shape = [int(any_meta["mesh"].get(a, 1)) for a in MESH_AXES]
     grid = np.full(shape, np.nan)
     owner = np.full(shape, -1)
+    expert = MESH_AXES.index("expert")
     for p, m in meta.items():
         for c in m["device_coords"]:
+            if len(c) == len(MESH_AXES) - 1:  # a run from before the expert axis: its coordinate is 0
+                c = [*c[:expert], 0, *c[expert:]]
             grid[tuple(c)] = values.get(p, np.nan)
             owner[tuple(c)] = p
-    grid_pdt = np.nanmean(grid, axis=(2, 3)) if not np.isnan(grid).all() else grid.mean(axis=(2, 3))
+    inner = (2, 3, 4)  # fsdp, expert, sequence
+    grid_pdt = np.nanmean(grid, axis=inner) if not np.isnan(grid).all() else grid.mean(axis=inner)
     own = np.full(grid_pdt.shape, -1)
     for idx in np.ndindex(grid_pdt.shape):
-        cell = np.unique(owner[idx[0], idx[1], :, :, idx[2]])
+        cell = np.unique(owner[idx[0], idx[1], :, :, :, idx[2]])
         own[idx] = cell[0] if len(cell) == 1 else -1
     return grid_pdt, own
 

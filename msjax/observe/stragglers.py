@@ -101,7 +101,7 @@ class RankPlace:
     devices: list[int]
 
     def describe(self) -> str:
-        """e.g. 'process 1 on host-a (pipeline 0, data 1, fsdp 0-1, sequence 0, tensor 0-1)'."""
+        """e.g. 'process 1 on host-a (pipeline 0, data 1, fsdp 0-1, expert 0, sequence 0, tensor 0-1)'."""
         def span(v: list[int]) -> str:
             return str(v[0]) if len(v) == 1 else (f"{v[0]}-{v[-1]}" if v == list(range(v[0], v[-1] + 1))
                                                    else ",".join(map(str, v)))

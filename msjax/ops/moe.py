@@ -93,6 +93,22 @@ def capacity(tokens: int, k: int, experts: int, capacity_factor: float) -> int |
     return None if capacity_factor == 0 else math.ceil(capacity_factor * tokens * k / experts)
 
 
+def grouped_mlp(x_nd: jax.Array, sizes_e: jax.Array, column_weights: Sequence[jax.Array], w_out_efd: jax.Array,
+                activate: Callable[..., jax.Array]) -> jax.Array:
+    """Rows grouped by expert through their expert's MLP: two (or three) grouped matmuls, `jax.lax.ragged_dot`.
+
+    Args:
+      x_nd: (N, D) rows in the compute dtype, the first sizes_e[0] for expert 0, the next sizes_e[1] for expert 1,
+        and so on; rows past sum(sizes_e) (padding) belong to no expert and come out as zeros.
+      sizes_e: (E,) int32 rows per expert.
+      column_weights, w_out_efd, activate: as `expert_ffn`.
+    Returns:
+      (N, D) in x's dtype.
+    """
+    h_nf = activate(*(jax.lax.ragged_dot(x_nd, w, sizes_e) for w in column_weights))
+    return jax.lax.ragged_dot(h_nf.astype(x_nd.dtype), w_out_efd, sizes_e)
+
+
 def expert_ffn(x_td: jax.Array, weights_tk: jax.Array, experts_tk: jax.Array, column_weights: Sequence[jax.Array],
                w_out_efd: jax.Array, activate: Callable[..., jax.Array], keep: int | None = None
                ) -> tuple[jax.Array, jax.Array]:
@@ -115,9 +131,7 @@ def expert_ffn(x_td: jax.Array, weights_tk: jax.Array, experts_tk: jax.Array, co
     order_n = jnp.argsort(flat_n, stable=True)  # assignments grouped by expert, tokens in order within each
     token_n = order_n // k
     sizes_e = jnp.bincount(flat_n, length=e).astype(jnp.int32)
-    x_nd = x_td[token_n]
-    h_nf = activate(*(jax.lax.ragged_dot(x_nd, w, sizes_e) for w in column_weights))
-    y_nd = jax.lax.ragged_dot(h_nf.astype(x_td.dtype), w_out_efd, sizes_e)
+    y_nd = grouped_mlp(x_td[token_n], sizes_e, column_weights, w_out_efd, activate)
     gate_n = weights_tk.reshape(-1)[order_n]
     dropped = jnp.float32(0.0)
     if keep is not None:

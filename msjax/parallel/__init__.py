@@ -22,12 +22,14 @@ Communication hidden behind compute:
                     block (MegaScale Fig. 3).
   fsdp_prefetch     layer i+1's FSDP parameter all-gather carried through the layer scan ahead of layer i.
   zero2             ZeRO-2's gradient reduction written out: `psum_scatter` over `fsdp` under `jax.shard_map`.
+  expert            expert parallelism: a mixture of experts' tokens sent to the devices holding their experts and
+                    back by all-to-all under `jax.shard_map`, each device running only its own experts.
   arrival           per-device timestamps inside the step (its start, the backward's end) for the straggler
                     detector of `msjax.observe`.
   xla_flags         XLA flag presets per backend, applied before the backend starts.
 
 The model stays single-device code that names its axes and never imports this package: these transforms reach it
-through the four points it declares (`msjax.sharding.Parallelism`), and nothing here changes the math
+through the five points it declares (`msjax.sharding.Parallelism`), and nothing here changes the math
 (tests/msjax/test_pipeline.py, tests/msjax/test_overlap.py). Context-parallel attention, an attention
 implementation over a sequence-sharded mesh, is `msjax.ops.context_parallel`.
 """

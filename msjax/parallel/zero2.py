@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from msjax.sharding_rules import axes as ax
 
-BATCH_AXES = (ax.DATA, ax.FSDP)
+BATCH_AXES = (ax.DATA, ax.FSDP)  # mesh.expert is 1 under ZeRO-2 (the config refuses more)
 
 LocalGrads = Callable[[Any, dict], tuple[jax.Array, Any]]
 

@@ -75,8 +75,8 @@ def compile_config(cfg: Config, sizes: dict[str, int], pipeline_microbatches: in
         schedule = "interleaved 1F1B" if cfg.pipeline.schedule == "interleaved" else cfg.pipeline.schedule
         what += (f"; the pipelined step: {schedule}, V={cfg.pipeline.virtual_stages}, M={m} microbatches of "
                  f"{g // (micro * m)} sequences")
-    csizes = {"pipeline": p, "data": 1, "fsdp": sizes["fsdp"], "sequence": sizes["sequence"],
-              "tensor": sizes["tensor"]}
+    csizes = {"pipeline": p, "data": 1, "fsdp": sizes["fsdp"], "expert": sizes.get("expert", 1),
+              "sequence": sizes["sequence"], "tensor": sizes["tensor"]}
     return apply_overrides(cfg, over).validate(), csizes, what
 
 

@@ -33,9 +33,19 @@ from msjax.layout import check_model_split as check_run_split
 from msjax.hardware import Hardware
 from msjax.parallel.schedules import SCHEDULES, check as check_schedule
 from msjax.planner.options import COLLECTIVE_LATENCY, PlanError, PlanOptions
+from msjax.sharding_rules.axes import MESH_AXES
 from msjax.sharding_rules.rules import OPTIMIZER_STATE_RULES
 
-AXES = ("pipeline", "data", "fsdp", "sequence", "tensor")
+AXES = MESH_AXES
+# The axes `--search` enumerates, in a candidate's `sizes` tuple; `expert` stays 1 there (the planner does not price
+# a mixture of experts yet).
+SEARCH_AXES = ("pipeline", "data", "fsdp", "sequence", "tensor")
+
+
+def search_sizes(sizes_t: tuple[int, ...]) -> dict[str, int]:
+    """Mesh axis sizes (every axis of AXES, in order) of a search candidate's SEARCH_AXES tuple."""
+    found = dict(zip(SEARCH_AXES, sizes_t))
+    return {a: found.get(a, 1) for a in AXES}
 
 
 @dataclass(frozen=True)
@@ -46,7 +56,7 @@ class PlanLayout:
     run's rules (`msjax.layout.check_model_split`).
 
     Attributes:
-      pipeline, data, fsdp, sequence, tensor: mesh axis sizes (their product is the device count).
+      pipeline, data, fsdp, sequence, tensor, expert: mesh axis sizes (their product is the device count).
       virtual_stages: model chunks per pipeline stage (1 = plain 1F1B).
       microbatch_size: sequences per microbatch per replica (b).
       microbatches: microbatches per step per replica (m).
@@ -81,10 +91,11 @@ class PlanLayout:
     vocab: int
     baseline: str
     schedule: str = "interleaved"
+    expert: int = 1
 
     @property
     def devices(self) -> int:
-        return self.pipeline * self.data * self.fsdp * self.sequence * self.tensor
+        return self.pipeline * self.data * self.fsdp * self.expert * self.sequence * self.tensor
 
     def axis_sizes(self) -> dict[str, int]:
         return {a: getattr(self, a) for a in AXES}
@@ -203,11 +214,11 @@ def legal_virtual_stages(num_layers: int, pipeline: int, microbatches: int) -> l
 
 
 def replica_batch(cfg: Config, sizes: dict[str, int]) -> int:
-    """Sequences per step per (data x fsdp) replica. Raises PlanError when the batch does not split."""
-    g, r = cfg.train.global_batch, sizes["data"] * sizes["fsdp"]
+    """Sequences per step per (data x fsdp x expert) replica. Raises PlanError when the batch does not split."""
+    g, r = cfg.train.global_batch, sizes["data"] * sizes["fsdp"] * sizes.get("expert", 1)
     if g % r:
-        raise PlanError(f"train.global_batch={g} (--global_batch) does not split over data x fsdp = "
-                        f"{sizes['data']} x {sizes['fsdp']} = {r} replicas")
+        raise PlanError(f"train.global_batch={g} (--global_batch) does not split over data x fsdp x expert = "
+                        f"{sizes['data']} x {sizes['fsdp']} x {sizes.get('expert', 1)} = {r} replicas")
     return g // r
 
 
@@ -294,7 +305,8 @@ def make_layout(cfg: Config, opts: PlanOptions, hw: Hardware, sizes: dict[str, i
                         f"sequence over mesh.tensor={t}; it does not divide {how}")
     megatron = opts.baseline == "megatron"
     return PlanLayout(
-        pipeline=p, data=sizes["data"], fsdp=sizes["fsdp"], sequence=sizes["sequence"], tensor=t,
+        pipeline=p, data=sizes["data"], fsdp=sizes["fsdp"], expert=sizes.get("expert", 1), sequence=sizes["sequence"],
+        tensor=t,
         virtual_stages=virtual_stages, microbatch_size=microbatch_size, microbatches=m, zero_stage=zero_stage,
         remat=remat, sequence_parallel=sp, block="serial" if megatron else cfg.model.block,
         window=None if megatron else cfg.model.attention.window, flash=attention_is_flash(cfg, hw),

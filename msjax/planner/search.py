@@ -35,8 +35,8 @@ from msjax.config import Config
 from msjax.planner import memory as mem
 from msjax.planner import timing
 from msjax.planner.layout import (
-    AXES, check_model_split, config_microbatch_size, fast_replace, legal_virtual_stages, make_layout, replica_batch,
-    resolve_vocab, schedule_choices,
+    check_model_split, config_microbatch_size, fast_replace, legal_virtual_stages, make_layout, replica_batch,
+    resolve_vocab, schedule_choices, search_sizes,
 )
 from msjax.planner.options import REMATS, PlanError, PlanOptions
 from msjax.planner.plan import Plan, evaluate, get_hardware, refuse_moe
@@ -70,7 +70,7 @@ class Candidate:
                 f"zero={self.zero_stage} remat={self.remat}")
 
     def to_dict(self) -> dict:
-        out = dict(zip(AXES, self.sizes))
+        out = search_sizes(self.sizes)
         out.update(virtual_stages=self.virtual_stages, microbatch_size=self.microbatch_size,
                    zero_stage=self.zero_stage, remat=self.remat, schedule=self.schedule)
         if self.reason:
@@ -138,7 +138,7 @@ def _divisors(n: int) -> list[int]:
 
 def plan_candidate(cfg: Config, opts: PlanOptions, c: Candidate) -> Plan:
     hw = get_hardware(opts)
-    sizes = dict(zip(AXES, c.sizes))
+    sizes = search_sizes(c.sizes)
     layout = make_layout(cfg, opts, hw, sizes, c.virtual_stages, c.microbatch_size, c.zero_stage, c.remat,
                          c.schedule)
     return evaluate(cfg, opts, hw, layout)
@@ -204,7 +204,7 @@ def _table_variants(cfg: Config, opts: PlanOptions, top: list[Candidate], schedu
     tokens = cfg.train.global_batch * cfg.train.seq_len
     out, seen = [], set()
     for c in top:
-        sizes = dict(zip(AXES, c.sizes))
+        sizes = search_sizes(c.sizes)
         stage = mem.stage_params(cfg, vocab, sizes)
         for schedule in schedules:
             if (c.sizes, c.microbatch_size, schedule) in seen:
@@ -247,7 +247,7 @@ def _search_meshes(cfg: Config, opts: PlanOptions, meshes: list[tuple[int, ...]]
     capacity = opts.memory_fraction * hw.memory_bytes
     for sizes_t in meshes:
         result.meshes += 1
-        sizes = dict(zip(AXES, sizes_t))
+        sizes = search_sizes(sizes_t)
         try:
             check_model_split(cfg, sizes, vocab)
             per_replica = replica_batch(cfg, sizes)

@@ -56,6 +56,7 @@ class LayoutRun:
     grads: Any  # gradient pytree at initialisation, on the host
     program: TrainProgram
     state: Any  # train state after STEPS steps
+    first_metrics: dict  # the first step's metrics, on the host
 
 
 def run_layout(cfg: Config, tokens: np.ndarray, n_devices: int | None = None) -> LayoutRun:
@@ -66,12 +67,13 @@ def run_layout(cfg: Config, tokens: np.ndarray, n_devices: int | None = None) ->
     batch = {"inputs": jax.device_put(tokens[:, :-1], program.batch_sharding),
              "targets": jax.device_put(tokens[:, 1:], program.batch_sharding)}
     _, grads = program.grad_fn(state["params"], batch)
-    losses, norms = [], []
+    losses, norms, first = [], [], None
     for _ in range(STEPS):
         state, metrics = program.step_fn(state, batch)
+        first = first or jax.device_get(metrics)
         losses.append(float(metrics["loss"]))
         norms.append(float(metrics["grad_norm"]))
-    return LayoutRun(np.array(losses), np.array(norms), jax.device_get(grads), program, state)
+    return LayoutRun(np.array(losses), np.array(norms), jax.device_get(grads), program, state, first)
 
 
 def assert_same(want: LayoutRun, got: LayoutRun) -> None:

@@ -121,7 +121,7 @@ def test_mesh_size_must_match_devices():
         make_mesh(cfg.mesh)
     assert resolve_axis_sizes(apply_overrides(Config(), {"mesh.tensor": 2}).mesh, 8)["data"] == 4
     mesh = make_mesh(apply_overrides(Config(), {"mesh.fsdp": 2, "mesh.tensor": 2}).mesh)
-    assert dict(mesh.shape) == {"pipeline": 1, "data": 2, "fsdp": 2, "sequence": 1, "tensor": 2}
+    assert dict(mesh.shape) == {"pipeline": 1, "data": 2, "fsdp": 2, "expert": 1, "sequence": 1, "tensor": 2}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -265,7 +265,7 @@ def test_a_job_that_cannot_run_is_refused_before_anything_is_written_or_started(
     assert err.startswith("error: gpt_tiny: mesh pipeline=1 x data=4") and "but 2 are present" in err, err
     code, stdout, err = _launch(capsys, *common, flags=["--mesh.data=3"])
     assert code == 2 and err == "error: microbatch of 16 sequences (train.global_batch=16 / train.microbatches=1) " \
-                                "does not split over data x fsdp = 3 devices\n", err
+                                "does not split over data x fsdp x expert = 3 devices\n", err
     code, stdout, err = _launch(capsys, *common, flags=["--config=gpt175b", "--mesh.data=-1"])
     assert code == 2 and "does not fit" in err and "per-device memory estimate" in err, err
     assert not out.exists() and not (tmp_path / "run").exists()

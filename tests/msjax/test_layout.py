@@ -35,7 +35,7 @@ def test_resolved_facts_match_their_definitions(seed):
             "train.global_batch": 16}
     lay = layout_mod.resolve(_cfg(**over))
     data = 8 // (p * t * f)
-    assert dict(lay.axis_sizes) == {"pipeline": p, "data": data, "fsdp": f, "sequence": 1, "tensor": t}
+    assert dict(lay.axis_sizes) == {"pipeline": p, "data": data, "fsdp": f, "expert": 1, "sequence": 1, "tensor": t}
     assert lay.mesh.devices.size == 8 and dict(lay.mesh.shape) == dict(lay.axis_sizes)
     m = (m_cfg or p) if p > 1 else 1
     assert lay.microbatches == m == lay.batch.pipeline_microbatches
@@ -80,7 +80,7 @@ def test_a_plan_layout_prices_its_catalogue_device():
 @pytest.mark.parametrize("over, vocab, match", [
     ({"mesh.data": 8, "train.global_batch": 12}, 256,
      r"microbatch of 12 sequences \(train.global_batch=12 / train.microbatches=1\) does not split over data x "
-     r"fsdp = 8 devices"),
+     r"fsdp x expert = 8 devices"),
     ({"mesh.data": 1, "mesh.fsdp": 8, "mesh.rules": "dp"}, 256, r"mesh.fsdp=8 but rule set mesh.rules='dp'"),
     ({"model.vocab_size": 100}, 300, r"the tokenizer has 300 tokens but model.vocab_size=100"),
     ({"mesh.data": 4, "mesh.tensor": 2, "model.vocab_size": 0, "model.vocab_multiple": 1}, 257,

@@ -321,6 +321,38 @@ def test_a_moe_model_trains_the_same_on_a_mesh_as_on_one_device(layout_tokens, m
     assert_same(want, run_layout(cfg, layout_tokens))
 
 
+# Eight experts (two per device at expert=4), no shared expert: every output of the layer crosses the all-to-all.
+# Weights drawn 10x wider than the default 0.02: router logits of std ~1.6, so routing is far from even. Adam's eps
+# at 1e-3: the final parameters are compared too, and with eps 1e-8 Adam divides a gradient of ~1e-8 by its own
+# square root, turning the float32 rounding of a sum taken in another order (1e-9, seen on expert weights) into a
+# 1e-5 step; with 1e-3 such a gradient moves its parameter by ~1e-5 lr, while the gradients that train (1e-3 to
+# 1e-1 here) still take Adam-sized steps.
+MOE_EP = {**MOE_LLAMA, "model.moe.num_experts": 8, "model.moe.shared_experts": 0, "model.moe.shared_gate": False,
+          "model.init_std": 0.2, "optimizer.eps": 1e-3}
+
+
+@pytest.mark.parametrize("mesh", [{"mesh.expert": 2}, {"mesh.expert": 4}, {"mesh.expert": 2, "mesh.tensor": 2},
+                                  {"mesh.expert": 2, "mesh.fsdp": 2}], ids=["ep2", "ep4", "ep2-tp2", "ep2-fsdp2"])
+def test_expert_parallel_layouts_train_the_same_as_one_device(layout_reference, layout_tokens, mesh):
+    """Experts split over the `expert` axis, tokens sent to them and back by all-to-all (the rest of the 8 fake
+    devices data-parallel): 3 steps' losses, gradient norms, the gradients at initialisation and the parameters
+    after the 3 steps within 1e-5 of one device (tests/msjax/layouts.py). The random router routes unevenly:
+    checked on the reference's first step, where in each layer the most loaded expert gets over twice the
+    assignments of the least loaded one (a device holding the busiest experts receives the most rows)."""
+    from tests.msjax.layouts import LLAMA, TOL, assert_same, run_layout, tiny_config
+
+    want = layout_reference(**LLAMA, **MOE_EP)
+    got = run_layout(tiny_config(**LLAMA, **MOE_EP, **mesh), layout_tokens)
+    assert_same(want, got)
+    for x, y in zip(jax.tree.leaves(jax.device_get(want.state["params"])),
+                    jax.tree.leaves(jax.device_get(got.state["params"]))):
+        np.testing.assert_allclose(y, x, atol=TOL, rtol=0)
+    spec = got.state["params"]["blocks"]["mlp"]["w_in"].sharding.spec
+    assert spec[1] == "expert", spec  # (layers, experts, embed, mlp): the experts really are split
+    load = np.asarray(want.first_metrics["expert_load"])  # (layers, E)
+    assert (load.max(axis=-1) > 2 * load.min(axis=-1)).all(), load
+
+
 def test_a_moe_run_logs_its_expert_load_and_the_report_draws_it(tmp_path, small_corpus):
     """train.run of a small MoE model on dp2 x fsdp2 x tp2: the router metrics in metrics.jsonl, one
     expert_load.jsonl row per logging step (MoE layers x experts, each row summing to 1), and the report's
@@ -345,6 +377,34 @@ def test_a_moe_run_logs_its_expert_load_and_the_report_draws_it(tmp_path, small_
         assert load.shape == (2, 4) and np.allclose(load.sum(-1), 1.0, atol=1e-6)
     write_report(tmp_path / "run")
     assert (tmp_path / "run" / "report" / "expert_load.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_run_resumes_bit_identically_and_onto_another_expert_size(tmp_path, small_corpus):
+    """8 steps of a 4-expert model on data 2 x expert 2 x tensor 2 (checkpoint every 4) against 4 steps and then
+    a resume of the rest: on the same mesh bit for bit (parameters, optimizer state, step, RNG); from a copy of the
+    same step-4 checkpoint on expert 4 x tensor 2 (each device one expert instead of two, the checkpoint's experts
+    re-split on restore) within 1e-5 (sums taken in another order; Adam's eps as in MOE_EP, for the same reason)."""
+    import shutil
+
+    from msjax.train import run
+    from tests.msjax.tiny_runs import tiny_run_config
+
+    moe = {"model.moe.num_experts": 4, "model.moe.expert_ff": 32, "mesh.fsdp": 1, "mesh.expert": 2,
+           "optimizer.eps": 1e-3, "train.sample_tokens": 0}
+    straight = run(tiny_run_config(tmp_path / "a", small_corpus, **moe))
+    run(tiny_run_config(tmp_path / "b", small_corpus, **moe, **{"train.steps": 4}))
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
+    resumed = run(tiny_run_config(tmp_path / "b", small_corpus, **moe, **{"checkpoint.resume": True}))
+    other = run(tiny_run_config(tmp_path / "c", small_corpus, **{**moe, "mesh.data": 1, "mesh.expert": 4,
+                                                                 "checkpoint.resume": True}))
+    assert resumed.start_step == other.start_step == 4
+    want = jax.tree.leaves(jax.device_get(straight.state))
+    for x, y in zip(want, jax.tree.leaves(jax.device_get(resumed.state))):
+        np.testing.assert_array_equal(y, x)
+    for x, y in zip(want, jax.tree.leaves(jax.device_get(other.state))):
+        np.testing.assert_allclose(y, x, atol=1e-5, rtol=0)
+    assert other.state["params"]["blocks"]["mlp"]["w_in"].sharding.shard_shape((2, 4, 32, 32))[1] == 1
 
 
 def test_a_resumed_run_keeps_the_expert_load_rows_of_the_steps_it_resumes_from(tmp_path):

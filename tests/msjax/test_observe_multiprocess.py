@@ -47,7 +47,7 @@ THRESHOLD = 3.0
 
 def _coords(process: int) -> dict[str, list[int]]:
     # jax.make_mesh orders devices by process: process p drives data coordinate p and both tensor coordinates.
-    return {"pipeline": [0], "data": [process], "fsdp": [0], "sequence": [0], "tensor": [0, 1]}
+    return {"pipeline": [0], "data": [process], "fsdp": [0], "expert": [0], "sequence": [0], "tensor": [0, 1]}
 
 
 def _flags(tmp: Path, corpus: Path) -> list[str]:
@@ -206,7 +206,7 @@ def test_a_throttled_and_a_stalling_worker_are_flagged_with_their_coordinates(tm
         assert e["coords"] == _coords(p) == meta["coords"] and e["host"] == host
         assert e["scores"]["host_lag_s"] >= THRESHOLD  # the figure that decided
         line = f"[rank 0] observe: straggler at step {e['step']}: process {p} on {host} " \
-               f"(pipeline 0, data {p}, fsdp 0, sequence 0, tensor 0-1)"
+               f"(pipeline 0, data {p}, fsdp 0, expert 0, sequence 0, tensor 0-1)"
         assert line in out, out[-4000:]
     # the goodput ledger counts the steps' wait for them, and its buckets still add up to the wall time
     ledger = json.loads((run_dir / "goodput.json").read_text())

@@ -92,19 +92,21 @@ def test_an_unscored_window_neither_flags_nor_counts_toward_persistence():
 
 
 def test_mesh_places_give_each_process_its_coordinates():
-    # pipeline 2 x data 2 x fsdp 1 x sequence 1 x tensor 2 = 8 devices, 2 per process, tensor innermost.
-    devices = np.empty((2, 2, 1, 1, 2), dtype=object)
+    # pipeline 2 x data 2 x fsdp 1 x expert 1 x sequence 1 x tensor 2 = 8 devices, 2 per process, tensor innermost.
+    devices = np.empty((2, 2, 1, 1, 1, 2), dtype=object)
     for i, idx in enumerate(np.ndindex(devices.shape)):
         devices[idx] = SimpleNamespace(id=i, process_index=i // 2)
     places = mesh_places(devices, hosts={1: "host-b"})
     assert sorted(places) == [0, 1, 2, 3]
-    assert places[1].coords == {"pipeline": [0], "data": [1], "fsdp": [0], "sequence": [0], "tensor": [0, 1]}
+    assert places[1].coords == {"pipeline": [0], "data": [1], "fsdp": [0], "expert": [0], "sequence": [0],
+                                "tensor": [0, 1]}
     assert places[2].coords["pipeline"] == [1] and places[2].devices == [4, 5]
-    assert places[1].describe() == "process 1 on host-b (pipeline 0, data 1, fsdp 0, sequence 0, tensor 0-1)"
+    assert places[1].describe() == ("process 1 on host-b (pipeline 0, data 1, fsdp 0, expert 0, sequence 0, "
+                                         "tensor 0-1)")
 
 
 def test_mesh_places_on_a_real_mesh():
-    mesh = jax.make_mesh((1, 2, 2, 1, 2), MESH_AXES)
+    mesh = jax.make_mesh((1, 2, 2, 1, 1, 2), MESH_AXES)
     places = mesh_places(mesh.devices)
     assert list(places) == [0]
     assert places[0].coords["data"] == [0, 1] and places[0].coords["tensor"] == [0, 1]

@@ -416,13 +416,13 @@ def test_hybrid_mesh_keeps_tensor_and_sequence_inside_a_host():
         slice_index: int = 0
 
     devices = [FakeDevice(i, i // 4) for i in range(16)]
-    sizes = dict(pipeline=1, data=4, fsdp=1, sequence=2, tensor=2)
+    sizes = dict(pipeline=1, data=4, fsdp=1, expert=1, sequence=2, tensor=2)
     per_host, across = hybrid_shapes(sizes, hosts=4)
-    assert (per_host, across) == ([1, 1, 1, 2, 2], [1, 4, 1, 1, 1])
+    assert (per_host, across) == ([1, 1, 1, 1, 2, 2], [1, 4, 1, 1, 1, 1])
     grid = mesh_utils.create_hybrid_device_mesh(per_host, across, devices, process_is_granule=True)
     hosts = np.vectorize(lambda d: d.process_index)(grid).reshape(4, 4)  # (data, sequence x tensor)
     assert all(len(set(row)) == 1 for row in hosts) and sorted(hosts[:, 0]) == [0, 1, 2, 3]
-    assert hybrid_shapes(dict(pipeline=8, data=4, fsdp=1, sequence=1, tensor=8), 32) == \
-        ([1, 1, 1, 1, 8], [8, 4, 1, 1, 1])
-    with pytest.raises(ConfigError, match="cannot span 2 hosts with tensor and sequence inside each host"):
-        hybrid_shapes(dict(pipeline=1, data=1, fsdp=1, sequence=2, tensor=4), 2)
+    assert hybrid_shapes(dict(pipeline=8, data=4, fsdp=1, expert=1, sequence=1, tensor=8), 32) == \
+        ([1, 1, 1, 1, 1, 8], [8, 4, 1, 1, 1, 1])
+    with pytest.raises(ConfigError, match="cannot span 2 hosts with expert, sequence and tensor inside each host"):
+        hybrid_shapes(dict(pipeline=1, data=1, fsdp=1, expert=1, sequence=2, tensor=4), 2)

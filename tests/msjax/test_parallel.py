@@ -75,5 +75,5 @@ def test_fsdp_shards_parameters_and_optimizer_state(tokens):
 
 def test_batch_split_errors():
     cfg = tiny_config(**{"mesh.data": 8, "train.global_batch": 12})
-    with pytest.raises(ConfigError, match="microbatch of 12 sequences .* does not split over data x fsdp = 8"):
+    with pytest.raises(ConfigError, match="microbatch of 12 sequences .* does not split over data x fsdp x expert = 8"):
         build_train_program(cfg, make_mesh(cfg.mesh), VOCAB)

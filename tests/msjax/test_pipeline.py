@@ -368,8 +368,8 @@ def test_gpt175b_is_refused_before_any_data_or_directory(tmp_path):
                           cwd=ROOT, env=_env(1), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     err = proc.stderr
-    assert err.startswith("error: gpt175b: mesh pipeline=8 x data=-1 x fsdp=1 x sequence=1 x tensor=8 needs a "
-                          "multiple of 64 devices; 1 present"), err
+    assert err.startswith("error: gpt175b: mesh pipeline=8 x data=-1 x fsdp=1 x expert=1 x sequence=1 x tensor=8 "
+                          "needs a multiple of 64 devices; 1 present"), err
     for part in ("parameters", "gradients", "optimizer state", "activations", "total", "limit per device",
                  "host RAM", "no override"):
         assert part in err, (part, err)

@@ -336,7 +336,8 @@ def test_device_count_and_batch_errors():
     cfg = apply_overrides(load_preset("gpt175b"), {"mesh.tensor": 8, "mesh.pipeline": 8})
     with pytest.raises(PlanError, match=r"--devices=100 is not a multiple of .* = 64"):
         make_plan(cfg, PlanOptions(devices=100))
-    with pytest.raises(PlanError, match=r"train.global_batch=6144 .* does not split over data x fsdp = 5 x 1"):
+    with pytest.raises(PlanError, match=r"train.global_batch=6144 .* does not split over data x fsdp x expert = "
+                                        r"5 x 1 x 1"):
         make_plan(apply_overrides(cfg, {"train.global_batch": 6144}), PlanOptions(devices=320))
     with pytest.raises(PlanError, match=r"pipeline.virtual_stages=5 does not divide the 12 layers"):
         make_plan(apply_overrides(cfg, {"pipeline.virtual_stages": 5}),

@@ -46,10 +46,13 @@ def test_megatron_layout():
     assert logical_to_mesh_spec((ax.MLP, ax.EMBED), r) == P("tensor", "fsdp")
     assert logical_to_mesh_spec((ax.EMBED, ax.HEADS, ax.HEAD_DIM), r) == P("fsdp", "tensor", None)
     # Residual stream: sequence split over sequence and tensor (Megatron-SP); inside TP regions over sequence.
-    assert logical_to_mesh_spec((ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED), r) == P(("data", "fsdp"),
+    # The batch over every data-parallel axis, `expert` included (expert-data parallelism).
+    assert logical_to_mesh_spec((ax.ACT_BATCH, ax.ACT_SEQ, ax.ACT_EMBED), r) == P(("data", "fsdp", "expert"),
                                                                                   ("sequence", "tensor"), None)
     assert logical_to_mesh_spec((ax.ACT_BATCH, ax.ACT_SEQ_INNER, ax.ACT_HEADS, ax.ACT_HEAD_DIM), r) == P(
-        ("data", "fsdp"), "sequence", "tensor", None)
+        ("data", "fsdp", "expert"), "sequence", "tensor", None)
+    # Experts over `expert`, their width over `tensor` (expert tensor parallelism), their model dim over `fsdp`.
+    assert logical_to_mesh_spec((ax.EXP, ax.EMBED, ax.MLP), r) == P("expert", "fsdp", "tensor")
     assert logical_to_mesh_spec((ax.VOCAB, ax.EMBED), RULE_SETS["dp"]) == P(None, None)
 
 
@@ -59,7 +62,8 @@ def test_a_mesh_axis_is_used_once_per_array():
 
 
 def test_every_logical_name_has_a_rule_in_every_set():
-    names = {v for k, v in vars(ax).items() if k.isupper() and k not in ("MESH_AXES",) and v not in ax.MESH_AXES}
+    names = {v for k, v in vars(ax).items() if k.isupper() and k not in ("MESH_AXES", "BATCH_AXES")
+             and v not in ax.MESH_AXES}
     for rules in RULE_SETS.values():
         assert names <= set(rules)
     with pytest.raises(KeyError, match="logical axis 'nope' has no rule; known:"):
