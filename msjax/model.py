@@ -346,9 +346,10 @@ class MoE(nnx.Module):
     through, scaled per token by sigmoid(x . `shared_gate`) when set: Qwen2-MoE). The router's statistics are
     over the whole batch (B T tokens); reports its router losses and load to `collect_router_stats`. The experts'
     grouped matmuls run in the compute dtype (`model.matmul_dtype` and the weight-matmul point apply to the dense
-    matmuls only). Dropless, the experts' part is a declared point (`msjax.sharding.Parallelism.experts`: expert
-    parallelism runs it on a mesh, `msjax.parallel.expert`), which reads `column_weights()`, `activate`, `w_out`
-    and `dtype`."""
+    matmuls only). Dropless, what follows the routing is a declared point (`msjax.sharding.Parallelism.experts`:
+    expert parallelism runs the routed and shared experts on a mesh, `msjax.parallel.expert`), which reads
+    `column_weights()`, `activate`, `w_out`, `dtype`, `shared` (its `column_weights()`, `activate`, `w_out`) and
+    `shared_gate`."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, matmuls: tuple[jnp.dtype, bool]):
         mo = cfg.moe
@@ -383,21 +384,22 @@ class MoE(nnx.Module):
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         b, t, d = x_btd.shape
         dt = self.dtype
-        x_td = x_btd.reshape(b * t, d)
-        # float32 router whatever the compute dtype: a small change in a logit can move a token to another expert
-        logits_te = jnp.dot(x_td.astype(jnp.float32), self.router[...].astype(jnp.float32))
-        weights_tk, experts_tk, probs_te = moe_ops.route(logits_te, self.k, self.router_kind, self.normalize)
-        keep = moe_ops.capacity(b * t, self.k, logits_te.shape[-1], self.capacity_factor)
+        e, k = self.router.shape[-1], self.k
+        # float32 router whatever the compute dtype: a small change in a logit can move a token to another expert.
+        # Kept (B, T, .): merging a batch split over the mesh with a sequence split over it has GSPMD gather them.
+        logits_bte = jnp.einsum("btd,de->bte", x_btd.astype(jnp.float32), self.router[...].astype(jnp.float32))
+        weights_btk, experts_btk, probs_bte = moe_ops.route(logits_bte, k, self.router_kind, self.normalize)
+        keep = moe_ops.capacity(b * t, k, e, self.capacity_factor)
         transform = applied().experts
-        if keep is None and transform is not None:
-            y_btd = transform(self, x_btd.astype(dt), weights_tk.reshape(b, t, self.k),
-                              experts_tk.reshape(b, t, self.k))
+        if keep is None and transform is not None:  # routed and shared experts, computed on the mesh
+            y_btd = transform(self, x_btd.astype(dt), weights_btk, experts_btk)
             dropped = jnp.float32(0.0)
         else:
-            y_td, dropped = moe_ops.expert_ffn(x_td.astype(dt), weights_tk, experts_tk, self.column_weights(),
+            y_td, dropped = moe_ops.expert_ffn(x_btd.reshape(b * t, d).astype(dt), weights_btk.reshape(b * t, k),
+                                               experts_btk.reshape(b * t, k), self.column_weights(),
                                                self.w_out[...].astype(dt), self.activate, keep)
             y_btd = y_td.reshape(b, t, d)
-        if self.shared is not None:
+        if self.shared is not None and (keep is not None or transform is None):
             shared_btd = self.shared(x_btd)
             if self.shared_gate is not None:
                 gate_bt1 = jax.nn.sigmoid(jnp.einsum("btd,do->bto", x_btd.astype(jnp.float32),
@@ -406,10 +408,9 @@ class MoE(nnx.Module):
             y_btd = y_btd + shared_btd
         found = _ROUTER_STATS.get()
         if found is not None:
-            load_e = jnp.bincount(experts_tk.reshape(-1), length=logits_te.shape[-1]) / experts_tk.size
-            found.append({"aux_loss": moe_ops.load_balancing_loss(probs_te, experts_tk),
-                          "z_loss": moe_ops.router_z_loss(logits_te), "dropped": dropped,
-                          "load": load_e.astype(jnp.float32)})
+            found.append({"aux_loss": moe_ops.load_balancing_loss(probs_bte, experts_btk),
+                          "z_loss": moe_ops.router_z_loss(logits_bte), "dropped": dropped,
+                          "load": moe_ops.expert_fractions(experts_btk, e)})
         return y_btd
 
 

@@ -73,10 +73,11 @@ class Parallelism:
       weight_matmul: `(matmul, x, w) -> matmul(x, w)`, one weight matmul computed with a different backward (the
         split backward's record of its input and output gradient, `msjax.parallel.split_backward`); `matmul` is the
         model's own (`msjax.model.WeightMatmul`: the product and the two halves of its backward).
-      experts: `(moe, x_btd, weights_btk, experts_btk) -> y_btd`, a dropless mixture of experts' expert outputs
-        (B, T, D), each token's k experts weighted by the router, computed on a mesh (expert parallelism's
-        all-to-all, `msjax.parallel.expert`). It reads the layer through `msjax.model.MoE`'s `column_weights()`,
-        `activate` and `w_out`; the routing (weights_btk float32, experts_btk int32, (B, T, k)) is the model's.
+      experts: `(moe, x_btd, weights_btk, experts_btk) -> y_btd`, a dropless mixture of experts' output (B, T, D)
+        after the routing: each token's k experts weighted by the router, plus the shared expert, computed on a
+        mesh (expert parallelism's all-to-all, `msjax.parallel.expert`). It reads the layer through
+        `msjax.model.MoE`'s declared names; the routing (weights_btk float32, experts_btk int32, (B, T, k)) is
+        the model's.
     """
 
     block: Callable[[Any, jax.Array], jax.Array] | None = None

@@ -74,7 +74,8 @@ def time_train_step(cfg: Config, mesh, vocab_size: int, steps: int, warmup: int,
     """Builds msjax's train program for `cfg` on `mesh`, compiles its step as the loop calls it (`step_call`) for
     random tokens (state created sharded) and times `repeats` windows of `steps` steps after `warmup` calls, each
     window ended by a device sync; with K steps per call a window is ceil(steps / K) calls. With `trace_dir`, one
-    more window then runs under `jax.profiler.trace(trace_dir)` (untimed).
+    more window then runs under `jax.profiler.trace(trace_dir)` (untimed, with a Perfetto trace), and the compiled
+    step's HLO text goes beside it (`program.hlo.txt`: `msjax.observe.profile.scope_share` reads both).
 
     Returns:
       (program, compile seconds, wall seconds per step of each window, this process's CPU seconds (user +
@@ -99,7 +100,10 @@ def time_train_step(cfg: Config, mesh, vocab_size: int, steps: int, warmup: int,
         walls.append((time.perf_counter() - w0) / (calls * k))
         cpus.append((time.process_time() - c0) / (calls * k))
     if trace_dir:
-        with jax.profiler.trace(trace_dir):
+        os.makedirs(trace_dir, exist_ok=True)
+        with open(os.path.join(trace_dir, "program.hlo.txt"), "w") as f:
+            f.write(compiled.as_text())
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             for _ in range(calls):
                 state, metrics = compiled(state, batch)
             jax.block_until_ready(metrics)

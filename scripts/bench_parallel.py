@@ -65,8 +65,13 @@ LAYOUTS = {
               [(m, {"mesh.tp_overlap": m}) for m in ("none", "collective_matmul")]),
     "fsdp": ({"mesh.data": 1, "mesh.fsdp": ALL}, [("none", {}), ("prefetch", {"mesh.fsdp_prefetch": True})]),
     "zero2": ({"mesh.data": 1, "mesh.fsdp": ALL, "mesh.rules": "zero2"}, [("none", {})]),
+    # a mixture of experts (--config=moe_tiny) on all devices: experts replicated (ep1: each device still runs only
+    # its own tokens) against expert parallelism (msjax/parallel/expert.py), beside `one`
+    "expert": ({"mesh.data": -1}, [("ep1", {}), ("ep2", {"mesh.expert": 2}), ("ep4", {"mesh.expert": 4}),
+                                   ("ep2_tp2", {"mesh.expert": 2, "mesh.tensor": 2})]),
 }
-MESH_KEYS = ("mesh.pipeline", "mesh.data", "mesh.fsdp", "mesh.sequence", "mesh.tensor")
+MOE_ONLY = ("expert",)  # layouts that need a mixture-of-experts model: not in the default list
+MESH_KEYS = ("mesh.pipeline", "mesh.data", "mesh.fsdp", "mesh.expert", "mesh.sequence", "mesh.tensor")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +80,7 @@ class ParallelBenchOptions:
 
     Attributes:
       layouts: the layouts to run, in this order: any of dp, pp2, pp4, pp2_dp2_tp2, one, pp2_only, pp4_only, tp,
-        tp_parallel, tp_sp, fsdp, zero2.
+        tp_parallel, tp_sp, fsdp, zero2 (the default: all of these), expert (a mixture-of-experts config only).
       steps: timed steps per repeat.
       repeats: timed repeats of `steps` steps per row (the median is reported).
       baseline_src: another checkout of msjax (a directory holding its `msjax` package): every row also runs with
@@ -84,7 +89,7 @@ class ParallelBenchOptions:
       row: internal: run one row in this process (the config flags give its layout) and print it as JSON.
     """
 
-    layouts: tuple[str, ...] = tuple(LAYOUTS)
+    layouts: tuple[str, ...] = tuple(name for name in LAYOUTS if name not in MOE_ONLY)
     steps: int = 10
     repeats: int = 3
     baseline_src: str = ""
@@ -150,9 +155,12 @@ def measure(cfg: Config, steps: int, repeats: int, warmup: int = 2) -> dict:
 
     Returns:
       dict with step_s, cpu_s (seconds per step), tokens_per_s, mfu (model FLOPs over
-      `msjax.hardware.mesh_peak_flops`), compile_s, devices, mesh and the shape of the run.
+      `msjax.hardware.mesh_peak_flops`), compile_s, devices, mesh and the shape of the run; with expert
+      parallelism also dispatch_share: the share of the devices' op time in the token dispatch (its packing,
+      all-to-alls and unpacking: `msjax.parallel.expert.DISPATCH_SCOPE`) over one more, profiled window.
     """
     import statistics
+    import tempfile
 
     import jax
     from bench import time_train_step  # scripts/bench.py, beside this script: imports jax, so not at the top
@@ -162,8 +170,10 @@ def measure(cfg: Config, steps: int, repeats: int, warmup: int = 2) -> dict:
     sizes = cfg.mesh.axis_sizes()
     n = len(jax.devices()) if -1 in sizes.values() else math.prod(sizes.values())
     mesh = make_mesh(cfg.mesh, jax.devices()[:n])
+    dispatch = cfg.model.moe.num_experts and sizes.get("expert", 1) > 1
+    trace_dir = tempfile.mkdtemp(prefix="bench_parallel_trace_") if dispatch else ""
     program, compile_s, walls, cpus = time_train_step(cfg, mesh, cfg.model.vocab_size or 50304, steps, warmup,
-                                                      repeats)
+                                                      repeats, trace_dir)
     cfg, t = program.config, program.config.train
     step_s, cpu_s = statistics.median(walls), statistics.median(cpus)
     layout = program.layout
@@ -174,7 +184,22 @@ def measure(cfg: Config, steps: int, repeats: int, warmup: int = 2) -> dict:
             "pipeline_microbatches": layout.microbatches, "virtual_stages": layout.virtual_stages, "params": program.param_count,
             "compile_s": compile_s, "step_s": step_s, "cpu_s": cpu_s, "step_s_windows": walls,
             "cpu_s_windows": cpus, "tokens_per_s": tokens_per_step / step_s, "model_flops_per_step": flops,
-            "mfu": layout.mfu(1.0 / step_s), "peak_flops": peak, "peak_label": label}
+            "mfu": layout.mfu(1.0 / step_s), "peak_flops": peak, "peak_label": label,
+            **({"dispatch_share": _dispatch_share(trace_dir)} if dispatch else {})}
+
+
+def _dispatch_share(trace_dir: str) -> float:
+    """`scope_share` of the dispatch in the trace `time_train_step` wrote to `trace_dir` (then removed)."""
+    import shutil
+
+    from msjax.observe.profile import scope_share
+    from msjax.parallel.expert import DISPATCH_SCOPE
+
+    try:
+        with open(os.path.join(trace_dir, "program.hlo.txt")) as f:
+            return scope_share(trace_dir, f.read(), DISPATCH_SCOPE)["share"]
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)
 
 
 def _run(argv: list[str], opts: ParallelBenchOptions) -> int:
@@ -231,7 +256,8 @@ def _device_count(env: dict) -> int:
 def format_table(rows: list[dict]) -> str:
     """vs_first: step time against the layout's first mode (same tree); vs_row1: against the tree's first row (dp
     when it ran, so pipelined layouts read against all-data-parallel on the same devices); cpu_vs_one: CPU
-    seconds per step against the tree's `one` row (one device, same batch) when it ran."""
+    seconds per step against the tree's `one` row (one device, same batch) when it ran; dispatch: the expert
+    layouts' dispatch share of the op time (`measure`)."""
     base, first, one = {}, {}, {}
     for r in rows:
         base.setdefault((r["tree"], r["layout"]), r["step_s"])
@@ -239,14 +265,15 @@ def format_table(rows: list[dict]) -> str:
         if r["layout"] == "one":
             one.setdefault(r["tree"], r["cpu_s"])
     cols = ["layout", "mode", "tree", "mesh", "step_ms", "cpu_ms", "tokens_per_s", "vs_first", "vs_row1",
-            "cpu_vs_one", "mfu", "compile_s"]
+            "cpu_vs_one", "mfu", "compile_s", "dispatch"]
     cells = [cols] + [[r["layout"], r["mode"], r["tree"],
                        "x".join(f"{k[0]}{v}" for k, v in r["mesh"].items() if v > 1) or "1",
                        f"{r['step_s'] * 1e3:.2f}", f"{r['cpu_s'] * 1e3:.1f}", f"{r['tokens_per_s']:,.0f}",
                        f"{base[(r['tree'], r['layout'])] / r['step_s']:.2f}x",
                        f"{first[r['tree']] / r['step_s']:.2f}x",
                        f"{r['cpu_s'] / one[r['tree']]:.2f}x" if r["tree"] in one else "-",
-                       f"{r['mfu']:.1%}", f"{r['compile_s']:.1f}"]
+                       f"{r['mfu']:.1%}", f"{r['compile_s']:.1f}",
+                       f"{r['dispatch_share']:.1%}" if "dispatch_share" in r else "-"]
                       for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells)

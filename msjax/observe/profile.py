@@ -62,6 +62,42 @@ def traced_steps(trace_dir: str | Path) -> list[int]:
     return sorted(steps)
 
 
+def scope_share(trace_dir: str | Path, hlo_text: str, scope: str) -> dict[str, float]:
+    """How much of a program's device time went to the ops traced under `jax.named_scope(scope)`.
+
+    Reads the Perfetto trace(s) under `trace_dir` of runs of one compiled program whose HLO text (`compiled.
+    as_text()`) is `hlo_text`: each op event is named after its HLO instruction, whose metadata `op_name` carries
+    the named scopes it was traced under. Durations are summed over every device (thread) and event.
+
+    Returns:
+      {"scope_s", "ops_s": seconds in the scope's ops and in all of the program's ops, "share": their ratio}.
+    Raises:
+      FileNotFoundError: no `perfetto_trace.json.gz` under `trace_dir`.
+    """
+    names: dict[str, bool] = {}
+    for line in hlo_text.splitlines():
+        m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{[^}]*op_name=\"([^\"]*)\"", line)
+        if m:
+            names[m.group(1)] = f"/{scope}/" in f"/{m.group(2)}/"
+        else:
+            m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+) = ", line)
+            if m:
+                names.setdefault(m.group(1), False)
+    files = glob.glob(str(Path(trace_dir) / "**" / "perfetto_trace.json.gz"), recursive=True)
+    if not files:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
+    inside = total = 0.0
+    for f in files:
+        with gzip.open(f, "rt") as fh:
+            events = json.load(fh)
+        for e in events["traceEvents"] if isinstance(events, dict) else events:
+            name = e.get("name")
+            if e.get("ph") == "X" and name in names:
+                total += e.get("dur", 0) * 1e-6
+                inside += e.get("dur", 0) * 1e-6 if names[name] else 0.0
+    return {"scope_s": inside, "ops_s": total, "share": inside / total if total else 0.0}
+
+
 class ProfileHook(Hook):
     """Captures profiler traces when `LoopControl` asks for one (see the module docstring).
 

@@ -41,7 +41,8 @@ def route(logits_te: jax.Array, k: int, router: str = "softmax_topk", normalize:
     """Each token's k experts and their weights (module docstring).
 
     Args:
-      logits_te: (T, E) router logits, any float dtype (computed in float32).
+      logits_te: (T, E) router logits, any float dtype (computed in float32); any leading dimensions in place of
+        T ((B, T, E) gives (B, T, k) results).
       k: experts per token, 1 <= k <= E.
       router: "softmax_topk" or "topk_softmax".
       normalize: with softmax_topk, renormalise the k probabilities to sum to 1 (topk_softmax always sums to 1).
@@ -59,13 +60,27 @@ def route(logits_te: jax.Array, k: int, router: str = "softmax_topk", normalize:
     logits_te = logits_te.astype(jnp.float32)
     probs_te = jax.nn.softmax(logits_te, axis=-1)
     if router == "softmax_topk":
-        weights_tk, experts_tk = jax.lax.top_k(probs_te, k)
+        weights_tk, experts_tk = top_k(probs_te, k)
         if normalize:
             weights_tk = weights_tk / jnp.sum(weights_tk, axis=-1, keepdims=True)
     else:
-        top_tk, experts_tk = jax.lax.top_k(logits_te, k)
+        top_tk, experts_tk = top_k(logits_te, k)
         weights_tk = jax.nn.softmax(top_tk, axis=-1)
     return weights_tk, experts_tk.astype(jnp.int32), probs_te
+
+
+def top_k(x_te: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The k largest values along the last axis and their indices (int32), largest first, the lower index first
+    among equal values: `jax.lax.top_k`'s result, as k rounds of argmax and masking. Why not `jax.lax.top_k`:
+    with the tokens split over the mesh GSPMD gathers every token's logits to one sort (seen: an all-gather of the
+    whole batch's (B, T, E) logits per layer), where a maximum along E partitions like any reduction."""
+    values, indices = [], []
+    for _ in range(k):
+        i_t = jnp.argmax(x_te, axis=-1)
+        values.append(jnp.take_along_axis(x_te, i_t[..., None], axis=-1)[..., 0])
+        indices.append(i_t.astype(jnp.int32))
+        x_te = jnp.where(jax.nn.one_hot(i_t, x_te.shape[-1], dtype=bool), -jnp.inf, x_te)
+    return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1)
 
 
 def load_balancing_loss(probs_te: jax.Array, experts_tk: jax.Array) -> jax.Array:
@@ -73,15 +88,28 @@ def load_balancing_loss(probs_te: jax.Array, experts_tk: jax.Array) -> jax.Array
     mean of probs_te[:, e]. float32 scalar; k under uniform routing.
 
     Args:
-      probs_te: (T, E) float32 router probabilities (`route`). experts_tk: (T, k) int32.
+      probs_te: (T, E) float32 router probabilities (`route`). experts_tk: (T, k) int32. Any leading dimensions
+        in place of T, the same for both (means over all of them).
     """
-    t, e = probs_te.shape
-    chosen_te = jnp.zeros((t, e), jnp.float32).at[jnp.arange(t)[:, None], experts_tk].add(1.0)
-    return e * jnp.sum(jnp.mean(chosen_te, axis=0) * jnp.mean(probs_te.astype(jnp.float32), axis=0))
+    e = probs_te.shape[-1]
+    tokens = tuple(range(probs_te.ndim - 1))
+    return e * jnp.sum(expert_fractions(experts_tk, e) * experts_tk.shape[-1]
+                       * jnp.mean(probs_te.astype(jnp.float32), axis=tokens))
+
+
+def expert_fractions(experts_tk: jax.Array, e: int) -> jax.Array:
+    """(E,) float32: the fraction of the T k assignments each expert got (sums to 1). experts_tk: (T, k) int32, or
+    any leading dimensions in place of T.
+
+    A mean of one-hot rows, not a scatter (`bincount`): under a batch split over the mesh a mean reduces each
+    device's rows and sums E numbers over the devices, where a scatter into E bins has GSPMD gather every token's
+    experts first."""
+    return jnp.mean(jax.nn.one_hot(experts_tk, e, dtype=jnp.float32), axis=tuple(range(experts_tk.ndim)))
 
 
 def router_z_loss(logits_te: jax.Array) -> jax.Array:
-    """mean_t logsumexp(logits_t)^2 (ST-MoE eq. 5), float32 scalar. logits_te: (T, E)."""
+    """mean_t logsumexp(logits_t)^2 (ST-MoE eq. 5), float32 scalar. logits_te: (T, E), or any leading dimensions
+    in place of T."""
     return jnp.mean(jnp.square(jax.nn.logsumexp(logits_te.astype(jnp.float32), axis=-1)))
 
 

@@ -7,12 +7,15 @@ experts, k experts per token, N = T k assignments; `ep` the size of the mesh axi
 expert width one `tensor` rank holds.
 
 Where it runs. The model routes (float32 router, top-k, its losses over the whole batch: plain GSPMD code) and
-hands the dropless experts' part to `experts`, the `Parallelism.experts` point `use_expert_parallelism` installs.
+hands the rest of a dropless layer, its routed experts and its shared expert, to `experts`, the
+`Parallelism.experts` point `use_expert_parallelism` installs.
 Under `jax.shard_map` over the mesh each device takes its own batch rows (split over data x fsdp x expert, the
 query-side sequence over `sequence`; gathered over `tensor`, as an MLP's input is), and its expert weights:
 El experts, gathered over `fsdp` (the FSDP all-gather, done by GSPMD at the region's edge), their F split over
 `tensor` (Megatron-style expert tensor parallelism: each rank computes its Fl columns, the outputs are summed over
 `tensor`). Every rank of a `tensor` group routes the same tokens, so each group's all-to-alls are independent.
+The shared expert (Qwen2-MoE, DeepSeek) runs in the same region on the same tokens, its width split over `tensor`
+too, so its partial output joins the routed experts' in one sum over `tensor`.
 
 The dispatch (ep > 1), per device:
   1. sort the N assignments by expert (stable), so each destination device's are contiguous, and write them into a
@@ -22,6 +25,10 @@ The dispatch (ep > 1), per device:
   3. sort the received rows by local expert and run them through this device's El experts as grouped matmuls
      (`msjax.ops.moe.grouped_mlp`, padding rows come out as zeros);
   4. all-to-all back, and each token sums its k outputs weighted by the router, in float32.
+Overlap: the shared expert's matmuls are issued between the dispatch all-to-all (step 2) and the grouped matmuls,
+and neither depends on the other, so a scheduler with asynchronous collectives (XLA:GPU's latency-hiding
+scheduler) runs them while the tokens are in flight (MegaScale-MoE's overlap of communication with the dense
+part; tests/msjax/test_moe.py reads the order and the independence from the lowered program).
 With ep = 1 (expert parallelism off, the batch still split) each device runs `msjax.ops.moe.expert_ffn` on its own
 tokens: no device sorts or computes another's (GSPMD would have to gather the batch to sort it).
 
@@ -36,7 +43,7 @@ are real; `ragged_dot` skips the padding where its backend computes by group siz
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +53,9 @@ from msjax.ops import moe as moe_ops
 from msjax.sharding import active_rules, nested_shard_map, use_parallelism
 from msjax.sharding_rules import axes as ax
 from msjax.sharding_rules import logical_to_mesh_spec
+
+
+DISPATCH_SCOPE = "moe_dispatch"  # the named scope of the dispatch's own work: packing, all-to-alls, unpacking
 
 
 @contextlib.contextmanager
@@ -65,10 +75,13 @@ def _axis_of(rules: Any, name: str) -> str | None:
 
 
 def experts(moe: Any, x_btd: jax.Array, weights_btk: jax.Array, experts_btk: jax.Array) -> jax.Array:
-    """The dropless experts' output (B, T, D) in x's dtype, computed as the module docstring says.
+    """The dropless layer's output (B, T, D) in x's dtype, routed experts plus shared expert, computed as the
+    module docstring says.
 
     Args:
-      moe: the layer (`msjax.model.MoE`): `column_weights()` (E, D, F) each, `activate`, `w_out` (E, F, D), `dtype`.
+      moe: the layer (`msjax.model.MoE`): `column_weights()` (E, D, F) each, `activate`, `w_out` (E, F, D), `dtype`,
+        and `shared` (None, or an MLP: its `column_weights()` (D, Fs), `activate`, `w_out` (Fs, D)) with
+        `shared_gate` (None or (D, 1)).
       x_btd: (B, T, D) the layer's input in the compute dtype.
       weights_btk: (B, T, k) float32 router weights; experts_btk: (B, T, k) int32 expert ids in [0, E).
     Raises:
@@ -84,53 +97,80 @@ def experts(moe: Any, x_btd: jax.Array, weights_btk: jax.Array, experts_btk: jax
     if ep > 1 and expert_axis not in tuple(tokens[0] or ()):
         raise ValueError(f"expert parallelism over {expert_axis!r} needs the batch split over it too "
                          f"(act_batch lands on {tokens[0]})")
-    cols = moe.column_weights()
-    w_out = moe.w_out[...].astype(moe.dtype)
-    col_spec = P(expert_axis, None, tensor_axis)
-    out_spec = P(expert_axis, tensor_axis, None)
+    dt = moe.dtype
+    routed = {"cols": moe.column_weights(), "w_out": moe.w_out[...].astype(dt)}
+    routed_specs = {"cols": [P(expert_axis, None, tensor_axis)] * len(routed["cols"]),
+                    "w_out": P(expert_axis, tensor_axis, None)}
+    shared, shared_specs = {}, {}
+    if moe.shared is not None:
+        shared = {"cols": [c.astype(dt) for c in moe.shared.column_weights()],
+                  "w_out": moe.shared.w_out[...].astype(dt)}
+        shared_specs = {"cols": [P(None, tensor_axis)] * len(shared["cols"]), "w_out": P(tensor_axis, None)}
+        if moe.shared_gate is not None:
+            shared["gate"], shared_specs["gate"] = moe.shared_gate[...].astype(jnp.float32), P()
 
-    def per_device(x_btd, weights_btk, experts_btk, w_out_efd, *cols_edf):
+    def shared_expert(x_td, weights):
+        """The shared expert's partial output (T, D) over this rank's Fs columns, gated per token when set."""
+        h_tf = moe.shared.activate(*(jnp.dot(x_td, w) for w in weights["cols"]))
+        y_td = jnp.dot(h_tf.astype(dt), weights["w_out"])
+        if "gate" in weights:
+            gate_t1 = jax.nn.sigmoid(jnp.dot(x_td.astype(jnp.float32), weights["gate"]))
+            y_td = (y_td.astype(jnp.float32) * gate_t1).astype(dt)
+        return y_td
+
+    def per_device(x_btd, weights_btk, experts_btk, routed, shared):
         b, t, d = x_btd.shape
         k = experts_btk.shape[-1]
         x_td, w_tk, e_tk = x_btd.reshape(b * t, d), weights_btk.reshape(b * t, k), experts_btk.reshape(b * t, k)
+        meanwhile = (lambda: shared_expert(x_td, shared)) if shared else None
         if ep == 1:
-            y_td, _ = moe_ops.expert_ffn(x_td, w_tk, e_tk, cols_edf, w_out_efd, moe.activate)
+            y_td, _ = moe_ops.expert_ffn(x_td, w_tk, e_tk, routed["cols"], routed["w_out"], moe.activate)
+            extra_td = meanwhile() if meanwhile else None
         else:
-            y_td = _dispatch(x_td, w_tk, e_tk, cols_edf, w_out_efd, moe.activate, ep, expert_axis)
-        if tensor_axis is not None:  # each rank's Fl columns give a partial sum of the outputs
+            y_td, extra_td = _dispatch(x_td, w_tk, e_tk, routed["cols"], routed["w_out"], moe.activate, ep,
+                                       expert_axis, meanwhile)
+        if extra_td is not None:
+            y_td = y_td + extra_td
+        if tensor_axis is not None:  # each rank's Fl (and Fs) columns give a partial sum of the outputs
             y_td = jax.lax.psum(y_td, tensor_axis)
         return y_td.reshape(b, t, d)
 
     route_spec = P(*tokens[:2], None)
-    return nested_shard_map(per_device, mesh, in_specs=(tokens, route_spec, route_spec, out_spec)
-                            + (col_spec,) * len(cols), out_specs=tokens)(x_btd, weights_btk, experts_btk, w_out,
-                                                                         *cols)
+    return nested_shard_map(per_device, mesh, in_specs=(tokens, route_spec, route_spec, routed_specs, shared_specs),
+                            out_specs=tokens)(x_btd, weights_btk, experts_btk, routed, shared)
 
 
-def _dispatch(x_td: jax.Array, weights_tk: jax.Array, experts_tk: jax.Array, cols_edf: tuple[jax.Array, ...],
-              w_out_efd: jax.Array, activate: Any, ep: int, axis: str) -> jax.Array:
-    """Steps 1-4 of the module docstring on one device: (T, D) outputs, float32 sums cast to x's dtype.
+def _dispatch(x_td: jax.Array, weights_tk: jax.Array, experts_tk: jax.Array, cols_edf: list[jax.Array],
+              w_out_efd: jax.Array, activate: Any, ep: int, axis: str, meanwhile: Callable[[], jax.Array] | None
+              ) -> tuple[jax.Array, jax.Array | None]:
+    """Steps 1-4 of the module docstring on one device: ((T, D) outputs, float32 sums cast to x's dtype; what
+    `meanwhile()` returned, computed between the dispatch all-to-all and the grouped matmuls, or None).
 
     cols_edf / w_out_efd: this device's El experts ((El, D, Fl) / (El, Fl, D)); expert ids in experts_tk are
     global, in [0, ep El)."""
     t, k = experts_tk.shape
     n, d, local = t * k, x_td.shape[-1], w_out_efd.shape[0]
-    flat_n = experts_tk.reshape(-1)
-    order_n = jnp.argsort(flat_n, stable=True)  # by expert, hence by destination device
-    expert_n = flat_n[order_n]
-    dest_n = expert_n // local
-    sent_j = jnp.bincount(dest_n, length=ep).astype(jnp.int32)
-    slot_n = jnp.arange(n) - (jnp.cumsum(sent_j) - sent_j)[dest_n]  # the row within its destination's block
-    token_n = order_n // k
-    send_jnd = jnp.zeros((ep, n, d), x_td.dtype).at[dest_n, slot_n].set(x_td[token_n])
-    send_jn = jnp.full((ep, n), local, jnp.int32).at[dest_n, slot_n].set(expert_n % local)
-    recv_ind = jax.lax.all_to_all(send_jnd, axis, 0, 0)  # recv[i]: what device i sent here
-    recv_in = jax.lax.all_to_all(send_jn, axis, 0, 0)
-    local_r = recv_in.reshape(-1)
-    order_r = jnp.argsort(local_r, stable=True)  # by local expert; padding (id El) last
-    sizes_e = jnp.bincount(local_r, length=local + 1)[:local].astype(jnp.int32)
-    y_rd = moe_ops.grouped_mlp(recv_ind.reshape(ep * n, d)[order_r], sizes_e, cols_edf, w_out_efd, activate)
-    y_ind = jnp.zeros_like(y_rd).at[order_r].set(y_rd).reshape(ep, n, d)
-    back_jnd = jax.lax.all_to_all(y_ind, axis, 0, 0)  # back[j]: device j's outputs for what this device sent it
-    y_nd = back_jnd[dest_n, slot_n].astype(jnp.float32) * weights_tk.reshape(-1)[order_n][:, None]
-    return jnp.zeros((t, d), jnp.float32).at[token_n].add(y_nd).astype(x_td.dtype)
+    with jax.named_scope(DISPATCH_SCOPE):
+        flat_n = experts_tk.reshape(-1)
+        order_n = jnp.argsort(flat_n, stable=True)  # by expert, hence by destination device
+        expert_n = flat_n[order_n]
+        dest_n = expert_n // local
+        sent_j = jnp.bincount(dest_n, length=ep).astype(jnp.int32)
+        slot_n = jnp.arange(n) - (jnp.cumsum(sent_j) - sent_j)[dest_n]  # the row within its destination's block
+        token_n = order_n // k
+        send_jnd = jnp.zeros((ep, n, d), x_td.dtype).at[dest_n, slot_n].set(x_td[token_n])
+        send_jn = jnp.full((ep, n), local, jnp.int32).at[dest_n, slot_n].set(expert_n % local)
+        recv_ind = jax.lax.all_to_all(send_jnd, axis, 0, 0)  # recv[i]: what device i sent here
+        recv_in = jax.lax.all_to_all(send_jn, axis, 0, 0)
+    extra_td = meanwhile() if meanwhile is not None else None  # reads none of the rows in flight
+    with jax.named_scope(DISPATCH_SCOPE):
+        local_r = recv_in.reshape(-1)
+        order_r = jnp.argsort(local_r, stable=True)  # by local expert; padding (id El) last
+        sizes_e = jnp.bincount(local_r, length=local + 1)[:local].astype(jnp.int32)
+        rows_rd = recv_ind.reshape(ep * n, d)[order_r]
+    y_rd = moe_ops.grouped_mlp(rows_rd, sizes_e, cols_edf, w_out_efd, activate)
+    with jax.named_scope(DISPATCH_SCOPE):
+        y_ind = jnp.zeros_like(y_rd).at[order_r].set(y_rd).reshape(ep, n, d)
+        back_jnd = jax.lax.all_to_all(y_ind, axis, 0, 0)  # back[j]: device j's outputs for what this device sent it
+        y_nd = back_jnd[dest_n, slot_n].astype(jnp.float32) * weights_tk.reshape(-1)[order_n][:, None]
+        return jnp.zeros((t, d), jnp.float32).at[token_n].add(y_nd).astype(x_td.dtype), extra_td

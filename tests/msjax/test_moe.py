@@ -2,6 +2,7 @@
 grouped-matmul experts and their gradients, capacity dropping, the load-balancing and z losses."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -331,18 +332,24 @@ MOE_EP = {**MOE_LLAMA, "model.moe.num_experts": 8, "model.moe.shared_experts": 0
           "model.init_std": 0.2, "optimizer.eps": 1e-3}
 
 
+SHARED = {"model.moe.shared_experts": 1, "model.moe.shared_gate": True}
+
+
 @pytest.mark.parametrize("mesh", [{"mesh.expert": 2}, {"mesh.expert": 4}, {"mesh.expert": 2, "mesh.tensor": 2},
-                                  {"mesh.expert": 2, "mesh.fsdp": 2}], ids=["ep2", "ep4", "ep2-tp2", "ep2-fsdp2"])
+                                  {"mesh.expert": 2, "mesh.fsdp": 2}, {"mesh.expert": 2, "mesh.tensor": 2, **SHARED}],
+                         ids=["ep2", "ep4", "ep2-tp2", "ep2-fsdp2", "ep2-tp2-shared"])
 def test_expert_parallel_layouts_train_the_same_as_one_device(layout_reference, layout_tokens, mesh):
     """Experts split over the `expert` axis, tokens sent to them and back by all-to-all (the rest of the 8 fake
     devices data-parallel): 3 steps' losses, gradient norms, the gradients at initialisation and the parameters
-    after the 3 steps within 1e-5 of one device (tests/msjax/layouts.py). The random router routes unevenly:
-    checked on the reference's first step, where in each layer the most loaded expert gets over twice the
-    assignments of the least loaded one (a device holding the busiest experts receives the most rows)."""
+    after the 3 steps within 1e-5 of one device (tests/msjax/layouts.py); the last layout adds a gated shared
+    expert, computed in the same region. The random router routes unevenly: checked on the reference's first step,
+    where in each layer the most loaded expert gets over twice the assignments of the least loaded one (a device
+    holding the busiest experts receives the most rows)."""
     from tests.msjax.layouts import LLAMA, TOL, assert_same, run_layout, tiny_config
 
-    want = layout_reference(**LLAMA, **MOE_EP)
-    got = run_layout(tiny_config(**LLAMA, **MOE_EP, **mesh), layout_tokens)
+    model = {k: v for k, v in mesh.items() if k.startswith("model.")}
+    want = layout_reference(**LLAMA, **{**MOE_EP, **model})
+    got = run_layout(tiny_config(**LLAMA, **{**MOE_EP, **mesh}), layout_tokens)
     assert_same(want, got)
     for x, y in zip(jax.tree.leaves(jax.device_get(want.state["params"])),
                     jax.tree.leaves(jax.device_get(got.state["params"]))):
@@ -377,6 +384,61 @@ def test_a_moe_run_logs_its_expert_load_and_the_report_draws_it(tmp_path, small_
         assert load.shape == (2, 4) and np.allclose(load.sum(-1), 1.0, atol=1e-6)
     write_report(tmp_path / "run")
     assert (tmp_path / "run" / "report" / "expert_load.png").stat().st_size > 1000
+
+
+def _ssa_dependents(lines: list[str], roots: set[str]) -> set[str]:
+    """SSA values of MLIR `lines` (in order) that (transitively) use any of `roots`."""
+    out = set(roots)
+    for line in lines:
+        m = re.match(r"\s*(%[\w#]+)(?::\d+)? = (.*)", line)
+        if m and set(re.findall(r"%[\w#]+", m.group(2))) & out:
+            out.add(m.group(1))
+    return out
+
+
+def test_the_shared_expert_runs_while_the_tokens_are_in_flight():
+    """expert 2 x tensor 2, one MoE layer with a gated shared expert (D 64, Fs 48, so 24 columns per tensor rank).
+    In the program as lowered (the order a latency-hiding scheduler starts from) the layer's region issues the
+    dispatch all-to-all, then the shared expert's four matmuls (gate and up (64, 24), down (24, 64), its gate
+    (64, 1)), then the grouped matmuls, then the all-to-all back; the shared matmuls read nothing the all-to-all
+    returns. In the compiled program, too, no shared-expert matmul depends on the dispatch (XLA:CPU's collectives
+    are synchronous, so its own order shows nothing about overlap)."""
+    from msjax.mesh import make_mesh
+    from msjax.train_step import build_train_program
+    from tests.msjax.hlo_utils import dependents, is_matmul, parse
+    from tests.msjax.layouts import LLAMA, VOCAB, tiny_config
+
+    cfg = tiny_config(**LLAMA, **{**MOE_EP, **SHARED, "model.num_layers": 1, "mesh.expert": 2, "mesh.tensor": 2,
+                                  "mesh.data": -1})
+    program = build_train_program(cfg, make_mesh(cfg.mesh), vocab_size=VOCAB)
+    lowered = program.eval_fn.lower(program.abstract_state["params"], program.abstract_batch)
+    lines = lowered.as_text().splitlines()
+    start = next(n for n, line in enumerate(lines) if "sdy.manual_computation" in line and "expert" in line)
+    region = lines[start:]
+    shared_w = ("tensor<64x24xf32>) ->", "tensor<24x64xf32>) ->", "tensor<64x1xf32>) ->")
+    ops = []
+    for line in region:
+        if "stablehlo.all_to_all" in line:
+            ops.append(("A", line))
+        elif "stablehlo.dot_general" in line:
+            ops.append(("S" if any(w in line for w in shared_w) else "G", line))
+    order = "".join(code for code, _ in ops)
+    assert re.match(r"AASSSSG+A", order), order  # ids and tokens out, shared expert, experts, outputs back
+    dispatched = {re.match(r"\s*(%[\w#]+)", line).group(1) for code, line in ops[:2]}
+    uses = _ssa_dependents(region, dispatched)
+    shared = [re.match(r"\s*(%[\w#]+)", line).group(1) for code, line in ops if code == "S"]
+    experts = [re.match(r"\s*(%[\w#]+)", line).group(1) for code, line in ops if code == "G"]
+    assert not uses & set(shared) and set(experts) <= uses
+
+    comps = parse(lowered.compile().as_text())
+    body = comps["ENTRY"]
+    tokens = [i for i in body.instrs if i.op == "all-to-all" and "shard_map" in i.line and i.shapes[0][0] == "f32"
+              and len(i.shapes[0][1]) == 3 and i.shapes[0][1][-1] == 64]
+    assert len(tokens) == 2  # out to the experts, back from them
+    after = dependents(body, {tokens[0].name})
+    shared_mm = [i for i in body.instrs if is_matmul(i, comps) and i.shapes[0][1] in ((64, 24), (64, 1))]
+    assert len(shared_mm) >= 3 and not {i.name for i in shared_mm} & after, [i.line[:120] for i in shared_mm]
+    assert tokens[1].name in after
 
 
 @pytest.mark.slow
