@@ -42,6 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from msjax.chat import ChatFormat, load_chat_format
 from msjax.config import Config, ModelConfig, apply_overrides
 from msjax.model import KV_NAMES, KVCache, abstract_model, apply, apply_decode, cache_slots, init_cache
+from msjax.parallel.expert import use_expert_parallelism
 from msjax.sample import check_sampling, sample_logits
 from msjax.sharding import constrain, use_rules
 from msjax.sharding_rules import Rules
@@ -96,8 +97,16 @@ class Generator:
 
     # ---- the compiled pieces --------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
     def _in_rules(self, rules: Rules | None):
-        return contextlib.nullcontext() if self.mesh is None else use_rules(self.mesh, rules)
+        """The mesh's rules for code traced inside and, for a mixture of experts, expert parallelism (each
+        device's tokens to the devices holding their experts, as the training step runs them)."""
+        if self.mesh is None:
+            yield
+            return
+        experts = use_expert_parallelism() if self.cfg.moe.num_experts else contextlib.nullcontext()
+        with use_rules(self.mesh, rules), experts:
+            yield
 
     def _prefill_fn(self, params, tokens_bt, count_b, key, *, max_len, temperature, top_k, top_p):
         with self._in_rules(None if self.rules is None else decode_rules(self.rules)):

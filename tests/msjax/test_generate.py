@@ -104,17 +104,20 @@ def test_a_prompt_in_a_batch_gets_what_it_gets_alone():
 
 
 @pytest.mark.parametrize("mesh", [dict(data=2, fsdp=2, tensor=2), dict(data=2, sequence=2, tensor=2),
-                                  dict(pipeline=2, data=2, tensor=2)], ids=["dp-fsdp-tp", "dp-sp-tp", "pp-dp-tp"])
+                                  dict(pipeline=2, data=2, tensor=2), dict(data=2, expert=2, tensor=2)],
+                         ids=["dp-fsdp-tp", "dp-sp-tp", "pp-dp-tp", "moe-dp-ep-tp"])
 def test_meshes_generate_what_one_device_generates(mesh):
-    """Parameters laid out by the training layout of each mesh (pipeline: layers split over stages); the batch
-    of 4 prompts over data x fsdp, 3 prompts padded with a dummy row."""
-    model = {f"model.{k}": v for k, v in dict(LLAMA, num_kv_heads=2).items()}
+    """Parameters laid out by the training layout of each mesh (pipeline: layers split over stages; a mixture of
+    experts' experts over `expert`, the tokens sent to them by all-to-all); the batch of 4 prompts over data x
+    fsdp x expert, 3 prompts padded with a dummy row."""
+    moe = {"moe.num_experts": 4, "moe.expert_ff": 16, "moe.shared_experts": 1} if "expert" in mesh else {}
+    model = {f"model.{k}": v for k, v in dict(LLAMA, num_kv_heads=2, **moe).items()}
     overrides = {"model.num_layers": 2, "model.d_model": 32, "model.num_heads": 4, "model.max_seq_len": 24,
                  "model.init_std": 0.5, "model.vocab_multiple": 64, "model.attention.window": 6,
                  "train.seq_len": 24, "train.global_batch": 8, **model,
                  **{f"mesh.{k}": v for k, v in {"data": 1, **mesh}.items()}}
     cfg = apply_overrides(Config(), overrides).validate()
-    one = apply_overrides(cfg, {f"mesh.{k}": 1 for k in ("pipeline", "data", "fsdp", "sequence", "tensor")})
+    one = apply_overrides(cfg, {f"mesh.{k}": 1 for k in ("pipeline", "data", "fsdp", "expert", "sequence", "tensor")})
     program1 = build_train_program(one, make_mesh(one.mesh, jax.devices()[:1]), vocab_size=50)
     params = init_params(program1.config.model, jax.random.key(3))
     want = Generator(program1.config.model, program1.graphdef, params).generate(PROMPTS[:3], 12, temperature=0)

@@ -320,7 +320,7 @@ def test_layouts_that_do_not_divide_name_the_key(overrides, match):
 def test_pipeline_microbatch_that_does_not_split_over_data_is_refused():
     cfg = ref_config("A", **{"mesh.pipeline": 2, "mesh.data": 4, "pipeline.microbatches": 4})
     with pytest.raises(ConfigError, match=r"microbatch of 2 sequences .* pipeline.microbatches=4\) does not split "
-                                          r"over data x fsdp = 4"):
+                                          r"over data x fsdp x expert = 4"):
         build_train_program(cfg, make_mesh(cfg.mesh), VOCAB)
 
 
