@@ -14,18 +14,19 @@ untied) with grouped-query heads. Checkpoints of both convert to and from Huggin
 `model.moe` a block's feed-forward is a mixture of experts (`MoE`, its math in `msjax.ops.moe`), whose router
 statistics `GPT.forward` returns beside the logits for the training objective.
 
-Parallelism is not written here: parameters carry logical axis names (`sharding_rules.axes`) and activations
-pass through `msjax.sharding.constrain`; the rule set picked in the config decides the layout. What changes how
-the model computes is applied from `msjax.parallel`, which this module never imports, at five declared points
-(`msjax.sharding.applied`: run a block, scan the stacked layers, mark the backward's end, run a weight matmul, run
-a mixture of experts' experts). A block declares what such a transform may use of it: `Block.parallel`,
-`ln1`/`ln2`, the attention's `wq`, `wk`, `wv`, `wo`, `finish_qkv()`, `window`, `impl` and dtypes, the MLP's
-`column_weights()`, `activate()` and `w_out` (the collective matmul's view of a block), the MoE's own three
-(expert parallelism's view). A new block type is a class here plus, where it needs one, a transform there.
-With `scan_layers=True` layers are created stacked (leading `layers` axis, parameters under `blocks`) and run
-with `jax.lax.scan`, so compile time does not grow with depth: the choice for deep models. `scan_layers=False`
-keeps one parameter set per layer (`layers.0`, `layers.1`, ...) and a Python loop, as MaxText does; for shallow
-models on CPU its backward pass is faster, the scan paying for per-iteration slices and gradient stacking.
+Parallelism is not written here: parameters carry logical axis names (`sharding_rules.axes`) and activations pass
+through `msjax.sharding.constrain`; the rule set picked in the config decides the layout. What changes how the model
+computes is applied from `msjax.parallel`, which this module never imports, at five declared points
+(`msjax.sharding.applied`: run a block, scan the stacked layers, mark the backward's end, run a weight matmul, run a
+mixture of experts' experts). A block declares what such a transform may use of it: `Block.parallel`, `ln1`/`ln2`,
+the attention's `wq`, `wk`, `wv`, `wo`, `finish_qkv()`, `window`, `impl` and dtypes, the MLP's `column_weights()`,
+`activate()` and `w_out` (the collective matmul's view of a block), the MoE's `column_weights()`, `activate()`,
+`w_out`, `shared` and `shared_gate` (expert parallelism's view). A new block type is a class here plus, where it
+needs one, a transform there. With `scan_layers=True` layers are created stacked (leading `layers` axis, parameters
+under `blocks`) and run with `jax.lax.scan`, so compile time does not grow with depth: the choice for deep models.
+`scan_layers=False` keeps one parameter set per layer (`layers.0`, `layers.1`, ...) and a Python loop, as MaxText
+does; for shallow models on CPU its backward pass is faster, the scan paying for per-iteration slices and gradient
+stacking.
 
 Decoding (`GPT.decode`, used by `msjax.generate`) runs the same blocks on new tokens at given positions against a
 KV cache (`KVCache`): S slots per layer, S = the window for sliding-window attention (a ring: position p lives in
@@ -391,7 +392,8 @@ class MoE(nnx.Module):
         weights_btk, experts_btk, probs_bte = moe_ops.route(logits_bte, k, self.router_kind, self.normalize)
         keep = moe_ops.capacity(b * t, k, e, self.capacity_factor)
         transform = applied().experts
-        if keep is None and transform is not None:  # routed and shared experts, computed on the mesh
+        on_mesh = keep is None and transform is not None  # routed and shared experts computed by the transform
+        if on_mesh:
             y_btd = transform(self, x_btd.astype(dt), weights_btk, experts_btk)
             dropped = jnp.float32(0.0)
         else:
@@ -399,7 +401,7 @@ class MoE(nnx.Module):
                                                experts_btk.reshape(b * t, k), self.column_weights(),
                                                self.w_out[...].astype(dt), self.activate, keep)
             y_btd = y_td.reshape(b, t, d)
-        if self.shared is not None and (keep is not None or transform is None):
+        if self.shared is not None and not on_mesh:
             shared_btd = self.shared(x_btd)
             if self.shared_gate is not None:
                 gate_bt1 = jax.nn.sigmoid(jnp.einsum("btd,do->bto", x_btd.astype(jnp.float32),

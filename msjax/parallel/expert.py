@@ -15,7 +15,8 @@ El experts, gathered over `fsdp` (the FSDP all-gather, done by GSPMD at the regi
 `tensor` (Megatron-style expert tensor parallelism: each rank computes its Fl columns, the outputs are summed over
 `tensor`). Every rank of a `tensor` group routes the same tokens, so each group's all-to-alls are independent.
 The shared expert (Qwen2-MoE, DeepSeek) runs in the same region on the same tokens, its width split over `tensor`
-too, so its partial output joins the routed experts' in one sum over `tensor`.
+too, so its partial output joins the routed experts' in one sum over `tensor`; its matmuls run in the compute
+dtype, as the routed experts' do (`model.matmul_dtype` and the weight-matmul point are the dense layers').
 
 The dispatch (ep > 1), per device:
   1. sort the N assignments by expert (stable), so each destination device's are contiguous, and write them into a
