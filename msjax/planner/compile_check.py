@@ -83,7 +83,7 @@ def compile_config(cfg: Config, sizes: dict[str, int], pipeline_microbatches: in
 def analytic_bytes(cfg: Config, sizes: dict[str, int]) -> dict[str, int]:
     """Analytic per-device argument bytes of the train step: state (params, optimizer, scalars) + batch shard."""
     state = analytic_state_bytes(cfg, resolve_vocab(cfg), sizes)
-    shards = sizes["data"] * sizes["fsdp"] * sizes["sequence"]
+    shards = sizes["data"] * sizes["fsdp"] * sizes.get("expert", 1) * sizes["sequence"]
     batch = 2 * 4 * cfg.train.global_batch * cfg.train.seq_len // shards
     return {**{f"state_{k}": v for k, v in state.items()}, "batch": batch, "total": state["total"] + batch}
 
