@@ -23,6 +23,7 @@ The script, built from `LaunchOptions` as data (`SlurmScript`), never patched af
   a requeued job (SLURM_RESTART_COUNT > 0) runs with --resume, so it resumes from its own newest verified
   checkpoint instead of refusing to overwrite them; and a job whose step or supervisor stopped resumably (exit
   75, or 128 + SIGTERM/SIGINT: preempted, signalled) requeues itself (`scontrol requeue`): never taken for done.
+  Its `scontrol` calls are retried (6 tries, 5 s apart), as a busy controller fails them.
 
 `SlurmBackend` (the supervisor's WorkerBackend inside the allocation):
     worker step:  srun --nodes=N --ntasks=N --ntasks-per-node=1 --nodelist=HOSTS [--exclude=OTHERS] --label
@@ -161,9 +162,22 @@ class SlurmScript:
             *self.body,
             "set -e",
             "# ... and only while the job runs on: a job being cancelled (scancel) or out of time is not requeued.",
-            'if [ "$resumable" = 1 ] && scontrol show job "$SLURM_JOB_ID" | grep -q "JobState=RUNNING"; then',
+            "# scontrol is retried: a controller busy past its MessageTimeout fails the call, and a state read as",
+            "# not RUNNING for that would end a preempted job for good (seen on a loaded test cluster).",
+            'JOB_STATE=""',
+            'if [ "$resumable" = 1 ]; then',
+            "  for _ in 1 2 3 4 5 6; do",
+            '    JOB_STATE=$(scontrol show job "$SLURM_JOB_ID") && break',
+            "    sleep 5",
+            "  done",
+            '  [ -n "$JOB_STATE" ] || echo "msjax: job $SLURM_JOB_ID: no state from slurmctld; not requeueing"',
+            "fi",
+            'if grep -q "JobState=RUNNING" <<<"$JOB_STATE"; then',
             '  echo "msjax: stopped before the end (status $status), resumable: requeueing job $SLURM_JOB_ID"',
-            '  scontrol requeue "$SLURM_JOB_ID"',
+            "  for _ in 1 2 3 4 5 6; do",
+            '    scontrol requeue "$SLURM_JOB_ID" && break',
+            "    sleep 5",
+            "  done",
             "fi",
             'exit "$status"',
         ]

@@ -231,8 +231,9 @@ def test_slurm_script(tmp_path, capsys):
     # requeued only when every task stopped resumably itself (srun's own status cannot tell: a task it killed reads
     # like one stopped by SIGTERM)
     assert '    [[ " 75 130 143 " == *" $(cat "$MSJAX_TASK_STATUS/rank$r" 2>/dev/null) "* ]] || resumable=0' in lines
-    assert 'if [ "$resumable" = 1 ] && scontrol show job "$SLURM_JOB_ID" | grep -q "JobState=RUNNING"; then' in lines
-    assert '  scontrol requeue "$SLURM_JOB_ID"' in lines
+    assert '    JOB_STATE=$(scontrol show job "$SLURM_JOB_ID") && break' in lines
+    assert 'if grep -q "JobState=RUNNING" <<<"$JOB_STATE"; then' in lines
+    assert '    scontrol requeue "$SLURM_JOB_ID" && break' in lines
 
 
 def test_slurm_supervised_script_runs_the_supervisor_with_spares_and_no_kill(tmp_path, capsys):
