@@ -137,6 +137,15 @@ def _jaxpr_flops(jaxpr, consts: list, args: list, axis_env: dict) -> tuple[float
             lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
             free = [d for i, d in enumerate(rhs) if i not in rc and i not in rb]
             total += 2.0 * math.prod(lhs) * math.prod(free)
+        elif name == "ragged_dot_general":
+            # a grouped matmul (`jax.lax.ragged_dot` and its transposes): each lhs row (or, ragged along the
+            # contraction, each contracted element) meets one group's rhs, so 2 FLOPs per lhs element and free rhs
+            # column, whatever the group sizes; not x groups, as a backend's dense fallback executes it
+            dims = params["ragged_dot_dimension_numbers"]
+            (_, rc), (_, rb) = dims.dot_dimension_numbers
+            lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+            skip = set(rc) | set(rb) | set(dims.rhs_group_dimensions)
+            total += 2.0 * math.prod(lhs) * math.prod(d for i, d in enumerate(rhs) if i not in skip)
         elif name == "scan":
             total += _scan_flops(params, ins, axis_env, outs)
         elif name == "while":

@@ -30,6 +30,15 @@ The per-step inventory (per device, most loaded pipeline stage) follows the layo
                          tick loop sends in every tick, V M + V P + P - 1 per direction, and spreads each
                          microbatch's output layer over the stages: an all-to-all of the last stage's output
                          and an all-gather of its gradient, (p - 1) / p of b T h / t each.
+  EP     (expert)        expert parallelism (`msjax.planner.moe`), per MoE layer and microbatch: the dispatch's
+                         all-to-all of the (ep, N, D) token buffer out and of the outputs back in each forward run
+                         (twice under any remat policy), with one of the (ep, N) int32 expert ids out, and the
+                         gradients' two in the backward. The buffers are fixed-size blocks of N rows per peer,
+                         ep times the assignments a device really sends (XLA:CPU has no ragged all-to-all): what
+                         the program sends is priced. `expert` stays inside a node (`layout.check_expert_split`).
+                         With `tensor` > 1 the MoE output is summed over `tensor` by an all-reduce (a psum inside
+                         the expert region) where a dense MLP reduce-scatters: one more all-gather's worth
+                         ("TP all-gather (MoE output)") in each forward run.
   EMB    (pipeline)      tied embedding: the first and last stages all-reduce the embedding gradient. msjax's
                          stages all hold the embedding and output ends, and all-reduce their gradients over the
                          whole `pipeline` axis once per step.
@@ -40,6 +49,7 @@ from __future__ import annotations
 from msjax.config import Config
 from msjax.hardware import Hardware
 from msjax.parallel.zero_bubble import tick_plan
+from msjax.planner import moe
 from msjax.planner.layout import PlanLayout, Link, group_link, zero2_over_fsdp
 from msjax.planner.memory import (
     DTYPE_BYTES, StageParams, ends_elements, gathered_kv_bytes, state_bytes_per_element,
@@ -51,7 +61,7 @@ class Collective:
 
     Attributes:
       name: what it is for ("TP all-gather", "DP reduce-scatter", ...).
-      group: "TP", "SEQ", "FSDP", "DP", "PP" or "EMB".
+      group: "TP", "SEQ", "FSDP", "EP", "DP", "PP" or "EMB".
       axes: mesh axes of the group.
       op: "all-gather", "reduce-scatter", "all-reduce", "all-to-all" or "send/recv".
       size: devices in the group.
@@ -139,11 +149,20 @@ def inventory(cfg: Config, layout: PlanLayout, hw: Hardware, stage: StageParams)
         kv = gathered_kv_bytes(cfg, layout)
         add("SEQ all-gather (K, V)", "SEQ", ("sequence",), "all-gather", sx, kv, layers * mb * kv_gathers(layout))
         add("SEQ reduce-scatter (dK, dV)", "SEQ", ("sequence",), "reduce-scatter", sx, kv, layers * mb)
+    # EP (expert parallelism): the dispatch's all-to-alls per MoE layer; the psum of the MoE output over tensor.
+    moe_layers = layers * moe.moe_fraction(cfg)
+    if moe_layers:
+        tokens, ids = moe.moe_all_to_all_bytes(cfg, layout)
+        runs = moe_layers * mb * moe.moe_dispatch_passes(layout)
+        add("EP all-to-all (tokens)", "EP", ("expert",), "all-to-all", layout.expert, tokens,
+            2 * runs + 2 * moe_layers * mb)
+        add("EP all-to-all (expert ids)", "EP", ("expert",), "all-to-all", layout.expert, ids, runs)
+        add("TP all-gather (MoE output)", "TP", ("tensor",), "all-gather", t, tp_act, moe_layers * mb * fwd_like)
     # FSDP (ZeRO-3 over fsdp): gather weights for each forward-like pass and the backward; scatter gradients.
     # Under the zero2 rule set the fsdp axis holds ZeRO-2 instead: its collectives are the DP group's below.
     zero2 = zero2_over_fsdp(cfg, layout)
     if not zero2:
-        layer_w = stage.layer_total / t
+        layer_w = stage.gathered / t  # a mixture of experts' device gathers its own experts
         embed_w = stage.embed_total / t
         add("FSDP all-gather (weights)", "FSDP", ("fsdp",), "all-gather", f, e * layer_w,
             layers * mb * (fwd_like + 1.0))

@@ -18,6 +18,11 @@ What each axis means to the planner (matching `sharding_rules` and `msjax.model`
             Parameters are replicated over it.
   fsdp      ZeRO-3 / FSDP: parameters, gradients and optimizer state split on `embed`; weights all-gathered
             before use, gradients reduce-scattered.
+  expert    expert parallelism (GShard; `msjax.parallel.expert`): a mixture of experts' E experts split over it
+            (E / ep per device), each token's k assignments sent to their experts' devices and back by two
+            all-to-alls per MoE layer and pass; for every other layer one more data-parallel axis (the batch is
+            split over data x fsdp x expert). Above 1 only for a mixture of experts, dividing its experts, and
+            inside a node with sequence and tensor (`msjax.mesh.hybrid_shapes` never lets it span hosts).
   data      replicas; `zero_stage` 1/2 additionally shard optimizer state / gradients over it.
   pipeline  stages of L/p layers, each split into `virtual_stages` chunks (interleaved 1F1B).
 """
@@ -37,9 +42,11 @@ from msjax.sharding_rules.axes import MESH_AXES
 from msjax.sharding_rules.rules import OPTIMIZER_STATE_RULES
 
 AXES = MESH_AXES
-# The axes `--search` enumerates, in a candidate's `sizes` tuple; `expert` stays 1 there (the planner does not price
-# a mixture of experts yet).
-SEARCH_AXES = ("pipeline", "data", "fsdp", "sequence", "tensor")
+# Bytes per element of the config's dtype names.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+# The axes `--search` enumerates, in a candidate's `sizes` tuple (every mesh axis, in the mesh's order; `expert`
+# stays 1 for a dense model).
+SEARCH_AXES = AXES
 
 
 def search_sizes(sizes_t: tuple[int, ...]) -> dict[str, int]:
@@ -71,6 +78,11 @@ class PlanLayout:
       baseline: "msjax" or "megatron".
       schedule: the pipeline schedule (`pipeline.schedule`: "interleaved", or "1f1b", "zb-h1", "zb-v" run from
         their action tables, `msjax.parallel.zero_bubble`); "interleaved" without pipeline stages.
+      dense_groups: a mixture of experts' grouped matmuls (`jax.lax.ragged_dot`) run as jax's fallback, one dense
+        matmul per group over every row with the other groups' rows masked to zero (XLA:CPU; the compile check's
+        backend), instead of a grouped GEMM over each group's rows (GPU and TPU, where jax emits the ragged-dot
+        instruction); priced in memory (`memory.moe_layer_bytes`).
+      moe_imbalance: `PlanOptions.moe_imbalance`, the busiest expert-parallel device's assignments over the mean.
     """
 
     pipeline: int
@@ -92,6 +104,8 @@ class PlanLayout:
     baseline: str
     schedule: str = "interleaved"
     expert: int = 1
+    dense_groups: bool = False
+    moe_imbalance: float = 1.0
 
     @property
     def devices(self) -> int:
@@ -102,9 +116,10 @@ class PlanLayout:
 
     def describe(self) -> str:
         sched = f" {self.schedule}" if self.schedule != "interleaved" else ""
-        return (f"pp={self.pipeline}x{self.virtual_stages}v{sched} dp={self.data} fsdp={self.fsdp} sp={self.sequence} "
-                f"tp={self.tensor} mb={self.microbatch_size}x{self.microbatches} zero={self.zero_stage} "
-                f"remat={self.remat}")
+        ep = f" ep={self.expert}" if self.expert > 1 else ""
+        return (f"pp={self.pipeline}x{self.virtual_stages}v{sched} dp={self.data} fsdp={self.fsdp}{ep} "
+                f"sp={self.sequence} tp={self.tensor} mb={self.microbatch_size}x{self.microbatches} "
+                f"zero={self.zero_stage} remat={self.remat}")
 
 
 @dataclass(frozen=True)
@@ -175,13 +190,13 @@ def mesh_sizes(cfg: Config, devices: int) -> dict[str, int]:
     fixed = math.prod(v for k, v in sizes.items() if not (k == "data" and v == -1))
     if sizes["data"] == -1:
         if devices % fixed:
-            raise PlanError(f"--devices={devices} is not a multiple of pipeline x fsdp x sequence x tensor = "
-                            f"{sizes['pipeline']} x {sizes['fsdp']} x {sizes['sequence']} x {sizes['tensor']} = "
-                            f"{fixed}")
+            raise PlanError(f"--devices={devices} is not a multiple of pipeline x fsdp x expert x sequence x tensor "
+                            f"= {sizes['pipeline']} x {sizes['fsdp']} x {sizes['expert']} x {sizes['sequence']} x "
+                            f"{sizes['tensor']} = {fixed}")
         sizes["data"] = devices // fixed
     total = math.prod(sizes.values())
     if total != devices:
-        raise PlanError(f"mesh pipeline x data x fsdp x sequence x tensor = {total} devices, but --devices="
+        raise PlanError(f"mesh pipeline x data x fsdp x expert x sequence x tensor = {total} devices, but --devices="
                         f"{devices}; set the sizes to multiply to the device count (or --mesh.data=-1)")
     return sizes
 
@@ -193,6 +208,36 @@ def check_model_split(cfg: Config, sizes: dict[str, int], vocab: int) -> None:
         check_run_split(cfg, sizes, vocab)
     except ConfigError as e:
         raise PlanError(str(e)) from None
+
+
+def check_expert_split(cfg: Config, sizes: dict[str, int], hw: Hardware) -> None:
+    """The `expert` axis on this model and cluster: the config's own rules (`Config._check_moe`: a mixture of
+    experts, experts that split evenly, dropless, not the zero2 rule set) for a mesh the search made up, and the
+    mesh's: expert x sequence x tensor inside a node (`msjax.mesh.hybrid_shapes` keeps them off the network, so
+    the all-to-alls run on NVLink / ICI). Raises PlanError naming the key and what is allowed."""
+    ep, mo = sizes.get("expert", 1), cfg.model.moe
+    if ep == 1:
+        return
+    if not mo.num_experts:
+        raise PlanError(f"mesh.expert={ep}: an expert-parallel axis needs a mixture-of-experts model "
+                        "(model.moe.num_experts > 0); allowed for a dense model: mesh.expert=1")
+    if mo.num_experts % ep:
+        raise PlanError(f"mesh.expert={ep} splits the model.moe.num_experts={mo.num_experts} experts unevenly; "
+                        "allowed: a divisor of model.moe.num_experts")
+    if mo.capacity_factor > 0:
+        raise PlanError(f"mesh.expert={ep} with model.moe.capacity_factor={mo.capacity_factor}: expert parallelism "
+                        "is dropless; allowed: model.moe.capacity_factor=0, or mesh.expert=1")
+    if cfg.mesh.rules == "zero2":
+        raise PlanError(f"mesh.expert={ep} with mesh.rules=zero2: the ZeRO-2 reduction does not split experts; "
+                        "allowed: mesh.rules=fsdp_tp, fsdp, tp or dp")
+    inner = ep * sizes["sequence"] * sizes["tensor"]
+    node = hw.devices_per_node
+    # (a catalogue entry's node; `preflight.cpu_hardware`, which stands in for fake CPU devices and unknown kinds,
+    # says 1 and is not checked)
+    if node > 1 and math.prod(sizes.values()) > node and node % inner:
+        raise PlanError(f"mesh.expert={ep} x mesh.sequence={sizes['sequence']} x mesh.tensor={sizes['tensor']} = "
+                        f"{inner} devices does not fit a node of {node} ({hw.name}): expert, sequence and tensor "
+                        f"stay inside a host (msjax.mesh); allowed: a product dividing {node}")
 
 
 def zero2_over_fsdp(cfg: Config, layout: "PlanLayout") -> bool:
@@ -274,11 +319,12 @@ def make_layout(cfg: Config, opts: PlanOptions, hw: Hardware, sizes: dict[str, i
     """A checked PlanLayout for explicit choices. Raises PlanError naming what does not divide."""
     vocab = resolve_vocab(cfg)
     check_model_split(cfg, sizes, vocab)
+    check_expert_split(cfg, sizes, hw)
     per_replica = replica_batch(cfg, sizes)
     if per_replica % microbatch_size:
         raise PlanError(f"microbatch size {microbatch_size} does not divide the {per_replica} sequences per "
-                        f"replica (train.global_batch={cfg.train.global_batch} over data x fsdp = "
-                        f"{sizes['data'] * sizes['fsdp']})")
+                        f"replica (train.global_batch={cfg.train.global_batch} over data x fsdp x expert = "
+                        f"{sizes['data'] * sizes['fsdp'] * sizes.get('expert', 1)})")
     m = per_replica // microbatch_size
     p, L = sizes["pipeline"], cfg.model.num_layers
     if (L // p) % virtual_stages:
@@ -311,6 +357,7 @@ def make_layout(cfg: Config, opts: PlanOptions, hw: Hardware, sizes: dict[str, i
         remat=remat, sequence_parallel=sp, block="serial" if megatron else cfg.model.block,
         window=None if megatron else cfg.model.attention.window, flash=attention_is_flash(cfg, hw),
         dropout=megatron, vocab=vocab, baseline=opts.baseline, schedule=schedule,
+        dense_groups=hw.name == "cpu", moe_imbalance=opts.moe_imbalance,
     )
 
 

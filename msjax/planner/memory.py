@@ -38,9 +38,8 @@ from msjax.sharding_rules import RULE_SETS, logical_to_mesh_spec
 from msjax.sharding_rules import axes as ax
 from msjax.sharding_rules.rules import OPTIMIZER_STATE_RULES
 
-from msjax.planner.layout import PlanLayout
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+from msjax.planner import moe
+from msjax.planner.layout import DTYPE_BYTES, PlanLayout
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -110,6 +109,14 @@ def shard_elements(leaf: ParamLeaf, rules_name: str, sizes: dict[str, int]) -> i
     return n
 
 
+def local_expert_elements(cfg: Config, layout: PlanLayout) -> float:
+    """Elements of one MoE layer's expert weights a device computes with (its E / ep experts, their width split
+    over tensor, gathered over fsdp): the (E, D, F) and (E, F, D) leaves over expert x tensor. 0 when dense."""
+    leaves = param_leaves(cfg.model, layout.vocab)
+    return sum(leaf.size for leaf in leaves if leaf.per_layer and leaf.names[:1] == (ax.EXP,)) / (
+        layout.expert * layout.tensor)
+
+
 @dataclass(frozen=True)
 class StageParams:
     """Parameter elements held per device on one pipeline stage (before ZeRO over `data`).
@@ -121,8 +128,15 @@ class StageParams:
     layer_elements: int
     first_elements: int
     last_elements: int
-    layer_total: int  # unsharded elements of one layer (for FSDP gather volumes)
+    layer_total: int  # unsharded elements of one layer
     embed_total: int  # unsharded elements of the token embedding
+    layer_gathered: float = 0.0  # elements of one layer a device holds after FSDP's all-gather, before tensor's split
+
+    @property
+    def gathered(self) -> float:
+        """Elements of one layer per tensor rank after FSDP's all-gather (the FSDP gather volumes and buffers):
+        `layer_total` / t, or for a mixture of experts the device's own experts only (`layer_gathered`)."""
+        return self.layer_gathered or self.layer_total
 
 
 def stage_params(cfg: Config, vocab: int, sizes: dict[str, int]) -> StageParams:
@@ -133,8 +147,12 @@ def stage_params(cfg: Config, vocab: int, sizes: dict[str, int]) -> StageParams:
     if cfg.model.tie_embeddings:  # the output projection reuses wte: Megatron keeps a copy on the last stage
         wte = next(l for l in leaves if l.name == "wte")
         per["last"] += shard_elements(wte, rules, sizes) if sizes["pipeline"] > 1 else 0
+    gathered = 0.0
+    if cfg.model.moe.num_experts:  # each device gathers only its E / ep experts over fsdp
+        gathered = sum(l.size / (sizes.get("expert", 1) if l.names[:1] == (ax.EXP,) else 1)
+                       for l in leaves if l.where == "layers")
     return StageParams(per["layers"], per["first"], per["last"],
-                       sum(l.size for l in leaves if l.where == "layers"), vocab * cfg.model.d_model)
+                       sum(l.size for l in leaves if l.where == "layers"), vocab * cfg.model.d_model, gathered)
 
 
 def total_params(cfg: Config, vocab: int) -> int:
@@ -277,16 +295,23 @@ def layer_activation_bytes(cfg: Config, layout: PlanLayout, policy: str | None =
     e = DTYPE_BYTES[m.dtype]
     h, f = m.d_model, m.ff_size
     qw, kvw = m.num_heads * m.head_size, m.kv_heads * m.head_size
+    # MoE layers: their own tensors in place of the MLP's (`msjax.planner.moe`), averaged over the layers
+    share = moe.moe_fraction(cfg)
     if policy in ("none", "full"):
-        return korthikanti_layer_bytes(
-            s, b, h, m.num_heads, t, layout.sequence_parallel, policy, ffn=f, q_width=qw, kv_width=kvw,
-            dropout=layout.dropout, flash=layout.flash, parallel_block=layout.block == "parallel", act_bytes=e,
-            seq_split=sx, gated=m.mlp == "swiglu")
+        # Korthikanti's MLP terms are linear in its width: the dense layers' share of them
+        dense = korthikanti_layer_bytes(
+            s, b, h, m.num_heads, t, layout.sequence_parallel, policy, ffn=f * (1.0 - share), q_width=qw,
+            kv_width=kvw, dropout=layout.dropout, flash=layout.flash, parallel_block=layout.block == "parallel",
+            act_bytes=e, seq_split=sx, gated=m.mlp == "swiglu")
+        if policy == "none" and share:
+            dense += share * moe.moe_layer_bytes(cfg, layout, local_expert_elements(cfg, layout))
+        return dense
     split_outer = (t if layout.sequence_parallel else 1) * sx
     tok = s * b
     # x, proj out, lin2 out | Q K V (local, before the K/V gather), lin1 out
-    lin1 = 2 * f if m.mlp == "swiglu" else f  # SwiGLU's linear 1 is the gate and up projections
-    saved = e * tok * (3 * h / split_outer + (qw + 2 * kvw + lin1) / (t * sx))
+    lin1 = (2 * f if m.mlp == "swiglu" else f) * (1.0 - share)  # SwiGLU's linear 1 is the gate and up projections
+    saved = e * tok * (3 * h / split_outer + (qw + 2 * kvw + lin1) / (t * sx)) + share * moe.moe_saved_under_dots(
+        cfg, layout)
     if policy == "dots" and not layout.flash:
         saved += e * b * m.num_heads * s * s / t / sx + e * tok * qw / t / sx  # scores and PV output (local queries)
     return saved
@@ -356,7 +381,11 @@ def msjax_layer_activation_bytes(cfg: Config, layout: PlanLayout, scanned: bool 
     # K and V: local (b, T / c) without context parallelism; gathered whole over `sequence` with it, where XLA
     # also keeps the gathered copy in its pre-transpose layout (3 whole-sequence K/V-width tensors)
     kv = 2 * kvw / (t * c) if c == 1 else 3 * kvw / t
-    acts = e * tok * (stream * d / out_split + gathered * d / c + 2 * qw / (t * c) + kv + mlp * f / (t * c))
+    # a mixture of experts' layers keep their own tensors in place of the MLP's (`moe.moe_layer_bytes`), averaged
+    # over the layers with the dense ones
+    dense = 1.0 - moe.moe_fraction(cfg)
+    acts = e * tok * (stream * d / out_split + gathered * d / c + 2 * qw / (t * c) + kv + dense * mlp * f / (t * c))
+    acts += (1.0 - dense) * moe.moe_layer_bytes(cfg, layout, local_expert_elements(cfg, layout))
     if cfg.mesh.tp_overlap == "collective_matmul" and t > 1:
         # the decomposed rings (msjax.parallel.collective_matmul) are differentiated step by step, so autodiff
         # keeps each ring step's chunks: the QKV and linear-1 partial outputs twice, linear 1's once more, and
@@ -533,7 +562,7 @@ def memory_report(cfg: Config, layout: PlanLayout, stage: StageParams, device_me
     s, b, t = cfg.train.seq_len, layout.microbatch_size, layout.tensor
     logits = 2 * 4 * b * s * layout.vocab / t / layout.sequence
     remat_working = layer_activation_bytes(cfg, layout, "none") if layout.remat != "none" else 0.0
-    fsdp_buffers = 2 * e * stage.layer_total / t if layout.fsdp > 1 else 0.0
+    fsdp_buffers = 2 * e * stage.gathered / t if layout.fsdp > 1 else 0.0
     candidates = []
     for where in (("first",), ("last",)) if p > 1 else (("first", "last"),):
         elements = layers * stage.layer_elements
@@ -595,7 +624,7 @@ def fsdp_gathered_bytes(cfg: Config, layout: PlanLayout, stage: StageParams, lay
     if layout.fsdp == 1 or cfg.mesh.rules == "zero2":
         return 0.0
     n = layers if (not rolled(cfg.model, layers) and layout.remat == "none") else 2
-    return n * DTYPE_BYTES[cfg.model.param_dtype] * stage.layer_total / layout.tensor
+    return n * DTYPE_BYTES[cfg.model.param_dtype] * stage.gathered / layout.tensor
 
 
 def _msjax_report(cfg: Config, layout: PlanLayout, stage: StageParams, device_memory: float,
@@ -663,13 +692,18 @@ def stash_layer_bytes(cfg: Config, layout: PlanLayout, scanned: bool | None = No
     if layout.remat == "full":
         return e * tok * d / outer
     if layout.remat in ("dots_no_batch", "dots"):
-        lin1 = 2 * f if m.mlp == "swiglu" else f  # SwiGLU's linear 1 is the gate and up projections
-        saved = e * tok * ((1 + (n_ln - 1)) * d / outer + (qw + 2 * kvw + lin1) / (t * c))
+        share = moe.moe_fraction(cfg)  # MoE layers: their own saved dots in place of the MLP's
+        lin1 = (2 * f if m.mlp == "swiglu" else f) * (1.0 - share)  # SwiGLU's linear 1 is the gate and up
+        saved = e * tok * ((1 + (n_ln - 1)) * d / outer + (qw + 2 * kvw + lin1) / (t * c)) \
+            + share * moe.moe_saved_under_dots(cfg, layout)
         if layout.remat == "dots" and not layout.flash:
             saved += 4.0 * (scores + tok * qw / (t * c))
         return saved
     kv = 2 * kvw / (t * c) if c == 1 else 2 * kvw / t  # with c > 1 the gathered, whole-sequence K and V
-    saved = n_ln * tok * ((4 + e) * d + 4) / outer + e * tok * (2 * qw / (t * c) + kv + 6 * f / (t * c))
+    share = moe.moe_fraction(cfg)  # MoE layers: their own residuals in place of the MLP's (not measured here)
+    saved = n_ln * tok * ((4 + e) * d + 4) / outer + e * tok * (2 * qw / (t * c) + kv + (1.0 - share) * 6 * f / (t * c))
+    if share:
+        saved += share * moe.moe_layer_bytes(cfg, layout, local_expert_elements(cfg, layout))
     if not scanned:
         saved += rope_table_bytes(cfg, layout)
     if layout.flash:

@@ -66,6 +66,16 @@ class PlanOptions:
         cuBLAS workspaces). JAX preallocates 75% by default; set XLA_PYTHON_CLIENT_MEM_FRACTION to match.
       token_budget: tokens to train on for the "days to train" figure (MegaScale Table 2 uses 300B).
       stragglers: not modelled (MegaScale sec. 6.3 measured ~0.7% MFU from slow hosts); kept 0.
+      moe_imbalance: a mixture of experts' load imbalance with expert parallelism (mesh.expert > 1): the
+        assignments the busiest device's experts receive over the mean (>= 1). Dropless routing waits for that
+        device, so its grouped-matmul time scales by this factor; the all-to-alls do not (their blocks are fixed
+        size, `msjax.parallel.expert`), nor does a layer without expert parallelism (each device runs all E
+        experts on its own T k assignments, however they fall). Default 1.25: the capacity factor Switch
+        Transformer trains with (Fedus et al. 2022, sec. 2.2 and Table 1: 1.0 to 2.0, 1.25 the middle
+        setting), i.e. what those systems provision for the busiest expert under an auxiliary load-balancing
+        loss; Megatron-Core's dropless token dispatchers likewise pay the busiest rank's load. It is an
+        assumption, not a measurement: msjax's `expert_load.jsonl` (every layer's per-expert fractions, written
+        by a run) gives a run's own value.
     """
 
     devices: int = 8
@@ -85,6 +95,7 @@ class PlanOptions:
     hbm_efficiency: float = 0.0
     memory_fraction: float = 0.95
     token_budget: float = 300e9
+    moe_imbalance: float = 1.25
 
     def validate(self) -> "PlanOptions":
         """Range checks; returns self. Raises PlanError naming the option."""
@@ -105,6 +116,9 @@ class PlanOptions:
                 raise PlanError(f"--{name}={value}: allowed is 0 < value <= 1 (0 keeps the default)")
         if not 0.0 < self.memory_fraction <= 1.0:
             raise PlanError(f"--memory_fraction={self.memory_fraction}: allowed is 0 < value <= 1")
+        if not (self.moe_imbalance >= 1.0 and self.moe_imbalance < float("inf")):
+            raise PlanError(f"--moe_imbalance={self.moe_imbalance}: allowed is a finite number >= 1 (the busiest "
+                            "expert-parallel device's assignments over the mean; 1: perfectly balanced)")
         if self.token_budget <= 0:
             raise PlanError(f"--token_budget={self.token_budget}: allowed is a positive number of tokens")
         return self

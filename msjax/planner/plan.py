@@ -32,7 +32,8 @@ class Plan:
       paper_flops_per_token: Megatron-LM's count (full attention, Narayanan et al. 2021 eq. 3 without
         recompute): the convention of the published MFU figures.
       tokens_per_step, tokens_per_second, mfu, mfu_paper, hfu, days: throughput figures.
-      total_params: parameters of the model.
+      total_params: parameters of the model; active_params: those a token uses (a mixture of experts' k of E
+        experts; the total for a dense model). MFU counts the active ones' FLOPs (`msjax.flops.matmul_params`).
       auto: which knobs the planner chose, and from which candidates.
       schedules: with pipeline stages and the schedule free, the best layout of each schedule priced
         ({name: {"step": seconds, "bubble": seconds, "mfu", "fits", "virtual_stages"}}, fastest first).
@@ -48,6 +49,7 @@ class Plan:
     model_flops_per_token: float
     paper_flops_per_token: float
     total_params: int
+    active_params: int = 0
     auto: dict = field(default_factory=dict)
     schedules: dict = field(default_factory=dict)
 
@@ -102,17 +104,7 @@ def evaluate(cfg: Config, opts: PlanOptions, hw: Hardware, layout: PlanLayout,
     return Plan(cfg, opts.effective(), hw, layout, memory, colls, st,
                 timing.model_flops_per_token(cfg, layout),
                 timing.model_flops_per_token(cfg, layout, megatron_convention=True),
-                mem.total_params(cfg, layout.vocab))
-
-
-def refuse_moe(cfg: Config) -> None:
-    """Raises PlanError for a mixture-of-experts model: the planner's FLOPs, memory and communication model dense
-    feed-forwards, and pricing experts (all of their parameters, the active ones' FLOPs, the all-to-all) is not
-    built yet."""
-    if cfg.model.moe.num_experts:
-        raise PlanError(f"model.moe.num_experts={cfg.model.moe.num_experts}: the planner prices dense models only "
-                        "(its FLOPs, memory and communication model one MLP per layer); allowed: "
-                        "model.moe.num_experts=0")
+                mem.total_params(cfg, layout.vocab), mem.active_params(cfg, layout.vocab))
 
 
 def candidate_choices(cfg: Config, opts: PlanOptions, sizes: dict[str, int]) -> tuple[list, list, list]:
@@ -144,7 +136,6 @@ def make_plan(cfg: Config, opts: PlanOptions, remat_fixed: bool = False, schedul
         not divide over it (the message names the key).
     """
     opts = opts.validate()
-    refuse_moe(cfg)
     hw = get_hardware(opts)
     sizes = mesh_sizes(cfg, opts.devices)
     vocab = resolve_vocab(cfg)

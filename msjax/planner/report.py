@@ -34,7 +34,8 @@ def plan_text(plan: Plan) -> str:
     L = mc.num_layers
     lines = []
     add = lines.append
-    add(f"msjax plan: {cfg.name} ({plan.total_params / 1e9:.1f}B parameters) on {lay.devices:,} x {hw.name}")
+    active = f", {plan.active_params / 1e9:.1f}B active per token" if plan.active_params != plan.total_params else ""
+    add(f"msjax plan: {cfg.name} ({plan.total_params / 1e9:.1f}B parameters{active}) on {lay.devices:,} x {hw.name}")
     add(f"  device: {hw.memory_bytes / GiB:.0f} GiB, {hw.peak_flops / 1e12:.0f} TFLOP/s bf16, HBM "
         f"{hw.hbm_bandwidth / GB:.0f} GB/s, intra-node {hw.intra_node_bandwidth / GB:.0f} GB/s, network "
         f"{hw.inter_node_bandwidth / GB:.3g} GB/s per device, {hw.devices_per_node} devices and "
@@ -60,6 +61,13 @@ def plan_text(plan: Plan) -> str:
         f"{lay.block}, window {lay.window}, attention "
         f"{'fused (flash)' if lay.flash else 'materialised (xla)'}, remat {lay.remat}, {mc.dtype} activations, "
         f"{mc.param_dtype} parameters, {cfg.optimizer.name}")
+    mo = mc.moe
+    if mo.num_experts:
+        add(f"  experts    {mo.num_experts} experts of width {mo.expert_ff or mc.ff_size}, top-{mo.experts_per_token}"
+            f"{f', {mo.shared_experts} shared' if mo.shared_experts else ''} (every {mo.every} layer(s)); expert "
+            f"{lay.expert} ({mo.num_experts // lay.expert} experts per device); load imbalance {lay.moe_imbalance:g} "
+            "assumed (--moe_imbalance: the busiest device's assignments over the mean"
+            f"{', priced on its grouped matmuls' if lay.expert > 1 else '; no effect without expert parallelism'})")
     for k, v in plan.auto.items():
         add(f"  auto       {k} = {v}")
     overrides, note = run_overrides(plan)
@@ -129,7 +137,9 @@ def plan_text(plan: Plan) -> str:
     add(f"  {plan.tokens_per_second:,.0f} tokens/s;  {plan.days:.2f} days for {plan.options.token_budget / 1e9:g}B "
         "tokens")
     add(f"  MFU {plan.mfu:.1%} (msjax FLOPs: {plan.model_flops_per_token / 1e9:.1f} GFLOP/token, causal"
-        f"{', window' if lay.window else ''}),  {plan.mfu_paper:.1%} (Megatron-LM formula: "
+        f"{', window' if lay.window else ''}"
+        f"{', active parameters: router, top-k and shared experts' if mc.moe.num_experts else ''}),"
+        f"  {plan.mfu_paper:.1%} (Megatron-LM formula: "
         f"{plan.paper_flops_per_token / 1e9:.1f} GFLOP/token);  HFU {plan.hfu:.1%}")
     return "\n".join(lines)
 
@@ -169,6 +179,7 @@ def plan_dict(plan: Plan) -> dict:
                        "model_flops_per_token": plan.model_flops_per_token,
                        "megatron_flops_per_token": plan.paper_flops_per_token},
         "total_params": plan.total_params,
+        "active_params": plan.active_params,
     }
 
 

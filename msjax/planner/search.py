@@ -1,6 +1,8 @@
 """`--search`: every legal layout of a config on N devices, ranked by predicted MFU among those that fit.
 
-The space: every mesh (pipeline, data, fsdp, sequence, tensor) whose sizes multiply to N, every microbatch size
+The space: every mesh (pipeline, data, fsdp, expert, sequence, tensor) whose sizes multiply to N (expert above 1
+only for a mixture of experts, dividing its experts, and with sequence and tensor inside a node:
+`layout.check_expert_split`), every microbatch size
 dividing the per-replica batch, every legal interleaving (virtual stages), every remat policy; the ZeRO stage
 over `data` is then the fastest one that fits (see `_zero_order`). The
 config's own mesh sizes and remat policy are ignored (they are what is searched); --tune_virtual_stages=false and
@@ -36,17 +38,17 @@ from msjax.planner import memory as mem
 from msjax.planner import timing
 from msjax.planner.layout import (
     check_model_split, config_microbatch_size, fast_replace, legal_virtual_stages, make_layout, replica_batch,
-    resolve_vocab, schedule_choices, search_sizes,
+    SEARCH_AXES, resolve_vocab, schedule_choices, search_sizes,
 )
 from msjax.planner.options import REMATS, PlanError, PlanOptions
-from msjax.planner.plan import Plan, evaluate, get_hardware, refuse_moe
+from msjax.planner.plan import Plan, evaluate, get_hardware
 
 GiB = 2**30
 
 
 @dataclass(frozen=True)
 class Candidate:
-    """One searched layout: the axis sizes (pipeline, data, fsdp, sequence, tensor), virtual stages, microbatch
+    """One searched layout: the axis sizes (every mesh axis, `layout.SEARCH_AXES`), virtual stages, microbatch
     size, ZeRO stage and remat policy, with its prediction (fits: mfu, step seconds) or its rejection reason."""
 
     sizes: tuple[int, ...]
@@ -61,12 +63,14 @@ class Candidate:
     schedule: str = "interleaved"
 
     def describe(self) -> str:
-        p, d, f, s, t = self.sizes
+        a = search_sizes(self.sizes)
+        p, d, f, s, t = a["pipeline"], a["data"], a["fsdp"], a["sequence"], a["tensor"]
+        ep = f" ep={a['expert']}" if a["expert"] > 1 else ""
         if not self.virtual_stages:  # a mesh-level rejection: only the sizes are known
-            return f"pp={p} dp={d} fsdp={f} sp={s} tp={t}" + (f" mb={self.microbatch_size}+"
-                                                                 if self.microbatch_size else "")
+            return f"pp={p} dp={d} fsdp={f}{ep} sp={s} tp={t}" + (f" mb={self.microbatch_size}+"
+                                                                     if self.microbatch_size else "")
         sched = f" {self.schedule}" if self.schedule != "interleaved" else ""
-        return (f"pp={p}x{self.virtual_stages}v{sched} dp={d} fsdp={f} sp={s} tp={t} mb={self.microbatch_size} "
+        return (f"pp={p}x{self.virtual_stages}v{sched} dp={d} fsdp={f}{ep} sp={s} tp={t} mb={self.microbatch_size} "
                 f"zero={self.zero_stage} remat={self.remat}")
 
     def to_dict(self) -> dict:
@@ -121,7 +125,7 @@ def reason_kind(reason: str) -> str:
     return reason[:60]
 
 
-def factorizations(n: int, parts: int = 5) -> list[tuple[int, ...]]:
+def factorizations(n: int, parts: int = len(SEARCH_AXES)) -> list[tuple[int, ...]]:
     """Every ordered tuple of `parts` positive integers whose product is n."""
     if parts == 1:
         return [(n,)]
@@ -130,6 +134,17 @@ def factorizations(n: int, parts: int = 5) -> list[tuple[int, ...]]:
         if n % d == 0:
             out += [(d,) + rest for rest in factorizations(n // d, parts - 1)]
     return out
+
+
+def search_meshes(cfg: Config, devices: int) -> list[tuple[int, ...]]:
+    """The mesh shapes `search` considers, as SEARCH_AXES tuples: every factorization of the device count, with
+    `expert` above 1 only where it divides a mixture of experts' experts (a dense model keeps expert = 1, so its
+    space is the five other axes'). Node and divisibility rules are checked per candidate (`make_layout`)."""
+    e = SEARCH_AXES.index("expert")
+    experts = cfg.model.moe.num_experts
+    if not experts:
+        return [rest[:e] + (1,) + rest[e:] for rest in factorizations(devices, len(SEARCH_AXES) - 1)]
+    return [m for m in factorizations(devices) if experts % m[e] == 0]
 
 
 def _divisors(n: int) -> list[int]:
@@ -161,10 +176,9 @@ def search(cfg: Config, opts: PlanOptions, workers: int = 0, schedule_fixed: boo
     """
     t0 = time.perf_counter()
     opts = opts.validate()
-    refuse_moe(cfg)
     get_hardware(opts)
     resolve_vocab(cfg)
-    meshes = factorizations(opts.devices)
+    meshes = search_meshes(cfg, opts.devices)
     # Shipping ~10^5 results back costs more than a second core gains on a 2-core machine (measured: 18 s serial,
     # 21 s with 2 processes for 175B on 12,288 devices), so processes are used only with more cores.
     cores = os.cpu_count() or 1

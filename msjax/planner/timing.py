@@ -67,6 +67,7 @@ from msjax import flops as model_flops
 from msjax.config import Config
 from msjax.hardware import Hardware
 from msjax.planner import comm as comm_mod
+from msjax.planner import moe
 from msjax.planner.layout import PlanLayout, zero2_over_fsdp
 from msjax.parallel.schedule import bubble_fraction, in_flight
 from msjax.parallel.zero_bubble import action_table, flush_seconds, tick_plan
@@ -145,6 +146,17 @@ def layer_times(cfg: Config, layout: PlanLayout, rates: Rates) -> LayerTimes:
     widths = {"qkv": h * (qw + 2 * kvw), "out": qw * h, "lin1": (2 if gated else 1) * h * f, "lin2": f * h}
     gemm_flops = {k: 2.0 * tok * w / t for k, w in widths.items()}
     gemm = {k: fl / rates.gemm for k, fl in gemm_flops.items()}
+    # A mixture of experts' layers (`msjax.planner.moe`): the router, the active experts and the shared ones in
+    # place of the MLP, averaged over the layers; the experts' grouped matmuls take the busiest device's time
+    # (`moe_imbalance` with expert parallelism), the FLOPs executed stay the mean's.
+    share = moe.moe_fraction(cfg)
+    if share:
+        mg = moe.moe_gemm_flops(cfg, layout)
+        busiest = layout.moe_imbalance if layout.expert > 1 else 1.0
+        for lin in ("lin1", "lin2"):
+            routed = mg[lin] + mg[f"shared_{lin}"] + (mg["router"] if lin == "lin1" else 0.0)
+            gemm_flops[lin] = (1.0 - share) * gemm_flops[lin] + share * routed
+            gemm[lin] = (1.0 - share) * gemm[lin] + share * (routed + (busiest - 1.0) * mg[lin]) / rates.gemm
     # Keys per query on the pacing member: the last chunk's for fused kernels (masked blocks skipped), every key
     # for materialised attention (masked scores are computed too).
     k_bar = chunk_attended_keys(s, layout.window, sx) if layout.flash else float(s)
@@ -154,7 +166,8 @@ def layer_times(cfg: Config, layout: PlanLayout, rates: Rates) -> LayerTimes:
     residual = 4 if layout.block == "parallel" else 6  # reads + writes of the residual adds, in units of h
     # the MLP activation reads and writes (b T / c, F / t) tensors: GeLU reads one and writes one, SwiGLU reads
     # the gate and up projections and writes their product
-    elem_bytes = e * (outer_tok * h * (2 * n_ln + residual) + tok * (3 if gated else 2) * f / t)
+    elem_bytes = e * (outer_tok * h * (2 * n_ln + residual) + (1.0 - share) * tok * (3 if gated else 2) * f / t) \
+        + share * moe.moe_elementwise_bytes(cfg, layout)
     if layout.flash:
         attn = attn_flops / rates.attention
     else:  # materialised scores: batched matmuls plus softmax traffic (write scores, read, write probs)
@@ -269,6 +282,9 @@ def step_time(cfg: Config, layout: PlanLayout, hw: Hardware, opts: PlanOptions, 
     hide = (t - 1) / t if opts.overlap_tp else 0.0
     fwd_tp = sum(max(0.0, c - gm * hide) for c, gm in pairs_fwd)
     bwd_tp = sum(max(0.0, c - gm * hide) for c, gm in pairs_bwd)
+    # a MoE layer's output is summed over tensor by an all-reduce at the end of the expert region, after its last
+    # matmul: nothing to hide it under
+    fwd_tp += moe.moe_fraction(cfg) * call("TP all-gather (MoE output)")
     tp_layer = fwd_tp * (2.0 if layout.remat == "full" else 1.0) + bwd_tp
     # Output layer: gather before the logits GEMM, scatter its gradient; the embedding's pair is exposed.
     out_gemm = ot.fwd
@@ -289,6 +305,20 @@ def step_time(cfg: Config, layout: PlanLayout, hw: Hardware, opts: PlanOptions, 
     seq_layer = (call("SEQ all-gather (K, V)") * comm_mod.kv_gathers(layout)
                  + call("SEQ reduce-scatter (dK, dV)")) if layout.sequence > 1 else 0.0
 
+    # EP (expert parallelism) per layer per microbatch, averaged over the layers: each forward run of the dispatch
+    # (twice under remat, `moe.moe_dispatch_passes`) sends the tokens out, the ids with them, and the outputs back,
+    # and the backward sends the gradients both ways; the tokens wait for them (on the critical path), except that
+    # msjax runs the shared experts while the dispatch's tokens are in flight (`msjax.parallel.expert`), which
+    # hides that much of the first all-to-all of each direction.
+    share = moe.moe_fraction(cfg)
+    a2a, ids = call("EP all-to-all (tokens)"), call("EP all-to-all (expert ids)")
+    ep_f = ep_layer = 0.0
+    if share and a2a:
+        mg = moe.moe_gemm_flops(cfg, layout)
+        shared = (mg["shared_lin1"] + mg["shared_lin2"]) / rates.gemm if layout.baseline == "msjax" else 0.0
+        ep_f = share * (max(0.0, a2a - shared) + a2a + ids)
+        ep_layer = ep_f * moe.moe_dispatch_passes(layout) + share * (max(0.0, a2a - 2 * shared) + a2a)
+
     per_layer = lt.fwd + lt.bwd + lt.recompute
     table = p > 1 and layout.baseline == "msjax" and layout.schedule != "interleaved"
     passes = (0.0, 0.0, 0.0)
@@ -303,8 +333,9 @@ def step_time(cfg: Config, layout: PlanLayout, hw: Hardware, opts: PlanOptions, 
         fsdp_f = max(0.0, f_ag - lt.fwd) if opts.overlap_fsdp else f_ag
         seq_f = call("SEQ all-gather (K, V)") if layout.sequence > 1 else 0.0
         lc = layers // v
-        passes = (lc * (lt.fwd + tp_f + fsdp_f + seq_f),
-                  lc * (lt.bwd - w_gemm + lt.recompute + tp_b + fsdp_layer - fsdp_f + seq_layer - seq_f),
+        passes = (lc * (lt.fwd + tp_f + fsdp_f + seq_f + ep_f),
+                  lc * (lt.bwd - w_gemm + lt.recompute + tp_b + fsdp_layer - fsdp_f + seq_layer - seq_f
+                        + ep_layer - ep_f),
                   lc * w_gemm)
     # Compute of a microbatch on the pacing stage, by part: forward, backward, remat recompute and the output
     # layer (`parts`); with p = 1 one device has everything.
@@ -320,7 +351,7 @@ def step_time(cfg: Config, layout: PlanLayout, hw: Hardware, opts: PlanOptions, 
         # again in its backward (`PipelinedGrads._chunk_vjp`): one more forward per layer
         again = lt.fwd + fwd_tp if (cfg.mesh.tp_overlap == "collective_matmul" and t > 1) else 0.0
         stages = [(layers * (per_layer + again), layers * tp_layer, layers * fsdp_layer + fsdp_embed,
-                   layers * seq_layer)]
+                   layers * seq_layer, layers * ep_layer)]
         parts = {"forward": layers * lt.fwd + ot.fwd / p, "backward": layers * lt.bwd + ot.bwd / p,
                  "recompute": layers * (lt.recompute + again)}
         layer_part = sum(stages[0])
@@ -329,16 +360,16 @@ def step_time(cfg: Config, layout: PlanLayout, hw: Hardware, opts: PlanOptions, 
         # the pipeline's pace (compute, TP, FSDP and SEQ exposure are its own).
         ends = 0.0
         stages = [(layers * per_layer, layers * tp_layer + tp_embed, layers * fsdp_layer + fsdp_embed,
-                   layers * seq_layer),
+                   layers * seq_layer, layers * ep_layer),
                   (layers * per_layer + ot.fwd + ot.bwd, layers * tp_layer + tp_out, layers * fsdp_layer + fsdp_embed,
-                   layers * seq_layer)]
+                   layers * seq_layer, layers * ep_layer)]
         if p == 1:
-            stages = [(stages[1][0], stages[0][1] + tp_out, stages[0][2], stages[0][3])]
+            stages = [(stages[1][0], stages[0][1] + tp_out, stages[0][2], stages[0][3], stages[0][4])]
         last = p == 1 or sum(stages[-1]) >= sum(stages[0])
         parts = {"forward": layers * lt.fwd + (ot.fwd if last else 0.0),
                  "backward": layers * lt.bwd + (ot.bwd if last else 0.0), "recompute": layers * lt.recompute}
         layer_part = max(sum(st) for st in stages)
-    compute_mb, tp_mb, fsdp_mb, seq_mb = max(stages, key=sum)
+    compute_mb, tp_mb, fsdp_mb, seq_mb, ep_mb = max(stages, key=sum)
     t_mb = layer_part + ends
     if table:
         # the table as the step runs it: its ticks, each stage's pass of each, coupled over the rings
@@ -351,6 +382,8 @@ def step_time(cfg: Config, layout: PlanLayout, hw: Hardware, opts: PlanOptions, 
     exposed["FSDP"] = mb * fsdp_mb
     if layout.sequence > 1:
         exposed["SEQ"] = mb * seq_mb
+    if ep_mb:
+        exposed["EP"] = mb * ep_mb
 
     # PP send/recv.
     if p > 1:

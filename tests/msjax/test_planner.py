@@ -377,8 +377,8 @@ def test_search_returns_only_layouts_that_divide_and_fit():
     assert result.ranked, "nothing fits"
     m = cfg.model
     for c in result.ranked:
-        p, d, f, s, t = c.sizes
-        assert p * d * f * s * t == 16
+        p, d, f, ep, s, t = c.sizes  # every mesh axis; expert stays 1 for a dense model
+        assert p * d * f * s * t == 16 and ep == 1
         assert m.num_layers % p == 0 and (m.num_layers // p) % c.virtual_stages == 0
         assert m.num_heads % t == 0 and m.ff_size % t == 0 and m.d_model % f == 0
         assert cfg.train.seq_len % s == 0
