@@ -51,7 +51,8 @@ def plan_text(plan: Plan) -> str:
     add(f"  pipeline   {lay.pipeline} stages x {lay.virtual_stages} virtual ({sched}); {per_stage} layers per stage, "
         f"{per_stage // lay.virtual_stages} per chunk")
     cp = " (context parallel: K/V all-gathered)" if lay.sequence > 1 else ""
-    add(f"  data       {lay.data} (ZeRO-{lay.zero_stage} over data)    fsdp {lay.fsdp} (ZeRO-3)    sequence "
+    add(f"  data       {lay.data} (ZeRO-{lay.zero_stage} over data)    fsdp {lay.fsdp} (ZeRO-3)    "
+        f"{f'expert {lay.expert}    ' if cfg.model.moe.num_experts else ''}sequence "
         f"{lay.sequence}{cp}    tensor {lay.tensor} (sequence parallel {'on' if lay.sequence_parallel else 'off'})")
     add(f"  batch      {cfg.train.global_batch} sequences x {cfg.train.seq_len} tokens; microbatch "
         f"{lay.microbatch_size} x {lay.microbatches} per replica per step")

@@ -118,7 +118,7 @@ def reason_kind(reason: str) -> str:
     if reason.startswith("out of memory"):
         return "out of memory"
     for marker in (" is not divisible by ", " is more than ", " does not split over ", " is not a multiple of ",
-                   " splits the ", " does not divide "):
+                   " splits the ", " does not divide ", " does not fit a node "):
         if marker in reason:
             head = reason.split(marker)[0].split("=")[0]
             return f"{head}{marker.rstrip()}"
