@@ -3,7 +3,7 @@
 untied, context 32,768, no sliding window) with every feed-forward a mixture of 8 SwiGLU experts of width 14336,
 each token routed to 2 (softmax, top-2, renormalised); 46.7B parameters, 12.9B active per token. For fine-tuning a
 converted checkpoint (`scripts/convert.py --from_hf`); the batch, optimizer and layout are Llama 3 8B's (the paper
-does not publish its own); the planner does not price mixtures of experts yet.
+does not publish its own); the planner prices it (docs/planner.md, "Mixture of experts").
 """
 
 from .llama3_8b import OVERRIDES as LLAMA3_8B

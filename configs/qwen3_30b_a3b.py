@@ -4,7 +4,7 @@ feed-forward a mixture of 128 SwiGLU experts of width 768, each token routed to 
 no shared expert, RMSNorm eps 1e-6, RoPE base 1,000,000, vocabulary 151,936 (untied), context 32,768; 30.5B
 parameters, 3.3B active per token. For fine-tuning a converted checkpoint (`scripts/convert.py --from_hf`); the
 batch and optimizer are Llama 3 8B's (the report does not publish its own), tensor parallelism 4 (its key/value
-heads); the planner does not price mixtures of experts yet.
+heads); the planner prices it (docs/planner.md, "Mixture of experts").
 """
 
 from .llama3_8b import OVERRIDES as LLAMA3_8B
