@@ -842,10 +842,10 @@ class Config:
         if mo.every < 1 or (mo.every > 1 and self.model.scan_layers):
             raise ConfigError(f"model.moe.every={mo.every}: allowed is an integer >= 1, above 1 only with "
                               "model.scan_layers=false (stacked layers share one structure)")
-        if self.mesh.pipeline > 1:
-            raise ConfigError(f"model.moe.num_experts={mo.num_experts} with mesh.pipeline={self.mesh.pipeline}: "
-                              "the pipelined step does not run mixture-of-experts layers yet; allowed: "
-                              "mesh.pipeline=1")
+        if self.mesh.pipeline > 1 and mo.every > 1:
+            raise ConfigError(f"model.moe.every={mo.every} with mesh.pipeline={self.mesh.pipeline}: a pipeline "
+                              "stacks its chunks' layers, so they must all be alike; allowed: model.moe.every=1, "
+                              "or mesh.pipeline=1")
         if self.mesh.tp_overlap == "collective_matmul":
             raise ConfigError(f"model.moe.num_experts={mo.num_experts} with mesh.tp_overlap=collective_matmul: the "
                               "collective matmul decomposes a dense MLP; allowed: mesh.tp_overlap=none or xla")

@@ -339,6 +339,15 @@ def collect_router_stats() -> Iterator[list[dict]]:
         _ROUTER_STATS.reset(token)
 
 
+def block_with_stats(block: "Block", x_btd: jax.Array, packing: "Packing | None" = None) -> tuple[jax.Array, dict]:
+    """One layer and its router statistics: ((B, T, D) output, the MoE's float32 "aux_loss", "z_loss", "dropped"
+    scalars and "load" (E,) (`collect_router_stats`), or {} for a dense layer). Call it inside the function whose
+    outputs carry the statistics (a scan body, a checkpointed layer, a pipeline chunk)."""
+    with collect_router_stats() as found:
+        y_btd = block(x_btd, packing)
+    return y_btd, (found[0] if found else {})
+
+
 class MoE(nnx.Module):
     """A mixture of experts in place of the MLP (model.moe.*; the math in `msjax.ops.moe`): a float32 router over
     E experts (`router`, (D, E)), each token through its k experts, each an MLP of width `expert_ff` in model.mlp's
@@ -563,14 +572,9 @@ class GPT(nnx.Module):
                 return f
             return jax.checkpoint(f, policy=REMAT_POLICIES[cfg.remat], prevent_cse=cse_barrier(cfg))
 
-        def reporting(block: Block, x: jax.Array) -> tuple[jax.Array, dict]:
-            with collect_router_stats() as found:
-                y = block(x, packing)
-            return y, (found[0] if found else {})
-
         if cfg.scan_layers:
             graphdef, stacked = nnx.split(self.blocks)
-            layer = remat(lambda x, state: reporting(nnx.merge(graphdef, state), x))
+            layer = remat(lambda x, state: block_with_stats(nnx.merge(graphdef, state), x, packing))
             scan = applied().scan_layers  # e.g. layer i+1's FSDP all-gather carried ahead of layer i
             if scan is not None:  # (the config refuses it with MoE layers, whose statistics it would drop)
                 x_btd, stats = scan(layer, x_btd, stacked, cfg.scan_unroll), {}
@@ -580,7 +584,8 @@ class GPT(nnx.Module):
             per_layer = []
             for block in self.layers:
                 graphdef, state = nnx.split(block)
-                x_btd, found = remat(lambda state, x, gd=graphdef: reporting(nnx.merge(gd, state), x))(state, x_btd)
+                run = remat(lambda state, x, gd=graphdef: block_with_stats(nnx.merge(gd, state), x, packing))
+                x_btd, found = run(state, x_btd)
                 per_layer += [found] if found else []
             stats = jax.tree.map(lambda *a: jnp.stack(a), *per_layer) if per_layer else {}
         return self.head(x_btd), stats

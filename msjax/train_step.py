@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from msjax.config import Config
 from msjax.layout import Layout, resolve as resolve_layout
 from msjax.model import Packing, abstract_model, apply_with_stats, init_params
+from msjax.ops import moe as moe_ops
 from msjax.optim import learning_rates, make_optimizer, skipped_steps
 from msjax.parallel.arrival import step_start, use_arrival_marks
 from msjax.parallel.expert import use_expert_parallelism
@@ -59,7 +60,8 @@ class TrainProgram:
         steps in one call (a `jax.lax.scan` of the step over the tuple of K batches, stacked inside the program);
         `metrics` are the last step's; `state` is donated. None when K = 1.
       eval_fn: jitted `(params, batch) -> mean loss` (float32 scalar).
-      grad_fn: jitted `(params, batch) -> (loss, grads)` for one whole batch, grads sharded like params.
+      grad_fn: jitted `(params, batch) -> (objective, grads)`: the step's gradients of one whole batch (accumulated over
+        train.microbatches, or pipelined, as the step does), grads sharded like params.
       param_count: number of parameters (elements).
       param_bytes, opt_state_bytes: global sizes of parameters and optimizer state, bytes.
       pipeline: the `msjax.parallel.pipeline.PipelinedGrads` the step runs with mesh.pipeline > 1, else None.
@@ -201,11 +203,8 @@ def build_train_program(cfg: Config | Layout, mesh: Mesh | None = None, vocab_si
         ce = cross_entropy(logits_btv, batch["targets"], batch.get("weights"), total)
         if not stats:
             return ce, {}
-        aux, z = jnp.mean(stats["aux_loss"]), jnp.mean(stats["z_loss"])
-        load_le = stats["load"]
-        return ce + moe.aux_loss_coef * aux + moe.z_loss_coef * z, {
-            "lm_loss": ce, "moe_aux_loss": aux, "moe_z_loss": z, "moe_dropped": jnp.mean(stats["dropped"]),
-            "moe_max_load": jnp.mean(jnp.max(load_le, axis=-1) * load_le.shape[-1]), "expert_load": load_le}
+        router, report = moe_ops.router_report(moe_ops.report_rows(stats), moe.aux_loss_coef, moe.z_loss_coef)
+        return ce + router, {"lm_loss": ce, **report}
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     pipelined = None
@@ -240,7 +239,8 @@ def build_train_program(cfg: Config | Layout, mesh: Mesh | None = None, vocab_si
         (loss, grads), reports = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros),
                                               jax.tree.map(split, batch))
         m = t.microbatches
-        report = {k: jnp.sum(v) if (k == "lm_loss" and weights is not None) else jnp.mean(v)
+        # over the microbatches (axis 0) only: "expert_load" stays (L, E)
+        report = {k: jnp.sum(v, axis=0) if (k == "lm_loss" and weights is not None) else jnp.mean(v, axis=0)
                   for k, v in reports.items()}
         if weights is not None:
             return (loss, report), grads  # the microbatches' sums over the step's total are the step's
@@ -257,8 +257,7 @@ def build_train_program(cfg: Config | Layout, mesh: Mesh | None = None, vocab_si
         marks = use_arrival_marks(state["step"] + 1) if observed else contextlib.nullcontext()
         with tracing(), marks:
             if stages > 1:
-                loss, grads = pipelined(params, batch["inputs"], batch["targets"])
-                report = {}
+                loss, grads, report = pipelined(params, batch["inputs"], batch["targets"])
             else:
                 (loss, report), grads = local_grads(params, {**batch, "inputs": step_start(batch["inputs"])})
         grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
@@ -278,10 +277,10 @@ def build_train_program(cfg: Config | Layout, mesh: Mesh | None = None, vocab_si
             return report.get("lm_loss", loss)
 
     def batch_grads(params: dict, batch: dict) -> tuple[jax.Array, dict]:
-        if stages > 1:
-            return pipelined(params, batch["inputs"], batch["targets"])
         with tracing():
-            (loss, _), grads = grad_fn(params, batch)
+            if stages > 1:
+                return pipelined(params, batch["inputs"], batch["targets"])[:2]
+            (loss, _), grads = local_grads(params, batch)  # the step's: accumulated over train.microbatches
             return loss, grads
 
     init_fn = jax.jit(init, out_shardings=state_shardings)

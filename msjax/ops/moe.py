@@ -113,6 +113,33 @@ def router_z_loss(logits_te: jax.Array) -> jax.Array:
     return jnp.mean(jnp.square(jax.nn.logsumexp(logits_te.astype(jnp.float32), axis=-1)))
 
 
+def report_rows(stats: dict) -> dict:
+    """The MoE layers' statistics (`msjax.model.GPT.forward`: "aux_loss", "z_loss", "dropped" (L,), "load" (L, E),
+    float32, one row per MoE layer) with each layer's "max_load" (L,) added: its most loaded expert's share over
+    the mean's (1: even). Every value of `router_report` is a mean of these rows, so rows summed over microbatches
+    (a pipeline's, accumulated by the stage that runs the layer) and divided by their count give the mean of the
+    microbatches' reports."""
+    load_le = stats["load"]
+    return {**stats, "max_load": jnp.max(load_le, axis=-1) * load_le.shape[-1]}
+
+
+def router_objective(aux_l: jax.Array, z_l: jax.Array, aux_coef: float, z_coef: float, layers: int) -> jax.Array:
+    """What the router losses add to the training objective: (aux_coef sum_l aux_l + z_coef sum_l z_l) / layers,
+    float32 scalar; with `layers` the model's MoE layer count it is each loss averaged over the layers times its
+    coefficient, and a pipeline chunk's share of it over the chunk's own layers. aux_l, z_l: (l,) float32."""
+    return (aux_coef * jnp.sum(aux_l) + z_coef * jnp.sum(z_l)) / layers
+
+
+def router_report(rows: dict, aux_coef: float, z_coef: float) -> tuple[jax.Array, dict]:
+    """(the router losses' share of the objective (`router_objective`), the step's MoE report): both losses
+    unweighted, the dropped fraction and "moe_max_load" averaged over the layers, and "expert_load" (L, E), each
+    expert's share of its layer's assignments. rows: `report_rows`' (or their mean over microbatches)."""
+    aux, z = rows["aux_loss"], rows["z_loss"]
+    return router_objective(aux, z, aux_coef, z_coef, aux.shape[0]), {
+        "moe_aux_loss": jnp.mean(aux), "moe_z_loss": jnp.mean(z), "moe_dropped": jnp.mean(rows["dropped"]),
+        "moe_max_load": jnp.mean(rows["max_load"]), "expert_load": rows["load"]}
+
+
 def capacity(tokens: int, k: int, experts: int, capacity_factor: float) -> int | None:
     """Assignments an expert keeps: ceil(capacity_factor T k / E); None (dropless) for a factor of 0.
     Raises ValueError on a negative factor."""

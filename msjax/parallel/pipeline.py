@@ -55,6 +55,13 @@ stores only its own L / P layers and, for V = 1, regrouping is local; for V > 1 
 Per-layer parameters (`scan_layers=False`: gpt_tiny, llama_tiny) are replicated over `pipeline` and stacked inside
 the step.
 
+Mixtures of experts. A chunk's vjp'd function returns (its output, its layers' share of the router losses' term
+of the objective), and the backward seeds the second with the loss's 1 / M (zero on an idle stage, as its dy is), so
+the router losses' gradients reach the router and every layer below through the same vjps as the tokens'; the
+chunk's router statistics come out of the forward beside the vjp (`has_aux`) and each stage sums them per chunk
+over its microbatches; the step puts them back in layer order. They are over one microbatch's tokens, as under
+gradient accumulation on one device. The expert dispatch nests inside a stage (`msjax.parallel.expert`).
+
 The optimizer update happens outside the `shard_map` on the whole gradient pytree, so clipping and LAMB's
 trust ratios see whole-model norms.
 """
@@ -71,7 +78,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from msjax.config import Config
-from msjax.model import REMAT_POLICIES, abstract_model, block_graphdef, cse_barrier, ends_graphdef
+from msjax.model import REMAT_POLICIES, abstract_model, block_graphdef, block_with_stats, cse_barrier, ends_graphdef
+from msjax.ops import moe as moe_ops
 from msjax.parallel import options as overlap
 from msjax.parallel import split_backward
 from msjax.parallel.schedule import Schedule, pipeline_summary
@@ -110,16 +118,19 @@ class _Residuals:
     """Static layout of one chunk's vjp (the same for every chunk and microbatch, read off a probe trace).
 
     treedef: of the vjp function's pytree. where: per leaf, the index of the chunk parameter leaf it is (by
-    identity), or -1 for a residual kept in the stash. stash: ShapeDtypeStructs of the stashed leaves.
+    identity), or -1 for a residual kept in the stash. stash: ShapeDtypeStructs of the stashed leaves. rows: of
+    the chunk's router statistics (`PipelinedGrads._chunk`; {} for dense layers).
     """
 
     treedef: Any
     where: tuple[int, ...]
     stash: tuple[jax.ShapeDtypeStruct, ...]
+    rows: dict
 
 
 class PipelinedGrads:
-    """`(params, inputs (B, T), targets (B, T)) -> (mean loss, grads)` by interleaved 1F1B (module docstring).
+    """`(params, inputs (B, T), targets (B, T)) -> (objective, grads, report)` by interleaved 1F1B (module
+    docstring).
 
     Args:
       cfg: validated config with mesh.pipeline > 1 and model.vocab_size set.
@@ -128,8 +139,12 @@ class PipelinedGrads:
       param_shardings: NamedSharding pytree of the parameters (the step's layout).
       layer_specs: logical PartitionSpec of one layer's parameters (nested dict, no `layers` axis).
       rounds: gradient-accumulation rounds (`train.microbatches`), each one pipeline flush of M microbatches.
-    Calling it (inside the jitted step) returns the loss averaged over all B x T tokens and float32 gradients
-    laid out like `params`.
+    Calling it (inside the jitted step) returns the objective (the loss averaged over all B x T tokens, plus with
+    MoE layers the router losses' term, `msjax.ops.moe.router_report`), float32 gradients laid out like `params`
+    and the report the one-device step makes with gradient accumulation over the same microbatches ({} for a dense
+    model; with MoE layers "lm_loss", the router losses, dropped fraction, loads and "expert_load" (L, E)). A
+    MoE layer's router statistics, and so its losses, are over one microbatch's tokens, as under gradient
+    accumulation (and Megatron-Core's pipeline).
     """
 
     def __init__(self, cfg: Config, mesh: Mesh, rules: Rules, param_shardings: Any, layer_specs: Any,
@@ -141,6 +156,7 @@ class PipelinedGrads:
         self.sched = schedule_of(cfg) if cfg.pipeline.schedule == "interleaved" else None
         self.stages, self.v = cfg.mesh.pipeline, cfg.pipeline.virtual_stages
         self.chunk_layers = m.num_layers // (self.stages * self.v)
+        self.moe_layers = sum(m.moe.is_moe_layer(i) for i in range(m.num_layers))  # every layer, or none
         self.param_shardings = param_shardings
         self.block_gd = block_graphdef(m)
         self.ends_gd, self.end_keys = ends_graphdef(m)  # its empty layer list holds no state
@@ -258,11 +274,12 @@ class PipelinedGrads:
             return d_layers
         return jax.tree.map(lambda *xs: jnp.stack(xs), *d_layers)
 
-    def _chunk(self, layers: Any, x_btd: jax.Array, taps: Any = None, sites: Any = None) -> jax.Array:
+    def _chunk(self, layers: Any, x_btd: jax.Array, taps: Any = None, sites: Any = None) -> tuple[jax.Array, dict]:
         """Lc layers of one chunk, each under `jax.checkpoint` with `model.remat`'s policy (module docstring:
         "Residuals"), looped or scanned like the model. With `taps` (one per layer, `split_backward.zero_taps` of
         `sites`) the weight matmuls are tapped, so the chunk's vjp can run as B and W
-        (`msjax.parallel.split_backward`)."""
+        (`msjax.parallel.split_backward`). Returns ((b, T, D) output, the layers' router statistics as
+        `msjax.ops.moe.report_rows`, each (Lc, ...) float32; {} for dense layers)."""
         m, gd = self.model_cfg, self.block_gd
         if m.remat == "none":
             one = [a.shape[1:] for a in jax.tree.leaves(layers)] if m.scan_layers else \
@@ -272,53 +289,68 @@ class PipelinedGrads:
             policy = REMAT_POLICIES[m.remat]
         def run(state, x, tap):
             if tap is None:
-                return nnx.merge(gd, state)(x)
+                return block_with_stats(nnx.merge(gd, state), x)
             with split_backward.tapping(sites, state, tap):
-                return nnx.merge(gd, state)(x)
+                return block_with_stats(nnx.merge(gd, state), x)
 
         layer = jax.checkpoint(run, policy=policy, prevent_cse=cse_barrier(m))
         if m.scan_layers:
-            xs = (layers, taps)
-            x_btd, _ = jax.lax.scan(lambda x, st: (layer(st[0], x, st[1]), None), x_btd, xs, unroll=m.scan_unroll)
-            return x_btd
-        for j, state in enumerate(layers):
-            x_btd = layer(state, x_btd, None if taps is None else taps[j])
-        return x_btd
+            x_btd, stats = jax.lax.scan(lambda x, st: layer(st[0], x, st[1]), x_btd, (layers, taps),
+                                        unroll=m.scan_unroll)
+        else:
+            per_layer = []
+            for j, state in enumerate(layers):
+                x_btd, found = layer(state, x_btd, None if taps is None else taps[j])
+                per_layer.append(found)
+            stats = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+        return x_btd, (moe_ops.report_rows(stats) if stats else {})
+
+    def _router_objective(self, rows: dict) -> jax.Array:
+        """The chunk's share of the router losses' term of the objective (`msjax.ops.moe.router_objective` over
+        its layers, divided by the model's MoE layer count); 0 for dense layers."""
+        if not rows:
+            return jnp.float32(0.0)
+        mo = self.model_cfg.moe
+        return moe_ops.router_objective(rows["aux_loss"], rows["z_loss"], mo.aux_loss_coef, mo.z_loss_coef,
+                                        self.moe_layers)
 
     def _chunk_vjp(self, layers: Any, x_btd: jax.Array, taps: Any = None, sites: Any = None
-                   ) -> tuple[jax.Array, list, tuple[int, ...], Any]:
-        """(y, stashed residual leaves, where, treedef): one chunk forward under `jax.vjp`, its residuals split
-        from the parameters by identity (module docstring). With `taps` (`_chunk`) the vjp also takes them, and
-        its cotangent then has a third part, each weight matmul's (x, dy)."""
+                   ) -> tuple[jax.Array, dict, list, tuple[int, ...], Any]:
+        """(y, router statistics rows, stashed residual leaves, where, treedef): one chunk forward under `jax.vjp`,
+        its residuals split from the parameters by identity (module docstring). The vjp'd function's output is
+        (y, the chunk's router objective: `_router_objective`), so its cotangent is (dy, the objective's seed),
+        and the router losses' gradients flow through the same backward as the tokens'. With `taps` (`_chunk`)
+        the vjp also takes them, and its cotangent then has a third part, each weight matmul's (x, dy)."""
         chunk = self._chunk
         if overlap.active().tp == "collective_matmul":
             # The collective matmul's rings (a nested shard_map) hand their residuals out as new values, the
             # parameters among them, so they cannot be told apart: in that mode the chunk is stashed by its input
             # and runs again in the backward (full remat at chunk granularity: one more forward per chunk).
             chunk = jax.checkpoint(self._chunk, policy=jax.checkpoint_policies.nothing_saveable)
-        if taps is None:
-            y, vjp_fn = jax.vjp(chunk, layers, x_btd)
-        else:
-            y, vjp_fn = jax.vjp(lambda layers, x, taps: chunk(layers, x, taps, sites), layers, x_btd, taps)
+        def objective(layers, x, *taps):
+            y, rows = chunk(layers, x, *taps, sites) if taps else chunk(layers, x)
+            return (y, self._router_objective(rows)), rows
+
+        (y, _), vjp_fn, rows = jax.vjp(objective, layers, x_btd, *([] if taps is None else [taps]), has_aux=True)
         leaves, treedef = jax.tree.flatten(vjp_fn)
         index = {id(a): j for j, a in enumerate(jax.tree.leaves(layers))}
         where = tuple(index.get(id(a), -1) for a in leaves)
-        return y, [a for a, w in zip(leaves, where) if w < 0], where, treedef
+        return y, rows, [a for a, w in zip(leaves, where) if w < 0], where, treedef
 
     def _residuals(self, chunk_abstract: Any, x_abstract: jax.ShapeDtypeStruct) -> _Residuals:
         """The static residual layout (`_Residuals`), from an abstract trace of one chunk forward."""
         found = {}
 
         def probe(chunk, x):
-            _, stash, where, treedef = self._chunk_vjp(self._layers(chunk), x)
+            _, rows, stash, where, treedef = self._chunk_vjp(self._layers(chunk), x)
             found.update(where=where, treedef=treedef)
-            return stash
+            return stash, rows
 
-        stash = jax.eval_shape(probe, chunk_abstract, x_abstract)
+        stash, rows = jax.eval_shape(probe, chunk_abstract, x_abstract)
         if all(w < 0 for w in found["where"]) and jax.tree.leaves(chunk_abstract):
             raise RuntimeError("pipeline: no chunk parameter was recognised among the vjp's residuals, so the "
                                "stash would copy them; the residual split needs jax.checkpoint's forwarding")
-        return _Residuals(found["treedef"], found["where"], tuple(stash))
+        return _Residuals(found["treedef"], found["where"], tuple(stash), rows)
 
     def stash_entry(self, microbatch: int) -> tuple[jax.ShapeDtypeStruct, ...]:
         """What one stash slot holds for one chunk and a microbatch of `microbatch` sequences: the residuals of
@@ -347,7 +379,8 @@ class PipelinedGrads:
           (M, b, ceil(T / P)): this stage's slice of the targets, padded (tokens [p T / P, (p + 1) T / P) of the
           output layer's, rounded up).
         Returns: (loss summed over microbatches / M, summed over stages), staged grads (1, V, Lc, ...),
-          ends grads (summed over stages).
+          ends grads (summed over stages), the router statistics rows of the stage's chunks summed over the
+          microbatches (1, V, Lc, ...) ({} for dense layers).
         """
         sched, p_count, m = self.sched, self.stages, self.sched.microbatches
         staged = jax.tree.map(lambda x: x[0], staged)
@@ -376,6 +409,7 @@ class PipelinedGrads:
             return jax.lax.dynamic_index_in_dim(slot_table, stage * vm + k, 0, keepdims=False)
         g_staged = jax.tree.map(lambda x: zeros(x.shape, jnp.float32), staged)
         g_ends = jax.tree.map(lambda x: zeros(x.shape, jnp.float32), ends)
+        rows = jax.tree.map(lambda a: zeros((self.v, *a.shape), a.dtype), res.rows)
         fwd_ring = [(j, (j + 1) % p_count) for j in range(p_count)]
         bwd_ring = [(j, (j - 1) % p_count) for j in range(p_count)]
         # loss of a microbatch = mean over its P token slices of each slice's mean; the flush averages M of them
@@ -395,7 +429,7 @@ class PipelinedGrads:
             return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), acc, g)
 
         def tick(carry, tk):
-            fwd_in, bwd_in, loss_dy, stash, g_staged, g_ends, loss = carry
+            fwd_in, bwd_in, loss_dy, stash, g_staged, g_ends, loss, rows = carry
 
             # Every condition below is a function of the tick alone, the same on all devices: the output layer
             # holds collectives over pipeline, and a branch that some devices of a collective take and others do
@@ -409,17 +443,18 @@ class PipelinedGrads:
             # computes on stale data and stores into the spare slot.
             f_on, _, f_v, f_k = sched.forward(tk, stage)
 
-            def forward(stash):
+            def forward(stash, rows):
                 x = jnp.where((stage == 0) & (f_v == 0), emb, fwd_in)
-                y, acts, where, _ = self._chunk_vjp(self._layers(chunk_params(f_v)), x)
+                y, found, acts, where, _ = self._chunk_vjp(self._layers(chunk_params(f_v)), x)
                 if where != res.where:
                     raise RuntimeError("pipeline: a chunk's residual layout differs from the probe's")
                 slot = jnp.where(f_on, slot_of(f_k), spare)
                 stash = [jax.lax.dynamic_update_index_in_dim(s, a, slot, 0) for s, a in zip(stash, acts)]
-                return constrain(y.astype(dt), ACT), stash
+                return constrain(y.astype(dt), ACT), stash, add_rows(rows, f_v, found, f_on)
 
             with jax.named_scope("tick_forward"):
-                y, stash = jax.lax.cond(tk < sched.forward_ticks, forward, lambda s: (zeros_act, s), stash)
+                y, stash, rows = jax.lax.cond(tk < sched.forward_ticks, forward, lambda *c: (zeros_act, *c),
+                                              stash, rows)
             # 2. send it on now: nothing below depends on it, so the transfer can overlap the backward.
             with jax.named_scope("tick_send_forward"):
                 fwd_out = jax.lax.ppermute(y, AXIS, fwd_ring)
@@ -435,7 +470,8 @@ class PipelinedGrads:
                 acts = iter([jax.lax.dynamic_index_in_dim(s, slot, 0, keepdims=False) for s in stash])
                 params = jax.tree.leaves(self._layers(chunk_params(b_v)))
                 vjp_fn = jax.tree.unflatten(res.treedef, [params[w] if w >= 0 else next(acts) for w in res.where])
-                d_layers, dx = vjp_fn(dy)
+                # the router objective's seed, like the loss's (1 / M), and zero on an idle stage as dy is
+                d_layers, dx = vjp_fn((dy, jnp.where(b_on, seed, 0.0)))
                 g_staged = jax.tree.map(
                     lambda acc, d: jax.lax.dynamic_update_index_in_dim(
                         acc, jax.lax.dynamic_index_in_dim(acc, b_v, 0, keepdims=False) + d.astype(jnp.float32),
@@ -480,15 +516,15 @@ class PipelinedGrads:
 
             with jax.named_scope("tick_embedding_grad"):
                 g_ends = jax.lax.cond(eg_on, embed_grad, lambda g: g, g_ends)
-            return (fwd_out, bwd_out, loss_dy, stash, g_staged, g_ends, loss), None
+            return (fwd_out, bwd_out, loss_dy, stash, g_staged, g_ends, loss, rows), None
 
-        carry = (zeros_act, zeros_act, zeros_act, stash, g_staged, g_ends, jnp.float32(0.0))
-        (_, _, _, _, g_staged, g_ends, loss), _ = jax.lax.scan(tick, carry, jnp.arange(sched.ticks))
+        carry = (zeros_act, zeros_act, zeros_act, stash, g_staged, g_ends, jnp.float32(0.0), rows)
+        (_, _, _, _, g_staged, g_ends, loss, rows), _ = jax.lax.scan(tick, carry, jnp.arange(sched.ticks))
         loss = jax.lax.psum(loss, AXIS)
         g_ends = jax.lax.psum(g_ends, AXIS)
-        return loss, jax.tree.map(lambda g: g[None], g_staged), g_ends
+        return loss, jax.tree.map(lambda g: g[None], g_staged), g_ends, jax.tree.map(lambda r: r[None], rows)
 
-    def __call__(self, params: dict, inputs_bt: jax.Array, targets_bt: jax.Array) -> tuple[jax.Array, dict]:
+    def __call__(self, params: dict, inputs_bt: jax.Array, targets_bt: jax.Array) -> tuple[jax.Array, dict, dict]:
         m, a = self.microbatches, self.rounds
         mesh, rules = self.mesh, self.rules
         batch_spec = logical_to_mesh_spec((ax.ACT_BATCH, ax.ACT_SEQ), rules)
@@ -507,25 +543,38 @@ class PipelinedGrads:
             pad = -targets_bt.shape[1] % self.stages
             targets_bt = jnp.pad(targets_bt, ((0, 0), (0, pad)))
             flush = jax.shard_map(self._flush, mesh=mesh, in_specs=(P(AXIS), P(), P(), P(None, None, AXIS)),
-                                  out_specs=(P(), P(AXIS), P()), axis_names={AXIS}, check_vma=False)
+                                  out_specs=(P(), P(AXIS), P(), P(AXIS)), axis_names={AXIS}, check_vma=False)
 
             def round_(carry, mb):
-                loss_sum, gs_sum, ge_sum = carry
-                loss, gs, ge = flush(staged, ends, mb[0], mb[1])
-                return (loss_sum + loss, f32_tree_add(gs_sum, gs), f32_tree_add(ge_sum, ge)), None
+                return f32_tree_add(carry, flush(staged, ends, mb[0], mb[1])), None
 
-            zeros = (jnp.float32(0.0), jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), staged),
-                     jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), ends))
             if a == 1:
                 xs = (split(inputs_bt)[0], split(targets_bt)[0])
-                loss, g_staged, g_ends = flush(staged, ends, *xs)
+                loss, g_staged, g_ends, rows = flush(staged, ends, *xs)
             else:
-                (loss, g_staged, g_ends), _ = jax.lax.scan(round_, zeros, (split(inputs_bt), split(targets_bt)))
-                loss = loss / a
-                g_staged = jax.tree.map(lambda g: g / a, g_staged)
-                g_ends = jax.tree.map(lambda g: g / a, g_ends)
+                zeros = jax.eval_shape(flush, staged, ends, split(inputs_bt)[0], split(targets_bt)[0])
+                zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), zeros)
+                sums, _ = jax.lax.scan(round_, zeros, (split(inputs_bt), split(targets_bt)))
+                loss, g_staged, g_ends, rows = jax.tree.map(lambda g: g / a, sums)
             grads = {**g_ends, **self.unstage(g_staged)}
-        return loss, jax.lax.with_sharding_constraint(grads, self.param_shardings)
+            if not rows:
+                return loss, jax.lax.with_sharding_constraint(grads, self.param_shardings), {}
+            # the rows summed over each round's M microbatches, per (stage, chunk, layer): back to layer order
+            # and to means over the step's A M microbatches, the mean of the microbatches' reports
+            inverse = np.argsort(self._block_order())
+            rows = jax.tree.map(lambda r: r.reshape(self.stages * self.v, *r.shape[2:])[inverse].reshape(
+                self.model_cfg.num_layers, *r.shape[3:]) / m, rows)
+            mo = self.model_cfg.moe
+            router, report = moe_ops.router_report(rows, mo.aux_loss_coef, mo.z_loss_coef)
+        return (loss + router, jax.lax.with_sharding_constraint(grads, self.param_shardings),
+                {"lm_loss": loss, **report})
+
+
+def add_rows(acc: dict, v: jax.Array, rows: dict, on: jax.Array | bool = True) -> dict:
+    """Router statistics accumulated per chunk: acc (V, Lc, ...) plus, at chunk `v`, a forward's `rows` (Lc, ...)
+    where `on` (an idle stage's forward runs on stale data and adds nothing)."""
+    return jax.tree.map(lambda a, r: jax.lax.dynamic_update_index_in_dim(
+        a, jax.lax.dynamic_index_in_dim(a, v, 0, keepdims=False) + jnp.where(on, r, 0.0), v, 0), acc, rows)
 
 
 def token_cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:

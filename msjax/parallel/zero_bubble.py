@@ -40,7 +40,7 @@ import numpy as np
 from flax import nnx
 
 from msjax.parallel import split_backward as sb
-from msjax.parallel.pipeline import ACT, AXIS, PipelinedGrads
+from msjax.parallel.pipeline import ACT, AXIS, PipelinedGrads, add_rows
 from msjax.parallel.schedules import Action, ActionTable, placement
 from msjax.sharding import constrain, use_rules
 
@@ -284,11 +284,11 @@ class TablePipelinedGrads(PipelinedGrads):
         probe = {}
 
         def probe_fn(chunk, x):
-            _, stash, where, treedef = chunk_vjp(self._layers(chunk), x)
+            _, rows, stash, where, treedef = chunk_vjp(self._layers(chunk), x)
             probe.update(where=where, treedef=treedef)
-            return stash
+            return stash, rows
 
-        stash_shapes = jax.eval_shape(probe_fn, chunk0, zeros_act)
+        stash_shapes, row_shapes = jax.eval_shape(probe_fn, chunk0, zeros_act)
         count = iter(range(1, 1 << 30))
 
         def zeros(shape, dtype):  # zeros XLA cannot merge (see PipelinedGrads._flush)
@@ -300,6 +300,7 @@ class TablePipelinedGrads(PipelinedGrads):
         wstash = jax.tree.map(lambda a: zeros((plan.w_slots + 1, *a.shape), a.dtype), pair_shapes)
         g_staged = jax.tree.map(lambda x: zeros(x.shape, jnp.float32), staged)
         g_ends = jax.tree.map(lambda x: zeros(x.shape, jnp.float32), ends)
+        rows = jax.tree.map(lambda a: zeros((self.v, *a.shape), a.dtype), row_shapes)
         tables = {k: jnp.asarray(getattr(plan, k).reshape(-1)) for k in
                   ("kind", "chunk", "micro", "first", "inbox", "res", "wslot", "route", "from_prev",
                    "from_next", "keep", "loss")}
@@ -320,7 +321,7 @@ class TablePipelinedGrads(PipelinedGrads):
             return jax.tree.map(lambda x: pick(x, v), staged)
 
         def tick(carry, tk):
-            inbox, stash, wstash, g_staged, g_ends, loss = carry
+            inbox, stash, wstash, g_staged, g_ends, loss, rows = carry
             at = stage * plan.ticks + tk
 
             def row(name):
@@ -341,19 +342,20 @@ class TablePipelinedGrads(PipelinedGrads):
 
             # One condition per pass, each writing the buffers it makes in place (as the interleaved step's): only F
             # writes the stash, only B the W slots, and an idle or F tick touches no gradient accumulator.
-            def forward(stash):
+            def forward(stash, rows):
                 emb = constrain(self._embed(ends, pick(inputs_mbt, mb)).astype(dt), ACT)
                 x = jnp.where(first == 1, emb, x_in)
-                y, acts, where, _ = chunk_vjp(layers, x)
+                y, found, acts, where, _ = chunk_vjp(layers, x)
                 if where != probe["where"]:
                     raise RuntimeError("pipeline: a chunk's residual layout differs from the probe's")
-                return constrain(y.astype(dt), ACT), [put(s, res_slot, a) for s, a in zip(stash, acts)]
+                return (constrain(y.astype(dt), ACT), [put(s, res_slot, a) for s, a in zip(stash, acts)],
+                        add_rows(rows, v, found))
 
             def backward(stash, wstash, g_staged):
                 acts = iter([pick(s, res_slot) for s in stash])
                 vjp_fn = jax.tree.unflatten(probe["treedef"], [leaves[w] if w >= 0 else next(acts)
                                                                 for w in probe["where"]])
-                d_layers, dx, pairs = vjp_fn(x_in)
+                d_layers, dx, pairs = vjp_fn((x_in, seed))  # the router objective's seed is the loss's
                 d = jax.tree.leaves(self._stack(d_layers))
                 wstash = jax.tree.map(lambda s, a: put(s, w_slot, a), wstash, pairs)
                 g_staged = accumulate(g_staged, {j: g for j, g in enumerate(d) if j not in weights})
@@ -369,7 +371,7 @@ class TablePipelinedGrads(PipelinedGrads):
                 return accumulate(g_staged, by_leaf)
 
             with jax.named_scope("tick_pass"):
-                y, stash = jax.lax.cond(kind == FWD, forward, lambda s: (zeros_act, s), stash)
+                y, stash, rows = jax.lax.cond(kind == FWD, forward, lambda *c: (zeros_act, *c), stash, rows)
                 dx, wstash, g_staged = jax.lax.cond(kind == BWD, backward, lambda s, w, g: (zeros_act, w, g),
                                                     stash, wstash, g_staged)
                 g_staged = jax.lax.cond(kind == WGT, weight, lambda w, g: g, wstash, g_staged)
@@ -419,10 +421,10 @@ class TablePipelinedGrads(PipelinedGrads):
             inbox = put(inbox, row("keep"), out)
             inbox = put(inbox, row("from_prev"), to_next)
             inbox = put(inbox, row("from_next"), to_prev)
-            return (inbox, stash, wstash, g_staged, g_ends, loss), None
+            return (inbox, stash, wstash, g_staged, g_ends, loss, rows), None
 
-        carry = (inbox, stash, wstash, g_staged, g_ends, jnp.float32(0.0))
-        (_, _, _, g_staged, g_ends, loss), _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
+        carry = (inbox, stash, wstash, g_staged, g_ends, jnp.float32(0.0), rows)
+        (_, _, _, g_staged, g_ends, loss, rows), _ = jax.lax.scan(tick, carry, jnp.arange(plan.ticks))
         loss = jax.lax.psum(loss, AXIS)
         g_ends = jax.lax.psum(g_ends, AXIS)
-        return loss, jax.tree.map(lambda g: g[None], g_staged), g_ends
+        return loss, jax.tree.map(lambda g: g[None], g_staged), g_ends, jax.tree.map(lambda r: r[None], rows)

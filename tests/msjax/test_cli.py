@@ -129,8 +129,9 @@ def test_every_wrapper_has_help(script, usage):
      "model.moe.experts_per_token=5: allowed is 1 <= k <= model.moe.num_experts=4"),
     ("train.py", ["--model.moe.num_experts=4", "--model.moe.capacity_factor=-1"],
      "model.moe.capacity_factor=-1.0: allowed is a number >= 0 (0: dropless)"),
-    ("train.py", ["--model.moe.num_experts=4", "--mesh.pipeline=2"],
-     "model.moe.num_experts=4 with mesh.pipeline=2: the pipelined step does not run mixture-of-experts layers"),
+    ("train.py", ["--model.moe.num_experts=4", "--model.moe.every=2", "--model.scan_layers=false",
+                  "--mesh.pipeline=2"],
+     "model.moe.every=2 with mesh.pipeline=2: a pipeline stacks its chunks' layers, so they must all be alike"),
     ("train.py", ["--mesh.expert=2"], "mesh.expert=2: an expert-parallel axis needs a mixture-of-experts model "
      "(model.moe.num_experts > 0); allowed for a dense model: mesh.expert=1"),
     ("train.py", ["--model.moe.num_experts=6", "--mesh.expert=4"],
