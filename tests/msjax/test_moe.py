@@ -333,13 +333,15 @@ SHARED = {"model.moe.shared_experts": 1, "model.moe.shared_gate": True}
 
 
 @pytest.mark.parametrize("mesh", [{"mesh.expert": 2}, {"mesh.expert": 4}, {"mesh.expert": 2, "mesh.tensor": 2},
-                                  {"mesh.expert": 2, "mesh.fsdp": 2}, {"mesh.expert": 2, "mesh.tensor": 2, **SHARED}],
-                         ids=["ep2", "ep4", "ep2-tp2", "ep2-fsdp2", "ep2-tp2-shared"])
+                                  {"mesh.expert": 2, "mesh.fsdp": 2}, {"mesh.expert": 2, "mesh.tensor": 2, **SHARED},
+                                  {"mesh.expert": 2, "mesh.sequence": 2, "mesh.tensor": 2}],
+                         ids=["ep2", "ep4", "ep2-tp2", "ep2-fsdp2", "ep2-tp2-shared", "ep2-sp2-tp2"])
 def test_expert_parallel_layouts_train_the_same_as_one_device(layout_reference, layout_tokens, mesh):
     """Experts split over the `expert` axis, tokens sent to them and back by all-to-all (the rest of the 8 fake
     devices data-parallel): 3 steps' losses, gradient norms, the gradients at initialisation and the parameters
-    after the 3 steps within 1e-5 of one device (tests/msjax/layouts.py); the last layout adds a gated shared
-    expert, computed in the same region. The random router routes unevenly: checked on the reference's first step,
+    after the 3 steps within 1e-5 of one device (tests/msjax/layouts.py); ep2-tp2-shared adds a gated shared
+    expert, computed in the same region, and ep2-sp2-tp2 splits the sequence too (each device dispatches its own
+    sequence shard's tokens). The random router routes unevenly: checked on the reference's first step,
     where in each layer the most loaded expert gets over twice the assignments of the least loaded one (a device
     holding the busiest experts receives the most rows)."""
     from tests.msjax.layouts import LLAMA, TOL, assert_same, run_layout, tiny_config
