@@ -213,7 +213,7 @@ def build_train_program(cfg: Config | Layout, mesh: Mesh | None = None, vocab_si
         if model_cfg.scan_layers:  # drop the leading `layers` axis
             layer_specs = jax.tree.map(lambda s: P(*tuple(s)[1:]), layer_specs, is_leaf=lambda x: isinstance(x, P))
         runner = PipelinedGrads if cfg.pipeline.schedule == "interleaved" else TablePipelinedGrads
-        pipelined = runner(cfg, mesh, rules, param_shardings, layer_specs, t.microbatches)
+        pipelined = runner(cfg, mesh, rules, param_shardings, layer_specs, t.microbatches, tracing)
 
     def local_grads(params: dict, batch: dict) -> tuple[tuple[jax.Array, dict], dict]:
         """((objective, report), gradients) over the rows given (the global batch, or one device's rows under

@@ -69,7 +69,8 @@ trust ratios see whole-model norms.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import itertools
+from typing import Any, Callable, ContextManager
 
 import jax
 import jax.numpy as jnp
@@ -96,6 +97,19 @@ def schedule_of(cfg: Config) -> Schedule:
     return Schedule(cfg.mesh.pipeline, cfg.pipeline.virtual_stages, cfg.pipeline_microbatches())
 
 
+def _shard_shapes(shapes: set[tuple[int, ...]], axis_sizes: list[int]) -> set[tuple[int, ...]]:
+    """`shapes` and every shape a shard of one can have on a mesh with these axis sizes: each dimension divided by
+    the product of any of the axes (that divides it)."""
+    splits = {1}
+    for size in axis_sizes:
+        splits |= {x * size for x in splits}
+    out = set()
+    for shape in shapes:
+        options = [[dim // n for n in sorted(splits) if dim % n == 0] for dim in shape]
+        out.update(itertools.product(*options))
+    return out
+
+
 def _save_activations(param_shapes: set[tuple[int, ...]]) -> Callable[..., bool]:
     """The `jax.checkpoint` policy of `model.remat=none` inside a pipeline chunk: save every intermediate the
     backward needs except those computed from the layer's parameters alone (an operation all of whose array
@@ -104,7 +118,10 @@ def _save_activations(param_shapes: set[tuple[int, ...]]) -> Callable[..., bool]
 
     A policy sees primitives and input shapes, not where values come from; an activation that happened to have a
     parameter's shape would be recomputed too (correct, only slower), which `test_pipeline`'s FLOP count would
-    show."""
+    show. Inside a `shard_map` region of the layer (the expert dispatch) the policy sees each device's shard, so
+    `param_shapes` holds the shards' shapes too (`_shard_shapes`): without them the expert weights' per-device
+    values there (cast or marked varying) counted as activations, a copy of every expert weight in each stash
+    slot."""
 
     def policy(prim, *avals, **params) -> bool:
         arrays = [a for a in avals if getattr(a, "shape", ())]
@@ -139,6 +156,9 @@ class PipelinedGrads:
       param_shardings: NamedSharding pytree of the parameters (the step's layout).
       layer_specs: logical PartitionSpec of one layer's parameters (nested dict, no `layers` axis).
       rounds: gradient-accumulation rounds (`train.microbatches`), each one pipeline flush of M microbatches.
+      tracing: the context the step is traced in (its rule set and model transforms: `msjax.train_step`), which
+        the abstract traces of `stash_entry` and `w_entry` enter too, so they see the step's chunk; default: the
+        rule set alone.
     Calling it (inside the jitted step) returns the objective (the loss averaged over all B x T tokens, plus with
     MoE layers the router losses' term, `msjax.ops.moe.router_report`), float32 gradients laid out like `params`
     and the report the one-device step makes with gradient accumulation over the same microbatches ({} for a dense
@@ -148,8 +168,9 @@ class PipelinedGrads:
     """
 
     def __init__(self, cfg: Config, mesh: Mesh, rules: Rules, param_shardings: Any, layer_specs: Any,
-                 rounds: int = 1):
+                 rounds: int = 1, tracing: Callable[[], ContextManager] | None = None):
         self.cfg, self.mesh, self.rules, self.rounds = cfg, mesh, rules, rounds
+        self.tracing = tracing or (lambda: use_rules(mesh, rules))
         self.model_cfg = m = cfg.model
         self.microbatches = cfg.pipeline_microbatches()
         # the interleaved tick table (a subclass runs another schedule and has none)
@@ -284,7 +305,8 @@ class PipelinedGrads:
         if m.remat == "none":
             one = [a.shape[1:] for a in jax.tree.leaves(layers)] if m.scan_layers else \
                 [a.shape for a in jax.tree.leaves(layers[0])]
-            policy = _save_activations({tuple(s) for s in one})
+            inner = [n for name, n in self.mesh.shape.items() if name != AXIS and n > 1]
+            policy = _save_activations(_shard_shapes({tuple(s) for s in one}, inner))
         else:
             policy = REMAT_POLICIES[m.remat]
         def run(state, x, tap):
@@ -357,7 +379,7 @@ class PipelinedGrads:
         the chunk's vjp that are not its parameters (shapes global over the axes inside a stage). The stash is
         `Schedule.slots` + 1 of these per stage."""
         chunk, x = self.abstract_chunk(microbatch)
-        with use_rules(self.mesh, self.rules):
+        with self.tracing():
             return self._residuals(chunk, x).stash
 
     def abstract_chunk(self, microbatch: int) -> tuple[Any, jax.ShapeDtypeStruct]:

@@ -42,7 +42,7 @@ from flax import nnx
 from msjax.parallel import split_backward as sb
 from msjax.parallel.pipeline import ACT, AXIS, PipelinedGrads, add_rows
 from msjax.parallel.schedules import Action, ActionTable, placement
-from msjax.sharding import constrain, use_rules
+from msjax.sharding import constrain
 
 IDLE, FWD, BWD, WGT = range(4)
 NEXT, PREV, KEEP, NOWHERE = range(4)  # where a pass's output goes
@@ -232,8 +232,8 @@ def flush_seconds(plan: TickPlan, pass_seconds: tuple[float, float, float], loss
 class TablePipelinedGrads(PipelinedGrads):
     """`PipelinedGrads` run by an action table (module docstring); `cfg.pipeline.schedule` names it."""
 
-    def __init__(self, cfg, mesh, rules, param_shardings, layer_specs, rounds: int = 1):
-        super().__init__(cfg, mesh, rules, param_shardings, layer_specs, rounds)
+    def __init__(self, cfg, mesh, rules, param_shardings, layer_specs, rounds: int = 1, tracing=None):
+        super().__init__(cfg, mesh, rules, param_shardings, layer_specs, rounds, tracing)
         self.table = ActionTable(cfg.pipeline.schedule, self.stages, self.v, self.microbatches)
         self.plan = compile_table(self.table)
 
@@ -250,7 +250,7 @@ class TablePipelinedGrads(PipelinedGrads):
         of these per stage, beside the stash (`stash_entry`)."""
         chunk, x = self.abstract_chunk(microbatch)
         layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), chunk)
-        with use_rules(self.mesh, self.rules):
+        with self.tracing():
             sites = sb.record_sites(lambda s, x_: nnx.merge(self.block_gd, s)(x_), layer, x)
         return tuple(jax.ShapeDtypeStruct((self.chunk_layers, *a.shape), a.dtype) for site in sites
                      for a in site.tap)
