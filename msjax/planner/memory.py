@@ -176,11 +176,10 @@ def active_params(cfg: Config, vocab: int) -> int:
 def analytic_state_bytes(cfg: Config, vocab: int, sizes: dict[str, int]) -> dict[str, int]:
     """Per-device bytes of the msjax train state as `msjax.train_step` lays it out: params, optimizer moments
     (2 per parameter, in the parameter dtype, sharded like it, or over fsdp too under the `zero2` rule set), and
-    the replicated scalars (step int32, rng
-    uint32[2], four int32 optimizer counters: Adam's, the schedule's and `optax.apply_if_finite`'s two, and its
-    `last_finite` bool, which is state though the compiled step never reads it). With pipeline stages, stacked layers are
-    split over `pipeline` (L / p per device, `msjax.layout.pipeline_rules`); per-layer parameters and
-    the embedding / output end are replicated over it.
+    the replicated scalars (step int32, rng uint32[2], four int32 optimizer counters: Adam's, the schedule's and
+    `optax.apply_if_finite`'s two, and its `last_finite` bool, which is state though the compiled step never reads
+    it). With pipeline stages, stacked layers are split over `pipeline` (L / p per device,
+    `msjax.layout.pipeline_rules`); per-layer parameters and the embedding / output end are replicated over it.
     """
     pb = DTYPE_BYTES[cfg.model.param_dtype]
     L = cfg.model.num_layers
@@ -310,8 +309,8 @@ def layer_activation_bytes(cfg: Config, layout: PlanLayout, policy: str | None =
     tok = s * b
     # x, proj out, lin2 out | Q K V (local, before the K/V gather), lin1 out
     lin1 = (2 * f if m.mlp == "swiglu" else f) * (1.0 - share)  # SwiGLU's linear 1 is the gate and up projections
-    saved = e * tok * (3 * h / split_outer + (qw + 2 * kvw + lin1) / (t * sx)) + share * moe.moe_saved_under_dots(
-        cfg, layout)
+    saved = e * tok * (3 * h / split_outer + (qw + 2 * kvw + lin1) / (t * sx)) + share * moe.moe_stash_bytes(
+        cfg, dataclasses.replace(layout, remat=policy))  # what the dots policies keep of a MoE layer
     if policy == "dots" and not layout.flash:
         saved += e * b * m.num_heads * s * s / t / sx + e * tok * qw / t / sx  # scores and PV output (local queries)
     return saved
@@ -690,12 +689,12 @@ def stash_layer_bytes(cfg: Config, layout: PlanLayout, scanned: bool | None = No
     n_ln = 1 if layout.block == "parallel" else 2
     scores = b * (m.num_heads / t) * (T / c) * T  # materialised scores per layer, per device
     if layout.remat == "full":
-        return e * tok * d / outer
+        return e * tok * d / outer + moe.moe_fraction(cfg) * moe.moe_stash_bytes(cfg, layout)
     if layout.remat in ("dots_no_batch", "dots"):
         share = moe.moe_fraction(cfg)  # MoE layers: their own saved dots in place of the MLP's
         lin1 = (2 * f if m.mlp == "swiglu" else f) * (1.0 - share)  # SwiGLU's linear 1 is the gate and up
         saved = e * tok * ((1 + (n_ln - 1)) * d / outer + (qw + 2 * kvw + lin1) / (t * c)) \
-            + share * moe.moe_saved_under_dots(cfg, layout)
+            + share * moe.moe_stash_bytes(cfg, layout)
         if layout.remat == "dots" and not layout.flash:
             saved += 4.0 * (scores + tok * qw / (t * c))
         return saved
@@ -703,7 +702,7 @@ def stash_layer_bytes(cfg: Config, layout: PlanLayout, scanned: bool | None = No
     share = moe.moe_fraction(cfg)  # MoE layers: their own residuals in place of the MLP's (not measured here)
     saved = n_ln * tok * ((4 + e) * d + 4) / outer + e * tok * (2 * qw / (t * c) + kv + (1.0 - share) * 6 * f / (t * c))
     if share:
-        saved += share * moe.moe_layer_bytes(cfg, layout, local_expert_elements(cfg, layout))
+        saved += share * moe.moe_stash_bytes(cfg, layout)
     if not scanned:
         saved += rope_table_bytes(cfg, layout)
     if layout.flash:
@@ -876,6 +875,9 @@ def _pipeline_working(cfg: Config, layout: PlanLayout, stage: StageParams, chunk
                                                                                             remat="none")),
                                          dataclasses.replace(layout, remat="none"), False)
     recompute = min(chunk_layers, PIPELINE_BACKWARD_TEMPS) * layer if layout.remat != "none" else 0.0
+    # a MoE layer's grouped matmuls under a backend's dense fallback hold their masked copies while they run
+    # (not in the stash: the stash holds jaxpr values)
+    recompute += moe.moe_fraction(cfg) * moe.moe_dense_fallback_bytes(cfg, layout)
     # weights cast to the compute dtype inside the vjp (recomputed, never stashed), in both slots
     casts = DTYPE_BYTES[m.dtype] * chunk_layers * stage.layer_elements if m.dtype != m.param_dtype else 0.0
     backward = pe * chunk_layers * stage.layer_elements + recompute + casts

@@ -185,18 +185,59 @@ def moe_layer_bytes(cfg: Config, layout: PlanLayout, local_expert_elements: floa
              + 4.0 * s.outer_tokens * (d + 2 * s.experts) + e * local_expert_elements)
     if s.shared_width:
         saved += e * s.tokens * s.shared_width / layout.tensor * (5 if gated else 3)
-    if layout.dense_groups:
-        saved += (e + 1) * s.local_experts * s.rows * (d + s.local_width)
-    return saved
+    return saved + moe_dense_fallback_bytes(cfg, layout)
 
 
-def moe_saved_under_dots(cfg: Config, layout: PlanLayout) -> float:
-    """Bytes one MoE layer keeps under the dots policies (`checkpoint_dots`, `..._with_no_batch_dims`), per device
-    and microbatch: the outputs of its `dot_general`s, the router's float32 logits and the shared experts'
-    input-side products (and gate); the grouped matmuls are `ragged_dot`, not dots, and are recomputed with the
-    dispatch. 0 for a dense model."""
+def moe_dense_fallback_bytes(cfg: Config, layout: PlanLayout) -> float:
+    """Bytes the backend's dense fallback for `ragged_dot` keeps in one MoE layer, per device and microbatch, where
+    it runs (`PlanLayout.dense_groups`: XLA:CPU): the masked rows of every local expert (El, R, D) and the masked
+    hidden state (El, R, Fl) in the compute dtype, with their boolean masks (counted in the compiled step); 0 on a
+    backend with grouped matmuls, and for a dense model."""
+    s = moe_shapes(cfg, layout)
+    if s is None or not layout.dense_groups:
+        return 0.0
+    return (s.act_bytes + 1) * s.local_experts * s.rows * (cfg.model.d_model + s.local_width)
+
+
+def moe_stash_bytes(cfg: Config, layout: PlanLayout) -> float:
+    """Bytes one MoE layer's residuals take in a stash slot of the pipelined step, per device, in place of the dense
+    MLP's (`memory.stash_layer_bytes`): what the chunk's `jax.vjp` saves under `model.remat`'s policy, read off the
+    residual pytrees (`PipelinedGrads.stash_entry`, under the step's expert-parallel tracing; checked against it in
+    tests/msjax/test_planner_moe.py on expert 1-3, k 2-3, SwiGLU and GeLU, shared experts with and without their
+    gate, tensor 2). Unlike the compiled step's buffers (`moe_layer_bytes`), the stash holds jaxpr values, so no
+    backend's lowering of `ragged_dot` and no parameter copy is in it. By policy:
+      full: three float32 scalars (the layer's router-loss residuals).
+      dots, dots_no_batch: those, the router's float32 logits (T_outer, E) and the shared experts' matmul outputs
+        (plain dots: input side and output) and gate logits; the grouped matmuls are not dots and are recomputed.
+      none: beside the attention and norms' (the dense formula less its MLP), the router's (per residual-stream
+        token: one more float32 and one fewer compute-dtype (D,) row, four more float32 scalars, k ids, k weights,
+        the top-k rounds' probabilities and masks over E, three token masks and counts); the combine's float32
+        (T, D) sums; per assignment its ids and weight (16 bytes) and its float32 weighted output row; without
+        expert parallelism its gathered input rows (one per input-side matrix) and six (N, Fl) hidden tensors;
+        with it the send/receive bookkeeping per assignment (an index pair, a mask row, an input row) and per
+        received row R (ids, six (R, Fl) hidden tensors, the rows before and after sorting: 2 + columns, their
+        mask, and the send buffer (ep, N, D)); the shared experts' six (T, Fs) hidden tensors and two (T, D) ones,
+        and with their gate two float32 (T, D) rows and two float32 logits per token; (E,) counts. With the gate,
+        dots keep the shared output (T, D) and the gate's logit too."""
     s = moe_shapes(cfg, layout)
     if s is None:
         return 0.0
-    shared = s.act_bytes * s.tokens * s.shared_width / layout.tensor * s.columns if s.shared_width else 0.0
-    return 4.0 * s.outer_tokens * s.experts + shared + (4.0 * s.tokens if s.shared_gate else 0.0)
+    d, e, k, experts = cfg.model.d_model, s.act_bytes, s.k, s.experts
+    scalars = 12.0
+    if layout.remat == "full":
+        return scalars
+    fs = s.shared_width / layout.tensor
+    if layout.remat in ("dots", "dots_no_batch"):
+        shared = s.tokens * s.columns * e * fs if s.shared_width else 0.0
+        return scalars + 4.0 * s.outer_tokens * experts + shared + (s.tokens * (e * d + 4) if s.shared_gate else 0.0)
+    router = s.outer_tokens * ((4 - e) * d + 16 + 9 + 8 * k + experts * (4 * (k + 1) + (k - 1)))
+    assigned = s.assignments * (16 + 4 * d) + 4.0 * s.tokens * d
+    if s.ep == 1:
+        grouped = s.assignments * (6 * e * s.local_width + s.columns * e * d)
+    else:
+        grouped = (s.assignments * (16 + (e + 1) * d)
+                   + s.rows * (8 + 6 * e * s.local_width + (3 + s.columns) * e * d + d))
+    shared = s.tokens * (6 * e * fs + 2 * e * d) if s.shared_width else 0.0
+    if s.shared_gate:
+        shared += s.tokens * (8 * d + 8)
+    return scalars + router + assigned + grouped + shared + 16.0 * experts

@@ -224,8 +224,11 @@ def test_the_moe_layer_is_its_experts_weighted_by_a_float32_router(over):
 
 
 @pytest.mark.parametrize("over", [{}, {"model.scan_layers": False, "model.num_layers": 4, "model.moe.every": 2},
-                                  {"train.microbatches": 2, "model.remat": "full"}],
-                         ids=["scanned", "every-2nd-layer", "accumulated-remat"])
+                                  {"train.microbatches": 2, "model.remat": "full"},
+                                  {"model.block": "parallel", "model.position": "learned", "model.norm": "layernorm",
+                                   "model.mlp": "gelu", "model.use_bias": True, "model.tie_embeddings": True,
+                                   "model.num_kv_heads": 4, "model.attention.window": 6, "model.remat": "dots"}],
+                         ids=["scanned", "every-2nd-layer", "accumulated-remat", "gpt-parallel-window-dots"])
 def test_the_step_adds_the_router_losses_to_the_objective_and_reports_them(over):
     """The step optimises cross-entropy + aux_loss_coef x load-balancing + z_loss_coef x z (each averaged over
     the MoE layers) and reports the cross-entropy as "loss" (what evaluation computes on the same parameters)
@@ -395,6 +398,26 @@ def test_expert_parallel_pipelines_train_the_same_as_one_device(layout_reference
     ratio = load.max(axis=-1) / load.min(axis=-1)
     assert load.shape == (4, 8) and (ratio > 1.5).all() and ratio.max() > 2, load
     assert np.abs(np.diff(load, axis=0)).max() > 0.01
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["per-layer", "scanned"])
+def test_a_pipeline_stash_keeps_no_copy_of_the_expert_weights(scan):
+    """bf16 compute over float32 parameters, experts split over `expert` inside the stages, no remat: no stashed
+    residual has the shape of an expert weight (E, D, F) / (E, F, D) or of one device's shard of it. Inside the
+    dispatch's shard_map the remat policy sees shards, and a weight's bf16 shard there was saved in every stash
+    slot, a copy of the layer's experts per microbatch in flight (per-layer parameters; it fails so when the
+    policy is not told the shard shapes)."""
+    from msjax.mesh import make_mesh
+    from msjax.train_step import build_train_program
+    from tests.msjax.layouts import LLAMA, VOCAB, tiny_config
+
+    cfg = tiny_config(**LLAMA, **{**MOE_EP, **PIPELINED, "mesh.pipeline": 2, "mesh.expert": 2, "model.remat": "none",
+                                  "model.scan_layers": scan, "model.dtype": "bfloat16", "model.param_dtype": "float32"})
+    program = build_train_program(cfg, make_mesh(cfg.mesh, jax.devices()[:4]), vocab_size=VOCAB)
+    e, d, f = 8, cfg.model.d_model, cfg.model.moe.expert_ff
+    weights = {(n, d, f) for n in (e, e // 2)} | {(n, f, d) for n in (e, e // 2)}
+    entry = program.pipeline.stash_entry(4)
+    assert entry and not [a.shape for a in entry if a.shape in weights]
 
 
 def test_a_moe_run_logs_its_expert_load_and_the_report_draws_it(tmp_path, small_corpus):
