@@ -674,23 +674,30 @@ def test_llama_timing_prices_three_mlp_matrices():
     assert "position rope, norm rmsnorm, mlp swiglu" in plan_text(plan)
 
 
-@pytest.mark.parametrize("llama", [False, True], ids=["gpt", "llama"])
-def test_planner_step_flops_are_the_executed_steps(llama):
+# A mixture of experts on the Llama block: 4 SwiGLU experts of width 24, top-2, a gated shared expert.
+_MOE = {**_LLAMA, "model.moe.num_experts": 4, "model.moe.experts_per_token": 2, "model.moe.expert_ff": 24,
+        "model.moe.shared_experts": 1, "model.moe.shared_gate": True}
+
+
+@pytest.mark.parametrize("block", [{}, _LLAMA, _MOE], ids=["gpt", "llama", "moe"])
+def test_planner_step_flops_are_the_executed_steps(block):
     """The planner's hardware FLOPs of a step (GEMMs, attention core, output layer; forward and backward, one
     device, no remat) equal the matmul FLOPs of the traced gradient (`msjax.flops.executed_matmul_flops`), for a
-    GPT and a Llama block, less the one contraction the model's softmax backward adds per score row (2 B H T T per
-    layer, element-wise work the planner prices as memory traffic)."""
+    GPT block, a Llama block and a mixture of experts (the router's D x E, the k active experts' grouped matmuls,
+    counted by their real rows, the shared expert and its gate), less the one contraction the model's softmax
+    backward adds per score row (2 B H T T per layer, element-wise work the planner prices as memory traffic).
+    MFU's model FLOPs are the active parameters' (`msjax.flops.flops_per_token`)."""
     import jax
     import jax.numpy as jnp
 
     from msjax.config import Config
-    from msjax.flops import executed_matmul_flops
+    from msjax.flops import executed_matmul_flops, flops_per_token
     from msjax.model import abstract_model, apply
 
     cfg = apply_overrides(Config(), {
         "model.num_layers": 3, "model.d_model": 32, "model.num_heads": 4, "model.d_ff": 48, "model.max_seq_len": 16,
         "model.vocab_size": 100, "model.attention.impl": "xla", "train.seq_len": 16, "train.global_batch": 4,
-        "mesh.data": 1, **(_LLAMA if llama else {})}).validate()
+        "mesh.data": 1, **block}).validate()
     plan = make_plan(cfg, PlanOptions(devices=1, hardware="a100-80g"))
     assert plan.layout.remat == "none" and not plan.layout.flash
     graphdef, params, _ = abstract_model(dataclasses.replace(cfg.model, vocab_size=plan.layout.vocab))
@@ -702,6 +709,8 @@ def test_planner_step_flops_are_the_executed_steps(llama):
     executed = executed_matmul_flops(jax.grad(loss), params, tokens)
     softmax_rows = 2 * 4 * 4 * 16 * 16 * 3
     assert plan.time.hw_flops_per_step == pytest.approx(executed - softmax_rows, rel=1e-12)
+    assert plan.model_flops_per_token == flops_per_token(cfg.model, 16, plan.layout.vocab)
+    assert (plan.active_params < plan.total_params) == bool(cfg.model.moe.num_experts)
 
 
 def test_zero2_rule_set_is_priced_as_zero2_not_fsdp():

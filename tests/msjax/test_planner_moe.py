@@ -1,6 +1,7 @@
-"""Planner on a mixture of experts: the step's FLOPs against the traced program's, the expert-parallel all-to-alls
-in the inventory, the load-imbalance assumption, the `expert` axis in `--search`, bad input, the presets' plans,
-and the per-device memory against the compiled expert-parallel step (fake CPU devices)."""
+"""Planner on a mixture of experts: the expert-parallel all-to-alls in the inventory, the load-imbalance
+assumption, the `expert` axis in `--search`, bad input, the presets' plans, the per-device memory against the
+compiled expert-parallel step (fake CPU devices) and the pipelined step's stash. (The step's FLOPs against the
+traced program's: tests/msjax/test_planner.py, with the dense blocks.)"""
 
 import dataclasses
 
@@ -11,43 +12,6 @@ from msjax.planner import PlanError, PlanOptions, compile_check, make_plan, plan
 from msjax.planner import moe, timing
 from msjax.planner.layout import make_layout, mesh_sizes
 from msjax.planner.plan import get_hardware
-
-# A tiny Llama-style MoE (SwiGLU experts, a gated shared expert, 4 experts, top-2), as tests/msjax/test_planner.py's
-# dense FLOP check builds its model.
-TINY = {"model.num_layers": 3, "model.d_model": 32, "model.num_heads": 4, "model.d_ff": 48, "model.max_seq_len": 16,
-        "model.vocab_size": 100, "model.attention.impl": "xla", "train.seq_len": 16, "train.global_batch": 4,
-        "mesh.data": 1, "model.position": "rope", "model.norm": "rmsnorm", "model.mlp": "swiglu",
-        "model.use_bias": False, "model.tie_embeddings": False, "model.num_kv_heads": 2,
-        "model.moe.num_experts": 4, "model.moe.experts_per_token": 2, "model.moe.expert_ff": 24,
-        "model.moe.shared_experts": 1, "model.moe.shared_gate": True}
-
-
-def test_planner_step_flops_are_the_executed_steps():
-    """The planner's hardware FLOPs of a step of a mixture of experts (one device, no remat: the router's D x E,
-    the k active experts' grouped matmuls, the shared expert and its gate, attention and output layer, forward and
-    backward) equal the matmul FLOPs of the traced gradient (`msjax.flops.executed_matmul_flops`, which counts a
-    grouped matmul's real rows), less the softmax backward's row contraction (2 B H T T per layer), exactly as
-    for the dense blocks; and MFU's model FLOPs are the active parameters' (`msjax.flops.flops_per_token`)."""
-    import jax
-    import jax.numpy as jnp
-
-    from msjax.flops import executed_matmul_flops, flops_per_token
-    from msjax.model import abstract_model, apply
-
-    cfg = apply_overrides(Config(), TINY).validate()
-    plan = make_plan(cfg, PlanOptions(devices=1, hardware="a100-80g"))
-    assert plan.layout.remat == "none" and not plan.layout.flash
-    graphdef, params, _ = abstract_model(dataclasses.replace(cfg.model, vocab_size=plan.layout.vocab))
-    tokens = jax.ShapeDtypeStruct((4, 16), jnp.int32)
-
-    def loss(p, t):
-        return apply(graphdef, p, t).astype(jnp.float32).sum()
-
-    executed = executed_matmul_flops(jax.grad(loss), params, tokens)
-    softmax_rows = 2 * 4 * 4 * 16 * 16 * 3
-    assert plan.time.hw_flops_per_step == pytest.approx(executed - softmax_rows, rel=1e-12)
-    assert plan.model_flops_per_token == flops_per_token(cfg.model, 16, plan.layout.vocab)
-    assert plan.active_params < plan.total_params
 
 
 @pytest.mark.parametrize("preset, total, active", [("mixtral_8x7b", 46_702_792_704, 12_879_925_248),
