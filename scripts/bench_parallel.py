@@ -66,9 +66,11 @@ LAYOUTS = {
     "fsdp": ({"mesh.data": 1, "mesh.fsdp": ALL}, [("none", {}), ("prefetch", {"mesh.fsdp_prefetch": True})]),
     "zero2": ({"mesh.data": 1, "mesh.fsdp": ALL, "mesh.rules": "zero2"}, [("none", {})]),
     # a mixture of experts (--config=moe_tiny) on all devices: experts replicated (ep1: each device still runs only
-    # its own tokens) against expert parallelism (msjax/parallel/expert.py), beside `one`
+    # its own tokens) against expert parallelism (msjax/parallel/expert.py), alone, with tensor parallelism and
+    # inside pipeline stages, beside `one`
     "expert": ({"mesh.data": -1}, [("ep1", {}), ("ep2", {"mesh.expert": 2}), ("ep4", {"mesh.expert": 4}),
-                                   ("ep2_tp2", {"mesh.expert": 2, "mesh.tensor": 2})]),
+                                   ("ep2_tp2", {"mesh.expert": 2, "mesh.tensor": 2}),
+                                   ("ep2_pp2", {"mesh.expert": 2, "mesh.pipeline": 2})]),
 }
 MOE_ONLY = ("expert",)  # layouts that need a mixture-of-experts model: not in the default list
 MESH_KEYS = ("mesh.pipeline", "mesh.data", "mesh.fsdp", "mesh.expert", "mesh.sequence", "mesh.tensor")
