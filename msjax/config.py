@@ -148,7 +148,8 @@ class MoEConfig:
       normalize_topk: with softmax_topk, the k weights renormalised to sum to 1 (Mixtral, Qwen3-MoE: true;
         Qwen2-MoE: false).
       capacity_factor: 0 is dropless (every assignment computed); above 0 each expert keeps its first
-        ceil(factor x tokens x k / E) assignments and the rest pass through the residual (a logged fraction).
+        ceil(factor x tokens x k / E) assignments in the batch's token order (the same ones on any mesh) and the
+        rest pass through the residual (a logged fraction).
       aux_loss_coef: weight of the load-balancing loss in the training loss (Switch Transformer: 0.01).
       z_loss_coef: weight of the router z-loss (ST-MoE: 0.001).
     """
@@ -821,9 +822,6 @@ class Config:
         if mo.num_experts % ep:
             raise ConfigError(f"mesh.expert={ep}: the model's model.moe.num_experts={mo.num_experts} experts must "
                               "split evenly over it; allowed: a divisor of model.moe.num_experts")
-        if ep > 1 and mo.capacity_factor > 0:
-            raise ConfigError(f"model.moe.capacity_factor={mo.capacity_factor} with mesh.expert={ep}: expert "
-                              "parallelism is dropless; allowed: model.moe.capacity_factor=0, or mesh.expert=1")
         if ep > 1 and self.mesh.rules == "zero2":
             raise ConfigError(f"mesh.expert={ep} with mesh.rules=zero2: the ZeRO-2 reduction does not split experts; "
                               "allowed: mesh.rules=fsdp_tp, fsdp, tp or dp")

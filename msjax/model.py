@@ -356,8 +356,9 @@ class MoE(nnx.Module):
     through, scaled per token by sigmoid(x . `shared_gate`) when set: Qwen2-MoE). The router's statistics are
     over the whole batch (B T tokens); reports its router losses and load to `collect_router_stats`. The experts'
     grouped matmuls run in the compute dtype (`model.matmul_dtype` and the weight-matmul point apply to the dense
-    matmuls only). Dropless, what follows the routing is a declared point (`msjax.sharding.Parallelism.experts`:
-    expert parallelism runs the routed and shared experts on a mesh, `msjax.parallel.expert`), which reads
+    matmuls only). What follows the routing (and the capacity) is a declared point
+    (`msjax.sharding.Parallelism.experts`: expert parallelism runs the routed and shared experts on a mesh,
+    `msjax.parallel.expert`), which reads
     `column_weights()`, `activate`, `w_out`, `dtype`, `shared` (its `column_weights()`, `activate`, `w_out`) and
     `shared_gate`."""
 
@@ -401,10 +402,9 @@ class MoE(nnx.Module):
         weights_btk, experts_btk, probs_bte = moe_ops.route(logits_bte, k, self.router_kind, self.normalize)
         keep = moe_ops.capacity(b * t, k, e, self.capacity_factor)
         transform = applied().experts
-        on_mesh = keep is None and transform is not None  # routed and shared experts computed by the transform
+        on_mesh = transform is not None  # routed and shared experts computed by the transform
         if on_mesh:
-            y_btd = transform(self, x_btd.astype(dt), weights_btk, experts_btk)
-            dropped = jnp.float32(0.0)
+            y_btd, dropped = transform(self, x_btd.astype(dt), weights_btk, experts_btk, keep)
         else:
             y_td, dropped = moe_ops.expert_ffn(x_btd.reshape(b * t, d).astype(dt), weights_btk.reshape(b * t, k),
                                                experts_btk.reshape(b * t, k), self.column_weights(),

@@ -7,8 +7,9 @@ experts, k experts per token, N = T k assignments; `ep` the size of the mesh axi
 expert width one `tensor` rank holds.
 
 Where it runs. The model routes (float32 router, top-k, its losses over the whole batch: plain GSPMD code) and
-hands the rest of a dropless layer, its routed experts and its shared expert, to `experts`, the
-`Parallelism.experts` point `use_expert_parallelism` installs.
+hands the rest of the layer, its routed experts and its shared expert, to `experts`, the `Parallelism.experts`
+point `use_expert_parallelism` installs. With a capacity, each device first finds which of its assignments their
+experts keep, in the whole batch's token order as on one device (`_kept`), and zeroes the others' router weights.
 Under `jax.shard_map` over the mesh each device takes its own batch rows (split over data x fsdp x expert, the
 query-side sequence over `sequence`; gathered over `tensor`, as an MLP's input is), and its expert weights:
 El experts, gathered over `fsdp` (the FSDP all-gather, done by GSPMD at the region's edge), their F split over
@@ -75,9 +76,10 @@ def _axis_of(rules: Any, name: str) -> str | None:
     return spec
 
 
-def experts(moe: Any, x_btd: jax.Array, weights_btk: jax.Array, experts_btk: jax.Array) -> jax.Array:
-    """The dropless layer's output (B, T, D) in x's dtype, routed experts plus shared expert, computed as the
-    module docstring says.
+def experts(moe: Any, x_btd: jax.Array, weights_btk: jax.Array, experts_btk: jax.Array, keep: int | None = None
+            ) -> tuple[jax.Array, jax.Array]:
+    """The layer's output (B, T, D) in x's dtype, routed experts plus shared expert, computed as the module
+    docstring says, and the float32 fraction of the B T k assignments dropped (0 when dropless).
 
     Args:
       moe: the layer (`msjax.model.MoE`): `column_weights()` (E, D, F) each, `activate`, `w_out` (E, F, D), `dtype`,
@@ -85,6 +87,8 @@ def experts(moe: Any, x_btd: jax.Array, weights_btk: jax.Array, experts_btk: jax
         `shared_gate` (None or (D, 1)).
       x_btd: (B, T, D) the layer's input in the compute dtype.
       weights_btk: (B, T, k) float32 router weights; experts_btk: (B, T, k) int32 expert ids in [0, E).
+      keep: assignments each expert keeps over the whole batch (`msjax.ops.moe.capacity`), in the batch's token
+        order as on one device (`_kept`); None: dropless.
     Raises:
       ValueError: outside `msjax.sharding.use_rules`, or a rule set that puts `exp` or `mlp` on several axes.
     """
@@ -119,9 +123,17 @@ def experts(moe: Any, x_btd: jax.Array, weights_btk: jax.Array, experts_btk: jax
             y_td = (y_td.astype(jnp.float32) * gate_t1).astype(dt)
         return y_td
 
+    batch_axes = tuple(a for a in ((tokens[0],) if isinstance(tokens[0], str) else (tokens[0] or ())))
+    seq_axis = tokens[1]
+    experts_count = moe.w_out.shape[0]
+
     def per_device(x_btd, weights_btk, experts_btk, routed, shared):
         b, t, d = x_btd.shape
         k = experts_btk.shape[-1]
+        dropped = jnp.float32(0.0)
+        if keep is not None:  # a dropped assignment's output is weighted by 0: the token keeps its residual alone
+            kept_btk, dropped = _kept(experts_btk, experts_count, keep, batch_axes, seq_axis)
+            weights_btk = jnp.where(kept_btk, weights_btk, 0.0)
         x_td, w_tk, e_tk = x_btd.reshape(b * t, d), weights_btk.reshape(b * t, k), experts_btk.reshape(b * t, k)
         meanwhile = (lambda: shared_expert(x_td, shared)) if shared else None
         if ep == 1:
@@ -134,11 +146,52 @@ def experts(moe: Any, x_btd: jax.Array, weights_btk: jax.Array, experts_btk: jax
             y_td = y_td + extra_td
         if tensor_axis is not None:  # each rank's Fl (and Fs) columns give a partial sum of the outputs
             y_td = jax.lax.psum(y_td, tensor_axis)
-        return y_td.reshape(b, t, d)
+        return y_td.reshape(b, t, d), dropped
 
     route_spec = P(*tokens[:2], None)
     return nested_shard_map(per_device, mesh, in_specs=(tokens, route_spec, route_spec, routed_specs, shared_specs),
-                            out_specs=tokens)(x_btd, weights_btk, experts_btk, routed, shared)
+                            out_specs=(tokens, P()))(x_btd, weights_btk, experts_btk, routed, shared)
+
+
+def _kept(experts_btk: jax.Array, e: int, keep: int, batch_axes: tuple[str, ...], seq_axis: str | None
+          ) -> tuple[jax.Array, jax.Array]:
+    """Which of this device's assignments its expert keeps under a capacity, exactly as on one device: an
+    assignment is kept when fewer than `keep` assignments to its expert come before it in the whole batch's token
+    order (row by row, position by position, the k choices in order), counted across the devices that split the
+    batch (`batch_axes`, rows in blocks, the first axis major) and the sequence (`seq_axis`): the counts of the
+    rows before, of the same row on earlier sequence shards, and of the earlier positions here. Two small
+    all-gathers of per-expert counts; no token moves.
+
+    Args:
+      experts_btk: (b, t, k) int32 expert ids of this device's tokens.
+      e: experts; keep: assignments each expert keeps.
+    Returns:
+      ((b, t, k) bool kept, float32 fraction of the whole batch's assignments dropped).
+    """
+    b, t, k = experts_btk.shape
+    onehot_bne = jax.nn.one_hot(experts_btk.reshape(b, t * k), e, dtype=jnp.int32)
+    here_be = jnp.sum(onehot_bne, axis=1)
+    earlier_here_bne = jnp.cumsum(onehot_bne, axis=1) - onehot_bne  # same expert, earlier in this shard's row
+    row_be, before_bne = here_be, earlier_here_bne
+    if seq_axis is not None:  # the row's earlier sequence shards come first
+        shards_sbe = jax.lax.all_gather(here_be, seq_axis)
+        me = jax.lax.axis_index(seq_axis)
+        before_bne = before_bne + jnp.sum(jnp.where(jnp.arange(shards_sbe.shape[0])[:, None, None] < me,
+                                                    shards_sbe, 0), axis=0)[:, None, :]
+        row_be = jnp.sum(shards_sbe, axis=0)
+    before_bne = before_bne + (jnp.cumsum(row_be, axis=0) - row_be)[:, None, :]  # earlier rows of this block
+    if batch_axes:  # earlier row blocks
+        blocks_ie = jax.lax.all_gather(jnp.sum(row_be, axis=0), batch_axes)
+        me = jax.lax.axis_index(batch_axes)
+        before_bne = before_bne + jnp.sum(jnp.where(jnp.arange(blocks_ie.shape[0])[:, None] < me, blocks_ie, 0),
+                                          axis=0)
+    rank_bn = jnp.sum(before_bne * onehot_bne, axis=-1)
+    kept_bn = rank_bn < keep
+    dropped = jnp.sum(1 - kept_bn.astype(jnp.int32))
+    total = b * t * k
+    for axis in (*batch_axes, *(() if seq_axis is None else (seq_axis,))):
+        dropped, total = jax.lax.psum(dropped, axis), total * jax.lax.psum(1, axis)
+    return kept_bn.reshape(b, t, k), dropped.astype(jnp.float32) / total
 
 
 def _dispatch(x_td: jax.Array, weights_tk: jax.Array, experts_tk: jax.Array, cols_edf: list[jax.Array],

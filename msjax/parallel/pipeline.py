@@ -349,6 +349,7 @@ class PipelinedGrads:
             # parameters among them, so they cannot be told apart: in that mode the chunk is stashed by its input
             # and runs again in the backward (full remat at chunk granularity: one more forward per chunk).
             chunk = jax.checkpoint(self._chunk, policy=jax.checkpoint_policies.nothing_saveable)
+
         def objective(layers, x, *taps):
             y, rows = chunk(layers, x, *taps, sites) if taps else chunk(layers, x)
             return (y, self._router_objective(rows)), rows

@@ -212,7 +212,7 @@ def check_model_split(cfg: Config, sizes: dict[str, int], vocab: int) -> None:
 
 def check_expert_split(cfg: Config, sizes: dict[str, int], hw: Hardware) -> None:
     """The `expert` axis on this model and cluster: the config's own rules (`Config._check_moe`: a mixture of
-    experts, experts that split evenly, dropless, not the zero2 rule set) for a mesh the search made up, and the
+    experts, experts that split evenly, not the zero2 rule set) for a mesh the search made up, and the
     mesh's: expert x sequence x tensor inside a node (`msjax.mesh.hybrid_shapes` keeps them off the network, so
     the all-to-alls run on NVLink / ICI). Raises PlanError naming the key and what is allowed."""
     ep, mo = sizes.get("expert", 1), cfg.model.moe
@@ -224,9 +224,6 @@ def check_expert_split(cfg: Config, sizes: dict[str, int], hw: Hardware) -> None
     if mo.num_experts % ep:
         raise PlanError(f"mesh.expert={ep} splits the model.moe.num_experts={mo.num_experts} experts unevenly; "
                         "allowed: a divisor of model.moe.num_experts")
-    if mo.capacity_factor > 0:
-        raise PlanError(f"mesh.expert={ep} with model.moe.capacity_factor={mo.capacity_factor}: expert parallelism "
-                        "is dropless; allowed: model.moe.capacity_factor=0, or mesh.expert=1")
     if cfg.mesh.rules == "zero2":
         raise PlanError(f"mesh.expert={ep} with mesh.rules=zero2: the ZeRO-2 reduction does not split experts; "
                         "allowed: mesh.rules=fsdp_tp, fsdp, tp or dp")

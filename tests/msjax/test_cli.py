@@ -136,9 +136,6 @@ def test_every_wrapper_has_help(script, usage):
      "(model.moe.num_experts > 0); allowed for a dense model: mesh.expert=1"),
     ("train.py", ["--model.moe.num_experts=6", "--mesh.expert=4"],
      "mesh.expert=4: the model's model.moe.num_experts=6 experts must split evenly over it; allowed: a divisor"),
-    ("train.py", ["--model.moe.num_experts=4", "--mesh.expert=2", "--model.moe.capacity_factor=1.25"],
-     "model.moe.capacity_factor=1.25 with mesh.expert=2: expert parallelism is dropless; allowed: "
-     "model.moe.capacity_factor=0, or mesh.expert=1"),
 ])
 def test_a_bad_flag_of_a_script_is_one_error_line(script, args, named):
     """Caught before any work starts (no backend, no Redis, no child process): one `error:` line, status 2."""
