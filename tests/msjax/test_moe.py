@@ -443,13 +443,14 @@ def test_a_pipeline_stash_keeps_no_copy_of_the_expert_weights(scan):
 
 
 def test_a_moe_run_logs_its_expert_load_and_the_report_draws_it(tmp_path, small_corpus):
-    """train.run of a small MoE model on dp2 x fsdp2 x tp2: the router metrics in metrics.jsonl, one
-    expert_load.jsonl row per logging step (MoE layers x experts, each row summing to 1), and the report's
+    """train.run of a small MoE model on dp2 x fsdp2 x tp2: the router metrics in metrics.jsonl and TensorBoard,
+    one expert_load.jsonl row per logging step (MoE layers x experts, each row summing to 1), and the report's
     heatmap."""
     import json
 
     from msjax.observe.report import write_report
     from msjax.train import run
+    from tests.msjax.test_loggers import tensorboard_scalars
     from tests.msjax.tiny_runs import tiny_run_config
 
     cfg = tiny_run_config(tmp_path, small_corpus, **{"model.moe.num_experts": 4, "model.moe.expert_ff": 32,
@@ -459,6 +460,10 @@ def test_a_moe_run_logs_its_expert_load_and_the_report_draws_it(tmp_path, small_
     logged = [m["step"] for m in metrics if "loss" in m]
     assert logged and all({"moe_aux_loss", "moe_z_loss", "moe_dropped", "moe_max_load"} <= set(m)
                           for m in metrics if "loss" in m)
+    tb, last = tensorboard_scalars(tmp_path / "run" / "tb"), [m for m in metrics if "loss" in m][-1]
+    for key in ("moe_aux_loss", "moe_z_loss", "moe_dropped", "moe_max_load"):
+        assert sorted(tb[key]) == logged, (key, tb.get(key))
+        assert tb[key][last["step"]] == pytest.approx(last[key], rel=1e-6)  # float32 in the event file
     rows = [json.loads(x) for x in (tmp_path / "run" / "expert_load.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == logged
     for r in rows:
