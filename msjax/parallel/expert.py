@@ -123,7 +123,7 @@ def experts(moe: Any, x_btd: jax.Array, weights_btk: jax.Array, experts_btk: jax
             y_td = (y_td.astype(jnp.float32) * gate_t1).astype(dt)
         return y_td
 
-    batch_axes = tuple(a for a in ((tokens[0],) if isinstance(tokens[0], str) else (tokens[0] or ())))
+    batch_axes = (tokens[0],) if isinstance(tokens[0], str) else tuple(tokens[0] or ())
     seq_axis = tokens[1]
     experts_count = moe.w_out.shape[0]
 
